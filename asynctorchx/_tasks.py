@@ -1,0 +1,66 @@
+"""Owned background tasks.
+
+Every background task in asynctorchx belongs to a ``TaskSupervisor`` whose owner (a scheduler, the
+runner's StatusHub) closes it: closing cancels every task still running and waits for them. No task is
+created bare, so none outlives its owner or loses its exception silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class TaskSupervisor:
+    """A set of background tasks owned by one object and cancelled together by ``aclose``.
+
+    Args:
+        name: a label used in task names and log messages.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """True once ``aclose`` has been called."""
+        return self._closed
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
+        """Starts ``coro`` as a task owned by this supervisor.
+
+        Raises:
+            RuntimeError: the supervisor is closed (the coroutine is closed, not leaked).
+        """
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"{self._name}: cannot start a task after close()")
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self._name}:{name or 'task'}")
+        self._tasks.add(task)
+        task.add_done_callback(self._on_done)
+        return task
+
+    def _on_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.error("background task %s failed", task.get_name(), exc_info=exc)
+
+    async def aclose(self) -> None:
+        """Cancels every task still running and waits until they have all finished. Idempotent."""
+        self._closed = True
+        while self._tasks:
+            tasks = list(self._tasks)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

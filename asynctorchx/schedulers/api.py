@@ -1,0 +1,350 @@
+"""The async Scheduler interface every backend implements, and the types it returns.
+
+A backend turns an ``AppDef`` into a request (``submit_dryrun``, pure and synchronous), submits it
+(``schedule``), and answers ``describe``/``list``/``cancel``/``log_iter`` for the apps it knows. All I/O is
+``async``; nothing here blocks the event loop.
+
+A backend that learns of changes without polling (child-process exits, Docker events, a Kubernetes
+watch) sets ``pushes_changes = True`` and calls ``self._notify(app_id)`` whenever an app may have
+changed; the runner's StatusHub subscribes with ``subscribe`` and re-describes just those apps.
+"""
+
+from __future__ import annotations
+
+import abc
+import copy
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import Enum
+from typing import ClassVar, Generic, TypeVar
+
+import anyio
+
+from asynctorchx.specs.api import (
+    NONE,
+    AppDef,
+    AppDryRunInfo,
+    AppState,
+    AppStatus,
+    CfgVal,
+    Role,
+    RoleStatus,
+    runopts,
+    validate_app,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ChangeCallback = Callable[[str], None]
+
+
+class Stream(str, Enum):
+    """Which output of a replica ``log_iter`` reads."""
+
+    STDOUT = "stdout"
+    STDERR = "stderr"
+    COMBINED = "combined"
+
+
+@dataclass
+class DescribeAppResponse:
+    """What a scheduler knows about one app.
+
+    Args:
+        app_id: the app's id on its scheduler.
+        state: the app's state.
+        num_restarts: how many restarts happened (-1 when the backend cannot tell).
+        msg: a human-readable message.
+        structured_error_msg: a JSON error (torchelastic format) or NONE.
+        ui_url: where to look at the app in a UI.
+        roles_statuses: per-role replica statuses.
+        roles: the app's roles as submitted (when the backend can recover them).
+        name: the app's name as submitted, when known.
+    """
+
+    app_id: str = "<NOT_SET>"
+    state: AppState = AppState.UNSUBMITTED
+    num_restarts: int = -1
+    msg: str = NONE
+    structured_error_msg: str = NONE
+    ui_url: str | None = None
+    roles_statuses: list[RoleStatus] = field(default_factory=list)
+    roles: list[Role] = field(default_factory=list)
+    name: str = ""
+
+    def to_status(self) -> AppStatus:
+        """The ``AppStatus`` view of this response."""
+        return AppStatus(
+            state=self.state,
+            num_restarts=self.num_restarts,
+            msg="" if self.msg == NONE else self.msg,
+            structured_error_msg=self.structured_error_msg,
+            ui_url=self.ui_url,
+            roles=self.roles_statuses,
+        )
+
+
+@dataclass(frozen=True)
+class ListAppResponse:
+    """One app in a scheduler's listing.
+
+    Args:
+        app_id: the app's id on its scheduler.
+        state: its state.
+        app_handle: its handle ``{scheduler}://{session}/{app_id}``.
+        name: the app's name, when known.
+    """
+
+    app_id: str
+    state: AppState
+    app_handle: str = "<NOT_SET>"
+    name: str = ""
+
+
+class UnknownRoleException(ValueError):
+    """Raised when an app has no role of the given name, or the replica index is out of range."""
+
+
+class Scheduler(abc.ABC, Generic[T]):
+    """An async scheduler backend. ``T`` is the type of its dry-run request.
+
+    Args:
+        backend: the name the scheduler is registered under (e.g. ``local_cwd``).
+        session_name: the session (runner name) that owns the apps submitted through this object.
+    """
+
+    #: True when the backend calls ``_notify`` on changes, so the runner need not poll it often.
+    pushes_changes: ClassVar[bool] = False
+
+    def __init__(self, backend: str, session_name: str) -> None:
+        self.backend = backend
+        self.session_name = session_name
+        self._listeners: list[ChangeCallback] = []
+        self._closed = False
+
+    # -- options and dry runs (pure) ------------------------------------------------------------
+
+    def run_opts(self) -> runopts:
+        """The run options (cfg keys) this scheduler accepts."""
+        return self._run_opts()
+
+    def _run_opts(self) -> runopts:
+        return runopts()
+
+    def submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[T]:
+        """Builds the request that ``schedule`` would submit. Pure: nothing is created or started.
+
+        ``app`` is validated, ``cfg`` resolved against ``run_opts()``; neither is modified.
+
+        Raises:
+            InvalidAppDefException: a field of the app is bad (names the role, field and value).
+            InvalidRunConfigException: the cfg does not satisfy the run options.
+        """
+        validate_app(app)
+        resolved = self.run_opts().resolve(cfg)
+        own = copy.deepcopy(app)
+        info = self._submit_dryrun(own, resolved)
+        for role in own.roles:
+            info = role.pre_proc(self.backend, info)
+        info._app = app
+        info._cfg = resolved
+        info._scheduler = self.backend
+        return info
+
+    @abc.abstractmethod
+    def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[T]:
+        """Builds the request for a validated copy of the app and a resolved cfg."""
+
+    # -- the app lifecycle (async) --------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def schedule(self, dryrun_info: AppDryRunInfo[T]) -> str:
+        """Submits a dry run's request and returns the new app's id.
+
+        A failed submit raises and leaves nothing running.
+        """
+
+    async def submit(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> str:
+        """``schedule(submit_dryrun(app, cfg))``."""
+        return await self.schedule(self.submit_dryrun(app, cfg))
+
+    @abc.abstractmethod
+    async def describe(self, app_id: str) -> DescribeAppResponse | None:
+        """What the scheduler knows of the app, or None when it does not know the app."""
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        """``describe`` for many apps at once.
+
+        This default runs at most 16 ``describe`` calls concurrently; backends that can answer for
+        many apps in one round trip (one ``squeue``, one container listing) override it.
+        """
+        results: dict[str, DescribeAppResponse | None] = {}
+        limiter = anyio.CapacityLimiter(16)
+
+        async def one(app_id: str) -> None:
+            async with limiter:
+                results[app_id] = await self.describe(app_id)
+
+        async with anyio.create_task_group() as tg:
+            for app_id in dict.fromkeys(app_ids):
+                tg.start_soon(one, app_id)
+        return results
+
+    async def exists(self, app_id: str) -> bool:
+        """True when the scheduler knows the app (in any state)."""
+        return await self.describe(app_id) is not None
+
+    async def cancel(self, app_id: str) -> None:
+        """Asks the scheduler to stop the app. Idempotent; returns without waiting for the app to end.
+
+        Cancelling an unknown or finished app does nothing.
+        """
+        if await self.exists(app_id):
+            await self._cancel_existing(app_id)
+
+    @abc.abstractmethod
+    async def _cancel_existing(self, app_id: str) -> None:
+        """Cancels an app known to exist."""
+
+    @abc.abstractmethod
+    async def list(self) -> list[ListAppResponse]:
+        """The apps this scheduler knows (as far as it keeps them)."""
+
+    def log_iter(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+    ) -> AsyncIterator[str]:
+        """The log lines of replica ``k`` of ``role_name``, each ending with its ``\\n``.
+
+        Args:
+            regex: only lines matching it (``re.search``).
+            since: only lines written at or after this time (naive = local time).
+            until: only lines written at or before this time.
+            should_tail: follow the log until the app is terminal, then drain what is left and stop;
+                otherwise return what exists now.
+            streams: which output to read (the backend's default when None).
+
+        Raises:
+            ValueError: an argument the backend cannot honour (e.g. an unsupported stream).
+            UnknownRoleException: no such role, or ``k`` is out of range.
+        """
+        raise NotImplementedError(f"{self.backend} does not support log_iter")
+
+    async def close(self) -> None:
+        """Releases what the scheduler holds (clients, background tasks). Idempotent."""
+        self._closed = True
+
+    async def __aenter__(self) -> Scheduler[T]:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # -- pushed changes --------------------------------------------------------------------------
+
+    def subscribe(self, callback: ChangeCallback) -> Callable[[], None]:
+        """Registers ``callback(app_id)`` to be called when an app may have changed.
+
+        Called from the event loop; the callback must not block. Returns a function that unsubscribes.
+        """
+        self._listeners.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+        return unsubscribe
+
+    def _notify(self, app_id: str) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback(app_id)
+            except Exception:
+                logger.exception("change listener failed for app %s", app_id)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} backend={self.backend!r} session={self.session_name!r}>"
+
+
+# -- helpers shared by backends ------------------------------------------------------------------
+
+
+def compile_log_regex(regex: str | None) -> re.Pattern[str] | None:
+    """Compiles a log filter, raising ValueError that names the bad pattern."""
+    if regex is None or regex == "":
+        return None
+    try:
+        return re.compile(regex)
+    except re.error as e:
+        raise ValueError(f"invalid log regex {regex!r}: {e}") from None
+
+
+def to_timestamp(value: datetime | None, name: str) -> float | None:
+    """A datetime (naive = local time) as a POSIX timestamp, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise TypeError(f"{name} must be a datetime, got {value!r}")
+    return value.timestamp()
+
+
+def check_time_window(
+    since: datetime | None, until: datetime | None
+) -> tuple[float | None, float | None]:
+    """Validates ``since``/``until`` and returns them as POSIX timestamps.
+
+    Raises:
+        ValueError: ``since`` is after ``until``.
+    """
+    lo, hi = to_timestamp(since, "since"), to_timestamp(until, "until")
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"since ({since}) is after until ({until})")
+    return lo, hi
+
+
+def check_replica(
+    app_id: str, replicas_per_role: Mapping[str, int], role_name: str, k: int
+) -> None:
+    """Raises UnknownRoleException unless ``role_name`` exists and ``0 <= k < its replicas``."""
+    if role_name not in replicas_per_role:
+        known = ", ".join(sorted(replicas_per_role)) or "none"
+        raise UnknownRoleException(f"app {app_id!r} has no role {role_name!r} (roles: {known})")
+    n = replicas_per_role[role_name]
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+        raise UnknownRoleException(
+            f"replica k={k!r} is out of range for role {role_name!r} of app {app_id!r} ({n} replicas)"
+        )
+
+
+async def filter_regex(regex: str | None, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The lines of ``lines`` that match ``regex`` (all of them when it is None)."""
+    pattern = compile_log_regex(regex)
+    async for line in lines:
+        if pattern is None or pattern.search(line):
+            yield line
+
+
+def split_lines(text: str) -> list[str]:
+    """Splits ``text`` on ``\\n`` only; lines keep it, ``\\r`` stays inside, a final partial line is kept."""
+    parts = text.split("\n")
+    out = [p + "\n" for p in parts[:-1]]
+    if parts[-1]:
+        out.append(parts[-1])
+    return out
+
+
+def role_replica_counts(roles: Iterable[Role]) -> dict[str, int]:
+    """``{role name: num_replicas}`` for ``roles``."""
+    return {r.name: r.num_replicas for r in roles}

@@ -1,0 +1,83 @@
+"""Named resources: a short name (``cpu.small``, ``gpu.large``) standing for a ``Resource``.
+
+The generic table below works on any scheduler. Packages add their own names (e.g. cloud instance
+types) through the entry-point group ``asynctorchx.named_resources``: each entry point's object is a
+callable taking no argument and returning a ``Resource``. Builtin names are never replaced.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from functools import cache
+from importlib.metadata import entry_points
+
+from asynctorchx.specs.api import InvalidAppDefException, Resource
+
+GiB = 1024
+
+ENTRY_POINT_GROUP = "asynctorchx.named_resources"
+
+_GENERIC: dict[str, Callable[[], Resource]] = {
+    "cpu.nano": lambda: Resource(cpu=1, gpu=0, memMB=512),
+    "cpu.micro": lambda: Resource(cpu=1, gpu=0, memMB=1 * GiB),
+    "cpu.small": lambda: Resource(cpu=1, gpu=0, memMB=2 * GiB),
+    "cpu.medium": lambda: Resource(cpu=2, gpu=0, memMB=4 * GiB),
+    "cpu.large": lambda: Resource(cpu=4, gpu=0, memMB=16 * GiB),
+    "cpu.xlarge": lambda: Resource(cpu=8, gpu=0, memMB=32 * GiB),
+    "gpu.small": lambda: Resource(cpu=8, gpu=1, memMB=32 * GiB),
+    "gpu.medium": lambda: Resource(cpu=16, gpu=2, memMB=64 * GiB),
+    "gpu.large": lambda: Resource(cpu=32, gpu=4, memMB=128 * GiB),
+    "gpu.xlarge": lambda: Resource(cpu=64, gpu=8, memMB=256 * GiB),
+}
+
+
+@cache
+def _plugins() -> Mapping[str, Callable[[], Resource]]:
+    found: dict[str, Callable[[], Resource]] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _GENERIC:
+            found[ep.name] = ep.load()
+    return found
+
+
+def named_resource_names() -> list[str]:
+    """Every known named resource, builtins first."""
+    return [*_GENERIC, *sorted(_plugins())]
+
+
+def get_named_resource(name: str) -> Resource:
+    """The ``Resource`` for ``name`` (a fresh object each time, safe to modify).
+
+    Raises:
+        InvalidAppDefException: unknown name; the message suggests the closest known names.
+    """
+    factory = _GENERIC.get(name) or _plugins().get(name)
+    if factory is None:
+        known = named_resource_names()
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise InvalidAppDefException(
+            f"unknown named resource {name!r}{hint} (known: {', '.join(known)})",
+            field_name="resource",
+        )
+    return factory()
+
+
+def resource(
+    cpu: int | None = None,
+    gpu: int | None = None,
+    memMB: int | None = None,
+    h: str | None = None,
+) -> Resource:
+    """A ``Resource`` from a named resource ``h`` or from explicit numbers.
+
+    ``h`` wins over the numbers when given. Unset numbers default to 1 CPU, 0 GPU and 1024 MiB.
+    """
+    if h:
+        return get_named_resource(h)
+    return Resource(
+        cpu=1 if cpu is None else cpu,
+        gpu=0 if gpu is None else gpu,
+        memMB=1024 if memMB is None else memMB,
+    )
