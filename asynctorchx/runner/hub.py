@@ -1,0 +1,271 @@
+"""StatusHub: one status loop per scheduler that serves every waiter of the runner.
+
+However many tasks wait on however many apps, the hub runs one ``describe_many`` round at a time
+(single-flight) for the apps someone is interested in:
+
+- a backend that pushes changes (``Scheduler.pushes_changes``) wakes the hub at once with the id of the
+  app that changed; the hub describes just the changed apps, and keeps a slow safety poll;
+- any other backend is polled with an adaptive interval: short right after something changed or a new
+  app arrived, growing while nothing changes.
+
+Waiters never call the backend themselves: they wait on the hub's per-app events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.schedulers.api import DescribeAppResponse, Scheduler
+from asynctorchx.specs.api import AppState, AppStatus, is_terminal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PollSettings:
+    """How the hub paces its rounds.
+
+    Args:
+        min_interval: the poll interval right after a change (seconds).
+        max_interval: the longest poll interval while nothing changes.
+        backoff: the factor the interval grows by after a round without change.
+        push_safety_interval: for pushing backends, how often all live apps are re-described anyway.
+        unknown_grace: how long an app submitted by this runner may be unknown to its backend (e.g. not
+            yet visible in a listing) before it is reported unknown.
+    """
+
+    min_interval: float = 0.05
+    max_interval: float = 2.0
+    backoff: float = 1.5
+    push_safety_interval: float = 5.0
+    unknown_grace: float = 10.0
+
+
+@dataclass
+class _Entry:
+    """What the hub knows of one app."""
+
+    app_id: str
+    response: DescribeAppResponse | None = None
+    known: bool = False  # described at least once
+    final: bool = False  # terminal, or unknown to the backend: no more rounds for it
+    submitted_at: float | None = None  # set when this runner submitted it
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    version: int = 0
+    listeners: list[Callable[[_Entry], None]] = field(default_factory=list)
+
+    @property
+    def status(self) -> AppStatus | None:
+        return None if self.response is None else self.response.to_status()
+
+
+def _key(resp: DescribeAppResponse | None) -> tuple[AppState, int] | None:
+    return None if resp is None else (resp.state, resp.num_restarts)
+
+
+class StatusHub:
+    """Tracks apps of one scheduler and wakes their waiters when their status changes.
+
+    Args:
+        scheduler: the backend to describe apps with.
+        supervisor: the task supervisor (owned by the runner) that runs the hub's loop.
+        settings: pacing of the rounds.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler[object],
+        supervisor: TaskSupervisor,
+        settings: PollSettings | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.settings = settings or PollSettings()
+        self._supervisor = supervisor
+        self._entries: dict[str, _Entry] = {}
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._unsubscribe = scheduler.subscribe(self._on_push) if scheduler.pushes_changes else None
+        self.rounds = 0
+        self._closed = False
+
+    # -- tracking -------------------------------------------------------------------------------
+
+    def track(self, app_id: str, *, submitted: bool = False) -> _Entry:
+        """Starts following ``app_id`` (idempotent) and returns its entry."""
+        self._check_open()
+        entry = self._entries.get(app_id)
+        if entry is None:
+            entry = _Entry(app_id, submitted_at=time.monotonic() if submitted else None)
+            self._entries[app_id] = entry
+            self._mark_dirty(app_id)
+        elif entry.final and not submitted:
+            pass
+        elif submitted and entry.submitted_at is None:
+            entry.submitted_at = time.monotonic()
+        self._ensure_loop()
+        return entry
+
+    def refresh(self, app_id: str) -> None:
+        """Asks for a fresh description of ``app_id`` in the next round (e.g. after a cancel)."""
+        entry = self._entries.get(app_id)
+        if entry is not None and entry.final and entry.response is not None:
+            return
+        self.track(app_id)
+        self._mark_dirty(app_id)
+
+    def entry(self, app_id: str) -> _Entry | None:
+        """The hub's entry for ``app_id``, if tracked."""
+        return self._entries.get(app_id)
+
+    def record(self, app_id: str, response: DescribeAppResponse | None) -> None:
+        """Feeds a description obtained elsewhere (e.g. by ``runner.status``) into the hub."""
+        entry = self._entries.get(app_id)
+        if entry is not None and not entry.final:
+            self._apply(entry, response)
+
+    def _on_push(self, app_id: str) -> None:
+        if app_id in self._entries and not self._entries[app_id].final:
+            self._mark_dirty(app_id)
+
+    def _mark_dirty(self, app_id: str) -> None:
+        self._dirty.add(app_id)
+        self._wake.set()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = self._supervisor.spawn(
+                self._run(), name=f"hub:{self.scheduler.backend}"
+            )
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    async def wait_final(self, app_id: str) -> _Entry:
+        """Returns the entry once the app is terminal or known to be unknown."""
+        entry = self.track(app_id)
+        while not entry.final:
+            self._check_open()
+            entry.changed.clear()
+            if entry.final:
+                break
+            await entry.changed.wait()
+        return entry
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the runner was closed while waiting for an app")
+
+    async def wait_change(self, entry: _Entry, seen_version: int) -> None:
+        """Returns once ``entry.version`` differs from ``seen_version``."""
+        while entry.version == seen_version:
+            self._check_open()
+            entry.changed.clear()
+            if entry.version != seen_version:
+                break
+            await entry.changed.wait()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _live_ids(self) -> list[str]:
+        return [app_id for app_id, e in self._entries.items() if not e.final]
+
+    async def _run(self) -> None:
+        s = self.settings
+        push = self.scheduler.pushes_changes
+        interval = s.min_interval
+        last_full = 0.0
+        while True:
+            live = self._live_ids()
+            if not live:
+                self._dirty.clear()
+                self._wake.clear()
+                await self._wake.wait()
+                interval = s.min_interval
+                continue
+            timeout = s.push_safety_interval if push else interval
+            if not self._dirty:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            now = time.monotonic()
+            full = (not push) or now - last_full >= s.push_safety_interval or not self._dirty
+            ids = self._live_ids() if full else [i for i in self._dirty if i in self._entries]
+            self._dirty.clear()
+            if full:
+                last_full = now
+            ids = [i for i in ids if not self._entries[i].final]
+            if not ids:
+                continue
+            changed = await self._round(ids)
+            interval = s.min_interval if changed else min(interval * s.backoff, s.max_interval)
+
+    async def _round(self, ids: list[str]) -> bool:
+        self.rounds += 1
+        try:
+            responses = await self.scheduler.describe_many(ids)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
+            return False
+        changed = False
+        for app_id in ids:
+            entry = self._entries.get(app_id)
+            if entry is not None and not entry.final:
+                changed |= self._apply(entry, responses.get(app_id))
+        return changed
+
+    def _apply(self, entry: _Entry, response: DescribeAppResponse | None) -> bool:
+        if response is None:
+            grace = self.settings.unknown_grace
+            if entry.submitted_at is not None and time.monotonic() - entry.submitted_at < grace:
+                return False  # not visible yet; ask again next round
+            if entry.known and entry.response is not None:
+                # it vanished: keep what we knew but never pretend it succeeded
+                response = DescribeAppResponse(
+                    app_id=entry.app_id,
+                    state=AppState.UNKNOWN,
+                    num_restarts=entry.response.num_restarts,
+                    msg="the scheduler no longer knows this app",
+                    roles_statuses=entry.response.roles_statuses,
+                    roles=entry.response.roles,
+                    name=entry.response.name,
+                )
+            entry.final = True
+        was_known = entry.known
+        before = _key(entry.response)
+        entry.response = response
+        entry.known = True
+        if response is not None and is_terminal(response.state):
+            entry.final = True
+        changed = (not was_known) or before != _key(response) or entry.final
+        if changed:
+            entry.version += 1
+            entry.changed.set()
+            for listener in list(entry.listeners):
+                listener(entry)
+        return changed
+
+    async def aclose(self) -> None:
+        """Stops listening to the backend and wakes every waiter (they raise RuntimeError)."""
+        self._closed = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for entry in self._entries.values():
+            entry.changed.set()
+
+
+def states_of(entries: Iterable[_Entry]) -> dict[str, AppState | None]:
+    """``{app_id: state}`` of entries (None where unknown)."""
+    return {e.app_id: None if e.response is None else e.response.state for e in entries}

@@ -1,0 +1,101 @@
+"""An in-memory scheduler for unit tests of the runner's control flow (hub pacing, error paths).
+
+The real-process behaviour is covered by the tests that run the local backend; this fake lets a test
+set an app's state at an exact moment and count the backend round trips.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, ClassVar
+
+from asynctorchx.schedulers.api import (
+    DescribeAppResponse,
+    ListAppResponse,
+    Scheduler,
+    Stream,
+    check_replica,
+    role_replica_counts,
+)
+from asynctorchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, runopts
+
+
+class FakeScheduler(Scheduler[AppDef]):
+    """Apps live in a dict; tests move them between states with ``set_state``."""
+
+    pushes_changes: ClassVar[bool] = False
+
+    def __init__(self, session_name: str, *, push: bool = False, **_: Any) -> None:
+        super().__init__("fake", session_name)
+        self.apps: dict[str, DescribeAppResponse] = {}
+        self.describe_many_calls: list[list[str]] = []
+        self.describe_calls = 0
+        self.closed = False
+        self._ids = itertools.count()
+        self._push = push
+
+    @property  # type: ignore[misc]
+    def pushes_changes(self) -> bool:  # type: ignore[override]
+        return self._push
+
+    def _run_opts(self) -> runopts:
+        opts = runopts()
+        opts.add("speed", int, "how fast", default=1)
+        return opts
+
+    def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[AppDef]:
+        return AppDryRunInfo(app, repr)
+
+    async def schedule(self, dryrun_info: AppDryRunInfo[AppDef]) -> str:
+        app_id = f"fake-{next(self._ids)}"
+        self.apps[app_id] = DescribeAppResponse(
+            app_id=app_id, state=AppState.RUNNING, num_restarts=0, roles=dryrun_info.request.roles
+        )
+        return app_id
+
+    def set_state(self, app_id: str, state: AppState, num_restarts: int | None = None) -> None:
+        resp = self.apps[app_id]
+        resp.state = state
+        if num_restarts is not None:
+            resp.num_restarts = num_restarts
+        self._notify(app_id)
+
+    async def describe(self, app_id: str) -> DescribeAppResponse | None:
+        self.describe_calls += 1
+        resp = self.apps.get(app_id)
+        if resp is None:
+            return None
+        return DescribeAppResponse(
+            app_id=resp.app_id, state=resp.state, num_restarts=resp.num_restarts, roles=resp.roles
+        )
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        self.describe_many_calls.append(list(app_ids))
+        return {a: await self.describe(a) for a in app_ids}
+
+    async def _cancel_existing(self, app_id: str) -> None:
+        self.set_state(app_id, AppState.CANCELLED)
+
+    async def list(self) -> list[ListAppResponse]:
+        return [ListAppResponse(app_id=a, state=r.state) for a, r in self.apps.items()]
+
+    async def log_iter(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+    ) -> AsyncIterator[str]:
+        check_replica(app_id, role_replica_counts(self.apps[app_id].roles), role_name, k)
+        for i in range(3):
+            yield f"{role_name}/{k} line {i}\n"
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()

@@ -1,0 +1,237 @@
+"""The runner's control flow against an in-memory scheduler: lifecycle, hub pacing, handles, errors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from _fake_scheduler import FakeScheduler
+
+from asynctorchx import AsyncRunner
+from asynctorchx.runner import PollSettings
+from asynctorchx.schedulers.api import UnknownRoleException
+from asynctorchx.specs import (
+    AppDef,
+    AppState,
+    InvalidRunConfigException,
+    MalformedAppHandleException,
+    Role,
+    UnknownAppException,
+    UnknownSchedulerException,
+)
+
+FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
+
+
+def make_runner(push: bool = False, **kw: Any) -> tuple[AsyncRunner, list[FakeScheduler]]:
+    made: list[FakeScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> FakeScheduler:
+        sched = FakeScheduler(session_name, push=push, **params)
+        made.append(sched)
+        return sched
+
+    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=FAST, **kw)
+    return runner, made
+
+
+def app(name: str = "a") -> AppDef:
+    return AppDef(name, [Role("worker", image="img", entrypoint="true", num_replicas=2)])
+
+
+async def test_use_before_open_raises() -> None:
+    """Calling an async method on an unopened runner raises a clear RuntimeError."""
+    runner, _ = make_runner()
+    with pytest.raises(RuntimeError, match="not open"):
+        await runner.run(app(), "fake")
+
+
+async def test_close_twice_and_use_after_close() -> None:
+    """close() is idempotent, closes the schedulers, and later use raises RuntimeError."""
+    runner, made = make_runner()
+    async with runner:
+        await runner.run(app(), "fake")
+    await runner.close()
+    assert made[0].closed
+    with pytest.raises(RuntimeError, match="closed"):
+        await runner.status("fake://test/fake-0")
+    with pytest.raises(RuntimeError, match="closed"):
+        await runner.open()
+
+
+async def test_handle_shape_and_status() -> None:
+    """run() returns '{scheduler}://{session}/{app_id}' and status() reads the backend."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        assert handle == "fake://test/fake-0"
+        status = await runner.status(handle)
+        assert status is not None and status.state == AppState.RUNNING
+
+
+async def test_bad_handles() -> None:
+    """Malformed handles, unknown schedulers and handles of another session raise the documented errors."""
+    runner, _ = make_runner()
+    async with runner:
+        with pytest.raises(MalformedAppHandleException):
+            await runner.status("nonsense")
+        with pytest.raises(UnknownSchedulerException, match="fake"):
+            await runner.status("nope://test/x")
+        with pytest.raises(UnknownAppException, match="session 'other'"):
+            await runner.status("fake://other/x")
+
+
+async def test_unknown_app() -> None:
+    """An unknown app gives None from status/wait/describe and UnknownAppException from log_lines."""
+    runner, _ = make_runner()
+    async with runner:
+        assert await runner.status("fake://test/missing") is None
+        assert await runner.wait("fake://test/missing", timeout=5) is None
+        assert await runner.describe("fake://test/missing") is None
+        with pytest.raises(UnknownAppException):
+            async for _ in runner.log_lines("fake://test/missing", "worker"):
+                pass
+
+
+async def test_unknown_scheduler_lists_available() -> None:
+    """dryrun on an unknown scheduler names the available ones before anything is launched."""
+    runner, made = make_runner()
+    with pytest.raises(UnknownSchedulerException, match="available: fake"):
+        runner.dryrun(app(), "slurmm")
+    assert made == []
+
+
+async def test_bad_cfg_names_option() -> None:
+    """A cfg value of the wrong type names the run option and its type."""
+    runner, _ = make_runner()
+    with pytest.raises(InvalidRunConfigException, match="'speed' must be of type int"):
+        runner.dryrun(app(), "fake", {"speed": "fast"})
+
+
+async def test_wait_timeout_leaves_app_running() -> None:
+    """wait(timeout=) raises TimeoutError and the app keeps running."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        with pytest.raises(TimeoutError):
+            await runner.wait(handle, timeout=0.1)
+        assert made[0].apps["fake-0"].state == AppState.RUNNING
+
+
+async def test_cancelling_waiter_leaves_app_running() -> None:
+    """Cancelling the task that awaits wait() does not cancel the app."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        task = asyncio.create_task(runner.wait(handle))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert made[0].apps["fake-0"].state == AppState.RUNNING
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        status = await runner.wait(handle, timeout=5)
+        assert status is not None and status.state == AppState.SUCCEEDED
+
+
+@pytest.mark.parametrize("push", [False, True])
+async def test_many_waiters_share_one_round_per_tick(push: bool) -> None:
+    """200 concurrent waiters cost one describe_many per round, never one describe per waiter."""
+    runner, made = make_runner(push=push)
+    async with runner:
+        handles = [await runner.run(app(), "fake") for _ in range(200)]
+        waiters = [asyncio.create_task(runner.wait(h, timeout=10)) for h in handles]
+        await asyncio.sleep(0.1)
+        sched = made[0]
+        for app_id in list(sched.apps):
+            sched.set_state(app_id, AppState.SUCCEEDED)
+        results = await asyncio.gather(*waiters)
+        assert all(r is not None and r.state == AppState.SUCCEEDED for r in results)
+        hub = runner.hub("fake")
+        assert len(sched.describe_many_calls) == hub.rounds
+        assert sched.describe_calls == sum(len(c) for c in sched.describe_many_calls)
+        # far fewer rounds than waiters: the rounds are shared
+        assert hub.rounds < 50
+
+
+async def test_push_wakes_without_polling() -> None:
+    """With a pushing backend, a change is seen at once although the safety poll is slow."""
+    made: list[FakeScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> FakeScheduler:
+        made.append(FakeScheduler(session_name, push=True))
+        return made[-1]
+
+    slow = PollSettings(min_interval=10, max_interval=10, push_safety_interval=30)
+    async with AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=slow) as runner:
+        handle = await runner.run(app(), "fake")
+        waiter = asyncio.create_task(runner.wait(handle, timeout=5))
+        await asyncio.sleep(0.05)
+        made[0].set_state("fake-0", AppState.FAILED)
+        status = await waiter
+        assert status is not None and status.state == AppState.FAILED
+
+
+async def test_as_completed_order() -> None:
+    """as_completed yields apps in the order they finish."""
+    runner, made = make_runner(push=True)
+    async with runner:
+        handles = [await runner.run(app(), "fake") for _ in range(3)]
+        order = ["fake-2", "fake-0", "fake-1"]
+
+        async def finish() -> None:
+            for app_id in order:
+                await asyncio.sleep(0.05)
+                made[0].set_state(app_id, AppState.SUCCEEDED)
+
+        finisher = asyncio.create_task(finish())
+        seen = [h.rsplit("/", 1)[1] async for h, _ in runner.as_completed(handles, timeout=5)]
+        await finisher
+        assert seen == order
+
+
+async def test_watch_reports_transitions_and_restarts() -> None:
+    """watch yields the first state, a restart, and the terminal state, then stops."""
+    runner, made = make_runner(push=True)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        events = []
+
+        async def drive() -> None:
+            await asyncio.sleep(0.05)
+            made[0].set_state("fake-0", AppState.RUNNING, num_restarts=1)
+            await asyncio.sleep(0.05)
+            made[0].set_state("fake-0", AppState.FAILED)
+
+        driver = asyncio.create_task(drive())
+        async for event in runner.watch([handle]):
+            events.append((event.state, event.num_restarts))
+        await driver
+        assert events == [(AppState.RUNNING, 0), (AppState.RUNNING, 1), (AppState.FAILED, 1)]
+
+
+async def test_cancel_and_list_and_describe() -> None:
+    """cancel reaches the backend, list fills in handles, describe returns the roles."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app("x"), "fake")
+        await runner.cancel(handle)
+        status = await runner.wait(handle, timeout=5)
+        assert status is not None and status.state == AppState.CANCELLED
+        listed = await runner.list("fake")
+        assert [a.app_handle for a in listed] == [handle]
+        described = await runner.describe(handle)
+        assert described is not None and [r.name for r in described.roles] == ["worker"]
+
+
+async def test_log_lines_unknown_role() -> None:
+    """log_lines names the unknown role and passes lines through otherwise."""
+    runner, _ = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        lines = [line async for line in runner.log_lines(handle, "worker", k=1)]
+        assert lines == [f"worker/1 line {i}\n" for i in range(3)]
+        with pytest.raises(UnknownRoleException, match="no role 'ps'"):
+            async for _ in runner.log_lines(handle, "ps"):
+                pass
