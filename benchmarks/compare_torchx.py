@@ -1,0 +1,169 @@
+"""asynctorchx vs TorchX, side by side on their ``local_cwd`` schedulers; prints JSON.
+
+    bash benchmarks/setup_torchx.sh                 # TorchX 0.7.0 in benchmarks/.venv-torchx
+    python benchmarks/compare_torchx.py [--quick]   # --quick: smaller sizes, one round, < 2 minutes
+
+Every measurement runs in a fresh interpreter (``_compare_worker.py``), and the two implementations
+alternate within each round (the order flips every round) so that machine noise hits both alike.
+TorchX is driven the best way a TorchX user can: one waiter thread per app with ``wait_interval=0.1``
+and its app cache raised above the number of apps.
+
+For each scenario the output has, per implementation, the median and range of the headline metric
+over the rounds, and ``ratio`` = TorchX / asynctorchx (above 1: asynctorchx is better, since every
+headline metric here is lower-is-better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_compare_worker.py"
+DEFAULT_TORCHX_PY = HERE / ".venv-torchx" / "bin" / "python"
+
+# (name, params, headline metric path) in full and quick mode
+FULL: list[tuple[str, dict[str, Any], str]] = [
+    ("fanout", {"n": 10}, "seconds"),
+    ("fanout", {"n": 50}, "seconds"),
+    ("fanout", {"n": 200}, "seconds"),
+    ("fanout", {"n": 1000}, "seconds"),
+    ("wake", {"n": 30}, "latency_ms.median"),
+    ("idle_cpu", {"n": 100, "seconds": 20}, "cpu_percent"),
+    ("tail", {"lines": 60}, "latency_ms.median"),
+    ("read_finished", {"lines": 200_000}, "seconds"),
+    ("read_tailing", {"lines": 200_000}, "seconds"),
+    ("cancel", {"settle": 1.0}, "terminal_s"),
+]
+QUICK: list[tuple[str, dict[str, Any], str]] = [
+    ("fanout", {"n": 10}, "seconds"),
+    ("fanout", {"n": 200}, "seconds"),
+    ("wake", {"n": 10}, "latency_ms.median"),
+    ("idle_cpu", {"n": 50, "seconds": 5}, "cpu_percent"),
+    ("tail", {"lines": 20}, "latency_ms.median"),
+    ("read_finished", {"lines": 200_000}, "seconds"),
+    ("read_tailing", {"lines": 50_000}, "seconds"),
+    ("cancel", {"settle": 0.5}, "terminal_s"),
+]
+
+
+def dig(result: dict[str, Any], path: str) -> float | None:
+    value: Any = result
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def measure(
+    python: str, impl: str, scenario: str, params: dict[str, Any], timeout: float
+) -> dict[str, Any]:
+    cmd = [python, str(WORKER), impl, scenario, json.dumps(params)]
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s"}
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1]}
+    try:
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"error": f"no JSON in output: {proc.stdout[-200:]!r}"}
+
+
+def summarise(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, one round (< 2 minutes)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="rounds per scenario (default 3, quick 1)"
+    )
+    parser.add_argument(
+        "--torchx-python", default=None, help="an interpreter with torchx installed"
+    )
+    parser.add_argument("--only", default=None, help="run only scenarios whose name contains this")
+    args = parser.parse_args()
+
+    torchx_py = args.torchx_python or (
+        str(DEFAULT_TORCHX_PY) if DEFAULT_TORCHX_PY.exists() else sys.executable
+    )
+    has_torchx = (
+        subprocess.run(
+            [torchx_py, "-c", "import torchx"], capture_output=True, check=False
+        ).returncode
+        == 0
+    )
+    rounds = args.rounds or (1 if args.quick else 3)
+    plan = QUICK if args.quick else FULL
+    if args.only:
+        plan = [p for p in plan if args.only in p[0]]
+
+    started = time.time()
+    scenarios = []
+    for name, params, metric in plan:
+        per_impl: dict[str, list[dict[str, Any]]] = {"asynctorchx": [], "torchx": []}
+        for r in range(rounds):
+            order = ["asynctorchx", "torchx"] if r % 2 == 0 else ["torchx", "asynctorchx"]
+            for impl in order:
+                if impl == "torchx" and not has_torchx:
+                    per_impl[impl].append(
+                        {"error": "torchx is not installed (run benchmarks/setup_torchx.sh)"}
+                    )
+                    continue
+                python = torchx_py if impl == "torchx" else sys.executable
+                per_impl[impl].append(measure(python, impl, name, params, timeout=600))
+        entry: dict[str, Any] = {"scenario": name, "params": params, "metric": metric}
+        medians = {}
+        for impl, runs in per_impl.items():
+            values = [v for v in (dig(run, metric) for run in runs) if v is not None]
+            entry[impl] = {"summary": summarise(values), "runs": runs}
+            if values:
+                medians[impl] = statistics.median(values)
+        if "asynctorchx" in medians and "torchx" in medians and medians["asynctorchx"] > 0:
+            entry["ratio"] = medians["torchx"] / medians["asynctorchx"]
+        scenarios.append(entry)
+        print(
+            json.dumps({"progress": name, "params": params, "ratio": entry.get("ratio")}),
+            file=sys.stderr,
+        )
+
+    print(
+        json.dumps(
+            {
+                "machine": {
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                },
+                "mode": "quick" if args.quick else "full",
+                "rounds": rounds,
+                "seconds": time.time() - started,
+                "scenarios": scenarios,
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
