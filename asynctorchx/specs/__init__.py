@@ -40,8 +40,12 @@ from asynctorchx.specs.api import replace_role as replace_role
 from asynctorchx.specs.api import runopt as runopt
 from asynctorchx.specs.api import runopts as runopts
 from asynctorchx.specs.api import validate_app as validate_app
+from asynctorchx.specs.named_resources import NAMED_RESOURCES as NAMED_RESOURCES
+from asynctorchx.specs.named_resources import (
+    UnknownNamedResourceException as UnknownNamedResourceException,
+)
 from asynctorchx.specs.named_resources import get_named_resource as get_named_resource
 from asynctorchx.specs.named_resources import named_resource_names as named_resource_names
 from asynctorchx.specs.named_resources import resource as resource
 
-named_resources = get_named_resource
+named_resources = NAMED_RESOURCES

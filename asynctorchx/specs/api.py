@@ -22,7 +22,7 @@ import copy
 import json
 import re
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from enum import Enum, IntEnum
@@ -160,9 +160,9 @@ class macros:
             The entrypoint and the image are left as they are, and ``role`` itself is not changed.
             """
             new = copy.deepcopy(role)
-            new.args = [self.substitute(a) for a in role.args]
-            new.env = {k: self.substitute(v) for k, v in role.env.items()}
-            new.metadata = self._substitute_any(copy.deepcopy(role.metadata))
+            new.args = [self._substitute_any(a) for a in new.args]
+            new.env = {k: self._substitute_any(v) for k, v in new.env.items()}
+            new.metadata = self._substitute_any(new.metadata)
             return new
 
 
@@ -308,7 +308,9 @@ class Role:
         ):
             raise _bad("num_replicas", self.num_replicas, "an int >= 1", name)
         if self.min_replicas is not None and (
-            not isinstance(self.min_replicas, int) or not 0 < self.min_replicas <= self.num_replicas
+            isinstance(self.min_replicas, bool)
+            or not isinstance(self.min_replicas, int)
+            or not 0 < self.min_replicas <= self.num_replicas
         ):
             raise _bad(
                 "min_replicas",
@@ -336,14 +338,24 @@ class Role:
             raise _bad("resource", self.resource, "a Resource", name)
         if self.resource is not NULL_RESOURCE and self.resource != NULL_RESOURCE:
             self.resource.validate(name)
+        if not isinstance(self.port_map, dict):
+            raise _bad("port_map", self.port_map, "a dict of name to port", name)
+        if not isinstance(self.metadata, dict):
+            raise _bad("metadata", self.metadata, "a dict", name)
+        if not isinstance(self.mounts, list):
+            raise _bad("mounts", self.mounts, "a list of mounts", name)
         for port_name, port in self.port_map.items():
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise _bad(f"port_map[{port_name!r}]", port, "a port number in [0, 65535]", name)
         for i, mount in enumerate(self.mounts):
             if not isinstance(mount, (BindMount, VolumeMount, DeviceMount)):
                 raise _bad(f"mounts[{i}]", mount, "a BindMount, VolumeMount or DeviceMount", name)
+            src = mount.src if isinstance(mount, VolumeMount) else mount.src_path
+            if not isinstance(src, str) or not src:
+                src_field = "src" if isinstance(mount, VolumeMount) else "src_path"
+                raise _bad(f"mounts[{i}].{src_field}", src, "a non-empty string", name)
             dst = mount.dst_path
-            if not dst or not dst.startswith("/"):
+            if not isinstance(dst, str) or not dst.startswith("/"):
                 raise _bad(f"mounts[{i}].dst_path", dst, "an absolute path", name)
             if isinstance(mount, DeviceMount) and (
                 not mount.permissions or set(mount.permissions) - set("rwm")
@@ -413,6 +425,9 @@ class AppState(IntEnum):
     def __str__(self) -> str:
         return self.name
 
+    def __format__(self, format_spec: str) -> str:
+        return format(self.name, format_spec)
+
 
 ReplicaState = AppState
 
@@ -471,12 +486,66 @@ def _replica_json(r: ReplicaStatus) -> dict[str, Any]:
     return out
 
 
+class _StructuredError(NamedTuple):
+    message: str
+    timestamp: str
+    error_code: str
+
+    def format_lines(self, indent: str) -> list[str]:
+        details = [f"at {self.timestamp}"] if self.timestamp else []
+        if self.error_code:
+            details.append(f"error code {self.error_code}")
+        head = f"{indent}Error{' (' + ', '.join(details) + ')' if details else ''}:"
+        return [head, *(f"{indent}  {ln}" for ln in self.message.splitlines())]
+
+
+def _parse_structured_error(raw: str) -> _StructuredError | None:
+    """Reads a torchelastic error file's JSON; text that is not such JSON is kept as the message.
+
+    The shape is ``{"message": {"message": ..., "errorCode": ..., "extraInfo": {"py_callstack":
+    ..., "timestamp": ...}}}``; ``message`` may also be a plain string.
+    """
+    if not raw or raw == NONE:
+        return None
+    try:
+        err = json.loads(raw)
+    except ValueError:
+        return _StructuredError(raw, "", "")
+    if not isinstance(err, dict) or "message" not in err:
+        return _StructuredError(raw, "", "")
+    body = err["message"]
+    code: Any = err.get("errorCode")
+    if isinstance(body, dict):
+        extra = body.get("extraInfo")
+        extra = extra if isinstance(extra, dict) else {}
+        ts: Any = extra.get("timestamp", "")
+        text = str(body.get("message", ""))
+        trace = extra.get("py_callstack")
+        if trace and str(trace).strip() not in text:
+            text = f"{text}\n{trace}".strip("\n")
+        code = body.get("errorCode", code)
+    else:
+        text, ts = str(body), err.get("timestamp", "")
+    if ts not in ("", None):
+        try:
+            ts = datetime.fromtimestamp(int(ts)).isoformat(sep=" ")
+        except (TypeError, ValueError, OverflowError, OSError):
+            pass
+    return _StructuredError(text, str(ts or ""), "" if code in (None, "") else str(code))
+
+
 class AppStatusError(Exception):
     """Raised by ``AppStatus.raise_for_status`` when the app did not succeed."""
 
     def __init__(self, app_status: AppStatus, *args: object) -> None:
-        super().__init__(app_status.format(), *args)
+        reason = " ".join(str(a) for a in args) or f"app ended in state {app_status.state.name}"
+        super().__init__(f"{reason}\n{app_status.format()}")
         self.app_status = app_status
+
+    @property
+    def status(self) -> AppStatus:
+        """The status that raised (TorchX's name for ``app_status``)."""
+        return self.app_status
 
 
 @dataclass
@@ -510,31 +579,14 @@ class AppStatus:
 
     def _error_summary(self) -> tuple[str, str]:
         """(message, timestamp) from the structured error, or ('', '') when there is none."""
-        if self.structured_error_msg == NONE:
-            return "", ""
-        try:
-            err = json.loads(self.structured_error_msg)
-            message = err["message"]
-            if isinstance(message, dict):
-                extra = message.get("extraInfo", {})
-                ts = extra.get("timestamp", "")
-                text = message.get("message", "")
-                trace = extra.get("py_callstack", "")
-                if trace:
-                    text = f"{text}\n{trace}"
-            else:
-                text, ts = str(message), str(err.get("timestamp", ""))
-            if ts:
-                try:
-                    ts = datetime.fromtimestamp(int(ts)).isoformat(sep=" ")
-                except (TypeError, ValueError, OverflowError, OSError):
-                    pass
-            return str(text), str(ts)
-        except (ValueError, KeyError, TypeError):
-            return self.structured_error_msg, ""
+        err = _parse_structured_error(self.structured_error_msg)
+        return (err.message, err.timestamp) if err else ("", "")
 
     def format(self, filter_roles: Iterable[str] | None = None) -> str:
         """A multi-line, human-readable summary of the status.
+
+        Structured errors (torchelastic's error-file JSON, on the app or on a replica) are shown as
+        their message, call stack, error code and time rather than as raw JSON.
 
         Args:
             filter_roles: only show these roles (all when None).
@@ -549,19 +601,19 @@ class AppStatus:
         if roles:
             lines.append("  Roles:")
             for role in roles:
-                for rep in role.replicas:
+                for rep in sorted(role.replicas, key=lambda r: r.id):
                     code = f" (exit code: {rep.exit_code})" if rep.exit_code is not None else ""
                     lines.append(
                         f"    {role.role}[{rep.id}] {rep.state.name}{code} on {rep.hostname}"
                     )
-                    if rep.structured_error_msg != NONE:
-                        lines.extend(f"      {ln}" for ln in rep.structured_error_msg.splitlines())
+                    err = _parse_structured_error(rep.structured_error_msg)
+                    if err:
+                        lines.extend(err.format_lines("      "))
         if self.msg:
             lines.append(f"  Msg: {self.msg}")
-        error, ts = self._error_summary()
-        if error:
-            lines.append(f"  Error{f' at {ts}' if ts else ''}:")
-            lines.extend(f"    {ln}" for ln in error.splitlines())
+        err = _parse_structured_error(self.structured_error_msg)
+        if err:
+            lines.extend(err.format_lines("  "))
         if self.ui_url:
             lines.append(f"  UI URL: {self.ui_url}")
         return "\n".join(lines)
@@ -639,9 +691,9 @@ class InvalidRunConfigException(Exception):
 
 
 def _type_name(tp: Any) -> str:
-    if tp in (list[str],):
+    if _is_list_str(tp):
         return "List[str]"
-    if tp in (dict[str, str],):
+    if _is_dict_str(tp):
         return "Dict[str, str]"
     return getattr(tp, "__name__", str(tp))
 
@@ -670,7 +722,7 @@ class runopts:
     def __init__(self) -> None:
         self._opts: dict[str, runopt] = {}
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[tuple[str, runopt]]:
         return iter(self._opts.items())
 
     def __len__(self) -> int:
@@ -692,7 +744,10 @@ class runopts:
             return isinstance(obj, (int, float)) and not isinstance(obj, bool)
         if tp is int:
             return isinstance(obj, int) and not isinstance(obj, bool)
-        return isinstance(obj, tp)
+        try:
+            return isinstance(obj, tp)
+        except TypeError:
+            return False
 
     def get(self, name: str) -> runopt | None:
         """The run option named ``name``, or None."""
@@ -801,8 +856,13 @@ _CFG_KEY = re.compile(r"(?:^|[,;])\s*([A-Za-z_][\w.\-]*)\s*=")
 
 
 def _split_cfg(cfg_str: str) -> dict[str, str]:
-    """Splits ``"a=1,b=x;y,c=2"`` into ``{"a": "1", "b": "x;y", "c": "2"}``."""
+    """Splits ``"a=1,b=x;y,c=2"`` into ``{"a": "1", "b": "x;y", "c": "2"}``.
+
+    A trailing ``,`` or ``;`` ends the last pair and is not part of its value.
+    """
     cfg_str = cfg_str.strip()
+    if cfg_str[-1:] in (",", ";"):
+        cfg_str = cfg_str[:-1].rstrip()
     if not cfg_str:
         return {}
     matches = list(_CFG_KEY.finditer(cfg_str))
@@ -857,10 +917,11 @@ AppHandle = str
 class MalformedAppHandleException(ValueError):
     """Raised when a string is not an app handle ``{scheduler}://{session}/{app_id}``."""
 
-    def __init__(self, app_handle: str) -> None:
+    def __init__(self, app_handle: str, reason: str = "") -> None:
         super().__init__(
             f"{app_handle!r} is not an app handle of the form "
             "'<scheduler_backend>://<session_name>/<app_id>' (the session may be empty)"
+            + (f": {reason}" if reason else "")
         )
         self.app_handle = app_handle
 
@@ -916,8 +977,22 @@ def parse_app_handle(app_handle: AppHandle) -> ParsedAppHandle:
 
 
 def make_app_handle(scheduler_backend: str, session_name: str, app_id: str) -> AppHandle:
-    """Builds the app handle ``{scheduler}://{session}/{app_id}``."""
-    return f"{scheduler_backend}://{session_name}/{app_id}"
+    """Builds the app handle ``{scheduler}://{session}/{app_id}``; ``parse_app_handle`` inverts it.
+
+    Raises:
+        MalformedAppHandleException: a part cannot be read back from a handle (the backend has
+            ``:`` or ``/``, the session has ``/``, a part has whitespace, or a required part is empty).
+    """
+    handle = f"{scheduler_backend}://{session_name}/{app_id}"
+    parts = (
+        ("scheduler_backend", scheduler_backend, r"[^:/\s]+"),
+        ("session_name", session_name, r"[^/\s]*"),
+        ("app_id", app_id, r"\S+"),
+    )
+    for name, value, pattern in parts:
+        if not isinstance(value, str) or not re.fullmatch(pattern, value):
+            raise MalformedAppHandleException(handle, f"{name}={value!r} is not allowed there")
+    return handle
 
 
 def make_unique(name: str, string_length: int = 8, max_length: int = 40) -> str:
@@ -928,13 +1003,19 @@ def make_unique(name: str, string_length: int = 8, max_length: int = 40) -> str:
     """
     import secrets
 
+    if string_length < 1:
+        string_length = 8
+    if max_length < string_length + 2:
+        raise ValueError(
+            f"max_length must be at least string_length + 2 = {string_length + 2}, got {max_length}"
+        )
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
     suffix = "".join(secrets.choice(alphabet) for _ in range(string_length))
     prefix = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
     prefix = re.sub(r"-{2,}", "-", prefix)
     if not prefix or not prefix[0].isalpha():
         prefix = f"app-{prefix}" if prefix else "app"
-    prefix = prefix[: max(1, max_length - string_length - 1)].rstrip("-")
+    prefix = prefix[: max_length - string_length - 1].rstrip("-")
     return f"{prefix}-{suffix}"
 
 

@@ -3,14 +3,15 @@
 The generic table below works on any scheduler. Packages add their own names (e.g. cloud instance
 types) through the entry-point group ``asynctorchx.named_resources``: each entry point's object is a
 callable taking no argument and returning a ``Resource``. Builtin names are never replaced.
+The entry points are read once per process (``_plugins.cache_clear()`` re-reads them).
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import cache
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 from asynctorchx.specs.api import InvalidAppDefException, Resource
 
@@ -32,12 +33,40 @@ _GENERIC: dict[str, Callable[[], Resource]] = {
 }
 
 
+class UnknownNamedResourceException(InvalidAppDefException, KeyError):
+    """An unknown named resource (a ValueError, and a KeyError for ``named_resources[name]``)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _plugin_factory(ep: EntryPoint) -> Callable[[], Resource]:
+    def factory() -> Resource:
+        try:
+            made = ep.load()()
+        except Exception as e:
+            raise InvalidAppDefException(
+                f"named resource {ep.name!r} (entry point {ep.value!r} in group "
+                f"{ENTRY_POINT_GROUP!r}) failed: {type(e).__name__}: {e}",
+                field_name="resource",
+            ) from e
+        if not isinstance(made, Resource):
+            raise InvalidAppDefException(
+                f"named resource {ep.name!r} (entry point {ep.value!r}) must return a Resource, "
+                f"got {made!r}",
+                field_name="resource",
+            )
+        return made
+
+    return factory
+
+
 @cache
 def _plugins() -> Mapping[str, Callable[[], Resource]]:
     found: dict[str, Callable[[], Resource]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _GENERIC:
-            found[ep.name] = ep.load()
+        if ep.name not in _GENERIC and ep.name not in found:
+            found[ep.name] = _plugin_factory(ep)
     return found
 
 
@@ -49,19 +78,48 @@ def named_resource_names() -> list[str]:
 def get_named_resource(name: str) -> Resource:
     """The ``Resource`` for ``name`` (a fresh object each time, safe to modify).
 
+    Entry points are loaded on first use of their name, so a broken plugin only fails its own names.
+
     Raises:
-        InvalidAppDefException: unknown name; the message suggests the closest known names.
+        UnknownNamedResourceException: unknown name; the message suggests the closest known names.
+        InvalidAppDefException: a plugin's factory failed or did not return a ``Resource``.
     """
     factory = _GENERIC.get(name) or _plugins().get(name)
     if factory is None:
         known = named_resource_names()
-        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise InvalidAppDefException(
+        raise UnknownNamedResourceException(
             f"unknown named resource {name!r}{hint} (known: {', '.join(known)})",
             field_name="resource",
         )
     return factory()
+
+
+class NamedResources(Mapping[str, Resource]):
+    """Every named resource as a read-only mapping; also callable like ``get_named_resource``.
+
+    ``NAMED_RESOURCES["cpu.small"]``, ``"cpu.small" in NAMED_RESOURCES`` and
+    ``NAMED_RESOURCES("cpu.small")`` all work; each lookup returns a fresh ``Resource``.
+    """
+
+    def __getitem__(self, name: str) -> Resource:
+        return get_named_resource(name)
+
+    def __call__(self, name: str) -> Resource:
+        return get_named_resource(name)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in _GENERIC or name in _plugins())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(named_resource_names())
+
+    def __len__(self) -> int:
+        return len(named_resource_names())
+
+
+NAMED_RESOURCES = NamedResources()
 
 
 def resource(
