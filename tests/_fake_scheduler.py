@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
@@ -24,8 +24,6 @@ from asynctorchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, runop
 
 class FakeScheduler(Scheduler[AppDef]):
     """Apps live in a dict; tests move them between states with ``set_state``."""
-
-    pushes_changes: ClassVar[bool] = False
 
     def __init__(self, session_name: str, *, push: bool = False, **_: Any) -> None:
         super().__init__("fake", session_name)

@@ -62,7 +62,7 @@ async def test_close_twice_and_use_after_close() -> None:
 
 async def test_handle_shape_and_status() -> None:
     """run() returns '{scheduler}://{session}/{app_id}' and status() reads the backend."""
-    runner, made = make_runner()
+    runner, _ = make_runner()
     async with runner:
         handle = await runner.run(app(), "fake")
         assert handle == "fake://test/fake-0"
@@ -164,7 +164,9 @@ async def test_push_wakes_without_polling() -> None:
         return made[-1]
 
     slow = PollSettings(min_interval=10, max_interval=10, push_safety_interval=30)
-    async with AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=slow) as runner:
+    async with AsyncRunner(
+        "test", scheduler_factories={"fake": factory}, poll_settings=slow
+    ) as runner:
         handle = await runner.run(app(), "fake")
         waiter = asyncio.create_task(runner.wait(handle, timeout=5))
         await asyncio.sleep(0.05)
@@ -213,7 +215,7 @@ async def test_watch_reports_transitions_and_restarts() -> None:
 
 async def test_cancel_and_list_and_describe() -> None:
     """cancel reaches the backend, list fills in handles, describe returns the roles."""
-    runner, made = make_runner()
+    runner, _ = make_runner()
     async with runner:
         handle = await runner.run(app("x"), "fake")
         await runner.cancel(handle)
