@@ -1,0 +1,555 @@
+"""iter_log_lines: read or follow one replica's log file, line by line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import re
+import threading
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+from asynctorchx.logs import _inotify, _notify
+from asynctorchx.logs._files import INDEX_FILE, LOG_FILES, TimingIndex, read_index_blocking
+from asynctorchx.schedulers.api import Stream, compile_log_regex
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_READ_BLOCK = 1 << 21
+_SPLIT_BLOCK = 1 << 18
+_FINISH_CHECK_MAX = 1.0
+_FINISH_CHECK_MIN = 0.025
+_FALLBACK_POLL = 0.25
+_DRAIN_TIMEOUT = 5.0
+_UNTIL_SLACK_NS = 1_000_000_000
+
+# str.splitlines also splits on these; when none occurs it splits like str.split("\n") keeping ends.
+_OTHER_BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e")
+_OTHER_BREAKS_NON_ASCII = ("\x85", "\u2028", "\u2029")
+
+Segment = tuple[bytes, int, int, int]
+"""``(buffer, start, end, file offset of buffer[start])``: complete lines held in ``buffer[start:end]``."""
+
+
+def decode_lines(data: bytes | memoryview) -> list[str]:
+    """Decodes ``data`` (invalid UTF-8 replaced) and splits it on ``\\n`` only, keeping the ``\\n``.
+
+    ``\\r`` stays inside lines; a final unterminated line is kept as is.
+    """
+    text = str(data, "utf-8", "replace")
+    if not any(c in text for c in _OTHER_BREAKS) and (
+        text.isascii() or not any(c in text for c in _OTHER_BREAKS_NON_ASCII)
+    ):
+        return text.splitlines(True)
+    parts = text.split("\n")
+    last = parts.pop()
+    lines = [p + "\n" for p in parts]
+    if last:
+        lines.append(last)
+    return lines
+
+
+def _narrow(segment: Segment, lo: int, hi: int) -> Segment:
+    """The lines of ``segment`` that hold at least one byte of the file range ``[lo, hi)``."""
+    buf, a, z, base = segment
+    first = max(lo - base + a, a)
+    last = min(hi - base + a, z)
+    if first >= last:
+        return buf, a, a, base
+    start = buf.rfind(b"\n", a, first) + 1 if first > a else a
+    start = max(start, a)
+    end = buf.find(b"\n", last - 1, z)
+    end = z if end < 0 else end + 1
+    return buf, start, end, base + (start - a)
+
+
+def _batches(segment: Segment) -> Iterator[list[str]]:
+    """The lines of ``segment``, decoded in pieces of about ``_SPLIT_BLOCK`` bytes (cache-friendly)."""
+    buf, a, z, _ = segment
+    if a >= z:
+        return
+    view = memoryview(buf)
+    while a < z:
+        cut = z
+        if z - a > _SPLIT_BLOCK:
+            cut = buf.rfind(b"\n", a, a + _SPLIT_BLOCK) + 1
+            if cut <= a:
+                cut = buf.find(b"\n", a + _SPLIT_BLOCK, z) + 1 or z
+        yield decode_lines(view[a:cut])
+        a = cut
+
+
+class _Cursor:
+    """One log file (and its timing index) read incrementally.
+
+    Methods named ``*_blocking`` do file I/O and run in a worker thread (``run``); the others are cheap
+    and run on the event loop. ``close`` waits for an in-flight worker call before closing the files.
+    """
+
+    def __init__(self, path: str, index_path: str | None, stream: Stream) -> None:
+        self.path = path
+        self.index_path = index_path
+        self.fd = -1
+        self.index_fd = -1
+        self.index = TimingIndex(stream)
+        self.pos = 0
+        self.pending: list[bytes] = []
+        self.pending_len = 0
+        self.size = 0
+        self.mtime_ns = 0
+        self._lock = threading.Lock()
+        self._busy = 0
+        self._closing = False
+
+    @property
+    def pending_start(self) -> int:
+        """The file offset where the buffered partial line starts."""
+        return self.pos - self.pending_len
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Runs ``fn(*args)`` in the loop's default executor, keeping the files open meanwhile."""
+        with self._lock:
+            self._busy += 1
+        return asyncio.get_running_loop().run_in_executor(None, self._guarded, fn, *args)
+
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if self._closing and not self._busy:
+                    self._close_files()
+
+    def close(self) -> None:
+        """Closes the files now, or when the worker call in flight returns."""
+        with self._lock:
+            self._closing = True
+            if not self._busy:
+                self._close_files()
+
+    def _close_files(self) -> None:
+        for fd in (self.fd, self.index_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.index_fd = -1
+
+    def open_blocking(self) -> bool:
+        """Opens the file (and index) when they exist; True once the log file is open."""
+        if self._closing:
+            return False
+        if self.fd < 0:
+            try:
+                self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        if self.index_path is not None and self.index_fd < 0:
+            try:
+                self.index_fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return True
+
+    def refresh_blocking(self) -> bool:
+        """Reads new index records (first: they are written before the data), then the file's size."""
+        if not self.open_blocking():
+            return False
+        if self.index_fd >= 0:
+            read_index_blocking(self.index_fd, self.index)
+        st = os.fstat(self.fd)
+        if st.st_size < self.pos:
+            logger.warning(
+                "%s shrank to %d bytes; reading it from the start", self.path, st.st_size
+            )
+            self.pos = 0
+            self.pending = []
+            self.pending_len = 0
+        self.size = st.st_size
+        self.mtime_ns = st.st_mtime_ns
+        return True
+
+    def line_start_blocking(self, offset: int) -> int:
+        """The offset where the line holding byte ``offset`` starts."""
+        pos = offset
+        while pos > 0:
+            start = max(0, pos - (1 << 16))
+            data = os.pread(self.fd, pos - start, start)
+            i = data.rfind(b"\n")
+            if i >= 0:
+                return start + i + 1
+            pos = start
+        return 0
+
+    def pread_blocking(self, size: int, offset: int) -> bytes:
+        """Up to ``size`` bytes at ``offset``."""
+        return os.pread(self.fd, size, offset) if size > 0 else b""
+
+    def poll_blocking(self, limit: int) -> bytes:
+        """Refreshes, then reads up to ``limit`` bytes past ``pos`` (b"" when none or no file yet)."""
+        if not self.refresh_blocking():
+            return b""
+        return (
+            os.pread(self.fd, min(self.size - self.pos, limit), self.pos)
+            if self.size > self.pos
+            else b""
+        )
+
+    def take(self, data: bytes) -> list[Segment]:
+        """Accounts for ``data`` read at ``pos``; returns the complete lines it finishes."""
+        base = self.pos
+        self.pos += len(data)
+        cut = data.rfind(b"\n") + 1
+        if cut == 0:
+            if data:
+                self.pending.append(data)
+                self.pending_len += len(data)
+            return []
+        segments: list[Segment] = []
+        start = 0
+        if self.pending:
+            first = data.find(b"\n") + 1
+            line = b"".join([*self.pending, data[:first]])
+            segments.append((line, 0, len(line), base - self.pending_len))
+            start = first
+        if start < cut:
+            segments.append((data, start, cut, base + start))
+        rest = data[cut:]
+        self.pending = [rest] if rest else []
+        self.pending_len = len(rest)
+        return segments
+
+    def flush(self) -> Segment:
+        """The buffered unterminated last line (then forgets it)."""
+        base = self.pending_start
+        line = b"".join(self.pending)
+        self.pending = []
+        self.pending_len = 0
+        return line, 0, len(line), base
+
+
+def _check_stream(stream: Stream | str) -> Stream:
+    try:
+        return Stream(stream)
+    except ValueError:
+        known = ", ".join(s.value for s in Stream)
+        raise ValueError(f"unsupported log stream {stream!r} (supported: {known})") from None
+
+
+def _to_ns(value: float | None, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a POSIX timestamp (float), got {value!r}")
+    return int(value * 1_000_000_000)
+
+
+def iter_log_lines(
+    directory: pathlib.Path,
+    stream: Stream = Stream.COMBINED,
+    *,
+    regex: re.Pattern[str] | str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    follow: bool = False,
+    is_finished: Callable[[], Awaitable[bool]] | None = None,
+    poll_interval: float | None = None,
+) -> AsyncGenerator[str, None]:
+    """The lines of one replica's log, each ending with its ``\\n``.
+
+    Invalid UTF-8 is replaced (never raised), ``\\r`` stays inside lines, a final unterminated line is
+    yielded (when not following, or once finished), and a line is never split however long it is.
+
+    ``since``/``until`` keep the lines of which some part was written within ``[since, until]``, using
+    the timing index (each chunk's time is when it was read from the pipe, within a few ms of when the
+    replica wrote it). A file without an index (e.g. written by Slurm) has nothing finer than its mtime:
+    all of it is inside the window when the mtime is, none of it otherwise.
+
+    With ``follow=True`` the lines that exist are yielded, then new ones as they arrive: a writer in
+    this process wakes the reader directly, writes by other processes wake it through inotify (or a
+    poll every 0.25 s where inotify is unavailable). ``is_finished()`` is awaited once the existing
+    lines are read, then only when a wake-up brought no new data or said a writer reached EOF or
+    closed (or ``wake_readers`` was called), and otherwise on a timer backing off from 25 ms to 1 s:
+    never on every empty read, and a few times per second at most while idle. Once it returns True
+    what is left is read (after waiting, up to 5 s, for a writer of this process to drain its pipes),
+    the unterminated last line included, and the iteration stops. Without ``is_finished`` a follower
+    runs until it is closed or cancelled. A missing file (or directory) is waited for when following,
+    and yields nothing otherwise. With ``until`` a follower also stops once everything up to
+    ``until`` has been read.
+
+    Args:
+        directory: the replica's log directory.
+        stream: which file to read: stdout, stderr or combined.
+        regex: only lines where ``regex.search`` matches (a string is compiled).
+        since: POSIX timestamp; only lines written at or after it.
+        until: POSIX timestamp; only lines written at or before it.
+        follow: keep reading as the file grows.
+        is_finished: tells whether the replica is done (nothing more will be written).
+        poll_interval: when following, also re-read the file this often (seconds) even when no
+            wake-up came: for files written by other hosts on a network file system, where inotify
+            sees nothing. By default the file is polled only when inotify is unavailable.
+
+    Raises:
+        ValueError: ``stream`` is not a known stream, ``regex`` is not a valid pattern, or
+            ``since`` is after ``until``.
+        TypeError: ``since``/``until`` are not numbers.
+    """
+    stream = _check_stream(stream)
+    if isinstance(regex, str):
+        regex = compile_log_regex(regex)
+    since_ns, until_ns = _to_ns(since, "since"), _to_ns(until, "until")
+    if since_ns is not None and until_ns is not None and since_ns > until_ns:
+        raise ValueError(f"since ({since}) is after until ({until})")
+    if poll_interval is not None and not poll_interval > 0:
+        raise ValueError(
+            f"poll_interval must be a positive number of seconds, got {poll_interval!r}"
+        )
+    directory = pathlib.Path(directory)
+    if follow:
+        return _follow(directory, stream, regex, since_ns, until_ns, is_finished, poll_interval)
+    return _read_now(directory, stream, regex, since_ns, until_ns)
+
+
+def _new_cursor(directory: pathlib.Path, stream: Stream, windowed: bool) -> _Cursor:
+    return _Cursor(
+        os.path.join(directory, LOG_FILES[stream]),
+        os.path.join(directory, INDEX_FILE) if windowed else None,
+        stream,
+    )
+
+
+def _plan_blocking(
+    cursor: _Cursor, since_ns: int | None, until_ns: int | None
+) -> tuple[int, int] | None:
+    """Opens the file and finds the byte range written within the window (None: nothing to read).
+
+    The cursor is left at the start of the range's first line.
+    """
+    if not cursor.refresh_blocking():
+        return None
+    if since_ns is None and until_ns is None:
+        return 0, cursor.size
+    lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+    if lo >= hi:
+        return None
+    cursor.pos = cursor.line_start_blocking(lo)
+    return lo, hi
+
+
+def _forget(future: asyncio.Future[Any] | None) -> None:
+    """Drops a worker call whose result is no longer wanted."""
+    if future is not None and not future.cancel() and not future.cancelled():
+        future.exception()
+
+
+async def _read_now(
+    directory: pathlib.Path,
+    stream: Stream,
+    regex: re.Pattern[str] | None,
+    since_ns: int | None,
+    until_ns: int | None,
+) -> AsyncGenerator[str, None]:
+    windowed = since_ns is not None or until_ns is not None
+    cursor = _new_cursor(directory, stream, windowed)
+    search = regex.search if regex is not None else None
+    future: asyncio.Future[bytes] | None = None
+    try:
+        plan = await cursor.run(_plan_blocking, cursor, since_ns, until_ns)
+        if plan is None:
+            return
+        lo, hi = plan
+        size = cursor.size
+        if cursor.pos < size:
+            future = cursor.run(
+                cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
+            )
+        while future is not None:
+            data = await future
+            future = None
+            segments = cursor.take(data)
+            if data and cursor.pos < size and cursor.pending_start < hi:
+                future = cursor.run(
+                    cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
+                )
+            for segment in segments:
+                for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
+                    for line in lines if search is None else filter(search, lines):
+                        yield line
+        last = cursor.flush()
+        for lines in _batches(_narrow(last, lo, hi) if windowed else last):
+            for line in lines if search is None else filter(search, lines):
+                yield line
+    finally:
+        _forget(future)
+        cursor.close()
+
+
+class _DirectoryWatch:
+    """Keeps an inotify watch on the log directory (or, while it is missing, on its nearest ancestor)."""
+
+    def __init__(
+        self, directory: str, key: str, names: frozenset[str], waker: _notify.Waker
+    ) -> None:
+        self._directory = directory
+        self._key = key
+        self._names = names
+        self._waker = waker
+        self._watch: _inotify.Watch | None = None
+        self._unavailable = False
+
+    @property
+    def watching(self) -> bool:
+        """True while inotify watches the log directory itself."""
+        w = self._watch
+        return w is not None and w.active and w.path == self._directory
+
+    def ensure(self) -> None:
+        """Watches the directory if that is not done yet (no-op where inotify is unavailable)."""
+        if self._unavailable or self.watching:
+            return
+        path = self._directory
+        while True:
+            callback = self._on_event if path == self._directory else self._ancestor_callback(path)
+            try:
+                w = _inotify.watch(path, callback)
+            except FileNotFoundError:
+                parent = os.path.dirname(path)
+                if parent == path:
+                    return
+                path = parent
+                continue
+            break
+        if w is None:
+            self._unavailable = True
+        self.cancel()
+        self._watch = w
+
+    def _on_event(self, name: str, mask: int) -> None:
+        if name and name not in self._names:
+            return
+        if mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW) or not _notify.live_writers(
+            self._key
+        ):
+            self._waker.set("closed" if mask & _inotify.IN_CLOSE_WRITE else "inotify")
+
+    def _ancestor_callback(self, path: str) -> _inotify.WatchCallback:
+        rel = os.path.relpath(self._directory, path)
+        child = rel.split(os.sep, 1)[0]
+
+        def on_event(name: str, mask: int) -> None:
+            if name == child or mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW):
+                self._waker.set("inotify")
+
+        return on_event
+
+    def cancel(self) -> None:
+        """Removes the watch."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+
+
+async def _drain_writers(key: str, loop: asyncio.AbstractEventLoop) -> None:
+    """Waits (bounded) until the writers of this process for the directory have drained their pipes."""
+    for writer in _notify.live_writers(key):
+        if writer.attached and writer.loop is loop:
+            try:
+                await asyncio.wait_for(writer.wait_drained(), _DRAIN_TIMEOUT)
+            except asyncio.TimeoutError:
+                logger.warning("%r did not drain within %.0f s", writer, _DRAIN_TIMEOUT)
+
+
+async def _follow(
+    directory: pathlib.Path,
+    stream: Stream,
+    regex: re.Pattern[str] | None,
+    since_ns: int | None,
+    until_ns: int | None,
+    is_finished: Callable[[], Awaitable[bool]] | None,
+    poll_interval: float | None,
+) -> AsyncGenerator[str, None]:
+    loop = asyncio.get_running_loop()
+    key = _notify.directory_key(directory)
+    windowed = since_ns is not None or until_ns is not None
+    cursor = _new_cursor(directory, stream, windowed)
+    names = frozenset({LOG_FILES[stream], INDEX_FILE} if windowed else {LOG_FILES[stream]})
+    waker = _notify.Waker(loop, stream)
+    watch = _DirectoryWatch(key, key, names, waker)
+    search = regex.search if regex is not None else None
+    _notify.add_waker(key, waker)
+    delay = _FINISH_CHECK_MIN
+    next_check = loop.time()
+    reason = "start"
+    finishing = False
+    future: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            waker.clear()
+            watch.ensure()
+            future = cursor.run(cursor.poll_blocking, _READ_BLOCK)
+            data = await future
+            future = None
+            segments = cursor.take(data)
+            more = cursor.pos < cursor.size
+            if finishing and not more and cursor.pending_len:
+                segments.append(cursor.flush())
+            lo, hi = 0, cursor.size
+            if windowed:
+                lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+            for segment in segments:
+                for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
+                    for line in lines if search is None else filter(search, lines):
+                        yield line
+            if more:
+                reason = "more"
+                continue
+            if finishing:
+                return
+            if until_ns is not None and _past_until(cursor, hi, until_ns):
+                return
+            got = bool(data)
+            if is_finished is not None and (
+                (not got and reason not in ("timer", "more"))
+                or reason in _notify.STATE_REASONS
+                or loop.time() >= next_check
+            ):
+                if await is_finished():
+                    await _drain_writers(key, loop)
+                    finishing = True
+                    continue
+                if reason in _notify.STATE_REASONS or not (got or reason in ("timer", "more")):
+                    delay = _FINISH_CHECK_MIN
+                else:
+                    delay = min(delay * 2, _FINISH_CHECK_MAX)
+                next_check = loop.time() + delay
+            timeout = next_check - loop.time() if is_finished is not None else 3600.0
+            if poll_interval is not None:
+                timeout = min(timeout, poll_interval)
+            elif not watch.watching and not _notify.live_writers(key):
+                timeout = min(timeout, _FALLBACK_POLL)
+            if until_ns is not None:
+                left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
+                timeout = min(timeout, max(0.0, left) + 0.01)
+            reason = await waker.wait(timeout)
+            logger.debug("follower of %s woken by %s", cursor.path, reason)
+    finally:
+        _forget(future)
+        _notify.remove_waker(key, waker)
+        watch.cancel()
+        cursor.close()
+
+
+def _past_until(cursor: _Cursor, hi: int, until_ns: int) -> bool:
+    """True when no line touching the window's end can still come (a follower with ``until`` stops)."""
+    if cursor.pending_len > 0 and cursor.pending_start < hi:
+        return False
+    if hi < cursor.size:
+        return True
+    return time.time_ns() > until_ns + _UNTIL_SLACK_NS

@@ -1,0 +1,269 @@
+"""ReplicaLogWriter: pumps a replica's stdout/stderr pipes into its log files on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pathlib
+import time
+
+from asynctorchx.logs import _notify
+from asynctorchx.logs._files import (
+    INDEX_FILE,
+    INDEX_MAGIC,
+    LOG_FILES,
+    RECORD,
+    RECORD_SIZE,
+    STREAM_IDS,
+)
+from asynctorchx.schedulers.api import Stream
+
+logger = logging.getLogger(__name__)
+
+_READ_SIZE = 1 << 16
+_MAX_BATCH = 1 << 20
+_MAX_FINAL = 1 << 26
+_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class ReplicaLogWriter:
+    """Owns one replica's log files; fed from pipes on the running event loop.
+
+    Every chunk read from an attached pipe is appended to the stream's file and to ``combined.log``,
+    after its record (time read, offsets, length) is appended to the timing index. Chunks are written
+    in the order they were read, so ``combined.log`` holds both streams in arrival order. (Two pipes
+    carry no timestamps: output written to both streams while the loop is busy elsewhere is ordered
+    chunk by chunk as it is read, the same for any reader of two pipes.) Nothing is dropped: the
+    pipes are read until EOF however much arrives. A writer can be reused for a restarted replica:
+    attach the new pipes, output is appended.
+
+    Readers in this process (``iter_log_lines``) are woken after every write; readers in other
+    processes through inotify.
+
+    Args:
+        directory: the replica's log directory (created with its parents).
+
+    Raises:
+        OSError: the directory or a file cannot be created or opened for writing.
+    """
+
+    def __init__(self, directory: pathlib.Path) -> None:
+        self._directory = pathlib.Path(directory)
+        self._key = _notify.directory_key(self._directory)
+        self._directory.mkdir(parents=True, exist_ok=True)
+        self._files: dict[Stream, int] = {}
+        self._index_fd = -1
+        try:
+            for stream, name in LOG_FILES.items():
+                self._files[stream] = os.open(self._directory / name, _FILE_FLAGS, 0o644)
+            self._index_fd = os.open(self._directory / INDEX_FILE, _FILE_FLAGS, 0o644)
+            self._offsets = {s: os.fstat(fd).st_size for s, fd in self._files.items()}
+            self._last_ns = self._init_index()
+        except BaseException:
+            self._close_files()
+            raise
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fds: dict[int, Stream] = {}
+        self._drained: asyncio.Event | None = None
+        self._closed = False
+        self._write_error: OSError | None = None
+        _notify.add_writer(self._key, self)
+        _notify.wake_key(self._key, "created")
+
+    def _init_index(self) -> int:
+        """Writes the index header, or drops a torn last record; returns the last record's time."""
+        path = self._directory / INDEX_FILE
+        size = self._align_index()
+        if size == 0:
+            _write_all(self._index_fd, INDEX_MAGIC)
+            return 0
+        if size < len(INDEX_MAGIC) + RECORD_SIZE:
+            return 0
+        with open(path, "rb") as f:
+            f.seek(size - RECORD_SIZE)
+            record = f.read(RECORD_SIZE)
+        if len(record) != RECORD_SIZE:
+            return 0
+        return int(RECORD.unpack(record)[0])
+
+    def _align_index(self) -> int:
+        """Truncates a partly written record (a full disk) so later records stay aligned."""
+        size = os.fstat(self._index_fd).st_size
+        if size < len(INDEX_MAGIC):
+            if size:
+                os.ftruncate(self._index_fd, 0)
+            return 0
+        aligned = size - (size - len(INDEX_MAGIC)) % RECORD_SIZE
+        if aligned != size:
+            os.ftruncate(self._index_fd, aligned)
+        return aligned
+
+    @property
+    def directory(self) -> pathlib.Path:
+        """The replica's log directory."""
+        return self._directory
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that pumps the pipes (None before the first ``attach``)."""
+        return self._loop
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close`` was called."""
+        return self._closed
+
+    @property
+    def attached(self) -> int:
+        """How many pipes are still attached (not at EOF)."""
+        return len(self._fds)
+
+    def path(self, stream: Stream) -> pathlib.Path:
+        """The file that holds ``stream``."""
+        return self._directory / LOG_FILES[Stream(stream)]
+
+    def attach(self, fd: int, stream: Stream) -> None:
+        """Takes ownership of ``fd``, the read end of a pipe, and copies what it carries to ``stream``.
+
+        Must be called from the event loop that will pump it. At EOF the fd is removed from the loop
+        and closed.
+
+        Raises:
+            ValueError: ``stream`` is not STDOUT or STDERR.
+            RuntimeError: the writer is closed, or no event loop is running.
+        """
+        stream = Stream(stream)
+        if stream not in STREAM_IDS:
+            raise ValueError(f"a pipe feeds stdout or stderr, not {stream.value!r}")
+        if self._closed:
+            raise RuntimeError(f"log writer for {self._directory} is closed")
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("a ReplicaLogWriter is used from one event loop only")
+        os.set_blocking(fd, False)
+        if self._drained is None:
+            self._drained = asyncio.Event()
+        self._drained.clear()
+        self._fds[fd] = stream
+        loop.add_reader(fd, self._on_readable, fd, stream)
+
+    def _on_readable(self, fd: int, stream: Stream) -> None:
+        self._pump(fd, stream, final=False)
+
+    def _pump(self, fd: int, stream: Stream, final: bool) -> None:
+        chunks: list[bytes] = []
+        size = 0
+        eof = False
+        limit = _MAX_FINAL if final else _MAX_BATCH
+        while size < limit:
+            try:
+                data = os.read(fd, _READ_SIZE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as e:
+                logger.warning("reading %s pipe of %s failed: %s", stream.value, self._directory, e)
+                eof = True
+                break
+            if not data:
+                eof = True
+                break
+            chunks.append(data)
+            size += len(data)
+        if chunks:
+            self._append(stream, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        if eof:
+            self._detach(fd)
+        if eof:
+            _notify.wake_key(self._key, "eof")
+        elif chunks:
+            _notify.wake_key(self._key, "data", stream)
+
+    def _append(self, stream: Stream, data: bytes) -> None:
+        now = time.time_ns()
+        if now < self._last_ns:
+            now = self._last_ns
+        self._last_ns = now
+        s_off = self._offsets[stream]
+        c_off = self._offsets[Stream.COMBINED]
+        try:
+            _write_all(
+                self._index_fd, RECORD.pack(now, s_off, c_off, len(data), STREAM_IDS[stream])
+            )
+            _write_all(self._files[stream], data)
+            _write_all(self._files[Stream.COMBINED], data)
+        except OSError as e:
+            if self._write_error is None:
+                logger.error("writing the logs of %s failed: %s", self._directory, e)
+            self._write_error = e
+            try:
+                self._align_index()
+                self._offsets[stream] = os.fstat(self._files[stream]).st_size
+                self._offsets[Stream.COMBINED] = os.fstat(self._files[Stream.COMBINED]).st_size
+            except OSError:
+                pass
+            return
+        self._offsets[stream] = s_off + len(data)
+        self._offsets[Stream.COMBINED] = c_off + len(data)
+
+    def _detach(self, fd: int) -> None:
+        if self._fds.pop(fd, None) is None:
+            return
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        if not self._fds and self._drained is not None:
+            self._drained.set()
+
+    async def wait_drained(self) -> None:
+        """Returns when every attached pipe has reached EOF and all its data is written.
+
+        Call it after the process exited so that no output is lost.
+        """
+        if self._fds and self._drained is not None:
+            await self._drained.wait()
+
+    def close(self) -> None:
+        """Reads what is left in the attached pipes, detaches them and closes the files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for fd, stream in list(self._fds.items()):
+            self._pump(fd, stream, final=True)
+            self._detach(fd)
+        if self._drained is not None:
+            self._drained.set()
+        self._close_files()
+        _notify.remove_writer(self._key, self)
+        _notify.wake_key(self._key, "closed")
+
+    def _close_files(self) -> None:
+        for fd in [*self._files.values(), self._index_fd]:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._files = {}
+        self._index_fd = -1
+
+    def __enter__(self) -> ReplicaLogWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<ReplicaLogWriter {str(self._directory)!r} attached={len(self._fds)}>"
