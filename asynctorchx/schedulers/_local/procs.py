@@ -1,0 +1,203 @@
+"""Starting replicas in their own sessions, reading how they ended, and signalling their groups.
+
+Replicas start with ``os.posix_spawn`` (vfork + exec, no Python in the child) when they run in the
+launcher's current directory, and with ``subprocess.Popen`` otherwise (``posix_spawn`` cannot change
+directory here). Either way the child is a session and process-group leader (``setsid``), its stdin
+is ``/dev/null`` and its stdout/stderr are pipes. Exits are learnt from a pidfd (``os.pidfd_open``)
+the event loop watches, so there is no watcher thread and no polling; the scheduler reaps the child
+itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+_RESET_SIGNALS = tuple(
+    s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None
+)
+
+
+class LaunchError(RuntimeError):
+    """Raised when a local replica cannot be started (missing entrypoint, bad working directory,
+    unwritable log directory); the submit that raised it leaves nothing running."""
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A started replica: its pid (= its process group id) and the read ends of its output pipes."""
+
+    pid: int
+    stdout_fd: int
+    stderr_fd: int
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None when it does not exist or is a zombie.
+
+    Two processes with the same pid and start time are the same process, so this guards signals sent
+    from another process against pid reuse.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not data:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True when ``pid`` runs (not a zombie) and, if given, started at ``start_ticks``."""
+    ticks = proc_start_ticks(pid)
+    return ticks is not None and (start_ticks is None or ticks == start_ticks)
+
+
+def check_cwd(cwd: str, role: str) -> None:
+    """Raises LaunchError unless ``cwd`` is a directory the replicas can enter."""
+    if not os.path.isdir(cwd):
+        raise LaunchError(f"role {role!r}: working directory {cwd!r} does not exist")
+    if not os.access(cwd, os.X_OK):
+        raise LaunchError(
+            f"role {role!r}: working directory {cwd!r} cannot be entered (permission denied)"
+        )
+
+
+def resolve_executable(entrypoint: str, path: str, cwd: str, role: str) -> str:
+    """The absolute path of the program ``entrypoint`` names, looked up like a shell would.
+
+    A name with a ``/`` is taken relative to ``cwd``; a bare name is searched on ``path`` (the
+    replica's PATH, relative entries taken relative to ``cwd``).
+
+    Raises:
+        LaunchError: no executable file matches (names the role, entrypoint and where it looked).
+    """
+    if "/" in entrypoint:
+        full = os.path.normpath(os.path.join(cwd, entrypoint))
+        if not os.path.isfile(full):
+            raise LaunchError(
+                f"role {role!r}: entrypoint {entrypoint!r} does not exist (looked for {full})"
+            )
+        if not os.access(full, os.X_OK):
+            raise LaunchError(f"role {role!r}: entrypoint {full!r} is not executable")
+        return full
+    dirs = [d if os.path.isabs(d) else os.path.join(cwd, d) for d in path.split(os.pathsep) if d]
+    found = shutil.which(entrypoint, path=os.pathsep.join(dirs))
+    if found is None:
+        raise LaunchError(
+            f"role {role!r}: entrypoint {entrypoint!r} was not found on the replica's PATH "
+            f"({path}) or is not executable"
+        )
+    return os.path.abspath(found)
+
+
+def spawn(
+    executable: str,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    stdin_fd: int,
+) -> Spawned:
+    """Starts one replica as a session leader with its stdout and stderr on new pipes.
+
+    Raises:
+        OSError: the program could not be executed (reported synchronously by exec).
+    """
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        if cwd == os.getcwd() and min(out_w, err_w, stdin_fd) > 2:
+            pid = os.posix_spawn(
+                executable,
+                list(argv),
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
+                    (os.POSIX_SPAWN_DUP2, out_w, 1),
+                    (os.POSIX_SPAWN_DUP2, err_w, 2),
+                ],
+                setsid=True,
+                setsigdef=_RESET_SIGNALS,
+                setsigmask=(),
+            )
+        else:
+            proc = subprocess.Popen(
+                list(argv),
+                executable=executable,
+                stdin=stdin_fd,
+                stdout=out_w,
+                stderr=err_w,
+                cwd=cwd,
+                env=dict(env),
+                start_new_session=True,
+            )
+            pid = proc.pid
+            # the scheduler reaps the child through its pidfd; stop Popen from reaping or warning
+            proc.returncode = 0
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(out_w)
+        os.close(err_w)
+    return Spawned(pid, out_r, err_r)
+
+
+def exit_code_of(result: os.waitid_result) -> int:
+    """The exit code of a ``waitid`` result, negative for a signal (``subprocess`` convention)."""
+    if result.si_code == os.CLD_EXITED:
+        return result.si_status
+    return -result.si_status
+
+
+def reap(pid: int, pidfd: int) -> int | None:
+    """Reaps an exited child after SIGKILLing what is left of its process group.
+
+    The group is killed while the leader is still a zombie, so its id cannot have been reused.
+
+    Returns:
+        The exit code (negative: killed by that signal); None when the child has not exited (a
+        spurious wake-up); -255 when something else already reaped it (the code is lost).
+    """
+    flags = os.WEXITED | os.WNOHANG
+    try:
+        peek = os.waitid(os.P_PIDFD, pidfd, flags | os.WNOWAIT)
+    except ChildProcessError:
+        return -255
+    if peek is None:
+        return None
+    kill_group(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitid(os.P_PIDFD, pidfd, flags)
+    return exit_code_of(peek)
+
+
+def kill_group(pgid: int, sig: int) -> bool:
+    """Sends ``sig`` to process group ``pgid``; False when the group does not exist (any more)."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def kill_and_reap_now(pid: int) -> None:
+    """SIGKILLs a just-started replica's group and waits for it (failed-submit clean-up)."""
+    kill_group(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)

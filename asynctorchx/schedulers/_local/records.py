@@ -1,0 +1,518 @@
+"""App records: what the local backends persist about each app so any process can find it.
+
+One JSON file per app, ``{state root}/.apps/{app_id}.json``, replaced atomically (temporary file +
+``os.replace``) on every change. It holds the app's state, each replica's pid/process group, exit
+code, attempts and times, the log directories, the launcher's identity, and the ``AppDef`` as
+submitted. The launcher is the only writer while it lives; once it is gone the watchdog (or a
+process finishing a cancel) updates the record under a lock file.
+
+A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record,
+which the launcher checks when a replica exits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asynctorchx.schedulers._local.procs import proc_start_ticks
+from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.specs.api import (
+    NONE,
+    AppDef,
+    AppState,
+    BindMount,
+    DeviceMount,
+    Mount,
+    ReplicaStatus,
+    Resource,
+    RetryPolicy,
+    Role,
+    RoleStatus,
+    VolumeMount,
+)
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 1
+ROOT_ENV = "ASYNCTORCHX_LOCAL_ROOT"
+_APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+def default_root() -> Path:
+    """``$ASYNCTORCHX_LOCAL_ROOT``, else ``{temp dir}/asynctorchx-{uid}``."""
+    env = os.environ.get(ROOT_ENV)
+    if env:
+        return Path(os.path.abspath(os.path.expanduser(env)))
+    return Path(tempfile.gettempdir()) / f"asynctorchx-{os.getuid()}"
+
+
+# -- the AppDef as JSON --------------------------------------------------------------------------
+
+
+def _mount_to_json(m: Mount) -> dict[str, Any]:
+    if isinstance(m, BindMount):
+        return {
+            "type": "bind",
+            "src_path": m.src_path,
+            "dst_path": m.dst_path,
+            "read_only": m.read_only,
+        }
+    if isinstance(m, VolumeMount):
+        return {"type": "volume", "src": m.src, "dst_path": m.dst_path, "read_only": m.read_only}
+    return {
+        "type": "device",
+        "src_path": m.src_path,
+        "dst_path": m.dst_path,
+        "permissions": m.permissions,
+    }
+
+
+def _mount_from_json(d: Mapping[str, Any]) -> Mount:
+    kind = d.get("type")
+    if kind == "bind":
+        return BindMount(d["src_path"], d["dst_path"], bool(d.get("read_only", False)))
+    if kind == "volume":
+        return VolumeMount(d["src"], d["dst_path"], bool(d.get("read_only", False)))
+    return DeviceMount(d["src_path"], d["dst_path"], d.get("permissions", "rwm"))
+
+
+def appdef_to_json(app: AppDef) -> dict[str, Any]:
+    """A JSON-ready dict of ``app`` (``appdef_from_json`` inverts it)."""
+    roles = []
+    for r in app.roles:
+        roles.append(
+            {
+                "name": r.name,
+                "image": r.image,
+                "entrypoint": r.entrypoint,
+                "args": list(r.args),
+                "env": dict(r.env),
+                "num_replicas": r.num_replicas,
+                "min_replicas": r.min_replicas,
+                "max_retries": r.max_retries,
+                "retry_policy": RetryPolicy(r.retry_policy).value,
+                "resource": {
+                    "cpu": r.resource.cpu,
+                    "gpu": r.resource.gpu,
+                    "memMB": r.resource.memMB,
+                    "capabilities": dict(r.resource.capabilities),
+                    "devices": dict(r.resource.devices),
+                },
+                "port_map": dict(r.port_map),
+                "metadata": dict(r.metadata),
+                "mounts": [_mount_to_json(m) for m in r.mounts],
+                "base_image": r.base_image,
+            }
+        )
+    return {"name": app.name, "metadata": dict(app.metadata), "roles": roles}
+
+
+def appdef_from_json(d: Mapping[str, Any]) -> AppDef:
+    """The ``AppDef`` stored by ``appdef_to_json``."""
+    roles = []
+    for r in d.get("roles", []):
+        res = r.get("resource") or {}
+        roles.append(
+            Role(
+                name=r["name"],
+                image=r.get("image", ""),
+                entrypoint=r.get("entrypoint", ""),
+                args=list(r.get("args", [])),
+                env=dict(r.get("env", {})),
+                num_replicas=int(r.get("num_replicas", 1)),
+                min_replicas=r.get("min_replicas"),
+                max_retries=int(r.get("max_retries", 0)),
+                retry_policy=RetryPolicy(r.get("retry_policy", RetryPolicy.APPLICATION.value)),
+                resource=Resource(
+                    cpu=res.get("cpu", -1),
+                    gpu=res.get("gpu", -1),
+                    memMB=res.get("memMB", -1),
+                    capabilities=dict(res.get("capabilities", {})),
+                    devices=dict(res.get("devices", {})),
+                ),
+                port_map=dict(r.get("port_map", {})),
+                metadata=dict(r.get("metadata", {})),
+                mounts=[_mount_from_json(m) for m in r.get("mounts", [])],
+                base_image=r.get("base_image"),
+            )
+        )
+    return AppDef(name=d.get("name", ""), roles=roles, metadata=dict(d.get("metadata", {})))
+
+
+# -- records -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaRecord:
+    """One replica as recorded.
+
+    Args:
+        role: its role.
+        id: its index within the role.
+        state: its state (PENDING before its first start).
+        pid: the pid of its current or last process (also its process group id).
+        start_ticks: when that process started (guards signals against pid reuse).
+        exit_code: its last exit code (negative: killed by that signal).
+        attempts: how many times it was started.
+        started_at: when its current or last process started (POSIX time).
+        ended_at: when it last ended.
+        log_dir: its log directory.
+        error_file: its torchelastic error file.
+        structured_error_msg: the contents of that file after a failure, or NONE.
+    """
+
+    role: str
+    id: int
+    state: AppState
+    pid: int | None = None
+    start_ticks: int | None = None
+    exit_code: int | None = None
+    attempts: int = 0
+    started_at: float | None = None
+    ended_at: float | None = None
+    log_dir: str = ""
+    error_file: str = ""
+    structured_error_msg: str = NONE
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this record."""
+        return {
+            "role": self.role,
+            "id": self.id,
+            "state": self.state.name,
+            "pid": self.pid,
+            "pgid": self.pid,
+            "start_ticks": self.start_ticks,
+            "exit_code": self.exit_code,
+            "attempts": self.attempts,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "log_dir": self.log_dir,
+            "error_file": self.error_file,
+            "structured_error_msg": self.structured_error_msg,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> ReplicaRecord:
+        """The record ``to_json`` wrote."""
+        return ReplicaRecord(
+            role=d["role"],
+            id=int(d["id"]),
+            state=AppState[d.get("state", "UNKNOWN")],
+            pid=d.get("pid"),
+            start_ticks=d.get("start_ticks"),
+            exit_code=d.get("exit_code"),
+            attempts=int(d.get("attempts", 0)),
+            started_at=d.get("started_at"),
+            ended_at=d.get("ended_at"),
+            log_dir=d.get("log_dir", ""),
+            error_file=d.get("error_file", ""),
+            structured_error_msg=d.get("structured_error_msg", NONE),
+        )
+
+    def to_status(self) -> ReplicaStatus:
+        """The ``ReplicaStatus`` view of this record."""
+        return ReplicaStatus(
+            id=self.id,
+            state=self.state,
+            role=self.role,
+            hostname="localhost",
+            structured_error_msg=self.structured_error_msg,
+            exit_code=self.exit_code,
+            pid=self.pid,
+        )
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that launched an app (and its watchdog), identified by pid and start time."""
+
+    pid: int
+    start_ticks: int | None
+    watchdog_pid: int | None = None
+    watchdog_start_ticks: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "watchdog_pid": self.watchdog_pid,
+            "watchdog_start_ticks": self.watchdog_start_ticks,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Owner:
+        """The owner ``to_json`` wrote."""
+        return Owner(
+            pid=int(d.get("pid", 0)),
+            start_ticks=d.get("start_ticks"),
+            watchdog_pid=d.get("watchdog_pid"),
+            watchdog_start_ticks=d.get("watchdog_start_ticks"),
+        )
+
+
+@dataclass(frozen=True)
+class AppRecord:
+    """One app as recorded; see the module docstring.
+
+    Args:
+        app_id: its id.
+        name: its name.
+        backend: the backend that launched it.
+        session: the session that launched it.
+        state: its state.
+        msg: why it is in that state, when that needs saying.
+        structured_error_msg: the torchelastic error of the replica that failed it, or NONE.
+        num_restarts: how many times (part of) it was restarted.
+        submitted_at: when it was submitted (POSIX time).
+        ended_at: when it became terminal.
+        app_dir: its log directory.
+        grace_period: seconds between SIGTERM and SIGKILL when it is stopped.
+        owner: the launching process.
+        replicas: every replica, in role order.
+        app: the AppDef as submitted (``appdef_to_json``).
+    """
+
+    app_id: str
+    name: str
+    backend: str
+    session: str
+    state: AppState
+    msg: str
+    structured_error_msg: str
+    num_restarts: int
+    submitted_at: float
+    ended_at: float | None
+    app_dir: str
+    grace_period: float
+    owner: Owner
+    replicas: tuple[ReplicaRecord, ...]
+    app: Mapping[str, Any] = field(repr=False)
+
+    def role_counts(self) -> dict[str, int]:
+        """``{role: number of replicas}`` in role order."""
+        counts: dict[str, int] = {}
+        for r in self.replicas:
+            counts[r.role] = counts.get(r.role, 0) + 1
+        return counts
+
+    def replica(self, role: str, k: int) -> ReplicaRecord | None:
+        """Replica ``k`` of ``role``."""
+        for r in self.replicas:
+            if r.role == role and r.id == k:
+                return r
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict of this record."""
+        return {
+            "format": RECORD_FORMAT,
+            "app_id": self.app_id,
+            "name": self.name,
+            "backend": self.backend,
+            "session": self.session,
+            "state": self.state.name,
+            "msg": self.msg,
+            "structured_error_msg": self.structured_error_msg,
+            "num_restarts": self.num_restarts,
+            "submitted_at": self.submitted_at,
+            "ended_at": self.ended_at,
+            "app_dir": self.app_dir,
+            "grace_period": self.grace_period,
+            "owner": self.owner.to_json(),
+            "replicas": [r.to_json() for r in self.replicas],
+            "app": self.app,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> AppRecord:
+        """The record ``to_json`` wrote.
+
+        Raises:
+            ValueError: the document is not an app record this version understands.
+        """
+        try:
+            return AppRecord(
+                app_id=d["app_id"],
+                name=d.get("name", ""),
+                backend=d.get("backend", "local_cwd"),
+                session=d.get("session", ""),
+                state=AppState[d["state"]],
+                msg=d.get("msg", ""),
+                structured_error_msg=d.get("structured_error_msg", NONE),
+                num_restarts=int(d.get("num_restarts", 0)),
+                submitted_at=float(d.get("submitted_at", 0.0)),
+                ended_at=d.get("ended_at"),
+                app_dir=d.get("app_dir", ""),
+                grace_period=float(d.get("grace_period", 5.0)),
+                owner=Owner.from_json(d.get("owner") or {}),
+                replicas=tuple(ReplicaRecord.from_json(r) for r in d.get("replicas", [])),
+                app=d.get("app") or {},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not an app record: {e!r}") from None
+
+    def to_response(self, roles: list[Role] | None = None) -> DescribeAppResponse:
+        """The ``DescribeAppResponse`` of this record (``roles`` parsed from it when not given)."""
+        statuses: dict[str, list[ReplicaStatus]] = {}
+        for r in self.replicas:
+            statuses.setdefault(r.role, []).append(r.to_status())
+        if roles is None:
+            roles = appdef_from_json(self.app).roles if self.app else []
+        return DescribeAppResponse(
+            app_id=self.app_id,
+            state=self.state,
+            num_restarts=self.num_restarts,
+            msg=self.msg or NONE,
+            structured_error_msg=self.structured_error_msg,
+            ui_url=f"file://{self.app_dir}",
+            roles_statuses=[RoleStatus(role, reps) for role, reps in statuses.items()],
+            roles=roles,
+            name=self.name,
+        )
+
+
+# -- the store -----------------------------------------------------------------------------------
+
+
+class RecordStore:
+    """Reads and writes app records under ``{root}/.apps``. Every method blocks: call it in a thread.
+
+    Args:
+        root: the state root.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.records_dir = root / ".apps"
+        self._ready = False
+        self._lock = threading.Lock()
+        self._ticks: dict[tuple[int, Any], int | None] = {}
+
+    def ensure(self) -> None:
+        """Creates the state root (private to this user) and the records directory."""
+        if self._ready:
+            return
+        with self._lock:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = self.root.stat()
+            if st.st_uid != os.getuid():
+                raise PermissionError(
+                    f"the local state root {str(self.root)!r} belongs to another user (uid "
+                    f"{st.st_uid}); set {ROOT_ENV} or pass local_root= to use another directory"
+                )
+            self.records_dir.mkdir(mode=0o700, exist_ok=True)
+            self._ready = True
+
+    def path(self, app_id: str) -> Path | None:
+        """The record file of ``app_id``, or None when ``app_id`` cannot be a local app id."""
+        if not isinstance(app_id, str) or not _APP_ID_RE.fullmatch(app_id):
+            return None
+        return self.records_dir / f"{app_id}.json"
+
+    def cancel_marker(self, app_id: str) -> Path:
+        """The file whose existence means another process asked to cancel ``app_id``."""
+        return self.records_dir / f"{app_id}.cancel"
+
+    def _fill_start_ticks(self, doc: Mapping[str, Any]) -> None:
+        # a replica's start time (pid-reuse guard for other processes) is read here, in the writer's
+        # thread, rather than when it is spawned on the event loop
+        for rep in doc.get("replicas", ()):
+            pid = rep.get("pid")
+            if not pid or rep.get("start_ticks") is not None or rep.get("state") != "RUNNING":
+                continue
+            key = (pid, rep.get("started_at"))
+            if key not in self._ticks:
+                if len(self._ticks) > 100_000:
+                    self._ticks.clear()
+                self._ticks[key] = proc_start_ticks(pid)
+            rep["start_ticks"] = self._ticks[key]
+
+    def write_many(self, docs: Mapping[str, dict[str, Any]]) -> dict[str, BaseException]:
+        """Writes each record atomically; returns the errors by app id (empty when all were written).
+
+        Replicas recorded RUNNING without a start time get it from ``/proc`` (the documents are
+        updated in place).
+        """
+        errors: dict[str, BaseException] = {}
+        ident = f"{os.getpid()}.{threading.get_ident()}"
+        for app_id, doc in docs.items():
+            self._fill_start_ticks(doc)
+            final = self.records_dir / f"{app_id}.json"
+            tmp = self.records_dir / f".{app_id}.{ident}.tmp"
+            try:
+                data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, final)
+            except OSError as e:
+                errors[app_id] = e
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        return errors
+
+    def read(self, app_id: str) -> AppRecord | None:
+        """The record of ``app_id``, or None when there is none (or it is unreadable)."""
+        path = self.path(app_id)
+        if path is None:
+            return None
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("cannot read app record %s: %s", path, e)
+            return None
+        try:
+            return AppRecord.from_json(json.loads(data))
+        except ValueError as e:
+            logger.warning("ignoring corrupt app record %s: %s", path, e)
+            return None
+
+    def read_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
+        """``read`` for each id."""
+        return {app_id: self.read(app_id) for app_id in app_ids}
+
+    def list_ids(self) -> list[str]:
+        """The ids of every recorded app."""
+        try:
+            names = os.listdir(self.records_dir)
+        except FileNotFoundError:
+            return []
+        return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
+
+    def remove(self, app_id: str) -> None:
+        """Deletes the record of ``app_id`` (a failed submit leaves none behind)."""
+        path = self.path(app_id)
+        if path is not None:
+            for p in (path, self.cancel_marker(app_id)):
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+
+    def mark_cancel(self, app_id: str) -> None:
+        """Leaves the cancel marker of ``app_id`` for its launcher."""
+        fd = os.open(self.cancel_marker(app_id), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+
+    def cancel_requested(self, app_id: str) -> bool:
+        """True when another process asked to cancel ``app_id``."""
+        return os.path.exists(self.cancel_marker(app_id))

@@ -1,0 +1,300 @@
+"""The local backends' dry run: an ``AppDef`` and a resolved cfg become one launch request per replica.
+
+Everything here is pure: it reads the current directory, the environment and (for
+``auto_set_cuda_visible_devices``) the GPU count, but creates and starts nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import string
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from asynctorchx.specs.api import (
+    AppDef,
+    CfgVal,
+    InvalidAppDefException,
+    RetryPolicy,
+    Role,
+    macros,
+    make_app_handle,
+    make_unique,
+)
+
+logger = logging.getLogger(__name__)
+
+RANK0_HOST_ENV = "TORCHX_RANK0_HOST"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+JOB_ID_ENV = "TORCHX_JOB_ID"
+PET_LOG_DIR_ENV = "PET_LOG_DIR"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+ERROR_FILE_NAME = "error.json"
+
+DEFAULT_GRACE_PERIOD = 5.0
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """How to start one replica.
+
+    Args:
+        role: the role's name.
+        replica_id: the replica's index within its role.
+        entrypoint: the command (resolved against ``env["PATH"]`` and ``cwd`` at launch).
+        args: its arguments, macros substituted.
+        env: variables set over the launcher's environment (role env, TorchX's variables, PATH).
+        cwd: the working directory (the image directory).
+        log_dir: where its ``stdout.log``, ``stderr.log`` and ``combined.log`` go.
+        error_file: the torchelastic error file the replica may write on failure.
+    """
+
+    role: str
+    replica_id: int
+    entrypoint: str
+    args: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str
+    log_dir: str
+    error_file: str
+
+
+@dataclass(frozen=True)
+class RoleRequest:
+    """The replicas of one role and its retry settings."""
+
+    name: str
+    max_retries: int
+    retry_policy: RetryPolicy
+    replicas: tuple[ReplicaRequest, ...]
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    """What ``schedule`` starts for one app.
+
+    Args:
+        app_id: the new app's id.
+        app_name: the app's name.
+        backend: ``local_cwd`` or ``local_dir``.
+        session: the session that submits it.
+        app_dir: the app's log directory ``{log root}/{session}/{app_id}``.
+        roles: the roles in the app's order.
+        grace_period: seconds between SIGTERM and SIGKILL when replicas are stopped.
+    """
+
+    app_id: str
+    app_name: str
+    backend: str
+    session: str
+    app_dir: str
+    roles: tuple[RoleRequest, ...]
+    grace_period: float = DEFAULT_GRACE_PERIOD
+
+    @property
+    def replicas(self) -> list[ReplicaRequest]:
+        """Every replica of every role, in role order."""
+        return [r for role in self.roles for r in role.replicas]
+
+
+def format_request(request: LocalRequest) -> str:
+    """A readable rendering of a request (what ``print(dryrun_info)`` shows)."""
+    lines = [
+        f"app_id: {request.app_id}",
+        f"app_dir: {request.app_dir}",
+        f"grace_period: {request.grace_period}s",
+    ]
+    for role in request.roles:
+        lines.append(
+            f"role {role.name}: max_retries={role.max_retries} "
+            f"retry_policy={role.retry_policy.value}"
+        )
+        for rep in role.replicas:
+            lines.append(f"  replica {rep.replica_id}:")
+            lines.append(f"    cmd: {' '.join([rep.entrypoint, *rep.args])}")
+            lines.append(f"    cwd: {rep.cwd}")
+            lines.append(f"    log_dir: {rep.log_dir}")
+            for key in sorted(rep.env):
+                lines.append(f"    env {key}={rep.env[key]}")
+    return "\n".join(lines)
+
+
+def join_path(*parts: str | None) -> str:
+    """Joins PATH fragments, dropping empty ones and stray separators."""
+    return os.pathsep.join(p.strip(os.pathsep) for p in parts if p and p.strip(os.pathsep))
+
+
+def resolve_image(backend: str, role: Role) -> str:
+    """The image directory of ``role``: the current directory (``local_cwd``) or ``role.image``.
+
+    Raises:
+        InvalidAppDefException: ``local_dir`` and the image is not an absolute path to an existing
+            directory (names the role and the value).
+    """
+    if backend != "local_dir":
+        return os.getcwd()
+    image = role.image
+    if not image or not os.path.isabs(image):
+        raise InvalidAppDefException(
+            f"image must be an absolute path to an existing directory for local_dir, got {image!r}",
+            role=role.name,
+            field_name="image",
+        )
+    if not os.path.isdir(image):
+        raise InvalidAppDefException(
+            f"image {image!r} does not exist or is not a directory (local_dir runs replicas in it)",
+            role=role.name,
+            field_name="image",
+        )
+    return os.path.normpath(image)
+
+
+def _substituter(values: macros.Values) -> Callable[[str], str]:
+    """``values.substitute`` with the mapping built once (it runs for every arg of every replica)."""
+    mapping = asdict(values)
+
+    def substitute(arg: str) -> str:
+        return string.Template(arg).safe_substitute(mapping) if "$" in arg else arg
+
+    return substitute
+
+
+_NVIDIA_DEV = re.compile(r"nvidia\d+")
+
+
+def detect_gpu_count() -> int:
+    """The number of NVIDIA GPUs on this host, from the driver's ``/proc`` entries or ``/dev``."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        pass
+    try:
+        return sum(1 for name in os.listdir("/dev") if _NVIDIA_DEV.fullmatch(name))
+    except OSError:
+        return 0
+
+
+def cuda_slices(app: AppDef, device_count: int) -> dict[tuple[str, int], str] | None:
+    """Contiguous ``CUDA_VISIBLE_DEVICES`` per ``(role, replica)`` for the roles that ask for GPUs.
+
+    Returns None (and logs why) when the app asks for more GPUs than the host has.
+    """
+    wanted = sum(max(r.resource.gpu, 0) * r.num_replicas for r in app.roles)
+    if wanted > device_count:
+        logger.warning(
+            "app %s asks for %d GPUs but this host has %d; CUDA_VISIBLE_DEVICES is not set",
+            app.name,
+            wanted,
+            device_count,
+        )
+        return None
+    slices: dict[tuple[str, int], str] = {}
+    start = 0
+    for role in app.roles:
+        gpus = int(role.resource.gpu)
+        if gpus <= 0:
+            continue
+        for i in range(role.num_replicas):
+            slices[(role.name, i)] = ",".join(str(d) for d in range(start, start + gpus))
+            start += gpus
+    return slices
+
+
+def build_request(
+    app: AppDef,
+    cfg: Mapping[str, CfgVal],
+    *,
+    backend: str,
+    session: str,
+    log_root: Path,
+    gpu_count: int | None,
+    parent_path: str | None,
+) -> LocalRequest:
+    """Builds the launch request of a validated app with a resolved cfg.
+
+    Args:
+        app: the app (already validated; not modified).
+        cfg: the resolved cfg (``log_dir``, ``prepend_cwd``, ``auto_set_cuda_visible_devices``,
+            ``cancel_grace_period``).
+        backend: ``local_cwd`` or ``local_dir``.
+        session: the submitting session.
+        log_root: where app directories go when ``cfg["log_dir"]`` is not set.
+        gpu_count: GPUs on this host (detected when None and needed).
+        parent_path: the launcher's PATH, which the replicas' PATH extends.
+    """
+    app_id = make_unique(app.name)
+    log_dir = cfg.get("log_dir")
+    base = (
+        os.path.abspath(os.path.expanduser(log_dir))
+        if isinstance(log_dir, str) and log_dir
+        else str(log_root)
+    )
+    app_dir = os.path.join(base, session or "default", app_id)
+    handle = make_app_handle(backend, session, app_id)
+    prepend_cwd = bool(cfg.get("prepend_cwd"))
+    grace = cfg.get("cancel_grace_period")
+    grace_period = float(grace) if isinstance(grace, (int, float)) else DEFAULT_GRACE_PERIOD
+    if grace_period < 0:
+        raise ValueError(f"cancel_grace_period must be >= 0 seconds, got {grace_period!r}")
+
+    slices: dict[tuple[str, int], str] | None = None
+    if cfg.get("auto_set_cuda_visible_devices") and any(r.resource.gpu > 0 for r in app.roles):
+        count = detect_gpu_count() if gpu_count is None else gpu_count
+        slices = cuda_slices(app, count)
+
+    roles: list[RoleRequest] = []
+    for role in app.roles:
+        img_root = resolve_image(backend, role)
+        replicas: list[ReplicaRequest] = []
+        for i in range(role.num_replicas):
+            values = macros.Values(
+                img_root=img_root,
+                app_id=app_id,
+                replica_id=str(i),
+                rank0_env=RANK0_HOST_ENV,
+            )
+            sub = _substituter(values)
+            env = {k: sub(v) for k, v in role.env.items()}
+            rep_dir = os.path.join(app_dir, role.name, str(i))
+            error_file = env.setdefault(ERROR_FILE_ENV, os.path.join(rep_dir, ERROR_FILE_NAME))
+            env[RANK0_HOST_ENV] = "localhost"
+            env.setdefault(PET_LOG_DIR_ENV, os.path.join(app_dir, "torchelastic", role.name))
+            env.setdefault(JOB_ID_ENV, handle)
+            if prepend_cwd:
+                env["PATH"] = join_path(img_root, env.get("PATH"), parent_path)
+            else:
+                env["PATH"] = join_path(env.get("PATH"), parent_path, img_root)
+            if slices is not None and (role.name, i) in slices:
+                env[CUDA_VISIBLE_DEVICES] = slices[(role.name, i)]
+            replicas.append(
+                ReplicaRequest(
+                    role=role.name,
+                    replica_id=i,
+                    entrypoint=role.entrypoint,
+                    args=tuple(sub(a) for a in role.args),
+                    env=env,
+                    cwd=img_root,
+                    log_dir=rep_dir,
+                    error_file=error_file,
+                )
+            )
+        roles.append(
+            RoleRequest(
+                name=role.name,
+                max_retries=role.max_retries,
+                retry_policy=RetryPolicy(role.retry_policy),
+                replicas=tuple(replicas),
+            )
+        )
+    return LocalRequest(
+        app_id=app_id,
+        app_name=app.name,
+        backend=backend,
+        session=session,
+        app_dir=app_dir,
+        roles=tuple(roles),
+        grace_period=grace_period,
+    )

@@ -1,0 +1,271 @@
+"""Benchmarks of the local backend (``local_cwd``); prints one JSON object.
+
+    python benchmarks/bench_local.py                  # everything, state root in the temp dir
+    python benchmarks/bench_local.py --root /dev/shm  # state root (records and logs) on tmpfs
+    python benchmarks/bench_local.py --only fanout,wake --rounds 3
+
+Scenarios (targets from issue 3, on a 2-core machine):
+
+- ``fanout``: 200 apps of ``sh -c "exit 0"`` submitted at once through ``AsyncRunner.run`` and waited
+  with ``wait_all``; seconds until all are terminal (target <= 0.25 s). ``fanout_scheduler`` is the same
+  directly on the scheduler (submit + pushed changes), without the runner.
+- ``wake``: exit-to-wake latency: each app runs ``sleep D; exec date +%s.%N`` and the time printed just
+  before its exit is compared with when ``runner.as_completed`` yields it (target median <= 5 ms).
+- ``idle_cpu``: CPU time of this process (user + system, children excluded) while 100 apps sleep 20 s
+  and are waited on, over the window where they all sleep (target <= 0.5 % of a core).
+- ``concurrent``: 1000 apps running at the same time in one event loop (each blocks on a lock this
+  process holds until all are submitted), each waited on with ``runner.wait``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from asynctorchx import AsyncRunner
+from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import AppDef, AppState, Role, is_terminal
+
+TARGETS = {
+    "fanout.seconds.median": ("<=", 0.25),
+    "wake.latency_ms.median": ("<=", 5.0),
+    "idle_cpu.cpu_percent": ("<=", 0.5),
+    "concurrent.succeeded": ("==", 1000),
+    "concurrent.running_at_once": ("==", 1000),
+}
+
+
+def cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {
+        "median": statistics.median(v),
+        "min": v[0],
+        "p95": v[min(len(v) - 1, int(len(v) * 0.95))],
+        "max": v[-1],
+        "count": len(v),
+    }
+
+
+def sh_app(name: str, script: str) -> AppDef:
+    return AppDef(name, [Role("main", image=".", entrypoint="sh", args=["-c", script])])
+
+
+def filesystem_of(path: Path) -> str:
+    best, fs = "", "?"
+    real = str(path.resolve())
+    with open("/proc/mounts") as f:
+        for line in f:
+            parts = line.split()
+            mount, kind = parts[1], parts[2]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
+                best
+            ):
+                best, fs = mount, kind
+    return fs
+
+
+async def fanout(root: Path, n: int, rounds: int) -> dict[str, Any]:
+    times, ok = [], []
+    app = sh_app("fan", "exit 0")
+    async with AsyncRunner(name="bench-fanout", local_root=str(root)) as runner:
+        await runner.wait(await runner.run(app, "local_cwd"))  # warm-up (watchdog, imports)
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            handles = await asyncio.gather(*(runner.run(app, "local_cwd") for _ in range(n)))
+            done = await runner.wait_all(handles)
+            times.append(time.perf_counter() - t0)
+            ok.append(
+                sum(1 for s in done.values() if s is not None and s.state == AppState.SUCCEEDED)
+            )
+            await asyncio.sleep(0.3)
+    return {"n": n, "seconds": stats(times), "rounds": times, "succeeded": ok}
+
+
+async def fanout_scheduler(root: Path, n: int, rounds: int) -> dict[str, Any]:
+    times = []
+    app = sh_app("fan", "exit 0")
+    async with LocalScheduler("bench-fanout-sched", local_root=root) as s:
+        await s.submit(app, {})
+        for _ in range(rounds):
+            pending: set[str] = set()
+            all_done = asyncio.Event()
+
+            def on_change(
+                app_id: str, pending: set[str] = pending, all_done: asyncio.Event = all_done
+            ) -> None:
+                own = s._own(app_id)
+                if own is not None and is_terminal(own[0].state):
+                    pending.discard(app_id)
+                    if not pending:
+                        all_done.set()
+
+            unsubscribe = s.subscribe(on_change)
+            t0 = time.perf_counter()
+            infos = [s.submit_dryrun(app, {}) for _ in range(n)]
+            pending.update(i.request.app_id for i in infos)
+            await asyncio.gather(*(s.schedule(i) for i in infos))
+            if pending:
+                await all_done.wait()
+            times.append(time.perf_counter() - t0)
+            unsubscribe()
+            await asyncio.sleep(0.3)
+    return {"n": n, "seconds": stats(times), "rounds": times}
+
+
+async def wake(root: Path, n: int) -> dict[str, Any]:
+    rng = random.Random(7)
+    async with AsyncRunner(name="bench-wake", local_root=str(root)) as runner:
+        handles = []
+        for _ in range(n):
+            delay = f"{rng.uniform(0.3, 1.5):.3f}"
+            handles.append(
+                await runner.run(sh_app("wake", f"sleep {delay}; exec date +%s.%N"), "local_cwd")
+            )
+        woke: dict[str, float] = {}
+        async for handle, _ in runner.as_completed(handles):
+            woke[handle] = time.time()
+        latencies = []
+        for h in handles:
+            lines = [line async for line in runner.log_lines(h, "main")]
+            latencies.append((woke[h] - float(lines[-1])) * 1000)
+    return {"n": n, "latency_ms": stats(latencies)}
+
+
+async def idle_cpu(root: Path, n: int, seconds: float) -> dict[str, Any]:
+    async with AsyncRunner(name="bench-idle", local_root=str(root)) as runner:
+        app = AppDef("idle", [Role("main", image=".", entrypoint="sleep", args=[str(seconds)])])
+        t_start = time.perf_counter()
+        handles = [await runner.run(app, "local_cwd") for _ in range(n)]
+        waiters = asyncio.gather(*(runner.wait(h) for h in handles))
+        await asyncio.sleep(0.5)
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        window = max(1.0, seconds - (t0 - t_start) - 1.0)
+        await asyncio.sleep(window)
+        cpu = cpu_seconds() - c0
+        wall = time.perf_counter() - t0
+        statuses = await waiters
+    return {
+        "n": n,
+        "window_s": wall,
+        "cpu_s": cpu,
+        "cpu_percent": 100 * cpu / wall,
+        "succeeded": sum(1 for st in statuses if st is not None and st.state == AppState.SUCCEEDED),
+    }
+
+
+async def concurrent(root: Path, n: int) -> dict[str, Any]:
+    # every app blocks (no CPU) on a shared lock this process holds until all n are running
+    lock_path = root / "gate.lock"
+    gate = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    try:
+        async with AsyncRunner(name="bench-concurrent", local_root=str(root)) as runner:
+            app = AppDef(
+                "many",
+                [Role("main", image=".", entrypoint="flock", args=["-s", str(lock_path), "true"])],
+            )
+            t0 = time.perf_counter()
+            handles = await asyncio.gather(*(runner.run(app, "local_cwd") for _ in range(n)))
+            submitted = time.perf_counter() - t0
+            waiters = asyncio.gather(*(runner.wait(h) for h in handles))
+            statuses = await asyncio.gather(*(runner.status(h) for h in handles))
+            running = sum(1 for st in statuses if st is not None and st.state == AppState.RUNNING)
+            fds = len(os.listdir("/proc/self/fd"))
+            t1 = time.perf_counter()
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            done = await waiters
+            released_to_done = time.perf_counter() - t1
+            total = time.perf_counter() - t0
+    finally:
+        os.close(gate)
+    return {
+        "n": n,
+        "submit_s": submitted,
+        "running_at_once": running,
+        "open_fds_at_peak": fds,
+        "release_to_all_terminal_s": released_to_done,
+        "all_terminal_s": total,
+        "succeeded": sum(1 for st in done if st is not None and st.state == AppState.SUCCEEDED),
+    }
+
+
+def dig(results: dict[str, Any], path: str) -> Any:
+    value: Any = results
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
+    parser.add_argument("--only", help="comma-separated scenarios")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
+    args = parser.parse_args()
+    parent = Path(args.root) if args.root else Path(tempfile.gettempdir())
+    root = Path(tempfile.mkdtemp(prefix="atx-bench-local-", dir=parent))
+    wanted = set(args.only.split(",")) if args.only else None
+    q = args.quick
+    plan = {
+        "fanout": lambda: fanout(root, 200, 2 if q else args.rounds),
+        "fanout_scheduler": lambda: fanout_scheduler(root, 200, 2 if q else args.rounds),
+        "wake": lambda: wake(root, 10 if q else 30),
+        "idle_cpu": lambda: idle_cpu(root, 20 if q else 100, 5 if q else 20),
+        "concurrent": lambda: concurrent(root, 100 if q else 1000),
+    }
+    results: dict[str, Any] = {}
+    try:
+        for name, run in plan.items():
+            if wanted is None or name in wanted:
+                results[name] = await run()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    met = {}
+    for path, (op, bound) in TARGETS.items():
+        value = dig(results, path)
+        if value is not None:
+            met[path] = {
+                "value": value,
+                "target": f"{op} {bound}",
+                "met": value <= bound if op == "<=" else value == bound,
+            }
+    out = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "kernel": platform.release(),
+            "loadavg_at_end": os.getloadavg(),
+        },
+        "state_root_fs": filesystem_of(root.parent),
+        "results": results,
+        "targets": met,
+    }
+    json.dump(out, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

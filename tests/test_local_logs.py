@@ -1,0 +1,142 @@
+"""log_iter of the local backends end to end: real replicas writing, the scheduler reading back."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from asynctorchx.schedulers.api import DescribeAppResponse, Stream
+from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import AppDef, AppState, Role, is_terminal
+
+GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
+
+
+@pytest.fixture
+async def sched(tmp_path: Path) -> AsyncIterator[LocalScheduler]:
+    s = LocalScheduler("logs", local_root=tmp_path / "root")
+    yield s
+    await s.close()
+
+
+async def wait_for(
+    s: LocalScheduler,
+    app_id: str,
+    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
+    timeout: float = 20.0,
+) -> DescribeAppResponse:
+    """Waits (on pushed changes, bounded) until ``pred`` holds for the app."""
+    changed = asyncio.Event()
+    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                changed.clear()
+                desc = await s.describe(app_id)
+                if desc is not None and pred(desc):
+                    return desc
+                await changed.wait()
+    finally:
+        unsubscribe()
+
+
+def py_app(code: str, **env: str) -> AppDef:
+    return AppDef(
+        "logs", [Role("main", image="x", entrypoint=sys.executable, args=["-c", code], env=env)]
+    )
+
+
+async def run_to_end(s: LocalScheduler, app: AppDef) -> str:
+    app_id = await s.submit(app, {})
+    assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+    return app_id
+
+
+async def read(s: LocalScheduler, app_id: str, **kw: Any) -> list[str]:
+    return [line async for line in s.log_iter(app_id, "main", **kw)]
+
+
+async def test_many_lines_byte_exact(sched: LocalScheduler) -> None:
+    """200 000 lines come back exactly as the replica wrote them, in order."""
+    code = "import sys\nw=sys.stdout.write\nfor i in range(200000): w(f'line {i:06d} ' + 'x'*(i % 50) + '\\n')\n"
+    app_id = await run_to_end(sched, py_app(code))
+    got = await read(sched, app_id, streams=Stream.STDOUT)
+    assert got == [f"line {i:06d} " + "x" * (i % 50) + "\n" for i in range(200000)]
+
+
+async def test_long_line_progress_bar_and_bad_utf8(sched: LocalScheduler) -> None:
+    """A 1 MB line is never split, \\r stays inside a line, invalid UTF-8 is replaced, a last partial line is kept."""
+    code = (
+        "import sys\nout=sys.stdout.buffer\n"
+        "out.write(b'y'*1048576 + b'\\n')\n"
+        "out.write(b'10%\\r50%\\r100%\\n')\n"
+        "out.write(b'bad \\xff\\xfe byte\\n')\n"
+        "out.write(b'no newline')\n"
+    )
+    app_id = await run_to_end(sched, py_app(code))
+    got = await read(sched, app_id, streams=Stream.STDOUT)
+    assert got == [
+        "y" * 1048576 + "\n",
+        "10%\r50%\r100%\n",
+        "bad \ufffd\ufffd byte\n",
+        "no newline",
+    ]
+
+
+async def test_streams_are_kept_apart_and_combined(sched: LocalScheduler) -> None:
+    """stdout.log and stderr.log hold their own stream in order; combined holds both."""
+    code = (
+        "import sys\n"
+        "for i in range(50):\n"
+        "    s = sys.stdout if i % 2 else sys.stderr\n"
+        "    s.write(f'{i}\\n'); s.flush()\n"
+    )
+    app_id = await run_to_end(sched, py_app(code))
+    assert await read(sched, app_id, streams=Stream.STDOUT) == [f"{i}\n" for i in range(1, 50, 2)]
+    assert await read(sched, app_id, streams=Stream.STDERR) == [f"{i}\n" for i in range(0, 50, 2)]
+    combined = await read(sched, app_id)
+    assert sorted(combined, key=int) == [f"{i}\n" for i in range(50)]
+
+
+async def test_since_and_until(sched: LocalScheduler, tmp_path: Path) -> None:
+    """since/until select the lines written after or before a moment."""
+    go = tmp_path / "go"
+    app = AppDef(
+        "t",
+        [
+            Role(
+                "main",
+                image="x",
+                entrypoint="sh",
+                args=["-c", f"echo before; {GATE}; echo after"],
+                env={"GO": str(go)},
+            )
+        ],
+    )
+    app_id = await sched.submit(app, {})
+    with anyio.fail_after(15):
+        async for line in sched.log_iter(app_id, "main", should_tail=True):
+            if line == "before\n":
+                await asyncio.sleep(0.05)  # keep the two writes apart in time (not synchronisation)
+                middle = datetime.now()
+                await asyncio.sleep(0.05)
+                go.touch()
+    assert await read(sched, app_id, since=middle) == ["after\n"]
+    assert await read(sched, app_id, until=middle) == ["before\n"]
+    assert await read(sched, app_id, since=middle, until=datetime.now()) == ["after\n"]
+
+
+async def test_tail_drains_what_is_left(sched: LocalScheduler) -> None:
+    """A tail started while the app runs yields everything, the last burst included, then stops."""
+    code = "import sys,time\nprint('start', flush=True)\ntime.sleep(0.2)\nsys.stdout.write(''.join(f'{i}\\n' for i in range(5000)))\n"
+    app_id = await sched.submit(py_app(code), {})
+    with anyio.fail_after(20):
+        got = await read(sched, app_id, should_tail=True)
+    assert got == ["start\n", *[f"{i}\n" for i in range(5000)]]

@@ -1,0 +1,194 @@
+"""Retries and gang failure of the local backends, with real processes.
+
+Each replica prints ``start`` when it starts (restarts append to the same log), then waits for a file
+the test creates. Replica 1 of role ``a`` fails its first attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import AppDef, AppState, RetryPolicy, Role, is_terminal, macros
+
+GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
+
+
+@pytest.fixture
+async def sched(tmp_path: Path) -> AsyncIterator[LocalScheduler]:
+    s = LocalScheduler("retries", local_root=tmp_path / "root")
+    yield s
+    await s.close()
+
+
+async def wait_for(
+    s: LocalScheduler,
+    app_id: str,
+    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
+    timeout: float = 15.0,
+) -> DescribeAppResponse:
+    """Waits (on pushed changes, bounded) until ``pred`` holds for the app."""
+    changed = asyncio.Event()
+    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                changed.clear()
+                desc = await s.describe(app_id)
+                if desc is not None and pred(desc):
+                    return desc
+                await changed.wait()
+    finally:
+        unsubscribe()
+
+
+def role(name: str, n: int, tmp: Path, fail_replica: str | None = None, **kw: object) -> Role:
+    ready = tmp / "ready"
+    ready.mkdir(exist_ok=True)
+    fail = ""
+    if fail_replica is not None:
+        # fail only once every replica of the app has started, so that each restart is visible
+        fail = (
+            f'if [ "{macros.replica_id}" = "{fail_replica}" ] && [ ! -e "$MARK" ]; then '
+            'while [ "$(ls "$READY" | wc -l)" -lt "$TOTAL" ]; do sleep 0.01; done; '
+            'touch "$MARK"; exit 1; fi; '
+        )
+    return Role(
+        name,
+        image="x",
+        entrypoint="sh",
+        args=["-c", f'echo start; touch "$READY/{name}-{macros.replica_id}"; {fail}{GATE}'],
+        env={
+            "GO": str(tmp / "go"),
+            "MARK": str(tmp / f"mark-{name}"),
+            "READY": str(ready),
+            "TOTAL": "3",
+        },
+        num_replicas=n,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def starts(s: LocalScheduler, app_id: str, role_name: str, k: int) -> int:
+    return [line async for line in s.log_iter(app_id, role_name, k)].count("start\n")
+
+
+def all_running(d: DescribeAppResponse) -> bool:
+    return all(r.state == AppState.RUNNING for rs in d.roles_statuses for r in rs.replicas)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (RetryPolicy.REPLICA, {("a", 0): 1, ("a", 1): 2, ("b", 0): 1}),
+        (RetryPolicy.ROLE, {("a", 0): 2, ("a", 1): 2, ("b", 0): 1}),
+        (RetryPolicy.APPLICATION, {("a", 0): 2, ("a", 1): 2, ("b", 0): 2}),
+    ],
+)
+async def test_retry_policy_restarts_the_right_replicas(
+    sched: LocalScheduler, tmp_path: Path, policy: RetryPolicy, expected: dict[tuple[str, int], int]
+) -> None:
+    """REPLICA restarts the failed replica, ROLE its role, APPLICATION every replica; the app then succeeds."""
+    app = AppDef(
+        "retry",
+        [
+            role("a", 2, tmp_path, fail_replica="1", max_retries=1, retry_policy=policy),
+            role("b", 1, tmp_path),
+        ],
+    )
+    app_id = await sched.submit(app, {})
+    desc = await wait_for(sched, app_id, lambda d: d.num_restarts == 1 and all_running(d))
+    assert desc.state == AppState.RUNNING
+    (tmp_path / "go").touch()
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.SUCCEEDED
+    assert desc.num_restarts == 1
+    got = {(r, k): await starts(sched, app_id, r, k) for (r, k) in expected}
+    assert got == expected
+
+
+async def test_retries_exhausted_fails_the_app(sched: LocalScheduler) -> None:
+    """A replica that keeps failing is restarted max_retries times, then the app fails."""
+    app = AppDef(
+        "fails",
+        [Role("a", image="x", entrypoint="sh", args=["-c", "echo start; exit 4"], max_retries=2)],
+    )
+    app_id = await sched.submit(app, {})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    assert desc.num_restarts == 2
+    assert desc.roles_statuses[0].replicas[0].exit_code == 4
+    assert await starts(sched, app_id, "a", 0) == 3
+
+
+async def test_retry_budget_is_per_role(sched: LocalScheduler, tmp_path: Path) -> None:
+    """A failure in a role without retries fails the app even if another role has retries left."""
+    app = AppDef(
+        "budget",
+        [
+            role("a", 1, tmp_path, max_retries=3),
+            Role("b", image="x", entrypoint="sh", args=["-c", "exit 5"]),
+        ],
+    )
+    app_id = await sched.submit(app, {"cancel_grace_period": 1.0})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    assert desc.num_restarts == 0
+    assert "b[0]" in desc.msg and "5" in desc.msg
+
+
+async def test_failed_replica_stops_its_siblings(sched: LocalScheduler, tmp_path: Path) -> None:
+    """A replica failing with no retries left fails the app and stops the others, even TERM-ignoring ones."""
+    app = AppDef(
+        "gang",
+        [
+            Role(
+                "w",
+                image="x",
+                entrypoint="sh",
+                args=[
+                    "-c",
+                    f'if [ "{macros.replica_id}" = 1 ]; then '
+                    'while [ ! -e "$READY" ]; do sleep 0.01; done; exit 2; fi; '
+                    'trap "" TERM; touch "$READY"; sleep 30',
+                ],
+                env={"READY": str(tmp_path / "ready")},
+                num_replicas=2,
+            )
+        ],
+    )
+    app_id = await sched.submit(app, {"cancel_grace_period": 0.3})
+    running = await sched.describe(app_id)
+    assert running is not None
+    pgid = running.roles_statuses[0].replicas[0].pid
+    assert pgid is not None
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    first, second = desc.roles_statuses[0].replicas
+    assert (second.state, second.exit_code) == (AppState.FAILED, 2)
+    assert first.state == AppState.CANCELLED and first.exit_code == -9
+    assert "w[1]" in desc.msg
+    with anyio.fail_after(2):  # SIGKILLed members may take a moment to finish exiting
+        while _group_alive(pgid):
+            await asyncio.sleep(0.02)
+
+
+def _group_alive(pgid: int) -> bool:
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = data.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            return True
+    return False
