@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -174,7 +174,11 @@ class AsyncRunner:
     # -- schedulers -----------------------------------------------------------------------------
 
     def _available(self) -> Mapping[str, SchedulerFactory]:
-        return self._factories if self._factories is not None else get_scheduler_factories()
+        if self._factories is None:
+            # resolved once per runner: every handle is checked against it, thousands of times a
+            # second in a busy as_completed loop
+            self._factories = get_scheduler_factories()
+        return self._factories
 
     def scheduler_backends(self) -> list[str]:
         """The names of every scheduler backend available."""
@@ -264,7 +268,7 @@ class AsyncRunner:
         )
         if isinstance(component_args, Mapping):
             merged: dict[str, Any] = {**(defaults or {}), **component_args}
-            return found.fn(**merged)  # type: ignore[no-any-return]
+            return found.fn(**merged)
         return materialize_appdef(found.fn, list(component_args), defaults)
 
     async def run(
@@ -357,7 +361,7 @@ class AsyncRunner:
         self,
         app_handles: Iterable[AppHandle],
         timeout: float | None = None,  # noqa: ASYNC109
-    ) -> AsyncIterator[tuple[AppHandle, AppStatus | None]]:
+    ) -> AsyncGenerator[tuple[AppHandle, AppStatus | None], None]:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
         Raises:
@@ -421,7 +425,7 @@ class AsyncRunner:
     async def _wait_closed(self) -> None:
         await self._closed_event.wait()
 
-    async def watch(self, app_handles: Iterable[AppHandle]) -> AsyncIterator[AppEvent]:
+    async def watch(self, app_handles: Iterable[AppHandle]) -> AsyncGenerator[AppEvent, None]:
         """Yields an ``AppEvent`` for every state change (and restart) of the apps until all are final.
 
         The first event of each app is its state when the runner first sees it.
@@ -515,7 +519,7 @@ class AsyncRunner:
         until: datetime | None = None,
         should_tail: bool = False,
         streams: Stream | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """The log lines of replica ``k`` of ``role_name`` (see ``Scheduler.log_iter``).
 
         Raises:

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import anyio
+
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers.api import DescribeAppResponse, Scheduler
 from asynctorchx.specs.api import AppState, AppStatus, is_terminal
@@ -179,7 +181,7 @@ class StatusHub:
         push = self.scheduler.pushes_changes
         interval = s.min_interval
         last_full = 0.0
-        while True:
+        while not self._closed:
             live = self._live_ids()
             if not live:
                 self._dirty.clear()
@@ -190,10 +192,10 @@ class StatusHub:
             timeout = s.push_safety_interval if push else interval
             if not self._dirty:
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout)
-                except asyncio.TimeoutError:
-                    pass
+                # not asyncio.wait_for: on Python < 3.12 it can swallow a cancellation that arrives
+                # just as the event is set, which would leave aclose() waiting for this loop forever
+                with anyio.move_on_after(timeout):
+                    await self._wake.wait()
             now = time.monotonic()
             full = (not push) or now - last_full >= s.push_safety_interval or not self._dirty
             ids = self._live_ids() if full else [i for i in self._dirty if i in self._entries]

@@ -1,5 +1,7 @@
 """The application data model (pure, synchronous): AppDef, Role, Resource, states, runopts, handles."""
 
+from typing import TYPE_CHECKING, Any
+
 from asynctorchx.specs.api import ALL as ALL
 from asynctorchx.specs.api import MISSING as MISSING
 from asynctorchx.specs.api import NONE as NONE
@@ -40,6 +42,10 @@ from asynctorchx.specs.api import replace_role as replace_role
 from asynctorchx.specs.api import runopt as runopt
 from asynctorchx.specs.api import runopts as runopts
 from asynctorchx.specs.api import validate_app as validate_app
+from asynctorchx.specs.errors import ComponentNotFoundException as ComponentNotFoundException
+from asynctorchx.specs.errors import ComponentValidationException as ComponentValidationException
+from asynctorchx.specs.errors import ConfigWarning as ConfigWarning
+from asynctorchx.specs.errors import InvalidComponentArgsException as InvalidComponentArgsException
 from asynctorchx.specs.named_resources import NAMED_RESOURCES as NAMED_RESOURCES
 from asynctorchx.specs.named_resources import (
     UnknownNamedResourceException as UnknownNamedResourceException,
@@ -49,3 +55,16 @@ from asynctorchx.specs.named_resources import named_resource_names as named_reso
 from asynctorchx.specs.named_resources import resource as resource
 
 named_resources = NAMED_RESOURCES
+
+
+if TYPE_CHECKING:
+    from asynctorchx.specs.builders import materialize_appdef as materialize_appdef
+
+
+def __getattr__(name: str) -> Any:
+    # the component builders (argparse, ast) load on first use, keeping ``import asynctorchx`` cheap
+    if name == "materialize_appdef":
+        from asynctorchx.specs import builders
+
+        return builders.materialize_appdef
+    raise AttributeError(f"module 'asynctorchx.specs' has no attribute {name!r}")

@@ -73,7 +73,7 @@ class InvalidComponentArgsException(ValueError):
     def __init__(self, component: str, message: str, usage: str = "") -> None:
         self.component = component
         self.usage = usage
-        super().__init__(f"{component}: {message} (pass --help for the component's arguments)")
+        super().__init__(f"{component}: {message}")
 
 
 class ConfigWarning(UserWarning):

@@ -1,0 +1,300 @@
+"""Finding components by name: builtins, entry-point plugins and component files.
+
+* Builtins are the public functions returning ``AppDef`` of the modules of this package, named
+  ``module.function`` (``utils.echo``, ``dist.ddp``). A module is imported only when one of its
+  components is asked for (or when every component is listed).
+* Plugins come from the entry-point group ``asynctorchx.components``: an entry point
+  ``name = pkg.module`` contributes each component function of ``pkg.module`` as ``name.fn``; one
+  naming a function (``name = pkg.module:fn``) contributes it as ``name``. Plugins are merged with
+  the builtins and never hide one.
+* ``path/to/file.py:fn`` names the function ``fn`` of a file, which is linted before it is imported.
+
+Components are linted too (from their source, when it is available): ``get_component`` raises
+``ComponentValidationException`` for errors, and keeps warnings in ``Component.validation_errors``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from asynctorchx.specs.api import AppDef
+from asynctorchx.specs.errors import ComponentNotFoundException, ComponentValidationException
+from asynctorchx.specs.file_linter import (
+    LinterMessage,
+    errors_only,
+    get_fn_docstring,
+    validate,
+    validate_source,
+)
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "asynctorchx.components"
+_BUILTIN_PACKAGE = "asynctorchx.components"
+
+
+@dataclass(frozen=True)
+class Component:
+    """A component function and what is known about it.
+
+    Args:
+        name: how it is asked for: ``module.fn``, ``plugin.fn`` or ``path/to/file.py:fn``.
+        fn: the function returning an ``AppDef``.
+        description: the first line of its docstring.
+        validation_errors: the linter's messages (warnings only, once ``get_component`` returned it).
+        origin: where it comes from: ``builtin``, ``entry point NAME = VALUE`` or ``file PATH``.
+    """
+
+    name: str
+    fn: Callable[..., AppDef]
+    description: str
+    validation_errors: tuple[LinterMessage, ...] = ()
+    origin: str = "builtin"
+
+
+def builtin_module_names() -> list[str]:
+    """The modules of the builtin components (``utils``, ``dist``...), found without importing them."""
+    package = sys.modules[_BUILTIN_PACKAGE]
+    return sorted(
+        info.name
+        for info in pkgutil.iter_modules(package.__path__)
+        if not info.name.startswith("_") and not info.ispkg
+    )
+
+
+def _returns_appdef(fn: Callable[..., Any]) -> bool:
+    annotation = inspect.signature(fn).return_annotation
+    if isinstance(annotation, str):
+        return annotation.rpartition(".")[2] == "AppDef"
+    return annotation is AppDef
+
+
+def _component_functions(module: ModuleType) -> dict[str, Callable[..., AppDef]]:
+    """The public functions defined in ``module`` that are annotated to return ``AppDef``."""
+    return {
+        name: obj
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj)
+        and not name.startswith("_")
+        and obj.__module__ == module.__name__
+        and _returns_appdef(obj)
+    }
+
+
+@lru_cache(maxsize=512)
+def _lint_file(
+    source_file: str, mtime_ns: int, size: int, fn_name: str
+) -> tuple[LinterMessage, ...]:
+    """The linter's messages for a function of a file version (the file's stat is in the key)."""
+    del mtime_ns, size
+    return tuple(validate(source_file, fn_name))
+
+
+def _lint(fn: Callable[..., Any]) -> tuple[LinterMessage, ...]:
+    try:
+        source_file = inspect.getsourcefile(fn)
+        st = os.stat(source_file) if source_file else None
+    except (TypeError, OSError):
+        return ()
+    if source_file is None or st is None:
+        return ()
+    return _lint_file(source_file, st.st_mtime_ns, st.st_size, fn.__name__)
+
+
+def _make(name: str, fn: Callable[..., AppDef], origin: str) -> Component:
+    description = get_fn_docstring(fn)[0].strip().splitlines()
+    return Component(name, fn, description[0] if description else "", _lint(fn), origin)
+
+
+@cache
+def _entry_points() -> dict[str, EntryPoint]:
+    """The entry points of the group, by name (the first one wins when two share a name)."""
+    found: dict[str, EntryPoint] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            logger.warning(
+                "ignoring entry point %s = %s in group %r: %r is already registered as %s",
+                ep.name,
+                ep.value,
+                ENTRY_POINT_GROUP,
+                ep.name,
+                found[ep.name].value,
+            )
+            continue
+        found[ep.name] = ep
+    return found
+
+
+def clear_cache() -> None:
+    """Forgets the entry points read so far, so that newly installed plugins are seen."""
+    _entry_points.cache_clear()
+
+
+def _builtin_components(module_name: str) -> dict[str, Component]:
+    module = importlib.import_module(f"{_BUILTIN_PACKAGE}.{module_name}")
+    return {
+        f"{module_name}.{fn_name}": _make(f"{module_name}.{fn_name}", fn, "builtin")
+        for fn_name, fn in _component_functions(module).items()
+    }
+
+
+def _plugin_components(ep: EntryPoint, reserved: set[str]) -> dict[str, Component]:
+    """The components an entry point contributes, skipping names in ``reserved`` (the builtins)."""
+    origin = f"entry point {ep.name} = {ep.value}"
+    try:
+        obj = ep.load()
+    except Exception as e:
+        logger.warning(
+            "skipping components of %s (group %r): it failed to load: %s: %s",
+            origin,
+            ENTRY_POINT_GROUP,
+            type(e).__name__,
+            e,
+        )
+        return {}
+    if isinstance(obj, ModuleType):
+        candidates = {f"{ep.name}.{n}": fn for n, fn in _component_functions(obj).items()}
+    elif inspect.isfunction(obj):
+        candidates = {ep.name: obj}
+    else:
+        logger.warning(
+            "skipping %s (group %r): it names %r, neither a module nor a function",
+            origin,
+            ENTRY_POINT_GROUP,
+            obj,
+        )
+        return {}
+    out: dict[str, Component] = {}
+    for name, fn in candidates.items():
+        if name in reserved:
+            logger.warning(
+                "ignoring component %r of %s: a builtin component has that name", name, origin
+            )
+            continue
+        out[name] = _make(name, fn, origin)
+    return out
+
+
+def get_components() -> dict[str, Component]:
+    """Every builtin and plugin component by name (this imports every component module)."""
+    components: dict[str, Component] = {}
+    for module_name in builtin_module_names():
+        components.update(_builtin_components(module_name))
+    builtins = set(components)
+    for ep in _entry_points().values():
+        for name, component in _plugin_components(ep, builtins).items():
+            components.setdefault(name, component)
+    return components
+
+
+def _is_file_component(name: str) -> bool:
+    return ":" in name
+
+
+def _load_file_component(name: str) -> Component:
+    path_str, _, fn_name = name.rpartition(":")
+    path = Path(path_str).expanduser()
+    if not fn_name or not path_str:
+        raise ComponentNotFoundException(
+            name, "a file component is written 'path/to/file.py:function'"
+        )
+    if not path.is_file():
+        raise ComponentNotFoundException(name, f"file {str(path)!r} does not exist")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ComponentNotFoundException(name, f"cannot read {str(path)!r}: {e}") from None
+    messages = validate_source(source, fn_name, str(path))
+    missing = [m for m in messages if m.name == "ComponentFnFinder"]
+    if missing:
+        raise ComponentNotFoundException(name, f"{path_str}: {missing[0].description}")
+    if errors_only(messages):
+        raise ComponentValidationException(name, errors_only(messages))
+    import hashlib
+
+    resolved = path.resolve()
+    module_name = f"_asynctorchx_component_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ComponentValidationException(name, reason=f"{str(path)!r} cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        sys.modules.pop(module_name, None)
+        raise ComponentValidationException(
+            name, reason=f"importing {str(path)!r} failed: {type(e).__name__}: {e}"
+        ) from e
+    fn = getattr(module, fn_name, None)
+    if not inspect.isfunction(fn):
+        raise ComponentNotFoundException(name, f"{fn_name!r} in {str(path)!r} is not a function")
+    description = get_fn_docstring(fn)[0].strip().splitlines()
+    return Component(
+        name, fn, description[0] if description else "", tuple(messages), f"file {path}"
+    )
+
+
+def _suggest(name: str, names: list[str]) -> list[str]:
+    """Up to three known names close to ``name``: whole-name typos first, then by function name."""
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.85)
+    short = name.rpartition(".")[2]
+    shorts = {n: n.rpartition(".")[2] for n in names}
+    same_fn = [n for n, s in shorts.items() if s == short]
+    close_fn = [n for n, s in shorts.items() if difflib.get_close_matches(short, [s], cutoff=0.75)]
+    return list(dict.fromkeys([*close, *same_fn, *close_fn]))[:3]
+
+
+def _checked(component: Component) -> Component:
+    errors = errors_only(component.validation_errors)
+    if errors:
+        raise ComponentValidationException(component.name, errors)
+    return component
+
+
+def get_component(name: str) -> Component:
+    """The component called ``name``: ``module.fn`` (builtin or plugin) or ``path/to/file.py:fn``.
+
+    Only the module a builtin lives in is imported.
+
+    Raises:
+        ComponentNotFoundException: no such component (the message suggests close names).
+        ComponentValidationException: the component fails the linter (the message lists the
+            line-numbered errors) or its file cannot be imported.
+    """
+    if _is_file_component(name):
+        return _load_file_component(name)
+    module_name = name.rpartition(".")[0]
+    if module_name in builtin_module_names():
+        found = _builtin_components(module_name).get(name)
+        if found is not None:
+            return _checked(found)
+    eps = _entry_points()
+    for ep_name in (module_name, name):
+        ep = eps.get(ep_name)
+        if ep is None:
+            continue
+        reserved = (
+            set(_builtin_components(module_name))
+            if module_name in builtin_module_names()
+            else set()
+        )
+        found = _plugin_components(ep, reserved).get(name)
+        if found is not None:
+            return _checked(found)
+    names = sorted(get_components())
+    raise ComponentNotFoundException(name, suggestions=_suggest(name, names))

@@ -1,0 +1,353 @@
+"""``.torchxconfig``: per-project and per-user defaults, in TorchX's INI format.
+
+Sections::
+
+    [local_cwd]                 # a scheduler's run options (``asynctorchx runopts local_cwd``)
+    log_dir = /tmp/logs
+
+    [component:dist.ddp]        # default arguments of a component
+    j = 2x2
+    env = LOGLEVEL=INFO
+
+    [cli:run]                   # default options of a CLI command
+    scheduler = local_cwd
+
+Where the files are read from, highest precedence first:
+
+1. the file named by the ``TORCHXCONFIG`` environment variable, alone (an empty value reads none);
+2. otherwise ``./.torchxconfig`` (the project), then ``$HOME/.torchxconfig`` (the user): a key set in
+   both takes the project's value. (TorchX gives the user's file precedence; here the project wins.)
+
+Functions that take ``dirs`` read ``DIR/.torchxconfig`` for each directory instead, the first
+directory taking precedence. Overall precedence is explicit argument > config file > default:
+``apply`` only fills the run options a cfg does not set, and component defaults only fill the
+arguments not given on the command line.
+
+Values are strings cast by the run option's type exactly like ``-cfg`` values (``true``/``false``,
+``a;b`` lists, ``k:v;k2:v2`` dicts); ``None`` unsets a run option. Keys are case-sensitive. A key
+that is not a run option of its scheduler, or a section nobody reads, is reported with a
+``ConfigWarning`` (a ``UserWarning``) and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import configparser
+import difflib
+import logging
+import os
+import warnings
+from collections.abc import Iterable, MutableMapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from asynctorchx.specs.api import (
+    CfgVal,
+    InvalidRunConfigException,
+    UnknownSchedulerException,
+    _cast,
+    _is_dict_str,
+    _is_list_str,
+    _type_name,
+    runopts,
+)
+from asynctorchx.specs.errors import ConfigWarning
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = ".torchxconfig"
+ENV_TORCHXCONFIG = "TORCHXCONFIG"
+CONFIG_PREFIX_DELIM = ":"
+NONE_VALUE = "None"
+KNOWN_PREFIXES = ("component", "cli")
+
+
+class ConfigFileError(ValueError):
+    """Raised when a config file is not valid INI (a duplicate key, a line outside a section...)."""
+
+
+def _parser() -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(interpolation=None, default_section="\0no-default\0")
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    return parser
+
+
+def default_config_dirs() -> list[Path]:
+    """The directories searched when no ``dirs`` are given, highest precedence first: CWD, HOME."""
+    return [Path.cwd(), Path.home()]
+
+
+def find_configs(dirs: Iterable[str | os.PathLike[str]] | None = None) -> list[Path]:
+    """The config files to read, highest precedence first.
+
+    Args:
+        dirs: directories holding a ``.torchxconfig`` (default: ``default_config_dirs()``);
+            ignored when ``TORCHXCONFIG`` is set.
+
+    Raises:
+        FileNotFoundError: ``TORCHXCONFIG`` names a file that does not exist.
+    """
+    env_value = os.environ.get(ENV_TORCHXCONFIG)
+    if env_value is not None:
+        if not env_value:
+            return []
+        path = Path(env_value).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{ENV_TORCHXCONFIG}={env_value!r} does not exist or is not a file"
+            )
+        return [path]
+    found: list[Path] = []
+    seen: set[Path] = set()
+    for d in default_config_dirs() if dirs is None else [Path(d) for d in dirs]:
+        path = Path(d).expanduser() / CONFIG_FILE
+        key = path.resolve()
+        if key in seen:
+            continue
+        seen.add(key)
+        if path.is_file() and os.access(path, os.R_OK):
+            found.append(path)
+    return found
+
+
+def read_config(source: str | os.PathLike[str] | TextIO) -> configparser.ConfigParser:
+    """Parses one config file (a path or an open text file).
+
+    Raises:
+        ConfigFileError: the file is not valid INI; the message names the file and line.
+    """
+    parser = _parser()
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, encoding="utf-8") as f:
+                parser.read_file(f, source=str(source))
+        else:
+            parser.read_file(source)
+    except configparser.Error as e:
+        raise ConfigFileError(f"invalid config file: {e}") from None
+    return parser
+
+
+def _scheduler_run_opts(scheduler: str) -> runopts:
+    from asynctorchx.schedulers import create_scheduler
+
+    return create_scheduler(scheduler, "asynctorchx-config").run_opts()
+
+
+def _known_schedulers() -> list[str]:
+    from asynctorchx.schedulers import scheduler_names
+
+    return scheduler_names()
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, ConfigWarning, stacklevel=3)
+
+
+def _cast_value(key: str, value: str, opts: runopts, section: str, source: str) -> CfgVal:
+    opt = opts.get(key)
+    if opt is None or value == NONE_VALUE:
+        return None
+    try:
+        return _cast(key, value, opt.opt_type, value)
+    except InvalidRunConfigException:
+        raise InvalidRunConfigException(
+            f"{source} [{section}]: run option {key!r} must be of type "
+            f"{_type_name(opt.opt_type)}, got {value!r}",
+            key,
+            {key: value},
+        ) from None
+
+
+def load(
+    scheduler: str,
+    source: str | os.PathLike[str] | TextIO,
+    cfg: MutableMapping[str, CfgVal],
+    run_opts: runopts | None = None,
+) -> MutableMapping[str, CfgVal]:
+    """Fills ``cfg`` with the ``[scheduler]`` run options of one file, keeping the keys it has.
+
+    Args:
+        scheduler: the section to read.
+        source: the file (a path or an open text file).
+        cfg: the run options so far; it is updated in place and returned.
+        run_opts: the scheduler's run options (default: asked of the scheduler).
+
+    Raises:
+        ConfigFileError: the file is not valid INI.
+        InvalidRunConfigException: a value does not cast to its run option's type (names the
+            file, section, key and expected type).
+    """
+    parser = read_config(source)
+    if not parser.has_section(scheduler):
+        return cfg
+    opts = _scheduler_run_opts(scheduler) if run_opts is None else run_opts
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+    else:
+        name = str(getattr(source, "name", "<config>"))
+    known = [k for k, _ in opts]
+    for key, value in parser.items(scheduler):
+        if opts.get(key) is None:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            _warn(
+                f"{name}: [{scheduler}] {key} = {value} is not a run option of scheduler "
+                f"{scheduler!r} and is ignored{hint}; its run options: {', '.join(known) or 'none'}"
+            )
+            continue
+        if key in cfg:
+            continue
+        cfg[key] = _cast_value(key, value, opts, scheduler, name)
+    return cfg
+
+
+def _check_sections(paths: Iterable[Path]) -> None:
+    schedulers: list[str] | None = None
+    for path in paths:
+        for section in read_config(path).sections():
+            prefix, delim, rest = section.partition(CONFIG_PREFIX_DELIM)
+            if delim:
+                if prefix not in KNOWN_PREFIXES or not rest:
+                    _warn(
+                        f"{path}: section [{section}] is ignored: a prefixed section is "
+                        f"[component:NAME] or [cli:COMMAND]"
+                    )
+                continue
+            if schedulers is None:
+                schedulers = _known_schedulers()
+            if section not in schedulers:
+                close = difflib.get_close_matches(section, schedulers, n=1)
+                hint = f" (did you mean [{close[0]}]?)" if close else ""
+                _warn(
+                    f"{path}: section [{section}] is not a scheduler and is ignored{hint}; "
+                    f"schedulers: {', '.join(schedulers)}"
+                )
+
+
+def apply(
+    scheduler: str,
+    cfg: MutableMapping[str, CfgVal],
+    dirs: Iterable[str | os.PathLike[str]] | None = None,
+    run_opts: runopts | None = None,
+) -> MutableMapping[str, CfgVal]:
+    """Fills ``cfg`` with the ``[scheduler]`` run options of the config files.
+
+    Keys already in ``cfg`` are kept (explicit beats config); between files, the one of higher
+    precedence wins (see ``find_configs``). Defaults are not filled in: ``runopts.resolve`` does.
+
+    Args:
+        scheduler: the scheduler whose section is read.
+        cfg: the explicit run options; updated in place and returned.
+        dirs: directories to read ``.torchxconfig`` from, first wins (default: CWD, then HOME).
+        run_opts: the scheduler's run options (default: asked of the scheduler).
+
+    Raises:
+        UnknownSchedulerException: ``scheduler`` is not registered (when ``run_opts`` is not given).
+        ConfigFileError: a file is not valid INI.
+        InvalidRunConfigException: a value does not cast to its run option's type.
+    """
+    paths = find_configs(dirs)
+    if not paths:
+        return cfg
+    opts = run_opts
+    if opts is None:
+        if scheduler not in _known_schedulers():
+            raise UnknownSchedulerException(scheduler, _known_schedulers())
+        opts = _scheduler_run_opts(scheduler)
+    _check_sections(paths)
+    for path in paths:
+        load(scheduler, path, cfg, opts)
+        logger.debug("applied [%s] of %s", scheduler, path)
+    return cfg
+
+
+def _strip_prefix(section: str, prefix: str) -> str | None:
+    head, delim, rest = section.partition(CONFIG_PREFIX_DELIM)
+    if delim and head == prefix and rest:
+        return rest
+    return None
+
+
+def load_sections(
+    prefix: str, dirs: Iterable[str | os.PathLike[str]] | None = None
+) -> dict[str, dict[str, str]]:
+    """The ``[prefix:NAME]`` sections of the config files, by ``NAME``, values as strings.
+
+    E.g. ``load_sections("component")`` gives ``{"dist.ddp": {"j": "2x2"}}`` for a
+    ``[component:dist.ddp]`` section. A key set in several files takes the value of the file
+    of highest precedence.
+
+    Raises:
+        ConfigFileError: a file is not valid INI.
+    """
+    sections: dict[str, dict[str, str]] = {}
+    for path in find_configs(dirs):
+        parser = read_config(path)
+        for section in parser.sections():
+            name = _strip_prefix(section, prefix)
+            if name is None:
+                continue
+            values = sections.setdefault(name, {})
+            for key, value in parser.items(section):
+                values.setdefault(key, value)
+    return sections
+
+
+def get_configs(
+    prefix: str, name: str, dirs: Iterable[str | os.PathLike[str]] | None = None
+) -> dict[str, str]:
+    """The contents of section ``[prefix:name]`` (empty when there is none)."""
+    return load_sections(prefix, dirs).get(name, {})
+
+
+def get_config(
+    prefix: str, name: str, key: str, dirs: Iterable[str | os.PathLike[str]] | None = None
+) -> str | None:
+    """The value of ``key`` in section ``[prefix:name]``, or None."""
+    return get_configs(prefix, name, dirs).get(key)
+
+
+def _format_default(opt_type: Any, default: CfgVal) -> str:
+    if default is None:
+        return NONE_VALUE
+    if _is_list_str(opt_type) and isinstance(default, list):
+        return ";".join(default) if default else NONE_VALUE
+    if _is_dict_str(opt_type) and isinstance(default, dict):
+        return ";".join(f"{k}:{v}" for k, v in default.items()) if default else NONE_VALUE
+    return str(default)
+
+
+def dump(
+    f: TextIO,
+    schedulers: Iterable[str] | None = None,
+    required_only: bool = False,
+    run_opts: dict[str, runopts] | None = None,
+) -> None:
+    """Writes a config template with each scheduler's run options and their defaults.
+
+    Required options get a ``#FIXME`` placeholder naming their type and help.
+
+    Args:
+        f: where to write.
+        schedulers: which schedulers (default: every registered one whose module loads).
+        required_only: only write the required options.
+        run_opts: the run options by scheduler (default: asked of each scheduler).
+    """
+    parser = _parser()
+    for name in _known_schedulers() if schedulers is None else schedulers:
+        if run_opts is not None and name in run_opts:
+            opts = run_opts[name]
+        else:
+            try:
+                opts = _scheduler_run_opts(name)
+            except ImportError as e:
+                logger.warning("skipping scheduler %r: its module does not load: %s", name, e)
+                continue
+        parser.add_section(name)
+        for key, opt in opts:
+            if opt.is_required:
+                placeholder = f"#FIXME ({_type_name(opt.opt_type)}) {opt.help}"
+                parser.set(name, key, placeholder[:100])
+            elif not required_only:
+                parser.set(name, key, _format_default(opt.opt_type, opt.default))
+    parser.write(f, space_around_delimiters=True)

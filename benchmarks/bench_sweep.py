@@ -1,0 +1,154 @@
+"""A sweep driver's cost: many short apps through ``as_completed``, a bounded number running at once.
+
+    python benchmarks/bench_sweep.py [--apps 1000] [--concurrency 100] [--sleep 0]
+
+The driver keeps at most ``--concurrency`` apps running (launched or being launched): it starts
+launches in the background up to the limit, takes the next finished app from
+``runner.as_completed(running)`` (oldest first when several have finished), which frees a slot for a
+replacement, and so on until every app has finished. Each app runs ``sh -c "[sleep S;] date +%s.%N"`` on ``local_cwd``: its last line is the
+moment it exits, read back from its log afterwards to measure the exit-to-wake latency (from that
+line to the moment ``as_completed`` yielded the app).
+
+Prints one JSON object: launches per second over the whole run, wake latency (median/p95/max, ms),
+CPU of the driver process (``getrusage(RUSAGE_SELF)``, seconds and percent of one core over the run),
+total wall time, the most apps seen running at once, and the StatusHub's round count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import anyio
+
+from asynctorchx import AsyncRunner
+from asynctorchx.specs import AppDef, AppState, Role
+
+LOCAL = "local_cwd"
+
+
+def cpu() -> tuple[float, float]:
+    """(user + system seconds of this process, of its reaped children)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    return {
+        "median": statistics.median(v),
+        "p95": v[min(len(v) - 1, int(len(v) * 0.95))],
+        "max": v[-1],
+        "count": len(v),
+    }
+
+
+async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[str, Any]:
+    script = (f"sleep {sleep}; " if sleep > 0 else "") + "date +%s.%N"
+    app = AppDef("sweep", [Role("main", image=".", entrypoint="sh", args=["-c", script])])
+    woke: dict[str, float] = {}
+    states: dict[str, str] = {}
+    running: dict[str, None] = {}  # launch order, so the oldest finished app is taken first
+    launched = launching = max_running = 0
+    started = asyncio.Event()
+
+    async with AsyncRunner(name=f"bench-sweep-{os.getpid()}", local_root=root) as runner:
+
+        async def launch() -> None:
+            nonlocal launching, max_running
+            handle = await runner.run(app, LOCAL)
+            launching -= 1
+            running[handle] = None
+            max_running = max(max_running, len(running))
+            started.set()
+
+        cpu0, kids0 = cpu()
+        t0 = time.perf_counter()
+        async with anyio.create_task_group() as launches:
+            while launched < apps or running or launching:
+                while launched < apps and len(running) + launching < concurrency:
+                    launched += 1
+                    launching += 1
+                    launches.start_soon(launch)
+                if not running:
+                    started.clear()
+                    await started.wait()
+                    continue
+                # the next app to finish among those launched so far; replacements are launched in
+                # the background and join the next as_completed
+                async with contextlib.aclosing(runner.as_completed(list(running))) as finished:
+                    async for handle, status in finished:
+                        woke[handle] = time.time()
+                        states[handle] = status.state.name if status else AppState.UNKNOWN.name
+                        del running[handle]
+                        break
+        wall = time.perf_counter() - t0
+        cpu1, kids1 = cpu()
+        rounds = runner.hub(LOCAL).rounds
+
+        latencies = []
+        unreadable = 0
+        for handle, wake in woke.items():
+            lines = [ln async for ln in runner.log_lines(handle, "main")]
+            try:
+                latencies.append((wake - float(lines[-1])) * 1000)
+            except (IndexError, ValueError):
+                unreadable += 1
+
+    counts: dict[str, int] = {}
+    for state in states.values():
+        counts[state] = counts.get(state, 0) + 1
+    return {
+        "apps": apps,
+        "concurrency": concurrency,
+        "app_sleep_s": sleep,
+        "wall_s": wall,
+        "launches_per_s": apps / wall,
+        "wake_latency_ms": percentiles(latencies) if latencies else None,
+        "unreadable_exit_lines": unreadable,
+        "driver_cpu_s": cpu1 - cpu0,
+        "driver_cpu_percent": 100 * (cpu1 - cpu0) / wall,
+        "children_cpu_s": kids1 - kids0,
+        "max_running": max_running,
+        "status_rounds": rounds,
+        "states": counts,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--apps", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=100)
+    parser.add_argument(
+        "--sleep",
+        type=float,
+        default=0.0,
+        help="seconds each app sleeps before it prints and exits",
+    )
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="bench-sweep-")
+    try:
+        result = asyncio.run(sweep(args.apps, args.concurrency, args.sleep, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result["python"] = sys.version.split()[0]
+    result["cpus"] = os.cpu_count()
+    print(json.dumps(result, indent=2))
+    return 0 if result["states"] == {"SUCCEEDED": args.apps} else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
