@@ -1,0 +1,130 @@
+"""Terminal output: colour decisions, ANSI styles, tables and messages on stderr.
+
+Colour follows the usual conventions, per stream: ``NO_COLOR`` (non-empty) turns it off, else
+``FORCE_COLOR`` (non-empty, not ``0``) turns it on, else it is on only when the stream is a terminal
+whose ``TERM`` is not ``dumb``. Plain ANSI escapes are used (no rich): the CLI starts faster that way.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+RESET = "\x1b[0m"
+BOLD = "1"
+DIM = "2"
+RED = "31"
+GREEN = "32"
+YELLOW = "33"
+BLUE = "34"
+MAGENTA = "35"
+CYAN = "36"
+
+# Distinct, readable on dark and light backgrounds; red is kept for errors and stderr markers.
+REPLICA_PALETTE: tuple[str, ...] = (
+    CYAN,
+    MAGENTA,
+    YELLOW,
+    GREEN,
+    BLUE,
+    "96",
+    "95",
+    "93",
+    "92",
+    "94",
+)
+
+STATE_STYLES: dict[str, str] = {
+    "SUCCEEDED": f"{BOLD};{GREEN}",
+    "FAILED": f"{BOLD};{RED}",
+    "CANCELLED": f"{BOLD};{YELLOW}",
+    "UNKNOWN": f"{BOLD};{MAGENTA}",
+    "RUNNING": BLUE,
+    "PENDING": DIM,
+    "SUBMITTED": DIM,
+    "UNSUBMITTED": DIM,
+}
+
+
+def colour_enabled(stream: TextIO) -> bool:
+    """Whether to write ANSI colours to ``stream`` (see the module docstring for the rules)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    force = os.environ.get("FORCE_COLOR")
+    if force and force != "0":
+        return True
+    if os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class Styler:
+    """Applies ANSI styles to text written to one stream, or leaves it plain."""
+
+    def __init__(self, stream: TextIO, enabled: bool | None = None) -> None:
+        self.stream = stream
+        self.enabled = colour_enabled(stream) if enabled is None else enabled
+
+    def __call__(self, text: str, style: str) -> str:
+        """``text`` wrapped in the SGR ``style`` (e.g. ``"1;31"``), or ``text`` when colour is off."""
+        if not self.enabled or not style or not text:
+            return text
+        return f"\x1b[{style}m{text}{RESET}"
+
+    def state(self, name: str, width: int = 0) -> str:
+        """An app state's name, coloured by its meaning and padded to ``width``."""
+        return self(name, STATE_STYLES.get(name, "")) + " " * max(0, width - len(name))
+
+
+def err_styler() -> Styler:
+    """A styler for ``sys.stderr``."""
+    return Styler(sys.stderr)
+
+
+def out_styler() -> Styler:
+    """A styler for ``sys.stdout``."""
+    return Styler(sys.stdout)
+
+
+def info(message: str) -> None:
+    """Writes a line of chatter to stderr (stdout is kept for results)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def print_error(prog: str, message: str, hint: str = "") -> None:
+    """Writes ``PROG: error: MESSAGE (hint: HINT)`` as one line on stderr."""
+    style = err_styler()
+    tail = f"; {style('hint', DIM)}: {hint}" if hint else ""
+    print(
+        f"{prog}: {style('error', f'{BOLD};{RED}')}: {message}{tail}", file=sys.stderr, flush=True
+    )
+
+
+def format_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], style: Styler, state_col: int = -1
+) -> str:
+    """A plain-text table with aligned columns; the ``state_col`` column is coloured by state."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+    last = len(headers) - 1
+
+    def line(cells: Sequence[str], header: bool) -> str:
+        parts = []
+        for i, cell in enumerate(cells):
+            pad = "" if i == last else " " * (widths[i] - len(cell))
+            if header:
+                parts.append(style(cell, BOLD) + pad)
+            elif i == state_col:
+                parts.append(style.state(cell) + pad)
+            else:
+                parts.append(cell + pad)
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers, True), *(line(r, False) for r in rows)])

@@ -1,0 +1,69 @@
+"""``asynctorchx cancel HANDLE [--wait]``: stop an app."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from asynctorchx.cli._help import HelpFormatter
+
+if TYPE_CHECKING:
+    from asynctorchx.cli._interrupt import Interrupts
+
+
+def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentParser) -> None:
+    """Adds the ``cancel`` command."""
+    p = sub.add_parser(
+        "cancel",
+        parents=[common],
+        formatter_class=HelpFormatter,
+        help="cancel an app",
+        description="Asks the app's scheduler to stop it (local apps: SIGTERM to each replica's "
+        "process group, then SIGKILL after a grace period). Cancelling an app that has ended does "
+        "nothing. Exits 4 when the scheduler does not know the app.",
+    )
+    p.add_argument("handle", metavar="HANDLE", help="the app handle printed by 'asynctorchx run'")
+    p.add_argument(
+        "--wait", action="store_true", help="wait until the app has ended before returning"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --wait: give up after this long (exit 124)",
+    )
+    p.set_defaults(handler=execute, is_async=True, command="cancel")
+
+
+async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
+    """Cancels ``args.handle``."""
+    from asynctorchx.cli._common import runner_for_handle, unknown_app
+    from asynctorchx.cli._errors import CliError, ExitCode
+    from asynctorchx.cli._output import err_styler, info
+
+    runner, handle = runner_for_handle(args.handle)
+    args.scheduler = handle.split("://", 1)[0]
+    style = err_styler()
+    async with runner:
+        status = await runner.status(handle)
+        if status is None:
+            raise unknown_app(handle)
+        if status.is_terminal():
+            info(f"{handle} has already ended: {style.state(status.state.name)}")
+            return 0
+        await runner.cancel(handle)
+        if not args.wait:
+            info(f"cancel requested for {handle}")
+            return 0
+        try:
+            final = await runner.wait(handle, timeout=args.timeout)
+        except TimeoutError:
+            raise CliError(
+                f"{handle} was still running {args.timeout:g}s after the cancel request",
+                f"'asynctorchx status {handle}' shows where it is",
+                ExitCode.TIMEOUT,
+            ) from None
+    state = final.state.name if final is not None else "UNKNOWN"
+    info(f"{handle} {style.state(state)}")
+    return 0

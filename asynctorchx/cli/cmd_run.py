@@ -1,0 +1,231 @@
+"""``asynctorchx run [options] COMPONENT [ARGS...]``: launch a component, optionally wait and follow.
+
+stdout gets the app handle alone (so ``h=$(asynctorchx run ...)`` works); everything else — progress,
+the final status, and with ``--log`` the replicas' log lines — goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from asynctorchx.cli._help import HelpFormatter
+
+if TYPE_CHECKING:
+    from asynctorchx.cli._interrupt import Interrupts
+    from asynctorchx.runner.api import AsyncRunner
+    from asynctorchx.specs.api import AppStatus, CfgVal
+
+_EPILOG = """\
+Local apps (local_cwd, local_dir) are child processes of this command: it stays until the app ends
+(even without --wait), and Ctrl+C cancels the app. Apps of other schedulers outlive the command:
+without --wait it returns once the app is submitted, and Ctrl+C while waiting detaches (the app keeps
+running). A second Ctrl+C exits at once (130).
+
+examples:
+  asynctorchx run utils.echo --msg hello
+  asynctorchx run --log utils.sh --num_replicas 2 'echo hi from $REPLICA_ID'
+  asynctorchx run -s local_docker --wait dist.ddp -j 1x2 --script train.py
+  asynctorchx run --dryrun -s slurm -cfg partition=debug,time=10 utils.echo
+  asynctorchx run utils.echo --help            the component's arguments
+"""
+
+
+def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentParser) -> None:
+    """Adds the ``run`` command."""
+    p = sub.add_parser(
+        "run",
+        parents=[common],
+        help="launch a component as an app",
+        description="Builds the app of a component (a builtin like utils.echo, a plugin, or "
+        "path/to/file.py:function) from its arguments and launches it. Prints the app handle "
+        "on stdout. Exit code with --wait/--log (and for local apps): the app's final state.",
+        epilog=_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "-s",
+        "--scheduler",
+        default=None,
+        help="where to run (default: [cli:run] scheduler in .torchxconfig, else local_cwd); "
+        "'asynctorchx runopts' lists them",
+    )
+    p.add_argument(
+        "-cfg",
+        "--scheduler_args",
+        default=None,
+        metavar="K=V,...",
+        help="scheduler run options, e.g. partition=debug,time=10 (see 'asynctorchx runopts "
+        "SCHEDULER'); they override the [SCHEDULER] section of .torchxconfig",
+    )
+    p.add_argument(
+        "--dryrun",
+        action="store_true",
+        help="print what would be submitted (for local apps: commands, env, log paths) and "
+        "launch nothing",
+    )
+    p.add_argument("--wait", action="store_true", help="wait for the app to end")
+    p.add_argument(
+        "--log",
+        action="store_true",
+        help="follow every replica's log lines (prefixed role/replica) until the app ends; "
+        "implies --wait",
+    )
+    p.add_argument(
+        "--workspace",
+        default=None,
+        metavar="PATH",
+        help="a workspace to build into the image, for schedulers that support it",
+    )
+    p.add_argument(
+        "component_args",
+        nargs=argparse.REMAINDER,
+        metavar="COMPONENT [ARGS...]",
+        help="the component and its arguments (default: [cli:run] component in .torchxconfig)",
+    )
+    p.set_defaults(handler=execute, is_async=True, command="run")
+
+
+def parse_cfg(runner: AsyncRunner, scheduler: str, cfg_str: str | None) -> dict[str, CfgVal]:
+    """The typed cfg of ``-cfg``, with ``.torchxconfig``'s ``[SCHEDULER]`` values as defaults.
+
+    Raises:
+        CliError: a key is not a run option of the scheduler.
+        InvalidRunConfigException: a value does not have its option's type.
+    """
+    from asynctorchx.cli._config import apply_scheduler_defaults
+    from asynctorchx.cli._errors import CliError
+
+    cfg: dict[str, CfgVal] = {}
+    opts = runner.scheduler_run_opts(scheduler)
+    if cfg_str:
+        from asynctorchx.specs.api import _split_cfg
+
+        unknown = [k for k in _split_cfg(cfg_str) if opts.get(k) is None]
+        if unknown:
+            known = ", ".join(k for k, _ in opts) or "none"
+            raise CliError(
+                f"-cfg: {', '.join(map(repr, unknown))} is not a run option of {scheduler} "
+                f"(its options: {known})",
+                f"'asynctorchx runopts {scheduler}' describes them",
+            )
+        cfg = runner.cfg_from_str(scheduler, cfg_str)
+    return apply_scheduler_defaults(scheduler, cfg, opts)
+
+
+def _split_component(args: argparse.Namespace) -> tuple[str, list[str]]:
+    from asynctorchx.cli._config import run_defaults
+    from asynctorchx.cli._errors import CliError
+
+    rest = list(args.component_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if rest and not rest[0].startswith("-"):
+        return rest[0], rest[1:]
+    component = run_defaults().get("component")
+    if not component:
+        raise CliError(
+            "no component given",
+            "name one (asynctorchx run utils.echo --msg hi; 'asynctorchx builtins' lists them) "
+            "or set 'component' in the [cli:run] section of .torchxconfig",
+        )
+    return component, rest
+
+
+async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
+    """Launches the component; waits and follows as asked."""
+    import sys
+
+    from asynctorchx.cli._common import apps_outlive_cli, runner_for_session
+    from asynctorchx.cli._config import default_scheduler, run_defaults
+    from asynctorchx.cli._errors import exit_code_for_state
+    from asynctorchx.cli._interrupt import Interrupted
+    from asynctorchx.cli._output import BOLD, err_styler, info
+
+    args.scheduler = args.scheduler or default_scheduler()
+    scheduler: str = args.scheduler
+    component, component_args = _split_component(args)
+    workspace = args.workspace or run_defaults().get("workspace") or None
+    style = err_styler()
+    async with runner_for_session(None) as runner:
+        cfg = parse_cfg(runner, scheduler, args.scheduler_args)
+        try:
+            dryrun = runner.dryrun_component(component, component_args, scheduler, cfg, workspace)
+        except SystemExit as e:  # the component's --help
+            return e.code if isinstance(e.code, int) else 0
+        if args.dryrun:
+            info(f"dry run of {component} on {scheduler}: nothing is launched")
+            print(dryrun)
+            return 0
+        handle = await runner.schedule(dryrun)
+        print(handle, flush=True)
+        outlives = apps_outlive_cli(scheduler)
+        if outlives and not (args.wait or args.log):
+            info(f"launched {style(handle, BOLD)}")
+            info(f"  follow it: asynctorchx log -f {handle}")
+            info(f"  cancel it: asynctorchx cancel {handle}")
+            return 0
+        if outlives:
+            info(f"launched {style(handle, BOLD)} (Ctrl+C detaches; the app keeps running)")
+        else:
+            info(
+                f"launched {style(handle, BOLD)} (this command stays until it ends; Ctrl+C cancels it)"
+            )
+        roles = [] if dryrun.app is None else [(r.name, r.num_replicas) for r in dryrun.app.roles]
+        try:
+            status = await interrupts.race(_follow(runner, handle, roles, log=args.log))
+        except Interrupted:
+            if outlives:
+                info(f"\ndetached from {handle}; it keeps running")
+                info(f"  follow it: asynctorchx log -f {handle}")
+                info(f"  status:    asynctorchx status {handle}")
+                info(f"  cancel it: asynctorchx cancel {handle}")
+                return interrupts.exit_code
+            info(f"\ncancelling {handle} (Ctrl+C again to exit at once)")
+            await runner.cancel(handle)
+            try:
+                final = await runner.wait(handle, timeout=60)
+            except TimeoutError:
+                final = None
+            state = final.state.name if final is not None else "UNKNOWN"
+            info(f"{handle} {style.state(state)}")
+            return interrupts.exit_code
+    _report(handle, status)
+    sys.stderr.flush()
+    return exit_code_for_state(None if status is None else status.state)
+
+
+async def _follow(
+    runner: AsyncRunner, handle: str, roles: list[tuple[str, int]], *, log: bool
+) -> AppStatus | None:
+    """Waits for the app to end (following its logs when ``log``) and returns its final status."""
+    if log:
+        import sys
+
+        from asynctorchx.cli._errors import one_line
+        from asynctorchx.cli._logs import LogPrinter, LogQuery, app_replicas, print_logs
+        from asynctorchx.cli._output import info
+
+        replicas = app_replicas(roles)
+        printer = LogPrinter(handle, replicas, sys.stderr, flush=True)
+        try:
+            await print_logs(
+                runner, handle, replicas, printer, LogQuery(follow=True), separate_streams=True
+            )
+        except Exception as e:
+            info(f"asynctorchx: warning: cannot follow the logs: {one_line(str(e))}")
+    return await runner.wait(handle)
+
+
+def _report(handle: str, status: AppStatus | None) -> None:
+    from asynctorchx.cli._output import err_styler, info
+
+    style = err_styler()
+    if status is None:
+        info(f"{handle} {style.state('UNKNOWN')}: the scheduler lost track of the app")
+        return
+    if status.state.name == "SUCCEEDED":
+        info(f"{handle} {style.state('SUCCEEDED')}")
+        return
+    info(f"{handle} {style.state(status.state.name)}")
+    info(status.format())
