@@ -1,0 +1,478 @@
+"""AppDef -> Docker requests: one container per replica, plus the app's network. Pure, no I/O.
+
+Each container request is the JSON body of ``POST /containers/create`` (Docker Engine API 1.41), so a
+dry run shows exactly what ``schedule`` sends. The labels carry everything the backend needs to
+describe, retry, cancel and clean up the app later from any process: app id, session, role, replica,
+attempt, the app's shape, retry settings and the library version.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from asynctorchx.specs.api import (
+    AppDef,
+    BindMount,
+    CfgVal,
+    DeviceMount,
+    InvalidAppDefException,
+    Resource,
+    RetryPolicy,
+    Role,
+    VolumeMount,
+    macros,
+)
+from asynctorchx.version import __version__
+
+LABEL_PREFIX = "asynctorchx.io/"
+LABEL_APP_ID = LABEL_PREFIX + "app-id"
+LABEL_APP_NAME = LABEL_PREFIX + "app-name"
+LABEL_SESSION = LABEL_PREFIX + "session"
+LABEL_ROLE_NAME = LABEL_PREFIX + "role-name"
+LABEL_REPLICA_ID = LABEL_PREFIX + "replica-id"
+LABEL_ATTEMPT = LABEL_PREFIX + "attempt"
+LABEL_HOSTNAME = LABEL_PREFIX + "hostname"
+LABEL_ROLES = LABEL_PREFIX + "roles"
+LABEL_MAX_RETRIES = LABEL_PREFIX + "max-retries"
+LABEL_RETRY_POLICY = LABEL_PREFIX + "retry-policy"
+LABEL_NETWORK = LABEL_PREFIX + "network"
+LABEL_REMOVE_FINISHED = LABEL_PREFIX + "remove-finished"
+LABEL_KIND = LABEL_PREFIX + "kind"
+LABEL_VERSION = LABEL_PREFIX + "version"
+
+KIND_REPLICA = "replica"
+KIND_CANCEL_MARKER = "cancel-marker"
+
+RANK0_ENV = "TORCHX_RANK0_HOST"
+DEFAULT_BRIDGE = "bridge"
+DEFAULT_STOP_TIMEOUT = 10
+
+#: Docker refuses memory limits below 6 MiB and CPU limits below 0.01.
+MIN_MEMORY_MB = 6
+MIN_CPUS = 0.01
+
+# Named devices of ``Resource.devices`` that map to host device files (as TorchX maps them).
+_NAMED_DEVICES: dict[str, str] = {"vpc.amazonaws.com/efa": "/dev/infiniband/uverbs{index}"}
+
+_HOST_LABEL_MAX = 63
+_VOLUME_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+_NETWORK_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+
+
+@dataclass
+class ContainerRequest:
+    """One replica's container.
+
+    Args:
+        name: the container's name; also its hostname and its alias on the app's network.
+        role: the role's name.
+        replica_id: the replica's index within its role.
+        config: the body of ``POST /containers/create``.
+    """
+
+    name: str
+    role: str
+    replica_id: int
+    config: dict[str, Any]
+
+
+@dataclass
+class NetworkRequest:
+    """The app's own network: created before its containers, removed once the app has ended.
+
+    Args:
+        name: the network's name.
+        config: the body of ``POST /networks/create``.
+    """
+
+    name: str
+    config: dict[str, Any]
+
+
+@dataclass
+class DockerJob:
+    """Everything ``schedule`` submits for one app.
+
+    Args:
+        app_id: the app's id (also the prefix of every container name).
+        app_name: the AppDef's name.
+        network: the network every container joins.
+        network_request: the app's own network to create, or None to use an existing one.
+        containers: one request per replica, in role order.
+        images: each image the app needs, with the first role that uses it.
+        volumes: each named volume the app mounts, with the first role that mounts it.
+        remove_finished: remove the app's containers once it has finished.
+    """
+
+    app_id: str
+    app_name: str
+    network: str
+    network_request: NetworkRequest | None
+    containers: list[ContainerRequest] = field(default_factory=list)
+    images: dict[str, str] = field(default_factory=dict)
+    volumes: dict[str, str] = field(default_factory=dict)
+    remove_finished: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready view of the whole request (what the dry run shows, and golden files hold)."""
+        return {
+            "app_id": self.app_id,
+            "app_name": self.app_name,
+            "network": self.network,
+            "network_request": (
+                None
+                if self.network_request is None
+                else {"name": self.network_request.name, "config": self.network_request.config}
+            ),
+            "images": self.images,
+            "volumes": self.volumes,
+            "remove_finished": self.remove_finished,
+            "containers": [
+                {"name": c.name, "role": c.role, "replica_id": c.replica_id, "config": c.config}
+                for c in self.containers
+            ],
+        }
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_json(), indent=2, sort_keys=False)
+
+
+def network_name_for(app_id: str) -> str:
+    """The name of the network an app gets for itself."""
+    return f"asynctorchx-{app_id}"
+
+
+def _dns_label(text: str) -> str:
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower())
+    return re.sub(r"-{2,}", "-", label).strip("-")
+
+
+def replica_hostnames(app_id: str, roles: list[Role]) -> dict[str, list[str]]:
+    """``{role name: [hostname of replica 0, 1, ...]}``: ``{app_id}-{role}-{replica}``.
+
+    Each hostname is a valid DNS label (lowercase ``[a-z0-9-]``, at most 63 characters) and doubles as
+    the container's name. A role name that is not already a DNS label, or that is too long to fit, is
+    shortened and given a 6-character hash of its full name, so that distinct roles never collide.
+
+    Raises:
+        InvalidAppDefException: two roles still map to the same hostname.
+    """
+    out: dict[str, list[str]] = {}
+    seen: dict[str, str] = {}
+    for role in roles:
+        digits = len(str(max(role.num_replicas - 1, 0)))
+        room = _HOST_LABEL_MAX - len(app_id) - digits - 2
+        part = _dns_label(role.name)
+        if part != role.name or len(part) > room or not part:
+            digest = hashlib.sha1(role.name.encode()).hexdigest()[:6]
+            part = f"{part[: max(room - 7, 0)]}-{digest}".strip("-")
+        prefix = f"{app_id}-{part}"
+        if prefix in seen:
+            raise InvalidAppDefException(
+                f"roles {seen[prefix]!r} and {role.name!r} map to the same container name "
+                f"{prefix!r}; rename one of them",
+                role=role.name,
+                field_name="name",
+            )
+        seen[prefix] = role.name
+        out[role.name] = [f"{prefix}-{k}" for k in range(role.num_replicas)]
+    return out
+
+
+def copied_env(patterns: list[str] | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` whose names match one of the glob ``patterns``, sorted by name."""
+    if not patterns:
+        return {}
+    keys = {k for pattern in patterns for k in fnmatch.filter(environ.keys(), pattern)}
+    return {k: environ[k] for k in sorted(keys)}
+
+
+def _check_env(source: str, env: Mapping[str, str]) -> None:
+    for key, value in env.items():
+        if not isinstance(key, str) or not key or "=" in key or "\0" in key:
+            raise InvalidAppDefException(
+                f"{source} key must be a non-empty string without '=' or NUL, got {key!r}",
+                field_name=source,
+            )
+        if not isinstance(value, str) or "\0" in value:
+            raise InvalidAppDefException(
+                f"{source}[{key!r}] must be a string without NUL, got {value!r}",
+                field_name=source,
+            )
+
+
+def _resource_config(role: Role) -> dict[str, Any]:
+    res: Resource = role.resource
+    host: dict[str, Any] = {}
+    if res.cpu > 0:
+        if res.cpu < MIN_CPUS:
+            raise InvalidAppDefException(
+                f"resource.cpu must be 0 (no limit) or at least {MIN_CPUS} for Docker, got {res.cpu!r}",
+                role=role.name,
+                field_name="resource.cpu",
+            )
+        host["NanoCpus"] = round(res.cpu * 1e9)
+    if res.memMB > 0:
+        if res.memMB < MIN_MEMORY_MB:
+            raise InvalidAppDefException(
+                f"resource.memMB must be 0 (no limit) or at least {MIN_MEMORY_MB} for Docker, "
+                f"got {res.memMB!r}",
+                role=role.name,
+                field_name="resource.memMB",
+            )
+        mem = int(res.memMB * 1024 * 1024)
+        host["Memory"] = mem
+        host["ShmSize"] = mem
+    if res.gpu > 0:
+        host["DeviceRequests"] = [
+            {"Driver": "", "Count": int(res.gpu), "DeviceIDs": None, "Capabilities": [["gpu"]]}
+        ]
+    return host
+
+
+def _mount_config(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """(``HostConfig.Mounts``, ``HostConfig.Devices``, named volumes) of a role."""
+    mounts: list[dict[str, Any]] = []
+    devices: list[dict[str, Any]] = []
+    volumes: list[str] = []
+    for i, mount in enumerate(role.mounts):
+        if isinstance(mount, BindMount):
+            if not mount.src_path.startswith("/"):
+                raise InvalidAppDefException(
+                    f"mounts[{i}].src_path must be an absolute host path, got {mount.src_path!r}",
+                    role=role.name,
+                    field_name=f"mounts[{i}].src_path",
+                )
+            mounts.append(
+                {
+                    "Type": "bind",
+                    "Source": mount.src_path,
+                    "Target": mount.dst_path,
+                    "ReadOnly": mount.read_only,
+                }
+            )
+        elif isinstance(mount, VolumeMount):
+            if not _VOLUME_NAME_RE.fullmatch(mount.src or ""):
+                raise InvalidAppDefException(
+                    f"mounts[{i}].src must be a Docker volume name ([A-Za-z0-9][A-Za-z0-9_.-]*), "
+                    f"got {mount.src!r}",
+                    role=role.name,
+                    field_name=f"mounts[{i}].src",
+                )
+            volumes.append(mount.src)
+            mounts.append(
+                {
+                    "Type": "volume",
+                    "Source": mount.src,
+                    "Target": mount.dst_path,
+                    "ReadOnly": mount.read_only,
+                }
+            )
+        elif isinstance(mount, DeviceMount):
+            if not mount.src_path.startswith("/"):
+                raise InvalidAppDefException(
+                    f"mounts[{i}].src_path must be an absolute device path, got {mount.src_path!r}",
+                    role=role.name,
+                    field_name=f"mounts[{i}].src_path",
+                )
+            devices.append(
+                {
+                    "PathOnHost": mount.src_path,
+                    "PathInContainer": mount.dst_path,
+                    "CgroupPermissions": mount.permissions,
+                }
+            )
+    for name, count in role.resource.devices.items():
+        pattern = _NAMED_DEVICES.get(name)
+        if pattern is None:
+            raise InvalidAppDefException(
+                f"resource.devices has {name!r}, which local_docker cannot map to a host device "
+                f"(known: {', '.join(sorted(_NAMED_DEVICES))}); mount it with a DeviceMount instead",
+                role=role.name,
+                field_name="resource.devices",
+            )
+        for index in range(count):
+            path = pattern.format(index=index)
+            devices.append(
+                {"PathOnHost": path, "PathInContainer": path, "CgroupPermissions": "rwm"}
+            )
+    return mounts, devices, volumes
+
+
+def _port_config(role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``ExposedPorts``, ``HostConfig.PortBindings``): each port published on a free host port."""
+    exposed: dict[str, Any] = {}
+    bindings: dict[str, Any] = {}
+    for name, port in role.port_map.items():
+        if not 1 <= port <= 65535:
+            raise InvalidAppDefException(
+                f"port_map[{name!r}] must be a port in [1, 65535] for Docker, got {port!r}",
+                role=role.name,
+                field_name=f"port_map[{name!r}]",
+            )
+        key = f"{port}/tcp"
+        exposed[key] = {}
+        bindings[key] = [{"HostIp": "", "HostPort": ""}]
+    return exposed, bindings
+
+
+def _restart_policy(role: Role) -> dict[str, Any]:
+    """Docker restarts a failed replica by itself only when that is what the RetryPolicy asks."""
+    if role.max_retries > 0 and RetryPolicy(role.retry_policy) == RetryPolicy.REPLICA:
+        return {"Name": "on-failure", "MaximumRetryCount": role.max_retries}
+    return {"Name": "no", "MaximumRetryCount": 0}
+
+
+def build_job(
+    app: AppDef,
+    cfg: Mapping[str, CfgVal],
+    *,
+    app_id: str,
+    session_name: str,
+    environ: Mapping[str, str],
+) -> DockerJob:
+    """Builds the requests for ``app`` (validated) with the resolved ``cfg``. Pure.
+
+    The environment of each replica is, in increasing priority: the variables of ``environ`` that
+    match ``copy_env``, the ``env`` run option, the role's ``env``, and ``TORCHX_RANK0_HOST`` (the
+    hostname of replica 0 of the first role). Macros are substituted per replica.
+
+    Raises:
+        InvalidAppDefException: a value Docker cannot take, naming the role, field and value.
+        InvalidRunConfigException: is not raised here; ``cfg`` is expected to be resolved.
+    """
+    copy_patterns = cfg.get("copy_env")
+    base_env = copied_env(copy_patterns if isinstance(copy_patterns, list) else None, environ)
+    extra_env = cfg.get("env")
+    if isinstance(extra_env, dict):
+        _check_env("env", extra_env)
+        base_env.update(extra_env)
+    privileged = bool(cfg.get("privileged") or False)
+    remove_finished = bool(cfg.get("remove_finished") or False)
+    stop_timeout_raw = cfg.get("stop_timeout")
+    stop_timeout = DEFAULT_STOP_TIMEOUT if stop_timeout_raw is None else stop_timeout_raw
+    if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int) or stop_timeout < 0:
+        raise InvalidAppDefException(
+            f"stop_timeout must be a whole number of seconds >= 0, got {stop_timeout!r}",
+            field_name="stop_timeout",
+        )
+
+    hostnames = replica_hostnames(app_id, app.roles)
+    rank0_host = hostnames[app.roles[0].name][0]
+    total = sum(r.num_replicas for r in app.roles)
+
+    network_cfg = cfg.get("network")
+    if network_cfg:
+        network = str(network_cfg)
+        if not _NETWORK_NAME_RE.fullmatch(network):
+            raise InvalidAppDefException(
+                f"network must be the name or id of an existing Docker network, got {network!r}",
+                field_name="network",
+            )
+        network_request = None
+    elif total > 1:
+        network = network_name_for(app_id)
+        network_request = NetworkRequest(
+            name=network,
+            config={
+                "Name": network,
+                "CheckDuplicate": True,
+                "Driver": "bridge",
+                "Attachable": False,
+                "Labels": {
+                    LABEL_APP_ID: app_id,
+                    LABEL_SESSION: session_name,
+                    LABEL_VERSION: __version__,
+                },
+            },
+        )
+    else:
+        # One container has no peers to reach: it runs on Docker's default bridge, so that many
+        # single-container apps (sweeps) do not use up Docker's pool of network address ranges.
+        network = DEFAULT_BRIDGE
+        network_request = None
+    user_network = network not in (DEFAULT_BRIDGE, "host", "none")
+
+    roles_label = json.dumps([[r.name, r.num_replicas] for r in app.roles], separators=(",", ":"))
+    job = DockerJob(
+        app_id=app_id,
+        app_name=app.name,
+        network=network,
+        network_request=network_request,
+        remove_finished=remove_finished,
+    )
+    for role in app.roles:
+        job.images.setdefault(role.image, role.name)
+        resources = _resource_config(role)
+        mounts, devices, volumes = _mount_config(role)
+        for volume in volumes:
+            job.volumes.setdefault(volume, role.name)
+        exposed, bindings = _port_config(role)
+        if not role.image:
+            raise InvalidAppDefException(
+                "image must name a Docker image, got ''", role=role.name, field_name="image"
+            )
+        for replica_id in range(role.num_replicas):
+            values = macros.Values(
+                img_root="",
+                app_id=app_id,
+                replica_id=str(replica_id),
+                rank0_env=RANK0_ENV,
+            )
+            replica = values.apply(role)
+            env = dict(base_env)
+            env.update(replica.env)
+            env[RANK0_ENV] = rank0_host
+            hostname = hostnames[role.name][replica_id]
+            labels = {
+                LABEL_APP_ID: app_id,
+                LABEL_APP_NAME: app.name,
+                LABEL_SESSION: session_name,
+                LABEL_ROLE_NAME: role.name,
+                LABEL_REPLICA_ID: str(replica_id),
+                LABEL_ATTEMPT: "0",
+                LABEL_HOSTNAME: hostname,
+                LABEL_ROLES: roles_label,
+                LABEL_MAX_RETRIES: str(role.max_retries),
+                LABEL_RETRY_POLICY: RetryPolicy(role.retry_policy).value,
+                LABEL_NETWORK: network_request.name if network_request else "",
+                LABEL_REMOVE_FINISHED: "true" if remove_finished else "false",
+                LABEL_KIND: KIND_REPLICA,
+                LABEL_VERSION: __version__,
+            }
+            host_config: dict[str, Any] = {
+                "NetworkMode": network,
+                "Privileged": privileged,
+                "RestartPolicy": _restart_policy(role),
+                "Mounts": mounts,
+                "Devices": devices,
+                **resources,
+            }
+            if bindings:
+                host_config["PortBindings"] = bindings
+            config: dict[str, Any] = {
+                "Image": role.image,
+                "Entrypoint": [replica.entrypoint],
+                "Cmd": list(replica.args),
+                "Env": [f"{k}={v}" for k, v in env.items()],
+                "Labels": labels,
+                "Hostname": hostname,
+                "StopTimeout": stop_timeout,
+                "HostConfig": host_config,
+            }
+            if exposed:
+                config["ExposedPorts"] = exposed
+            if user_network:
+                config["NetworkingConfig"] = {"EndpointsConfig": {network: {"Aliases": [hostname]}}}
+            job.containers.append(
+                ContainerRequest(
+                    name=hostname, role=role.name, replica_id=replica_id, config=config
+                )
+            )
+    return job

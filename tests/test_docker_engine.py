@@ -1,0 +1,576 @@
+# ruff: noqa: F811 - the fixtures imported from _docker_env are redefined as test parameters
+"""The local_docker backend against the real Docker engine (skipped without one, failed in CI).
+
+Images are the local test images built by ``scripts/engines/docker.sh``; every test runs in a session
+of its own and its containers and networks are removed afterwards (``docker_scheduler``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from _docker_env import (  # noqa: F401 - pytest fixtures
+    busybox_image,
+    collect,
+    containers_of,
+    docker_engine,
+    docker_scheduler,
+    docker_session,
+    purge_session,
+    wait_for,
+)
+
+from asynctorchx.runner import AsyncRunner
+from asynctorchx.schedulers.api import Stream
+from asynctorchx.schedulers.docker import DockerScheduler, DockerSchedulerError
+from asynctorchx.specs import (
+    AppDef,
+    AppState,
+    BindMount,
+    Resource,
+    RetryPolicy,
+    Role,
+    UnknownAppException,
+    VolumeMount,
+    is_terminal,
+    macros,
+)
+
+pytestmark = pytest.mark.docker
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(image: str, script: str, *, name: str = "main", n: int = 1, **kwargs: Any) -> Role:
+    """A role running ``script`` with busybox sh."""
+    return Role(
+        name=name, image=image, entrypoint="sh", args=["-c", script], num_replicas=n, **kwargs
+    )
+
+
+async def test_succeeding_app_is_succeeded_with_exit_codes_and_hostnames(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Two replicas exiting 0: SUCCEEDED, each replica with exit code 0 on its own hostname."""
+    app_id = await docker_scheduler.submit(AppDef("ok", [sh(busybox_image, "echo hi", n=2)]), {})
+    resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED
+    replicas = resp.roles_statuses[0].replicas
+    assert [(r.id, r.state, r.exit_code) for r in replicas] == [
+        (0, AppState.SUCCEEDED, 0),
+        (1, AppState.SUCCEEDED, 0),
+    ]
+    assert [r.hostname for r in replicas] == [f"{app_id}-main-0", f"{app_id}-main-1"]
+    assert resp.roles[0].image == busybox_image and resp.roles[0].num_replicas == 2
+    assert resp.name == "ok"
+
+
+async def test_failing_replica_fails_the_app_with_its_exit_code_and_stops_the_others(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Replica 0 exits 3 while replica 1 would run for minutes: the app is FAILED naming exit code
+    3, and the backend stops replica 1."""
+    script = f"if [ {macros.replica_id} = 0 ]; then exit 3; fi; exec sleep 300"
+    app_id = await docker_scheduler.submit(
+        AppDef("fail", [sh(busybox_image, script, n=2)]), {"stop_timeout": 1}
+    )
+    resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.FAILED
+    assert "main/0" in resp.msg and "exit code 3" in resp.msg
+    assert resp.roles_statuses[0].replicas[0].exit_code == 3
+    stopped = await wait_for(
+        docker_scheduler,
+        app_id,
+        lambda r: is_terminal(r.roles_statuses[0].replicas[1].state),
+    )
+    assert stopped.roles_statuses[0].replicas[1].exit_code in (137, 143)
+
+
+async def test_replicas_of_several_roles_reach_each_other_by_hostname(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Two servers (answering one connection per client) and two clients on the app's network: each
+    client reaches both servers by their hostnames ({app_id}-server-{k}), and TORCHX_RANK0_HOST names server 0."""
+    server = sh(
+        busybox_image,
+        "for client in 0 1; do\n"
+        '  echo "pong from $(hostname) rank0=$TORCHX_RANK0_HOST" | nc -l -p 7000\n'
+        "done",
+        name="server",
+        n=2,
+    )
+    client_script = textwrap.dedent(
+        f"""
+        for k in 0 1; do
+          until out=$(nc {macros.app_id}-server-$k 7000 </dev/null) && [ -n "$out" ]; do
+            sleep 0.1
+          done
+          echo "client {macros.replica_id} got: $out"
+        done
+        """
+    )
+    client = sh(busybox_image, client_script, name="client", n=2)
+    app_id = await docker_scheduler.submit(AppDef("net", [server, client]), {})
+    resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED, resp
+    for k in (0, 1):
+        lines = await collect(docker_scheduler.log_iter(app_id, "client", k, streams=Stream.STDOUT))
+        assert lines == [
+            f"client {k} got: pong from {app_id}-server-0 rank0={app_id}-server-0\n",
+            f"client {k} got: pong from {app_id}-server-1 rank0={app_id}-server-0\n",
+        ]
+
+
+async def test_environment_and_macros_reach_each_replica(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """copy_env, the env option and the role's env (with macros) are set in every replica, with the
+    role's env winning; args get the replica's own macros."""
+    monkeypatch.setenv("ATX_TEST_COPIED", "copied")
+    monkeypatch.setenv("ATX_TEST_SHADOWED", "copied")
+    role = Role(
+        name="env",
+        image=busybox_image,
+        entrypoint="sh",
+        args=[
+            "-c",
+            'echo "args: $0 $1"; env | grep -E "^(ATX_|TORCHX_)" | sort',
+            "app=" + macros.app_id,
+            "k=" + macros.replica_id,
+        ],
+        env={"ATX_ROLE": f"{macros.app_id}/{macros.replica_id}", "ATX_TEST_SHADOWED": "role"},
+        num_replicas=2,
+    )
+    cfg = {"copy_env": ["ATX_TEST_*"], "env": {"ATX_OPTION": "option", "ATX_TEST_SHADOWED": "opt"}}
+    app_id = await docker_scheduler.submit(AppDef("env", [role]), cfg)
+    assert (await wait_for(docker_scheduler, app_id)).state == AppState.SUCCEEDED
+    for k in (0, 1):
+        lines = await collect(docker_scheduler.log_iter(app_id, "env", k))
+        assert lines == [
+            f"args: app={app_id} k={k}\n",
+            "ATX_OPTION=option\n",
+            f"ATX_ROLE={app_id}/{k}\n",
+            "ATX_TEST_COPIED=copied\n",
+            "ATX_TEST_SHADOWED=role\n",
+            f"TORCHX_RANK0_HOST={app_id}-env-0\n",
+        ]
+
+
+LOG_SCRIPT = r"""
+echo out-1; echo err-1 >&2
+until [ -f /gate/open ]; do sleep 0.05; done
+echo out-2; echo err-2 >&2
+head -c 40000 /dev/zero | tr '\0' x; echo
+printf 'bad \377\376 utf8\n'
+printf 'no newline at the end'
+"""
+
+
+async def test_logs_streams_regex_since_until_and_tail(
+    docker_scheduler: DockerScheduler, busybox_image: str, tmp_path: Path
+) -> None:
+    """Following the log sees every line until the app ends; stdout and stderr come apart; regex
+    filters; since/until split the log at a moment between two phases; a 40000-character line
+    stays whole, invalid UTF-8 is replaced and an unterminated last line is kept."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    role = sh(busybox_image, LOG_SCRIPT, mounts=[BindMount(str(gate), "/gate")])
+    app_id = await docker_scheduler.submit(AppDef("logs", [role]), {})
+
+    seen_phase1 = asyncio.Event()
+    tailed: list[str] = []
+
+    async def tail() -> None:
+        async for line in docker_scheduler.log_iter(app_id, "main", should_tail=True):
+            tailed.append(line)
+            if {"out-1\n", "err-1\n"} <= set(tailed):
+                seen_phase1.set()
+
+    tail_task = asyncio.create_task(tail())
+    await asyncio.wait_for(seen_phase1.wait(), 20)
+    middle = datetime.now()
+    (gate / "open").touch()
+    await asyncio.wait_for(tail_task, 30)  # ends by itself once the app is terminal
+    assert (await docker_scheduler.describe(app_id)).state == AppState.SUCCEEDED  # type: ignore[union-attr]
+
+    stdout = await collect(docker_scheduler.log_iter(app_id, "main", streams=Stream.STDOUT))
+    stderr = await collect(docker_scheduler.log_iter(app_id, "main", streams=Stream.STDERR))
+    combined = await collect(docker_scheduler.log_iter(app_id, "main"))
+    long_line = "x" * 40000 + "\n"
+    assert stdout == [
+        "out-1\n",
+        "out-2\n",
+        long_line,
+        "bad \ufffd\ufffd utf8\n",
+        "no newline at the end",
+    ]
+    assert stderr == ["err-1\n", "err-2\n"]
+    assert sorted(combined) == sorted(stdout + stderr)
+    assert sorted(tailed) == sorted(combined)
+
+    assert await collect(docker_scheduler.log_iter(app_id, "main", regex=r"^(out|err)-2")) in (
+        ["out-2\n", "err-2\n"],
+        ["err-2\n", "out-2\n"],
+    )
+    before = await collect(docker_scheduler.log_iter(app_id, "main", until=middle))
+    after = await collect(docker_scheduler.log_iter(app_id, "main", since=middle))
+    assert sorted(before) == ["err-1\n", "out-1\n"]
+    assert sorted(after) == sorted(set(combined) - {"out-1\n", "err-1\n"})
+    assert await collect(
+        docker_scheduler.log_iter(app_id, "main", since=middle, streams=Stream.STDERR)
+    ) == ["err-2\n"]
+
+
+class _DroppingClient:
+    """The real aiodocker client, except that the first ``drops_left`` followed log streams break
+    after their first chunk."""
+
+    def __init__(self, real: Any, drops_left: int) -> None:
+        self._real = real
+        self.drops_left = drops_left
+        self.drops = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    @contextlib.asynccontextmanager
+    async def _query(self, path: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        params = kwargs.get("params") or {}
+        async with self._real._query(path, *args, **kwargs) as resp:
+            if path.endswith("/logs") and params.get("follow") and self.drops_left > 0:
+                self.drops_left -= 1
+                yield _OneChunkResponse(resp, self)
+            else:
+                yield resp
+
+
+class _OneChunkResponse:
+    def __init__(self, resp: Any, owner: _DroppingClient) -> None:
+        self._resp = resp
+        self._owner = owner
+        self.content = self
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        async for chunk in self._resp.content.iter_any():
+            yield chunk
+            self._owner.drops += 1
+            raise aiohttp.ClientPayloadError("connection dropped (test)")
+
+    def close(self) -> None:
+        self._resp.close()
+
+
+async def test_tail_resumes_from_the_last_line_when_the_stream_drops(
+    docker_engine: None, busybox_image: str, docker_session: str
+) -> None:
+    """When the followed log stream breaks while the container runs, tailing reconnects from the
+    last line's timestamp: every line arrives exactly once, in order."""
+    import aiodocker
+
+    real = aiodocker.Docker()
+    client = _DroppingClient(real, drops_left=3)
+    scheduler = DockerScheduler(docker_session, client)
+    try:
+        script = "for i in $(seq 1 30); do echo line-$i; sleep 0.03; done"
+        app_id = await scheduler.submit(AppDef("drop", [sh(busybox_image, script)]), {})
+        lines = await asyncio.wait_for(
+            collect(scheduler.log_iter(app_id, "main", should_tail=True)), 60
+        )
+        assert lines == [f"line-{i}\n" for i in range(1, 31)]
+        assert client.drops == 3
+    finally:
+        await scheduler.close()
+        await real.close()
+        await purge_session(docker_session)
+
+
+async def test_cancel_kills_a_container_that_ignores_sigterm(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Cancel sends SIGTERM, and SIGKILL after stop_timeout to a container ignoring it: the app is
+    CANCELLED (exit 137); cancelling again is a no-op."""
+    script = "trap '' TERM; echo ready; while true; do sleep 0.2; done"
+    app_id = await docker_scheduler.submit(
+        AppDef("stubborn", [sh(busybox_image, script)]), {"stop_timeout": 1}
+    )
+    await wait_for(docker_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    await docker_scheduler.cancel(app_id)
+    resp = await docker_scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.CANCELLED
+    replica = resp.roles_statuses[0].replicas[0]
+    assert replica.state == AppState.CANCELLED and replica.exit_code == 137
+    await docker_scheduler.cancel(app_id)
+    assert (await docker_scheduler.describe(app_id)).state == AppState.CANCELLED  # type: ignore[union-attr]
+
+
+async def test_unknown_app_is_none_never_succeeded(docker_scheduler: DockerScheduler) -> None:
+    """An app id Docker has no container for: describe is None, exists is False, logs raise."""
+    assert await docker_scheduler.describe("no-such-app-12345678") is None
+    assert await docker_scheduler.describe_many(["no-such-1", "no-such-2"]) == {
+        "no-such-1": None,
+        "no-such-2": None,
+    }
+    assert not await docker_scheduler.exists("no-such-app-12345678")
+    with pytest.raises(UnknownAppException):
+        await collect(docker_scheduler.log_iter("no-such-app-12345678", "main"))
+
+
+async def test_list_shows_apps_with_their_handles_and_states(
+    docker_scheduler: DockerScheduler, busybox_image: str, docker_session: str
+) -> None:
+    """list() includes each app once, with its state, name and a handle of its session."""
+    ok = await docker_scheduler.submit(AppDef("lister-ok", [sh(busybox_image, "true", n=2)]), {})
+    bad = await docker_scheduler.submit(AppDef("lister-bad", [sh(busybox_image, "exit 1")]), {})
+    await wait_for(docker_scheduler, ok)
+    await wait_for(docker_scheduler, bad)
+    listed = {a.app_id: a for a in await docker_scheduler.list()}
+    assert listed[ok].state == AppState.SUCCEEDED and listed[ok].name == "lister-ok"
+    assert listed[bad].state == AppState.FAILED
+    assert listed[ok].app_handle == f"local_docker://{docker_session}/{ok}"
+
+
+def _run_in_new_process(code: str) -> dict[str, Any]:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+async def test_apps_outlive_their_launcher_and_other_processes_can_cancel_them(
+    docker_engine: None, busybox_image: str, docker_session: str, docker_scheduler: DockerScheduler
+) -> None:
+    """A process launches an app and exits; this process sees it RUNNING; a third process that
+    did not launch it describes and cancels it; every process then reads CANCELLED."""
+    prelude = """
+        import asyncio, json
+        from asynctorchx.schedulers.docker import DockerScheduler
+        from asynctorchx.specs import AppDef, Role
+    """
+    launched = await asyncio.to_thread(
+        _run_in_new_process,
+        prelude
+        + f"""
+        async def main():
+            async with DockerScheduler({docker_session!r}) as s:
+                role = Role("main", {busybox_image!r}, entrypoint="sh",
+                            args=["-c", "exec sleep 300"])
+                app_id = await s.submit(AppDef("outlive", [role]), {{"stop_timeout": 1}})
+                print(json.dumps({{"app_id": app_id}}))
+        asyncio.run(main())
+        """,
+    )
+    app_id = launched["app_id"]
+    resp = await wait_for(docker_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    assert resp.state == AppState.RUNNING
+
+    other = await asyncio.to_thread(
+        _run_in_new_process,
+        prelude
+        + f"""
+        async def main():
+            async with DockerScheduler("someone-else") as s:
+                before = (await s.describe({app_id!r})).state.name
+                await s.cancel({app_id!r})
+                after = (await s.describe({app_id!r})).state.name
+                print(json.dumps({{"before": before, "after": after}}))
+        asyncio.run(main())
+        """,
+    )
+    assert other == {"before": "RUNNING", "after": "CANCELLED"}
+    assert (await docker_scheduler.describe(app_id)).state == AppState.CANCELLED  # type: ignore[union-attr]
+
+
+PAIR_SCRIPT = f"""
+if [ {macros.replica_id} = 0 ]; then echo hi | nc -l -p 7000; exit; fi
+until nc "$TORCHX_RANK0_HOST" 7000 </dev/null; do sleep 0.1; done
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_twenty_concurrent_submits_all_run_and_succeed(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """20 apps submitted at once all get distinct ids and succeed; 4 multi-container apps submitted
+    at once each get a network of their own, removed once they end."""
+    singles = [AppDef(f"many-{i}", [sh(busybox_image, "true")]) for i in range(20)]
+    pairs = [AppDef(f"pair-{i}", [sh(busybox_image, PAIR_SCRIPT, n=2)]) for i in range(4)]
+    ids = await asyncio.gather(*(docker_scheduler.submit(a, {}) for a in singles + pairs))
+    assert len(set(ids)) == 24
+    results = await asyncio.gather(*(wait_for(docker_scheduler, i, timeout=90) for i in ids))
+    assert [r.state for r in results] == [AppState.SUCCEEDED] * 24
+
+    import aiodocker
+
+    async with aiodocker.Docker() as client:
+
+        async def networks_left() -> list[str]:
+            nets = await client.networks.list()
+            return [n["Name"] for n in nets if any(i in n["Name"] for i in ids[20:])]
+
+        deadline = time.monotonic() + 20
+        while (left := await networks_left()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert left == []
+
+
+async def test_bad_input_is_a_clear_error_and_leaves_nothing_behind(
+    docker_scheduler: DockerScheduler, busybox_image: str, tmp_path: Path
+) -> None:
+    """A missing image, a bind mount of a missing host path, too many CPUs, a missing volume and a
+    missing network each fail the submit with a message naming it, and no container or network of
+    the app is left."""
+    cases: list[tuple[AppDef, dict[str, Any], str]] = [
+        (AppDef("a", [sh("asynctorchx-test/no-such-image:1", "true")]), {}, "no-such-image"),
+        (
+            AppDef(
+                "a",
+                [
+                    sh(busybox_image, "true", n=2),
+                    sh(
+                        busybox_image,
+                        "true",
+                        name="b",
+                        mounts=[BindMount(str(tmp_path / "missing"), "/m")],
+                    ),
+                ],
+            ),
+            {},
+            str(tmp_path / "missing"),
+        ),
+        (
+            AppDef("a", [sh(busybox_image, "true", resource=Resource(cpu=512, gpu=0, memMB=64))]),
+            {},
+            "resource.cpu=512",
+        ),
+        (
+            AppDef("a", [sh(busybox_image, "true", mounts=[VolumeMount("atx-no-vol", "/v")])]),
+            {},
+            "atx-no-vol",
+        ),
+        (
+            AppDef("a", [sh(busybox_image, "true")]),
+            {"network": "atx-no-such-net"},
+            "atx-no-such-net",
+        ),
+    ]
+    import aiodocker
+
+    for app, cfg, needle in cases:
+        info = docker_scheduler.submit_dryrun(app, cfg)
+        with pytest.raises(DockerSchedulerError) as err:
+            await docker_scheduler.schedule(info)
+        assert needle in str(err.value)
+        assert await docker_scheduler.describe(info.request.app_id) is None
+        async with aiodocker.Docker() as client:
+            nets = await client.networks.list(filters={"name": [info.request.app_id]})
+            assert nets == []
+
+
+async def test_remove_finished_removes_containers_but_the_launcher_keeps_the_final_state(
+    docker_scheduler: DockerScheduler, busybox_image: str, docker_session: str
+) -> None:
+    """With remove_finished the containers go once the app has ended; the scheduler that saw the
+    end still answers SUCCEEDED, a fresh one knows nothing of the app."""
+    app_id = await docker_scheduler.submit(
+        AppDef("rm", [sh(busybox_image, "true", n=2)]), {"remove_finished": True}
+    )
+    assert (await wait_for(docker_scheduler, app_id)).state == AppState.SUCCEEDED
+    deadline = time.monotonic() + 20
+    while await containers_of(app_id):
+        assert time.monotonic() < deadline, "containers were not removed"
+        await asyncio.sleep(0.1)
+    fresh = DockerScheduler(docker_session, watch_events=False)
+    try:
+        assert await fresh.describe(app_id) is None
+    finally:
+        await fresh.close()
+    kept = await docker_scheduler.describe(app_id)
+    assert kept is not None and kept.state == AppState.SUCCEEDED
+
+
+async def test_replica_retry_policy_restarts_the_container_in_place(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """REPLICA policy with max_retries=1: Docker restarts the failed container once; an app whose
+    second run succeeds SUCCEEDS, one failing twice FAILS with its exit code; both count 1 restart."""
+    script = "if [ -f /tmp/ran ]; then echo second; exit 0; fi; touch /tmp/ran; echo first; exit 1"
+    role = sh(busybox_image, script, max_retries=1, retry_policy=RetryPolicy.REPLICA)
+    app_id = await docker_scheduler.submit(AppDef("replica-retry", [role]), {})
+    always = sh(busybox_image, "echo try; exit 5", max_retries=1, retry_policy=RetryPolicy.REPLICA)
+    failing = await docker_scheduler.submit(AppDef("replica-retry-fails", [always]), {})
+    resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED and resp.num_restarts == 1
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["first\n", "second\n"]
+    failed = await wait_for(docker_scheduler, failing)
+    assert failed.state == AppState.FAILED and failed.num_restarts == 1
+    assert failed.roles_statuses[0].replicas[0].exit_code == 5
+    assert await collect(docker_scheduler.log_iter(failing, "main")) == ["try\n", "try\n"]
+
+
+async def test_application_retry_recreates_every_replica_as_a_new_attempt(
+    docker_scheduler: DockerScheduler, busybox_image: str, tmp_path: Path
+) -> None:
+    """APPLICATION policy with max_retries=1: replica 0 fails on the first attempt, the backend
+    recreates both replicas, the second attempt succeeds; replica 0's log holds both attempts,
+    and a tail started at submit follows it across the retry to the end."""
+    state = tmp_path / "state"
+    state.mkdir()
+    script = (
+        f"if [ {macros.replica_id} = 0 ] && [ ! -f /state/failed ]; then "
+        "touch /state/failed; echo attempt-fails; exit 2; fi; echo attempt-ok"
+    )
+    role = sh(
+        busybox_image,
+        script,
+        n=2,
+        max_retries=1,
+        retry_policy=RetryPolicy.APPLICATION,
+        mounts=[BindMount(str(state), "/state")],
+    )
+    app_id = await docker_scheduler.submit(AppDef("app-retry", [role]), {})
+    tail = asyncio.ensure_future(
+        collect(docker_scheduler.log_iter(app_id, "main", 0, should_tail=True))
+    )
+    resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED and resp.num_restarts == 1
+    both = ["attempt-fails\n", "attempt-ok\n"]
+    assert await collect(docker_scheduler.log_iter(app_id, "main", 0)) == both
+    assert await asyncio.wait_for(tail, 30) == both
+
+
+@pytest.mark.timeout(60)
+async def test_runner_waits_for_a_docker_app_through_pushed_events(
+    docker_engine: None, busybox_image: str, docker_session: str
+) -> None:
+    """AsyncRunner.wait on a local_docker app returns its final status (woken by Docker events)."""
+    try:
+        async with AsyncRunner(name=docker_session) as runner:
+            handle = await runner.run(
+                AppDef("runner", [sh(busybox_image, "sleep 0.5; exit 4")]), "local_docker"
+            )
+            status = await runner.wait(handle, timeout=30)
+            assert status is not None and status.state == AppState.FAILED
+            lines = [line async for line in runner.log_lines(handle, "main")]
+            assert lines == []
+    finally:
+        await purge_session(docker_session)

@@ -1,0 +1,478 @@
+"""Unit tests of the local_docker backend without an engine: log decoding, state rules, and the
+submit error paths against a fake aiodocker client (a refused create, a failed pull, a racing
+network create) that a real engine cannot be made to produce on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from typing import Any
+
+import pytest
+from _docker_env import FakeDocker
+
+from asynctorchx.schedulers._docker.logs import (
+    STDERR,
+    STDOUT,
+    FrameDecoder,
+    LineAssembler,
+    format_api_time,
+    parse_timestamp,
+)
+from asynctorchx.schedulers._docker.request import (
+    KIND_CANCEL_MARKER,
+    LABEL_APP_ID,
+    LABEL_ATTEMPT,
+    LABEL_KIND,
+    LABEL_MAX_RETRIES,
+    LABEL_REPLICA_ID,
+    LABEL_RETRY_POLICY,
+    LABEL_ROLE_NAME,
+    LABEL_ROLES,
+)
+from asynctorchx.schedulers._docker.state import ContainerInfo, assess
+from asynctorchx.schedulers.docker import (
+    DockerEngineUnavailableError,
+    DockerScheduler,
+    DockerSchedulerError,
+)
+from asynctorchx.specs import AppDef, AppState, Resource, RetryPolicy, Role, VolumeMount
+
+IMAGE = "asynctorchx-test/busybox:latest"
+TS = b"2024-05-01T12:00:00.123456789Z"
+TS_NS = parse_timestamp(TS)
+
+
+def _frame(stream: int, payload: bytes) -> bytes:
+    return struct.pack(">BxxxL", stream, len(payload)) + payload
+
+
+# -- log decoding ------------------------------------------------------------------------------
+
+
+def test_frame_decoder_handles_any_chunking() -> None:
+    """Frames split across reads at every possible byte boundary come out whole and in order."""
+    data = _frame(STDOUT, b"a\n") + _frame(STDERR, b"bb\n") + _frame(STDOUT, b"")
+    for cut in range(len(data) + 1):
+        decoder = FrameDecoder()
+        frames = decoder.feed(data[:cut]) + decoder.feed(data[cut:])
+        assert frames == [(STDOUT, b"a\n"), (STDERR, b"bb\n"), (STDOUT, b"")]
+        assert decoder.pending == 0
+
+
+def test_parse_timestamp_reads_docker_nanosecond_times() -> None:
+    """RFC 3339 times with up to nine fraction digits and offsets become epoch nanoseconds."""
+    assert TS_NS == 1714564800_123456789
+    assert parse_timestamp(b"2024-05-01T14:00:00.5+02:00") == 1714564800_500000000
+    assert parse_timestamp(b"2024-05-01T12:00:00Z") == 1714564800_000000000
+    assert parse_timestamp(b"not a time") is None
+    assert format_api_time(1714564800_000000042) == "1714564800.000000042"
+
+
+def test_line_assembler_joins_split_long_lines_per_stream() -> None:
+    """Docker's 16 KiB parts of one long line are joined back (never truncated), per stream."""
+    asm = LineAssembler()
+    part = b"x" * 16384
+    assert asm.feed(STDOUT, TS + b" " + part) is None
+    err = asm.feed(STDERR, TS + b" interleaved\n")
+    assert err is not None and err.text == "interleaved\n" and err.stream == STDERR
+    assert asm.feed(STDOUT, b"2024-05-01T12:00:01.000000000Z " + part) is None
+    line = asm.feed(STDOUT, b"2024-05-01T12:00:02.000000000Z end\n")
+    assert line is not None
+    assert line.text == "x" * 32768 + "end\n"
+    assert line.ts_ns == TS_NS  # the time of the line's first part
+
+
+def test_line_assembler_replaces_invalid_utf8_and_keeps_unterminated_tail() -> None:
+    """Invalid UTF-8 becomes U+FFFD; an unterminated last line is returned by flush without a newline."""
+    asm = LineAssembler()
+    line = asm.feed(STDOUT, TS + b" caf\xc3\xa9 \xff\xfe ok\n")
+    assert line is not None and line.text == "café \ufffd\ufffd ok\n"
+    assert asm.feed(STDOUT, TS + b" no newline") is None
+    assert [x.text for x in asm.flush()] == ["no newline"]
+    assert asm.flush() == []
+
+
+# -- state rules -------------------------------------------------------------------------------
+
+
+def _c(
+    role: str,
+    k: int,
+    state: str,
+    code: int | None = None,
+    *,
+    attempt: int = 0,
+    roles: str = '[["r",2]]',
+    retries: int = 0,
+    policy: str = "APPLICATION",
+    kind: str = "replica",
+) -> ContainerInfo:
+    labels = {
+        LABEL_APP_ID: "app",
+        LABEL_ROLE_NAME: role,
+        LABEL_REPLICA_ID: str(k),
+        LABEL_ATTEMPT: str(attempt),
+        LABEL_ROLES: roles,
+        LABEL_MAX_RETRIES: str(retries),
+        LABEL_RETRY_POLICY: policy,
+        LABEL_KIND: kind,
+    }
+    return ContainerInfo(
+        id=f"{role}-{k}-{attempt}-{kind}",
+        name=f"app-{role}-{k}",
+        image=IMAGE,
+        labels=labels,
+        state=state,
+        exit_code=code,
+        created=0,
+    )
+
+
+def test_no_containers_means_unknown_app_never_succeeded() -> None:
+    """An app id with no container is unknown (None), not SUCCEEDED."""
+    assert assess("app", []) is None
+
+
+def test_all_replicas_exit_zero_is_succeeded_and_one_failure_fails_and_stops_the_rest() -> None:
+    """All zero exits: SUCCEEDED. A failure with no retry left: FAILED with its exit code, and the
+    replicas still running are to be stopped."""
+    ok = assess("app", [_c("r", 0, "exited", 0), _c("r", 1, "exited", 0)])
+    assert ok is not None and ok.response.state == AppState.SUCCEEDED
+    bad = assess("app", [_c("r", 0, "exited", 3), _c("r", 1, "running")])
+    assert bad is not None and bad.response.state == AppState.FAILED
+    assert "r/0" in bad.response.msg and "exit code 3" in bad.response.msg
+    assert [c.replica_id for c in bad.to_stop] == [1]
+    assert bad.response.roles_statuses[0].replicas[0].exit_code == 3
+
+
+def test_created_is_pending_running_is_running_and_missing_replicas_are_reported() -> None:
+    """Created containers: PENDING; any running: RUNNING; replicas missing with nothing alive: UNKNOWN."""
+    pending = assess("app", [_c("r", 0, "created"), _c("r", 1, "created")])
+    assert pending is not None and pending.response.state == AppState.PENDING
+    running = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 0)])
+    assert running is not None and running.response.state == AppState.RUNNING
+    lost = assess("app", [_c("r", 0, "exited", 0)])
+    assert lost is not None and lost.response.state == AppState.UNKNOWN
+    assert "r/1" in lost.response.msg
+
+
+def test_cancel_marker_means_cancelled_once_nothing_is_alive() -> None:
+    """With a cancel marker the app is RUNNING while a container is alive, then CANCELLED."""
+    marker = _c("", -1, "created", kind=KIND_CANCEL_MARKER)
+    stopping = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 137), marker])
+    assert stopping is not None and stopping.response.state == AppState.RUNNING
+    done = assess("app", [_c("r", 0, "exited", 143), _c("r", 1, "exited", 137), marker])
+    assert done is not None and done.response.state == AppState.CANCELLED
+    states = {r.state for r in done.response.roles_statuses[0].replicas}
+    assert states == {AppState.CANCELLED}
+
+
+def test_application_retry_recreates_every_replica_until_retries_run_out() -> None:
+    """An APPLICATION-policy failure with retries left asks for every replica as the next attempt;
+    the last attempt's failure fails the app."""
+    first = assess(
+        "app",
+        [_c("r", 0, "exited", 1, retries=1), _c("r", 1, "running", retries=1)],
+    )
+    assert first is not None and first.response.state == AppState.RUNNING
+    assert first.retry is not None and first.retry.attempt == 1
+    assert set(first.retry.replicas) == {("r", 0), ("r", 1)}
+    last = assess(
+        "app",
+        [
+            _c("r", 0, "exited", 1, retries=1),
+            _c("r", 1, "exited", 137, retries=1),
+            _c("r", 0, "exited", 1, attempt=1, retries=1),
+            _c("r", 1, "running", attempt=1, retries=1),
+        ],
+    )
+    assert last is not None and last.response.state == AppState.FAILED
+    assert last.retry is None and last.response.num_restarts == 1
+
+
+def test_role_retry_only_touches_the_failed_role() -> None:
+    """A ROLE-policy failure asks only for the replicas of that role."""
+    roles = '[["a",1],["b",1]]'
+    a = assess(
+        "app",
+        [
+            _c("a", 0, "exited", 2, roles=roles, retries=2, policy="ROLE"),
+            _c("b", 0, "running", roles=roles, retries=2, policy="ROLE"),
+        ],
+    )
+    assert a is not None and a.retry is not None and a.retry.replicas == (("a", 0),)
+
+
+def test_replica_policy_failure_is_final_once_docker_stops_restarting() -> None:
+    """With the REPLICA policy Docker restarts the container; an exited one has no retry left."""
+    a = assess("app", [_c("r", 0, "exited", 1, retries=3, policy="REPLICA"), _c("r", 1, "running")])
+    assert a is not None and a.response.state == AppState.FAILED and a.retry is None
+    restarting = assess(
+        "app", [_c("r", 0, "restarting", retries=3, policy="REPLICA"), _c("r", 1, "running")]
+    )
+    assert restarting is not None and restarting.response.state == AppState.RUNNING
+
+
+# -- submit error paths with a fake client ------------------------------------------------------
+
+
+def _app(*roles: Role) -> AppDef:
+    return AppDef("fake", list(roles))
+
+
+def _role(name: str = "r", n: int = 1, **kwargs: Any) -> Role:
+    return Role(
+        name=name, image=IMAGE, entrypoint="sh", args=["-c", "true"], num_replicas=n, **kwargs
+    )
+
+
+async def _submit(docker: FakeDocker, app: AppDef, cfg: dict[str, Any] | None = None) -> str:
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    try:
+        return await scheduler.submit(app, cfg or {})
+    finally:
+        await scheduler.close()
+
+
+async def test_missing_image_that_cannot_be_pulled_fails_before_creating_anything() -> None:
+    """A missing image is pulled; when the pull fails the error names role and image and nothing
+    was created."""
+    docker = FakeDocker()
+    with pytest.raises(
+        DockerSchedulerError, match=r"role 'r': image .*busybox.* could not be pulled"
+    ):
+        await _submit(docker, _app(_role()))
+    assert ("pull", IMAGE) in docker.calls
+    assert not any(op == "create" for op, _ in docker.calls)
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_missing_image_that_can_be_pulled_is_pulled_then_used() -> None:
+    """An image absent locally but pullable is pulled, then the app is created."""
+    docker = FakeDocker()
+    docker.pullable.add(IMAGE)
+    app_id = await _submit(docker, _app(_role()))
+    assert ("pull", IMAGE) in docker.calls and docker.by_name(f"{app_id}-r-0") is not None
+
+
+async def test_present_image_is_not_pulled() -> None:
+    """An image already present is never pulled."""
+    docker = FakeDocker({IMAGE})
+    await _submit(docker, _app(_role()))
+    assert not any(op == "pull" for op, _ in docker.calls)
+
+
+async def test_refused_container_removes_everything_already_created() -> None:
+    """When Docker refuses one replica's container, the others and the app's network are removed
+    and the error names the role, the replica and Docker's reason."""
+    docker = FakeDocker({IMAGE})
+    app = _app(_role("a", 2), _role("b", 1))
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(app, {})
+    docker.fail_create[f"{info.request.app_id}-b-0"] = "invalid mount config for type bind"
+    with pytest.raises(DockerSchedulerError, match=r"role 'b' replica 0: .*invalid mount config"):
+        await scheduler.schedule(info)
+    await scheduler.close()
+    assert not docker.containers_by_id
+    assert not docker.networks_by_id
+
+
+async def test_failed_start_removes_every_container() -> None:
+    """A container that does not start fails the submit; nothing of the app is left."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
+    docker.fail_start.add(f"{info.request.app_id}-a-1")
+    with pytest.raises(DockerSchedulerError, match="did not start"):
+        await scheduler.schedule(info)
+    await scheduler.close()
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_missing_volume_and_network_fail_before_creating_anything() -> None:
+    """A named volume or a network (run option) that does not exist is a clear error up front."""
+    docker = FakeDocker({IMAGE})
+    role = _role(mounts=[VolumeMount(src="nope", dst_path="/v")])
+    with pytest.raises(DockerSchedulerError, match=r"volume 'nope' does not exist"):
+        await _submit(docker, _app(role))
+    with pytest.raises(DockerSchedulerError, match=r"network 'no-such-net' .*does not exist"):
+        await _submit(docker, _app(_role()), {"network": "no-such-net"})
+    assert not any(op in ("create", "network-create") for op, _ in docker.calls)
+
+
+async def test_more_cpus_than_the_host_has_is_a_clear_error() -> None:
+    """resource.cpu above the engine's CPU count fails the submit naming the field and value."""
+    docker = FakeDocker({IMAGE})
+    role = _role(resource=Resource(cpu=8, gpu=0, memMB=64))
+    with pytest.raises(DockerSchedulerError, match=r"resource.cpu=8 is more than the 2 CPUs"):
+        await _submit(docker, _app(role))
+    assert not docker.containers_by_id
+
+
+async def test_unreachable_engine_is_reported_as_such() -> None:
+    """A connection failure (aiodocker's status 900) becomes DockerEngineUnavailableError."""
+    from aiodocker.exceptions import DockerError
+
+    docker = FakeDocker({IMAGE})
+
+    async def refuse(name: str) -> None:
+        raise DockerError(900, "Cannot connect to Docker Engine via unix:///nope.sock")
+
+    docker.images.inspect = refuse  # type: ignore[method-assign]
+    with pytest.raises(DockerEngineUnavailableError, match="is dockerd running"):
+        await _submit(docker, _app(_role()))
+
+
+async def test_racing_network_creates_end_with_one_network() -> None:
+    """Concurrent creates of one app network (Docker 20.10 lets duplicates through) all return the
+    same network id, and the duplicates are removed again."""
+    docker = FakeDocker({IMAGE})
+    docker.racy_networks = True
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
+    assert request is not None
+    others = [DockerScheduler("s", docker, watch_events=False) for _ in range(4)]
+    ids = await asyncio.gather(*(s._create_network(docker, request) for s in [scheduler, *others]))
+    assert len(set(ids)) == 1
+    assert list(docker.networks_by_id) == [ids[0]]
+    for s in [scheduler, *others]:
+        await s.close()
+
+
+async def test_network_create_is_idempotent() -> None:
+    """Creating the app's network a second time reuses it."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
+    assert request is not None
+    first = await scheduler._create_network(docker, request)
+    assert await scheduler._create_network(docker, request) == first
+    assert len(docker.networks_by_id) == 1
+    await scheduler.close()
+
+
+async def test_describe_and_cancel_of_an_unknown_app() -> None:
+    """An unknown app describes as None, does not exist, and cancelling it does nothing."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    assert await scheduler.describe("nope-12345678") is None
+    assert await scheduler.describe_many(["nope-1", "nope-2"]) == {"nope-1": None, "nope-2": None}
+    assert not await scheduler.exists("nope-12345678")
+    await scheduler.cancel("nope-12345678")
+    assert not any(op in ("stop", "create") for op, _ in docker.calls)
+    await scheduler.close()
+
+
+async def test_describe_many_is_one_listing_for_many_apps() -> None:
+    """Describing many apps costs one container listing, whatever their number."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    ids = [await scheduler.submit(_app(_role()), {}) for _ in range(5)]
+    docker.calls.clear()
+    result = await scheduler.describe_many([*ids, "unknown-1"])
+    assert [op for op, _ in docker.calls] == ["list"]
+    assert all(result[i] is not None and result[i].state == AppState.RUNNING for i in ids)  # type: ignore[union-attr]
+    assert result["unknown-1"] is None
+    await scheduler.close()
+
+
+async def test_log_iter_rejects_bad_arguments_at_call_time() -> None:
+    """An unsupported stream, a bad regex or since after until raise ValueError at once."""
+    from datetime import datetime, timedelta
+
+    scheduler = DockerScheduler("s", FakeDocker(), watch_events=False)
+    with pytest.raises(ValueError, match="streams"):
+        scheduler.log_iter("a", "r", streams="both")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="regex"):
+        scheduler.log_iter("a", "r", regex="(")
+    now = datetime.now()
+    with pytest.raises(ValueError, match="after"):
+        scheduler.log_iter("a", "r", since=now, until=now - timedelta(seconds=1))
+    await scheduler.close()
+
+
+async def test_closing_does_not_close_an_injected_client() -> None:
+    """The scheduler closes only a client it created itself."""
+    docker = FakeDocker()
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    await scheduler.close()
+    await scheduler.close()
+    assert not docker.closed
+
+
+async def test_scheduling_a_dryrun_twice_fails_and_keeps_the_first_app() -> None:
+    """A dry run scheduled a second time is refused, and the app it made the first time stays."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
+    app_id = await scheduler.schedule(info)
+    with pytest.raises(DockerSchedulerError, match="already exists"):
+        await scheduler.schedule(info)
+    assert {c.name for c in docker.containers_by_id.values()} == {f"{app_id}-a-0", f"{app_id}-a-1"}
+    assert len(docker.networks_by_id) == 1
+    await scheduler.close()
+
+
+def _die_event(container: Any, code: int) -> bytes:
+    labels = container.config["Labels"]
+    return json.dumps(
+        {
+            "Type": "container",
+            "Action": "die",
+            "id": container.id,
+            "Actor": {"ID": container.id, "Attributes": {**labels, "exitCode": str(code)}},
+            "timeNano": 1_700_000_000_000_000_000,
+        }
+    ).encode()
+
+
+async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
+    """Docker lists a container as running for ~0.1 s after its die event: the event's exit code
+    is used at once (and listeners are told), unless a REPLICA restart may follow."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    told: list[str] = []
+    scheduler.subscribe(told.append)
+    app_id = await scheduler.submit(_app(_role()), {})
+    container = docker.by_name(f"{app_id}-r-0")
+    assert container is not None and container.state == "running"
+    scheduler._on_event(_die_event(container, 3))
+    assert told == [app_id]
+    resp = await scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.FAILED
+    assert resp.roles_statuses[0].replicas[0].exit_code == 3
+
+    restartable = _role(max_retries=2, retry_policy=RetryPolicy.REPLICA)
+    other = await scheduler.submit(_app(restartable), {})
+    container = docker.by_name(f"{other}-r-0")
+    assert container is not None
+    scheduler._on_event(_die_event(container, 1))
+    resp = await scheduler.describe(other)
+    assert resp is not None and resp.state == AppState.RUNNING  # Docker may restart it
+    await scheduler.close()
+
+
+async def test_with_live_events_an_exit_is_described_without_asking_the_engine() -> None:
+    """While the event stream is live, a die event updates the app's snapshot: describing it costs
+    no listing; any other event (a start, a create) makes the next describe list again."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    scheduler._events_ready = asyncio.Event()
+    scheduler._events_ready.set()  # as if the event stream were connected
+    app_id = await scheduler.submit(_app(_role()), {})
+    assert (await scheduler.describe(app_id)).state == AppState.RUNNING  # type: ignore[union-attr]
+    container = docker.by_name(f"{app_id}-r-0")
+    assert container is not None
+    docker.calls.clear()
+    scheduler._on_event(_die_event(container, 0))
+    resp = await scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.SUCCEEDED
+    assert not any(op == "list" for op, _ in docker.calls)
+    start = json.loads(_die_event(container, 0))
+    start["Action"] = "start"
+    scheduler._on_event(json.dumps(start).encode())
+    await scheduler.describe(app_id)
+    assert [op for op, _ in docker.calls if op == "list"] == ["list"]
+    await scheduler.close()
