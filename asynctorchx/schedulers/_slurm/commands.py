@@ -1,0 +1,78 @@
+"""The seam between the slurm backend and the Slurm commands: an injectable async command runner.
+
+``SlurmScheduler`` never starts a process itself; it calls a ``CommandRunner``. The default one
+runs the command as an asyncio subprocess (the event loop keeps running while it does); unit tests
+pass a fake that returns recorded outputs, and the counting tests wrap the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a finished command left behind.
+
+    Args:
+        argv: the command line that ran.
+        returncode: its exit status.
+        stdout: what it printed on stdout (decoded, invalid UTF-8 replaced).
+        stderr: what it printed on stderr.
+    """
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class CommandRunner(Protocol):
+    """Runs one command to completion without blocking the event loop.
+
+    Raises ``FileNotFoundError`` when the program does not exist.
+    """
+
+    async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult: ...
+
+
+class SubprocessRunner:
+    """The real ``CommandRunner``: an asyncio subprocess per command.
+
+    Args:
+        env: extra environment variables for every command (e.g. ``SLURM_CONF``).
+        timeout: seconds after which a command is killed and ``TimeoutError`` raised (None: never).
+    """
+
+    def __init__(self, env: dict[str, str] | None = None, timeout: float | None = 120.0) -> None:
+        self._env = {**os.environ, **env} if env else None
+        self._timeout = timeout
+
+    async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self._env,
+        )
+        try:
+            out, err = await asyncio.wait_for(
+                proc.communicate(None if stdin is None else stdin.encode()), self._timeout
+            )
+        except BaseException:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
+            raise
+        assert proc.returncode is not None
+        return CommandResult(
+            argv=tuple(argv),
+            returncode=proc.returncode,
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+        )

@@ -1,0 +1,282 @@
+"""AppDef -> one heterogeneous Slurm batch script. Pure: no I/O, no clock, no environment.
+
+Every replica of every role becomes one component (het group) of a heterogeneous job, in role order,
+so rank 0 (replica 0 of the first role) is het group 0. Each component is named ``{role}-{replica}``
+and asks for the replica's resources; one ``srun`` starts all components at once. Each replica writes
+``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log`` and ``exit_code`` under the job
+directory (appending across requeues, so no attempt's output is lost); the batch script's own output
+goes to ``slurm-{app_id}.out``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from asynctorchx.specs.api import (
+    AppDef,
+    CfgVal,
+    InvalidRunConfigException,
+    Resource,
+    Role,
+    macros,
+)
+
+#: Per-component sbatch options that come from the cfg (same value for every component).
+GROUP_OPTIONS: tuple[str, ...] = ("partition", "time", "constraint", "qos")
+#: Whole-job sbatch options that come from the cfg (given once, on the sbatch command line).
+JOB_OPTIONS: tuple[str, ...] = ("comment", "mail-user", "mail-type")
+
+#: The environment variable holding rank 0's host name inside every replica.
+RANK0_ENV = "TORCHX_RANK0_HOST"
+
+_APP_ID = macros.app_id
+_OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+
+
+def log_dir(app_id: str, role: str, replica_id: int) -> str:
+    """The directory (relative to the job directory) of a replica's ``stdout.log``/``stderr.log``."""
+    return f"slurm-{app_id}/{role}/{replica_id}"
+
+
+#: The file in a replica's log directory where its exit code is written.
+EXIT_CODE_FILE = "exit_code"
+
+
+# Runs a replica's command and writes its exit status to the file named by $0. A replica stopped by a
+# signal (scancel, --kill-on-bad-exit) writes nothing: its shell dies with it.
+_EXIT_WRAPPER = '"$@"; code=$?; echo "$code" >"$0"; exit "$code"'
+
+
+def shell_word(arg: str) -> str:
+    """Quotes ``arg`` for bash, replacing the ``${app_id}`` macro with the job id at run time.
+
+    The app id is not known before submission; inside the batch script it is ``$SLURM_JOB_ID`` (the
+    id of the heterogeneous job's first component, which is the app id).
+    """
+    if _APP_ID not in arg:
+        return shlex.quote(arg)
+    return '"$SLURM_JOB_ID"'.join(shlex.quote(part) if part else "" for part in arg.split(_APP_ID))
+
+
+def _opts_to_args(opts: Mapping[str, str | None]) -> list[str]:
+    return [f"--{key}" if value is None else f"--{key}={value}" for key, value in opts.items()]
+
+
+@dataclass
+class SlurmReplicaRequest:
+    """One replica: one component of the heterogeneous job.
+
+    Args:
+        name: the component's job name, ``{role}-{replica}``.
+        role: the role's name.
+        replica_id: the replica's index within its role.
+        entrypoint: the command to run.
+        args: its arguments (macros substituted, except ``${app_id}``, resolved at run time).
+        env: extra environment variables of this replica.
+        sbatch_opts: the component's ``#SBATCH`` options (``None`` value = a flag).
+        srun_opts: the component's ``srun`` options.
+    """
+
+    name: str
+    role: str
+    replica_id: int
+    entrypoint: str
+    args: list[str]
+    env: dict[str, str]
+    sbatch_opts: dict[str, str | None]
+    srun_opts: dict[str, str | None]
+
+    def sbatch_line(self) -> str:
+        """The ``#SBATCH`` line of this component."""
+        return "#SBATCH " + " ".join([f"--job-name={self.name}", *_opts_to_args(self.sbatch_opts)])
+
+    def srun_group(self) -> str:
+        """This component's part of the ``srun`` command line (shell-quoted)."""
+        words = [shell_word(a) for a in _opts_to_args(self.srun_opts)]
+        exit_file = f"{log_dir(_APP_ID, self.role, self.replica_id)}/{EXIT_CODE_FILE}"
+        words += ["sh", "-c", shell_word(_EXIT_WRAPPER), shell_word(exit_file)]
+        if self.env:
+            words += ["env", "--"]
+            words += [shell_word(f"{k}={v}") for k, v in self.env.items()]
+        words += [shell_word(self.entrypoint), *(shell_word(a) for a in self.args)]
+        return " ".join(words)
+
+
+@dataclass
+class SlurmBatchRequest:
+    """What ``sbatch`` is given: its command line and the batch script (passed on stdin).
+
+    Args:
+        cmd: the ``sbatch`` command line, without the script.
+        replicas: one request per component, rank order.
+        job_dir: the job's working directory (absolute); the log files live there.
+        max_retries: how many times the job is requeued after a failure.
+        app_name: the app's name (for the script's header).
+        session_name: the session submitting it (goes into ``TORCHX_JOB_ID``).
+    """
+
+    cmd: list[str]
+    replicas: list[SlurmReplicaRequest]
+    job_dir: str
+    max_retries: int = 0
+    app_name: str = ""
+    session_name: str = ""
+
+    def materialize(self) -> str:
+        """The batch script."""
+        header = "#SBATCH hetjob\n".join(f"{r.sbatch_line()}\n" for r in self.replicas)
+        srun = " :\\\n    ".join(r.srun_group() for r in self.replicas)
+        dirs = " ".join(shell_word(log_dir(_APP_ID, r.role, r.replica_id)) for r in self.replicas)
+        replicas = " ".join(shlex.quote(f"{r.role}/{r.replica_id}") for r in self.replicas)
+        cmd = " ".join(shlex.quote(a) for a in self.cmd)
+        return f"""#!/bin/bash
+#
+# Generated by asynctorchx for app {self.app_name!r}.
+# Submit with: {cmd} < THIS_SCRIPT
+#
+{header}
+set -eu
+
+export PYTHONUNBUFFERED=1
+export SLURM_UNBUFFEREDIO=1
+export TORCHX_MAX_RETRIES={self.max_retries}
+export TORCHX_JOB_ID={shell_word(f"slurm://{self.session_name}/{_APP_ID}")}
+{RANK0_ENV}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}}" | head -n 1)"
+export {RANK0_ENV}
+mkdir -p {dirs}
+rm -f slurm-"$SLURM_JOB_ID"/*/*/{EXIT_CODE_FILE}
+
+set +e
+srun {srun}
+exitcode=$?
+set -e
+
+if [ "$exitcode" -ne 0 ]; then
+    # srun reports the highest status of any task, often one it killed after another replica
+    # failed: report the first replica (in rank order) that failed by itself instead.
+    for replica in {replicas}; do
+        code="$(cat "slurm-$SLURM_JOB_ID/$replica/{EXIT_CODE_FILE}" 2>/dev/null || true)"
+        case "$code" in ""|0|137|143) ;; *) exitcode="$code"; break ;; esac
+    done
+fi
+
+echo "asynctorchx: exit code $exitcode (restart ${{SLURM_RESTART_COUNT:-0}} of $TORCHX_MAX_RETRIES)"
+if [ "$exitcode" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt "$TORCHX_MAX_RETRIES" ]; then
+    scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$exitcode"
+"""
+
+    def __repr__(self) -> str:
+        return (
+            f"{' '.join(shlex.quote(a) for a in self.cmd)} <<'SBATCH_SCRIPT'\n"
+            f"{self.materialize()}SBATCH_SCRIPT\n"
+        )
+
+
+def _check_value(key: str, value: object, cfg: Mapping[str, CfgVal], *, in_script: bool) -> str:
+    text = str(value)
+    bad = not text.strip() or "\n" in text or (in_script and any(c.isspace() for c in text))
+    if bad:
+        what = "a value without whitespace" if in_script else "a one-line value"
+        raise InvalidRunConfigException(
+            f"Run option {key!r} must be {what}, got {value!r}", key, cfg
+        )
+    return text
+
+
+def _extra_args(cfg: Mapping[str, CfgVal]) -> list[str]:
+    raw = cfg.get("sbatch_args") or []
+    assert isinstance(raw, list)
+    out: list[str] = []
+    for item in raw:
+        arg = item.strip()
+        name = arg.lstrip("-").partition("=")[0]
+        if not arg or not _OPTION_NAME.fullmatch(name):
+            raise InvalidRunConfigException(
+                f"Run option 'sbatch_args' must hold sbatch options such as '--account=NAME' or "
+                f"'exclusive', got {item!r}",
+                "sbatch_args",
+                cfg,
+            )
+        out.append(arg if arg.startswith("-") else f"--{arg}")
+    return out
+
+
+def _resource_opts(resource: Resource, nomem: bool) -> dict[str, str | None]:
+    opts: dict[str, str | None] = {}
+    if resource.cpu > 0:
+        opts["cpus-per-task"] = str(int(resource.cpu))
+    if resource.memMB > 0 and not nomem:
+        opts["mem"] = str(int(resource.memMB))
+    if resource.gpu > 0:
+        opts["gpus-per-task"] = str(int(resource.gpu))
+    return opts
+
+
+def replica_request(role: Role, replica_id: int, cfg: Mapping[str, CfgVal]) -> SlurmReplicaRequest:
+    """The request of one replica of ``role``, with the macros substituted."""
+    values = macros.Values(
+        img_root=role.image,
+        app_id=_APP_ID,
+        replica_id=str(replica_id),
+        rank0_env=RANK0_ENV,
+    )
+    role = values.apply(role)
+    name = f"{role.name}-{replica_id}"
+    sbatch_opts: dict[str, str | None] = {"requeue": None, "ntasks-per-node": "1"}
+    for key in GROUP_OPTIONS:
+        value = cfg.get(key)
+        if value is not None:
+            sbatch_opts[key] = _check_value(key, value, cfg, in_script=True)
+    sbatch_opts.update(_resource_opts(role.resource, bool(cfg.get("nomem"))))
+    srun_opts: dict[str, str | None] = {
+        "output": f"{log_dir(_APP_ID, role.name, replica_id)}/stdout.log",
+        "error": f"{log_dir(_APP_ID, role.name, replica_id)}/stderr.log",
+        "open-mode": "append",
+        "kill-on-bad-exit": "1",
+    }
+    return SlurmReplicaRequest(
+        name=name,
+        role=role.name,
+        replica_id=replica_id,
+        entrypoint=role.entrypoint,
+        args=list(role.args),
+        env=dict(role.env),
+        sbatch_opts=sbatch_opts,
+        srun_opts=srun_opts,
+    )
+
+
+def build_request(
+    app: AppDef, cfg: Mapping[str, CfgVal], job_dir: str, session_name: str
+) -> SlurmBatchRequest:
+    """The batch request for a validated ``app`` and a resolved ``cfg``.
+
+    Args:
+        job_dir: the absolute working directory of the job.
+        session_name: the submitting session.
+
+    Raises:
+        InvalidRunConfigException: a cfg value cannot go into an sbatch option.
+    """
+    replicas = [
+        replica_request(role, i, cfg) for role in app.roles for i in range(role.num_replicas)
+    ]
+    cmd = ["sbatch", "--parsable", f"--chdir={job_dir}", "--output=slurm-%j.out"]
+    for key in JOB_OPTIONS:
+        value = cfg.get(key)
+        if value is not None:
+            cmd.append(f"--{key}={_check_value(key, value, cfg, in_script=False)}")
+    cmd += _extra_args(cfg)
+    return SlurmBatchRequest(
+        cmd=cmd,
+        replicas=replicas,
+        job_dir=job_dir,
+        max_retries=min(role.max_retries for role in app.roles),
+        app_name=app.name,
+        session_name=session_name,
+    )

@@ -1,0 +1,598 @@
+"""The ``slurm`` backend: apps as heterogeneous Slurm batch jobs, driven by the Slurm commands.
+
+Each app is one heterogeneous job with one component per replica (``{role}-{replica}``), submitted
+with ``sbatch``; the app id is the job id. Nothing here blocks the event loop: every Slurm command
+runs as an asyncio subprocess through an injectable ``CommandRunner``.
+
+Status for any number of apps costs one ``squeue --json`` per round (it lists every job the controller
+still holds, finished ones included for ``MinJobAge``), plus, when the cluster has accounting, at most
+one ``sacct`` for the apps ``squeue`` no longer shows or has just seen finish (for the replicas' step
+records). Finished apps are remembered and cost nothing afterwards. Without accounting (detected from
+``sacct``'s answer, or forced with ``accounting=False``) an app the controller has forgotten is
+reported unknown, never as succeeded. Each replica's exit code is also written by a small wrapper to
+``slurm-{app_id}/{role}/{replica}/exit_code``, which wins over accounting's step records.
+
+Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log`` and ``stderr.log`` under the
+job directory (the ``job_dir`` run option, default: the current directory at submit time), which is
+recorded by Slurm, so ``log_iter`` finds them from any directory. Slurm writes no combined stream and no
+timestamps: ``streams`` is STDOUT or STDERR (default STDERR, as TorchX), and ``since``/``until`` can
+only use the files' modification times.
+
+Retries: the batch script requeues the job (``scontrol requeue``) after a failure while
+``SLURM_RESTART_COUNT`` is below the smallest ``max_retries`` of the app's roles; a requeued job waits
+Slurm's ``cred_expire`` (120 s by default) before it may start again. Every retry restarts the whole app,
+whatever the roles' ``retry_policy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from asynctorchx.logs import iter_log_lines
+from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
+from asynctorchx.schedulers._slurm.parse import (
+    SACCT_FIELDS,
+    SlurmJob,
+    SlurmOutputError,
+    json_errors,
+    parse_sacct_parsable,
+    parse_sbatch_parsable,
+    parse_squeue_json,
+)
+from asynctorchx.schedulers._slurm.script import (
+    EXIT_CODE_FILE,
+    SlurmBatchRequest,
+    SlurmReplicaRequest,
+    build_request,
+    log_dir,
+)
+from asynctorchx.schedulers._slurm.status import SLURM_STATES, app_state_of, describe_from_records
+from asynctorchx.schedulers.api import (
+    DescribeAppResponse,
+    ListAppResponse,
+    Scheduler,
+    Stream,
+    check_replica,
+    compile_log_regex,
+    role_replica_counts,
+    to_timestamp,
+)
+from asynctorchx.specs.api import (
+    AppDef,
+    AppDryRunInfo,
+    AppState,
+    CfgVal,
+    ReplicaStatus,
+    UnknownAppException,
+    is_terminal,
+    make_app_handle,
+    runopts,
+)
+
+__all__ = [
+    "SLURM_STATES",
+    "CommandResult",
+    "CommandRunner",
+    "SlurmBatchRequest",
+    "SlurmCommandError",
+    "SlurmNotFoundError",
+    "SlurmReplicaRequest",
+    "SlurmScheduler",
+    "SlurmSubmitError",
+    "SubprocessRunner",
+    "create_scheduler",
+]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = (
+    "install the Slurm client commands (Debian/Ubuntu: 'apt-get install slurm-client'; "
+    "RHEL/Rocky: 'dnf install slurm') and make sure they are on PATH, or run where they are"
+)
+_NO_ACCOUNTING = re.compile(r"accounting storage is disabled", re.IGNORECASE)
+_GONE = re.compile(
+    r"invalid job id|already completing or completed|job/step already completed", re.IGNORECASE
+)
+_FINAL_CACHE_SIZE = 10_000
+
+
+class SlurmCommandError(RuntimeError):
+    """Raised when a Slurm command fails; the message carries what the command printed.
+
+    Attributes:
+        argv: the command line.
+        returncode: its exit status.
+        stderr: what it printed on stderr.
+    """
+
+    def __init__(self, message: str, result: CommandResult) -> None:
+        detail = (result.stderr or result.stdout).strip()
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.argv = result.argv
+        self.returncode = result.returncode
+        self.stderr = result.stderr
+
+
+class SlurmSubmitError(SlurmCommandError):
+    """Raised when ``sbatch`` rejects an app (unknown partition, bad time limit, resources the
+    cluster cannot satisfy...); nothing was queued. The message carries sbatch's own words."""
+
+
+class SlurmNotFoundError(FileNotFoundError):
+    """Raised when a Slurm command is not installed; the message says what to install."""
+
+    def __init__(self, program: str) -> None:
+        super().__init__(f"the Slurm command {program!r} was not found: {_INSTALL_HINT}")
+        self.program = program
+
+
+class SlurmScheduler(Scheduler[SlurmBatchRequest]):
+    """Runs apps as heterogeneous Slurm jobs (one component per replica).
+
+    Args:
+        session_name: the session submitting apps.
+        runner: runs the Slurm commands (default: asyncio subprocesses); tests pass a fake.
+        accounting: True to use ``sacct`` for apps ``squeue`` no longer lists, False for ``squeue``
+            only, None to find out from ``sacct`` on first need.
+        state_check_interval: while following a log, the longest time a known non-terminal state is
+            trusted before ``squeue`` is asked again (seconds).
+    """
+
+    pushes_changes = False
+
+    def __init__(
+        self,
+        session_name: str,
+        *,
+        runner: CommandRunner | None = None,
+        accounting: bool | None = None,
+        state_check_interval: float = 2.0,
+    ) -> None:
+        super().__init__("slurm", session_name)
+        self._runner: CommandRunner = runner if runner is not None else SubprocessRunner()
+        self._accounting = accounting
+        self._state_check_interval = state_check_interval
+        self._final: OrderedDict[str, DescribeAppResponse] = OrderedDict()
+        self._workdirs: dict[str, str] = {}
+        self._seen: dict[str, tuple[float, AppState]] = {}
+
+    @property
+    def accounting(self) -> bool | None:
+        """Whether ``sacct`` is used: True/False, or None while not yet found out."""
+        return self._accounting
+
+    # -- options and dry runs ------------------------------------------------------------------
+
+    def _run_opts(self) -> runopts:
+        opts = runopts()
+        opts.add("partition", str, "The partition to run the job in (every replica).")
+        opts.add(
+            "time",
+            str,
+            "The time limit of every replica: 'minutes', 'minutes:seconds', 'hours:minutes:seconds', "
+            "'days-hours', 'days-hours:minutes' or 'days-hours:minutes:seconds'.",
+        )
+        opts.add("constraint", str, "Node features every replica requires (sbatch --constraint).")
+        opts.add("qos", str, "The quality of service of every replica.")
+        opts.add("comment", str, "A comment set on the job.")
+        opts.add("mail-user", str, "Who to mail on job events.")
+        opts.add("mail-type", str, "Which events to mail about (e.g. END,FAIL).")
+        opts.add(
+            "job_dir",
+            str,
+            "The job's working directory, where its logs go (created if missing). "
+            "Default: the current directory at submit time.",
+        )
+        opts.add(
+            "nomem",
+            bool,
+            "Do not ask for the roles' memory (for clusters that do not schedule memory).",
+            default=False,
+        )
+        opts.add(
+            "sbatch_args",
+            list[str],
+            "Extra sbatch options for the whole job, e.g. ['--account=NAME', '--exclusive'].",
+        )
+        return opts
+
+    def _submit_dryrun(
+        self, app: AppDef, cfg: Mapping[str, CfgVal]
+    ) -> AppDryRunInfo[SlurmBatchRequest]:
+        job_dir = cfg.get("job_dir")
+        directory = os.path.abspath(
+            os.path.expanduser(job_dir if isinstance(job_dir, str) else ".")
+        )
+        request = build_request(app, cfg, directory, self.session_name)
+        return AppDryRunInfo(request, repr)
+
+    # -- commands ------------------------------------------------------------------------------
+
+    async def _run(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
+        try:
+            return await self._runner(argv, stdin=stdin)
+        except FileNotFoundError as e:
+            if e.filename in (None, argv[0]) or not os.path.isabs(argv[0]):
+                raise SlurmNotFoundError(argv[0]) from None
+            raise
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def schedule(self, dryrun_info: AppDryRunInfo[SlurmBatchRequest]) -> str:
+        """Submits the batch script with ``sbatch``; returns the job id.
+
+        Raises:
+            SlurmSubmitError: sbatch rejected the job (nothing was queued); carries sbatch's message.
+            SlurmNotFoundError: sbatch is not installed.
+            OSError: the job directory cannot be created.
+        """
+        req = dryrun_info.request
+        await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
+        submit = asyncio.ensure_future(self._run(req.cmd, stdin=req.materialize()))
+        try:
+            result = await asyncio.shield(submit)
+        except asyncio.CancelledError:
+            # The caller gave up while sbatch ran: let it finish and withdraw the job it queued,
+            # so that nothing runs that nobody knows about.
+            await asyncio.shield(self._withdraw(submit))
+            raise
+        if result.returncode != 0:
+            raise SlurmSubmitError("sbatch rejected the job; nothing was queued", result)
+        try:
+            app_id = parse_sbatch_parsable(result.stdout)
+        except SlurmOutputError as e:
+            raise SlurmSubmitError(str(e), result) from None
+        self._workdirs[app_id] = req.job_dir
+        return app_id
+
+    async def _withdraw(self, submit: asyncio.Future[CommandResult]) -> None:
+        try:
+            result = await submit
+            if result.returncode == 0:
+                await self._cancel_existing(parse_sbatch_parsable(result.stdout))
+        except Exception:
+            logger.exception("could not withdraw a job whose submission was cancelled")
+
+    async def describe(self, app_id: str) -> DescribeAppResponse | None:
+        """What Slurm knows of the app (one ``squeue``, and ``sacct`` if ``squeue`` has forgotten it)."""
+        return (await self.describe_many([app_id]))[app_id]
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        """Describes every app with one ``squeue --json`` and at most one ``sacct``.
+
+        Finished apps are remembered, so once an app is over it costs nothing more. An app neither
+        command knows is None.
+        """
+        out: dict[str, DescribeAppResponse | None] = {}
+        wanted: list[str] = []
+        for app_id in dict.fromkeys(app_ids):
+            if not app_id.isdigit():
+                out[app_id] = None
+            elif app_id in self._final:
+                out[app_id] = self._final[app_id]
+            else:
+                wanted.append(app_id)
+        if not wanted:
+            return out
+        live = _by_app(await self._squeue())
+        past = await self._past_runs(wanted, live)
+        for app_id in wanted:
+            records, runs = live.get(app_id), past.get(app_id)
+            if records is not None:
+                latest = _latest_runs(runs) if runs else []
+                records = _merge_steps(records, latest)
+                resp = describe_from_records(app_id, records, _restarts(records))
+                complete = self._accounting is False or _all_final(latest, len(records))
+            elif runs:
+                records = _latest_runs(runs)
+                resp = describe_from_records(app_id, records, _sacct_restarts(runs))
+                complete = True
+            else:
+                out[app_id] = None
+                continue
+            self._remember_workdir(app_id, records)
+            self._seen[app_id] = (time.monotonic(), resp.state)
+            if is_terminal(resp.state):
+                await self._add_exit_codes(app_id, resp)
+                if complete:
+                    self._final[app_id] = resp
+                    if len(self._final) > _FINAL_CACHE_SIZE:
+                        self._final.popitem(last=False)
+            out[app_id] = resp
+        return out
+
+    async def _past_runs(
+        self, wanted: Sequence[str], live: Mapping[str, Sequence[SlurmJob]]
+    ) -> dict[str, list[SlurmJob]]:
+        """``sacct``'s runs of the apps ``squeue`` no longer shows or shows finished (one call)."""
+        if self._accounting is False:
+            return {}
+        ask = [a for a in wanted if a not in live or _all_final(live[a], 1)]
+        if not ask:
+            return {}
+        try:
+            return _by_app(await self._sacct(ask), keep_runs=True)
+        except SlurmCommandError as e:
+            if any(a not in live for a in ask):
+                raise
+            # Only details of finished apps were wanted: answer from squeue, ask again next time.
+            logger.warning("%s; per-replica exit codes come from the job directory", e)
+            return {}
+
+    async def _squeue(self) -> list[SlurmJob]:
+        result = await self._run(["squeue", "--json"])
+        if result.returncode != 0:
+            raise SlurmCommandError("squeue failed", result)
+        errors = json_errors(result.stdout)
+        if errors:
+            # e.g. the controller is unreachable: squeue exits 0 with an empty job list.
+            raise SlurmCommandError(f"squeue failed: {'; '.join(errors)}", result)
+        try:
+            return parse_squeue_json(result.stdout)
+        except SlurmOutputError as e:
+            raise SlurmCommandError(str(e), result) from None
+
+    async def _sacct(self, app_ids: Sequence[str], *, listing: bool = False) -> list[SlurmJob]:
+        argv = ["sacct", "--parsable2", "--duplicates", f"--format={','.join(SACCT_FIELDS)}"]
+        argv += ["--user", str(os.getuid())] if listing else ["--jobs", ",".join(app_ids)]
+        result = await self._run(argv)
+        if result.returncode != 0:
+            if _NO_ACCOUNTING.search(result.stderr) and self._accounting is not True:
+                logger.info("Slurm accounting is disabled: using squeue only")
+                self._accounting = False
+                return []
+            raise SlurmCommandError("sacct failed", result)
+        self._accounting = True
+        try:
+            return parse_sacct_parsable(result.stdout)
+        except SlurmOutputError as e:
+            raise SlurmCommandError(str(e), result) from None
+
+    def _remember_workdir(self, app_id: str, records: Iterable[SlurmJob]) -> None:
+        for job in records:
+            if job.workdir:
+                self._workdirs[app_id] = job.workdir
+                return
+
+    async def _add_exit_codes(self, app_id: str, resp: DescribeAppResponse) -> None:
+        """Sets the replicas' exit codes from the files the batch script's wrapper writes.
+
+        They are what each replica's process returned, so they win over accounting's step records
+        (which, for a replica stopped by --kill-on-bad-exit, say 15:0 or 0:15 depending on timing).
+        """
+        workdir = self._workdirs.get(app_id)
+        replicas = [r for role in resp.roles_statuses for r in role.replicas]
+        if not workdir or not replicas:
+            return
+        paths = [
+            os.path.join(workdir, log_dir(app_id, r.role, r.id), EXIT_CODE_FILE) for r in replicas
+        ]
+        codes = await anyio.to_thread.run_sync(_read_exit_codes, paths)
+        for replica, code in zip(replicas, codes, strict=True):
+            _apply_exit_code(replica, code)
+
+    async def exists(self, app_id: str) -> bool:
+        """True when ``squeue`` or ``sacct`` knows the app."""
+        return await self.describe(app_id) is not None
+
+    async def cancel(self, app_id: str) -> None:
+        """Cancels the app with ``scancel``. Idempotent: unknown or finished apps are left alone.
+
+        Raises:
+            SlurmCommandError: scancel failed for another reason (e.g. the controller is down).
+        """
+        if not app_id.isdigit() or app_id in self._final:
+            return
+        await self._cancel_existing(app_id)
+
+    async def _cancel_existing(self, app_id: str) -> None:
+        result = await self._run(["scancel", app_id])
+        if result.returncode != 0 and not _GONE.search(result.stderr):
+            raise SlurmCommandError(f"scancel {app_id} failed", result)
+
+    async def list(self) -> list[ListAppResponse]:
+        """This user's apps: the jobs ``squeue`` holds, plus today's from ``sacct`` (if any)."""
+        uid = os.getuid()
+        live = _by_app([j for j in await self._squeue() if j.user_id in (None, uid)])
+        past: dict[str, list[SlurmJob]] = {}
+        if self._accounting is not False:
+            past = _by_app(await self._sacct([], listing=True), keep_runs=True)
+        apps: dict[str, AppState] = {}
+        for app_id, runs in past.items():
+            apps[app_id] = describe_from_records(app_id, _latest_runs(runs), -1).state
+        for app_id, records in live.items():
+            apps[app_id] = describe_from_records(app_id, records, -1).state
+        return [
+            ListAppResponse(
+                app_id=app_id,
+                state=state,
+                app_handle=make_app_handle(self.backend, self.session_name, app_id),
+            )
+            for app_id, state in sorted(apps.items(), key=lambda kv: int(kv[0]))
+        ]
+
+    # -- logs ----------------------------------------------------------------------------------
+
+    def log_iter(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+    ) -> AsyncIterator[str]:
+        """The lines of replica ``k`` of ``role_name``: its ``stdout.log`` or ``stderr.log``.
+
+        ``streams`` is STDOUT or STDERR (default STDERR); Slurm writes no combined stream. The files
+        carry no timestamps, so ``since``/``until`` compare with the file's modification time.
+        While following, ``squeue`` is asked at most every ``state_check_interval`` seconds (less
+        when a status round of the runner already described the app).
+
+        Raises:
+            ValueError: ``streams`` is COMBINED or unknown; a bad regex; ``since`` after ``until``.
+            UnknownAppException: Slurm does not know the app (or its working directory).
+            UnknownRoleException: no such role or replica.
+        """
+        return self._log_lines(app_id, role_name, k, regex, since, until, should_tail, streams)
+
+    async def _log_lines(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int,
+        regex: str | None,
+        since: datetime | None,
+        until: datetime | None,
+        should_tail: bool,
+        streams: Stream | None,
+    ) -> AsyncIterator[str]:
+        stream = _check_stream(streams)
+        pattern = compile_log_regex(regex)
+        since_ts, until_ts = to_timestamp(since, "since"), to_timestamp(until, "until")
+        if since_ts is not None and until_ts is not None and since_ts > until_ts:
+            raise ValueError(f"since ({since}) is after until ({until})")
+        handle = make_app_handle(self.backend, self.session_name, app_id)
+        resp = await self.describe(app_id)
+        if resp is None:
+            raise UnknownAppException(handle)
+        check_replica(app_id, role_replica_counts(resp.roles), role_name, k)
+        workdir = self._workdirs.get(app_id)
+        if not workdir:
+            raise UnknownAppException(handle, "Slurm does not say where its logs are")
+        directory = Path(workdir, log_dir(app_id, role_name, k))
+
+        async def is_finished() -> bool:
+            return await self._is_finished(app_id)
+
+        lines = iter_log_lines(
+            directory,
+            stream,
+            regex=pattern,
+            since=since_ts,
+            until=until_ts,
+            follow=should_tail,
+            is_finished=is_finished,
+        )
+        try:
+            async for line in lines:
+                yield line
+        finally:
+            await lines.aclose()
+
+    async def _is_finished(self, app_id: str) -> bool:
+        seen = self._seen.get(app_id)
+        if seen is not None:
+            at, state = seen
+            if is_terminal(state):
+                return True
+            if time.monotonic() - at < self._state_check_interval:
+                return False
+        resp = await self.describe(app_id)
+        return resp is None or is_terminal(resp.state)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+
+def _check_stream(streams: Stream | str | None) -> Stream:
+    if streams is None:
+        return Stream.STDERR
+    try:
+        stream = Stream(streams)
+    except ValueError:
+        stream = None
+    if stream not in (Stream.STDOUT, Stream.STDERR):
+        raise ValueError(
+            f"the slurm scheduler does not support the log stream {streams!r}: "
+            "Slurm writes stdout and stderr to separate files (use Stream.STDOUT or Stream.STDERR)"
+        )
+    return stream
+
+
+def _by_app(records: Iterable[SlurmJob], *, keep_runs: bool = False) -> dict[str, list[SlurmJob]]:
+    grouped: dict[str, list[SlurmJob]] = {}
+    for job in records:
+        grouped.setdefault(job.app_id, []).append(job)
+    if not keep_runs:
+        return {a: _latest_runs(jobs) for a, jobs in grouped.items()}
+    return grouped
+
+
+def _latest_runs(records: Sequence[SlurmJob]) -> list[SlurmJob]:
+    """The last record of each component (``sacct --duplicates`` lists earlier runs first)."""
+    latest: dict[int, SlurmJob] = {}
+    for job in records:
+        latest[job.job_id] = job
+    return list(latest.values())
+
+
+def _all_final(records: Sequence[SlurmJob], at_least: int) -> bool:
+    """True when there are ``at_least`` records and every one is in a final state."""
+    return len(records) >= at_least and all(is_terminal(app_state_of(j.state)) for j in records)
+
+
+def _merge_steps(records: Sequence[SlurmJob], runs: Sequence[SlurmJob]) -> list[SlurmJob]:
+    """``squeue``'s records with the steps of ``sacct``'s records of the same finished runs."""
+    steps = {j.job_id: j.steps for j in runs if j.steps and is_terminal(app_state_of(j.state))}
+    return [replace(j, steps=steps[j.job_id]) if j.job_id in steps else j for j in records]
+
+
+def _restarts(records: Sequence[SlurmJob]) -> int:
+    leader = min(records, key=lambda j: j.het_offset)
+    return leader.restarts
+
+
+def _sacct_restarts(records: Sequence[SlurmJob]) -> int:
+    leader_id = min(records, key=lambda j: j.het_offset).job_id
+    return sum(1 for j in records if j.job_id == leader_id) - 1
+
+
+def _read_exit_codes(paths: Sequence[str]) -> list[int | None]:
+    codes: list[int | None] = []
+    for path in paths:
+        try:
+            with open(path, encoding="ascii", errors="replace") as f:
+                text = f.read(32).strip()
+        except OSError:
+            text = ""
+        codes.append(int(text) if text.isdigit() else None)
+    return codes
+
+
+def _apply_exit_code(replica: ReplicaStatus, code: int | None) -> None:
+    if code is None:
+        return
+    replica.exit_code = code
+    if code == 0 and replica.state == AppState.FAILED:
+        replica.state = AppState.SUCCEEDED  # it finished fine; another replica failed the app
+
+
+def create_scheduler(session_name: str, **kwargs: Any) -> SlurmScheduler:
+    """Creates the ``slurm`` scheduler.
+
+    Reads ``slurm_runner``, ``slurm_accounting`` and ``slurm_state_check_interval`` (the constructor's
+    ``runner``, ``accounting``, ``state_check_interval``, prefixed because a runner passes the same
+    parameters to every backend); other keyword arguments are ignored.
+    """
+    known = {
+        name: kwargs[f"slurm_{name}"]
+        for name in ("runner", "accounting", "state_check_interval")
+        if f"slurm_{name}" in kwargs
+    }
+    return SlurmScheduler(session_name, **known)

@@ -1,0 +1,341 @@
+# ruff: noqa: F811 - the fixtures imported from _slurm_env are redefined as test parameters
+"""The slurm backend against the real Slurm test cluster, with accounting (acct) and squeue only (noacct).
+
+Needs ``scripts/engines/slurm.sh`` (4 virtual nodes, slurmdbd); skips without it, fails in CI.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
+    REPO,
+    CountingRunner,
+    accounting,
+    job_dir,
+    scancel,
+    slurm_cluster,
+    slurm_runner,
+    slurm_scheduler,
+    slurm_session,
+    wait_for_state,
+)
+from conftest import engine_missing
+
+from asynctorchx.runner import AsyncRunner
+from asynctorchx.schedulers.api import Stream
+from asynctorchx.schedulers.slurm import SlurmScheduler, SlurmSubmitError
+from asynctorchx.specs.api import AppDef, AppState, Resource, Role
+
+pytestmark = [pytest.mark.slurm]
+
+SMALL = Resource(cpu=1, gpu=0, memMB=64)
+
+
+def sh(name: str, script: str, replicas: int = 1, retries: int = 0) -> Role:
+    return Role(
+        name=name,
+        image="/tmp",
+        entrypoint="sh",
+        args=["-c", script],
+        num_replicas=replicas,
+        max_retries=retries,
+        resource=SMALL,
+    )
+
+
+def _my_live_jobs() -> set[str]:
+    out = subprocess.run(
+        [
+            "squeue",
+            "-h",
+            "--me",
+            "-t",
+            "PENDING,RUNNING,CONFIGURING,COMPLETING,SUSPENDED",
+            "-o",
+            "%i",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return set(out.split())
+
+
+@pytest.mark.timeout(90)
+async def test_two_roles_two_replicas_succeed(
+    slurm_scheduler: SlurmScheduler, job_dir: Path
+) -> None:
+    """A 2-role x 2-replica hetjob succeeds: four components on four nodes, each replica SUCCEEDED."""
+    app = AppDef(
+        "twobytwo",
+        [
+            sh("trainer", 'echo "trainer $TORCHX_RANK0_HOST"', replicas=2),
+            sh("reader", "echo reader", replicas=2),
+        ],
+    )
+    app_id = await slurm_scheduler.submit(app, {"job_dir": str(job_dir)})
+    resp = await wait_for_state(slurm_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED, resp.msg
+    assert resp.num_restarts == 0
+    replicas = {(r.role, r.id): r for rs in resp.roles_statuses for r in rs.replicas}
+    assert sorted(replicas) == [("reader", 0), ("reader", 1), ("trainer", 0), ("trainer", 1)]
+    assert {r.state for r in replicas.values()} == {AppState.SUCCEEDED}
+    assert {r.exit_code for r in replicas.values()} == {0}
+    assert sorted(r.hostname for r in replicas.values()) == ["node1", "node2", "node3", "node4"]
+    assert {r.name: r.num_replicas for r in resp.roles} == {"trainer": 2, "reader": 2}
+    rank0 = replicas[("trainer", 0)].hostname
+    lines = [
+        ln async for ln in slurm_scheduler.log_iter(app_id, "trainer", 1, streams=Stream.STDOUT)
+    ]
+    assert lines == [f"trainer {rank0}\n"]  # rank 0's host from het group 0's node list
+
+
+@pytest.mark.timeout(90)
+async def test_failing_replica_fails_app_with_its_exit_code(
+    slurm_scheduler: SlurmScheduler, job_dir: Path
+) -> None:
+    """Replica 1 exiting 3 fails the app with exit code 3; the other replica is stopped."""
+    script = 'if [ "$SLURM_PROCID" = 1 ]; then sleep 0.5; exit 3; fi; sleep 60'
+    app_id = await slurm_scheduler.submit(
+        AppDef("fails", [sh("worker", script, 2)]), {"job_dir": str(job_dir)}
+    )
+    resp = await wait_for_state(slurm_scheduler, app_id, timeout=60)
+    assert resp.state == AppState.FAILED
+    assert "exit code 3" in resp.msg
+    [worker] = resp.roles_statuses
+    by_id = {r.id: r for r in worker.replicas}
+    assert by_id[1].exit_code == 3 and by_id[1].state == AppState.FAILED
+    # replica 0 was stopped by --kill-on-bad-exit: SIGTERM (128+15) when its wrapper saw it
+    assert by_id[0].exit_code in (143, None)
+    assert by_id[0].state == AppState.FAILED
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_pending_job(slurm_scheduler: SlurmScheduler, job_dir: Path) -> None:
+    """A pending job cancels to CANCELLED; cancelling it again is a no-op."""
+    cfg = {"job_dir": str(job_dir), "sbatch_args": ["--begin=now+3600"]}
+    app_id = await slurm_scheduler.submit(AppDef("later", [sh("w", "true", 2)]), cfg)
+    pending = await wait_for_state(slurm_scheduler, app_id, {AppState.PENDING})
+    assert "BeginTime" in pending.msg
+    await slurm_scheduler.cancel(app_id)
+    resp = await wait_for_state(slurm_scheduler, app_id, timeout=30)
+    assert resp.state == AppState.CANCELLED
+    await slurm_scheduler.cancel(app_id)
+    assert app_id not in _my_live_jobs()
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_running_job(slurm_scheduler: SlurmScheduler, job_dir: Path) -> None:
+    """A running 2-replica job cancels to CANCELLED promptly and leaves no job running."""
+    app_id = await slurm_scheduler.submit(
+        AppDef("long", [sh("w", "sleep 120", 2)]), {"job_dir": str(job_dir)}
+    )
+    await wait_for_state(slurm_scheduler, app_id, {AppState.RUNNING})
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await slurm_scheduler.cancel(app_id)
+    assert loop.time() - started < 5  # scancel returns without waiting for the job to end
+    resp = await wait_for_state(slurm_scheduler, app_id, timeout=30)
+    assert resp.state == AppState.CANCELLED
+    await slurm_scheduler.cancel(app_id)
+    for _ in range(100):
+        if app_id not in _my_live_jobs():
+            break
+        await asyncio.sleep(0.2)
+    assert app_id not in _my_live_jobs()
+
+
+@pytest.mark.timeout(90)
+async def test_logs_per_replica_with_tail_and_regex(
+    slurm_scheduler: SlurmScheduler, job_dir: Path
+) -> None:
+    """Each replica has its own stdout/stderr; tail follows a running replica until the app ends."""
+    script = 'for i in 1 2 3; do echo "r$SLURM_PROCID line $i"; sleep 0.3; done; echo "r$SLURM_PROCID oops" >&2'
+    app_id = await slurm_scheduler.submit(
+        AppDef("logs", [sh("w", script, 2)]), {"job_dir": str(job_dir)}
+    )
+    await wait_for_state(slurm_scheduler, app_id, {AppState.RUNNING, AppState.SUCCEEDED})
+    tailed = [
+        ln
+        async for ln in slurm_scheduler.log_iter(
+            app_id, "w", 1, should_tail=True, streams=Stream.STDOUT
+        )
+    ]
+    assert tailed == ["r1 line 1\n", "r1 line 2\n", "r1 line 3\n"]
+    resp = await slurm_scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.SUCCEEDED  # the tail ended with the app
+    only_2 = [
+        ln
+        async for ln in slurm_scheduler.log_iter(
+            app_id, "w", 0, regex=r"line [2]", streams=Stream.STDOUT
+        )
+    ]
+    assert only_2 == ["r0 line 2\n"]
+    assert [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0)] == ["r0 oops\n"]  # stderr
+    # another scheduler object (another process, another cwd) finds the logs through Slurm
+    fresh = SlurmScheduler("other", accounting=slurm_scheduler.accounting)
+    assert [ln async for ln in fresh.log_iter(app_id, "w", 1, streams=Stream.STDOUT)] == tailed
+
+
+@pytest.mark.timeout(60)
+async def test_list_includes_apps_with_handles(
+    slurm_scheduler: SlurmScheduler, job_dir: Path
+) -> None:
+    """list shows a submitted app once (not per component) with its handle and state."""
+    app_id = await slurm_scheduler.submit(
+        AppDef("listed", [sh("w", "true", 2)]), {"job_dir": str(job_dir)}
+    )
+    await wait_for_state(slurm_scheduler, app_id)
+    apps = {a.app_id: a for a in await slurm_scheduler.list()}
+    assert apps[app_id].state == AppState.SUCCEEDED
+    assert apps[app_id].app_handle == f"slurm://{slurm_scheduler.session_name}/{app_id}"
+    assert str(int(app_id) + 1) not in apps  # the second component is not an app
+
+
+@pytest.mark.timeout(120)
+async def test_retry_by_requeue(slurm_scheduler: SlurmScheduler, job_dir: Path) -> None:
+    """A failure with retries left requeues the job; the second run succeeds with num_restarts=1."""
+    script = 'echo "attempt ${SLURM_RESTART_COUNT:-0}"; [ "${SLURM_RESTART_COUNT:-0}" -ge 1 ]'
+    app = AppDef("retry", [sh("w", script, 1, retries=1), sh("v", "true", 1, retries=1)])
+    app_id = await slurm_scheduler.submit(app, {"job_dir": str(job_dir)})
+    resp = await wait_for_state(slurm_scheduler, app_id, timeout=100)
+    assert resp.state == AppState.SUCCEEDED, resp.msg
+    assert resp.num_restarts == 1
+    lines = [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0, streams=Stream.STDOUT)]
+    assert lines == ["attempt 0\n", "attempt 1\n"]  # both attempts kept in the log
+
+
+@pytest.mark.timeout(60)
+async def test_exhausted_retries_fail(slurm_scheduler: SlurmScheduler, job_dir: Path) -> None:
+    """Without retries left a failing job is not requeued: it fails with num_restarts=0."""
+    app_id = await slurm_scheduler.submit(
+        AppDef("noretry", [sh("w", "exit 4")]), {"job_dir": str(job_dir)}
+    )
+    resp = await wait_for_state(slurm_scheduler, app_id)
+    assert (resp.state, resp.num_restarts) == (AppState.FAILED, 0)
+    assert "exit code 4" in resp.msg
+
+
+@pytest.mark.parametrize(
+    ("cfg", "resource", "words"),
+    [
+        ({"partition": "nosuchpartition"}, SMALL, "invalid partition specified: nosuchpartition"),
+        ({"time": "forever"}, SMALL, "Invalid --time specification"),
+        ({}, Resource(cpu=1, gpu=0, memMB=50_000_000), "Memory specification can not be satisfied"),
+        ({}, Resource(cpu=500, gpu=0, memMB=64), "More processors requested than permitted"),
+    ],
+    ids=["unknown-partition", "bad-time", "too-much-memory", "too-many-cpus"],
+)
+@pytest.mark.timeout(60)
+async def test_bad_input_is_rejected_with_sbatch_message(
+    slurm_cluster: None,
+    slurm_runner: CountingRunner,
+    job_dir: Path,
+    cfg: dict[str, str],
+    resource: Resource,
+    words: str,
+) -> None:
+    """sbatch's refusal surfaces as SlurmSubmitError with sbatch's message, and nothing is queued."""
+    sched = SlurmScheduler("bad", runner=slurm_runner)
+    role = sh("w", "true")
+    role.resource = resource
+    before = _my_live_jobs()
+    with pytest.raises(SlurmSubmitError, match="nothing was queued") as info:
+        await sched.submit(AppDef("bad", [role]), {"job_dir": str(job_dir), **cfg})
+    assert words in str(info.value)
+    assert _my_live_jobs() <= before
+
+
+@pytest.mark.timeout(120)
+async def test_fifty_apps_waited_cost_one_squeue_per_round(
+    slurm_cluster: None,
+    accounting: bool,
+    slurm_runner: CountingRunner,
+    slurm_session: str,
+    job_dir: Path,
+) -> None:
+    """50 apps waited concurrently through AsyncRunner cost one squeue (and at most one sacct) per
+    status round of the runner's hub, not one per app."""
+    async with AsyncRunner(
+        slurm_session, slurm_runner=slurm_runner, slurm_accounting=accounting
+    ) as runner:
+        app = AppDef("many", [sh("w", "sleep 1")])
+        handles = await asyncio.gather(
+            *(runner.run(app, "slurm", {"job_dir": str(job_dir)}) for _ in range(50))
+        )
+        before = dict(slurm_runner.counts)
+        statuses = await runner.wait_all(handles, timeout=100)
+        rounds = runner.hub("slurm").rounds
+    assert len(statuses) == 50
+    assert {s.state for s in statuses.values() if s is not None} == {AppState.SUCCEEDED}
+    squeues = slurm_runner.counts["squeue"] - before.get("squeue", 0)
+    saccts = slurm_runner.counts["sacct"] - before.get("sacct", 0)
+    assert 1 <= squeues <= rounds
+    assert saccts <= rounds
+    if not accounting:
+        assert saccts == 0
+    assert squeues < 50  # the point: rounds, not apps
+
+
+DDP_SCRIPT = """\
+import os
+
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+value = torch.tensor([float(rank + 1)])
+dist.all_reduce(value)
+print(
+    f"rank {rank}/{world} on {os.environ['SLURMD_NODENAME']} (rank 0 host "
+    f"{os.environ['TORCHX_RANK0_HOST']}): all_reduce sum = {value.item():g}, "
+    f"expected {world * (world + 1) / 2:g}",
+    flush=True,
+)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+async def test_ddp_two_nodes_over_het_components(
+    slurm_cluster: None, slurm_runner: CountingRunner, job_dir: Path
+) -> None:
+    """dist.ddp -j 2x1 runs torchrun on two het components that rendezvous (c10d) at rank 0's host,
+    taken from het group 0's node list, and all-reduce with gloo on CPU."""
+    if importlib.util.find_spec("torch") is None:
+        engine_missing("torch (pip install torch==2.13.0, or the [torch] extra)")
+    from asynctorchx.components import get_component
+    from asynctorchx.specs.builders import materialize_appdef
+
+    script = job_dir / "allreduce.py"
+    script.write_text(DDP_SCRIPT)
+    app = materialize_appdef(
+        get_component("dist.ddp").fn, ["-j", "2x1", "--script", str(script)], name="dist.ddp"
+    )
+    sched = SlurmScheduler("ddp", runner=slurm_runner)
+    app_id = await sched.submit(app, {"job_dir": str(job_dir)})
+    try:
+        resp = await wait_for_state(sched, app_id, timeout=200, poll=0.5)
+    finally:
+        scancel([app_id])
+    role = app.roles[0].name
+    logs = {}
+    for k in (0, 1):
+        out = [ln async for ln in sched.log_iter(app_id, role, k, streams=Stream.STDOUT)]
+        err = [ln async for ln in sched.log_iter(app_id, role, k, streams=Stream.STDERR)]
+        logs[k] = "".join(out + err)
+    assert resp.state == AppState.SUCCEEDED, f"{resp.msg}\n{logs}"
+    [trainer] = resp.roles_statuses
+    hosts = {r.id: r.hostname for r in trainer.replicas}
+    assert len(set(hosts.values())) == 2
+    for k in (0, 1):
+        assert f"on {hosts[k]} (rank 0 host {hosts[0]}): all_reduce sum = 3, expected 3" in logs[k]
