@@ -1,0 +1,337 @@
+"""A thin async wrapper over ``kubernetes_asyncio`` that speaks plain JSON.
+
+The backend uses a handful of calls on three kinds (Services, Jobs, Pods): create, get, list, watch,
+merge-patch, delete with a propagation policy, and pod logs. They go through ``kubernetes_asyncio``'s
+generated API classes (its configuration, authentication and HTTP session) with
+``_preload_content=False``, so that bodies stay plain dicts and streams are read line by line here:
+watch events and log lines of any length, never split. Pod logs use the generic ``call_api``
+because the generated method lacks ``sinceTime``.
+
+``kubernetes_asyncio`` is imported on first use; without it, ``KubeApi.connect`` raises an
+ImportError naming ``pip install 'asynctorchx[kubernetes]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+INSTALL_HINT = "pip install 'asynctorchx[kubernetes]'"
+
+KINDS = ("services", "jobs", "pods")
+
+_CORE = "CoreV1Api"
+_BATCH = "BatchV1Api"
+_METHODS = {
+    "services": (_CORE, "service"),
+    "jobs": (_BATCH, "job"),
+    "pods": (_CORE, "pod"),
+}
+
+
+def import_kubernetes_asyncio() -> Any:
+    """Imports ``kubernetes_asyncio``, or raises ImportError saying how to install it."""
+    try:
+        import kubernetes_asyncio
+        import kubernetes_asyncio.client
+        import kubernetes_asyncio.config
+    except ImportError as e:
+        raise ImportError(
+            f"the kubernetes scheduler needs the kubernetes_asyncio package: {INSTALL_HINT} ({e})"
+        ) from e
+    return kubernetes_asyncio
+
+
+class KubeApiError(Exception):
+    """Raised when the API server answers with an error status (or cannot be reached: status 0).
+
+    Attributes:
+        status: the HTTP status (0 when the server could not be reached).
+        reason: the Status reason (``NotFound``, ``AlreadyExists``, ``Expired``...).
+        message: the server's message.
+    """
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"Kubernetes API error {status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+def net_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean the server could not be reached or the connection dropped."""
+    import aiohttp
+
+    return (OSError, asyncio.TimeoutError, aiohttp.ClientError)
+
+
+def _unreachable(e: BaseException) -> KubeApiError:
+    return KubeApiError(0, "Unreachable", f"{type(e).__name__}: {e}")
+
+
+def _error_from_body(status: int, body: bytes) -> KubeApiError:
+    reason, message = "", body.decode("utf-8", "replace").strip()[:2000]
+    try:
+        data = json.loads(body)
+        if isinstance(data, dict):
+            reason = str(data.get("reason", ""))
+            message = str(data.get("message", message))
+    except ValueError:
+        pass
+    return KubeApiError(status, reason, message)
+
+
+async def _iter_lines(content: Any) -> AsyncIterator[bytes]:
+    """Lines (with their ``\\n``; a final partial one without) of an aiohttp stream, any length."""
+    buf = bytearray()
+    async for chunk in content.iter_any():
+        buf += chunk
+        start = 0
+        while True:
+            nl = buf.find(b"\n", start)
+            if nl < 0:
+                break
+            yield bytes(buf[start : nl + 1])
+            start = nl + 1
+        del buf[:start]
+    if buf:
+        yield bytes(buf)
+
+
+class KubeApi:
+    """JSON calls to one API server through a ``kubernetes_asyncio.client.ApiClient``.
+
+    Args:
+        api_client: the client to use.
+        owns_client: close ``api_client`` on ``close()``.
+        request_timeout: the total timeout (seconds) of a non-streaming call.
+    """
+
+    def __init__(
+        self, api_client: Any, *, owns_client: bool, request_timeout: float = 30.0
+    ) -> None:
+        k8s = import_kubernetes_asyncio()
+        self._k8s = k8s
+        self._client = api_client
+        self._owns = owns_client
+        self._timeout = request_timeout
+        self._net = net_errors()
+        self._apis = {
+            _CORE: k8s.client.CoreV1Api(api_client),
+            _BATCH: k8s.client.BatchV1Api(api_client),
+        }
+
+    @classmethod
+    async def connect(
+        cls,
+        *,
+        configuration: Any = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        request_timeout: float = 30.0,
+    ) -> KubeApi:
+        """A client for the configured cluster.
+
+        Uses ``configuration`` (a ``kubernetes_asyncio.client.Configuration``) when given; else the
+        kubeconfig file (``kubeconfig``, ``$KUBECONFIG`` or ``~/.kube/config``) with ``context``; else,
+        inside a pod, the in-cluster service account.
+        """
+        k8s = import_kubernetes_asyncio()
+        if configuration is None:
+            configuration = k8s.client.Configuration()
+            if (
+                kubeconfig is None
+                and context is None
+                and os.environ.get("KUBERNETES_SERVICE_HOST")
+                and not (os.environ.get("KUBECONFIG"))
+            ):
+                k8s.config.load_incluster_config(client_configuration=configuration)
+            else:
+                await k8s.config.load_kube_config(
+                    config_file=kubeconfig,
+                    context=context,
+                    client_configuration=configuration,
+                    persist_config=False,
+                )
+        return cls(
+            k8s.client.ApiClient(configuration), owns_client=True, request_timeout=request_timeout
+        )
+
+    async def close(self) -> None:
+        """Closes the HTTP session when this object created it."""
+        if self._owns:
+            await self._client.close()
+
+    def _method(self, kind: str, verb: str) -> Any:
+        api_name, noun = _METHODS[kind]
+        return getattr(self._apis[api_name], f"{verb}_namespaced_{noun}")
+
+    async def _json(self, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            resp = await call(
+                *args, _preload_content=False, _request_timeout=self._timeout, **kwargs
+            )
+        except self._net as e:
+            raise _unreachable(e) from e
+        except self._k8s.client.ApiException as e:
+            raise KubeApiError(e.status or 0, str(e.reason or ""), str(e.body or e)) from e
+        try:
+            body = await resp.read()
+        except self._net as e:
+            raise _unreachable(e) from e
+        finally:
+            resp.release()
+        if not 200 <= resp.status < 300:
+            raise _error_from_body(resp.status, body)
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            raise KubeApiError(
+                resp.status, "BadResponse", f"expected a JSON object, got {body[:200]!r}"
+            )
+        return data
+
+    async def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Creates an object and returns it as stored."""
+        return await self._json(self._method(kind, "create"), namespace, body)
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return await self._json(self._method(kind, "read"), name, namespace)
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def list(self, kind: str, namespace: str, label_selector: str) -> dict[str, Any]:
+        """The list object (``items`` and ``metadata.resourceVersion``) of matching objects."""
+        return await self._json(
+            self._method(kind, "list"), namespace, label_selector=label_selector
+        )
+
+    async def patch(
+        self, kind: str, namespace: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patches an object (strategic merge for built-in kinds) and returns it."""
+        return await self._json(self._method(kind, "patch"), name, namespace, body)
+
+    async def delete(
+        self, kind: str, namespace: str, name: str, propagation_policy: str
+    ) -> dict[str, Any] | None:
+        """Deletes an object with an explicit propagation policy; None when it did not exist."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "DeleteOptions",
+            "propagationPolicy": propagation_policy,
+        }
+        try:
+            return await self._json(self._method(kind, "delete"), name, namespace, body=body)
+        except KubeApiError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def watch(
+        self,
+        kind: str,
+        namespace: str,
+        label_selector: str,
+        resource_version: str,
+        timeout_seconds: int,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The watch events (``{"type", "object"}``) after ``resource_version``, until the server ends
+        the stream (after ``timeout_seconds``) or the connection drops.
+
+        An ``ERROR`` event is yielded as is (e.g. 410 Expired: the version is too old; relist).
+
+        Raises:
+            KubeApiError: the watch could not be opened, or the connection failed mid-stream.
+        """
+        call = self._method(kind, "list")
+        try:
+            resp = await call(
+                namespace,
+                label_selector=label_selector,
+                watch=True,
+                resource_version=resource_version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=timeout_seconds,
+                _preload_content=False,
+                _request_timeout=(10, timeout_seconds + 30),
+            )
+        except self._net as e:
+            raise _unreachable(e) from e
+        try:
+            if not 200 <= resp.status < 300:
+                raise _error_from_body(resp.status, await resp.read())
+            async for line in _iter_lines(resp.content):
+                if not line.strip():
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    yield event
+        except self._net as e:
+            raise _unreachable(e) from e
+        finally:
+            resp.close()
+
+    @asynccontextmanager
+    async def pod_log(
+        self,
+        namespace: str,
+        pod: str,
+        *,
+        container: str | None = None,
+        follow: bool = False,
+        since_time: str | None = None,
+    ) -> AsyncIterator[AsyncIterator[bytes]]:
+        """Opens a pod's log with timestamps; yields an iterator of its raw lines.
+
+        Raises:
+            KubeApiError: the log cannot be read (404 no such pod, 400 the container has not started).
+        """
+        query: list[tuple[str, str]] = [("timestamps", "true")]
+        if follow:
+            query.append(("follow", "true"))
+        if container:
+            query.append(("container", container))
+        if since_time:
+            query.append(("sinceTime", since_time))
+        try:
+            resp = await self._client.call_api(
+                "/api/v1/namespaces/{namespace}/pods/{name}/log",
+                "GET",
+                path_params={"namespace": namespace, "name": pod},
+                query_params=query,
+                header_params={"Accept": "*/*"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=(10, None) if follow else self._timeout,
+            )
+        except self._net as e:
+            raise _unreachable(e) from e
+        lines = _guard(_iter_lines(resp.content), self._net)
+        try:
+            if not 200 <= resp.status < 300:
+                raise _error_from_body(resp.status, await resp.read())
+            yield lines
+        finally:
+            await lines.aclose()
+            resp.close()
+
+
+async def _guard(
+    lines: AsyncIterator[bytes], errors: tuple[type[BaseException], ...]
+) -> AsyncGenerator[bytes, None]:
+    try:
+        async for line in lines:
+            yield line
+    except errors as e:
+        raise _unreachable(e) from e

@@ -1,0 +1,925 @@
+"""``AppDef`` → Kubernetes objects: one headless Service per app owning one Indexed Job per role.
+
+Pure and synchronous: nothing here talks to a cluster. The layout:
+
+- the **Service** ``{app}`` (``clusterIP: "None"``, ``publishNotReadyAddresses: true``, selecting the
+  app's pods) gives every replica a DNS name before it is ready, and owns the Jobs, so deleting it
+  (with an explicit propagation policy) deletes everything;
+- one **Job** ``{app}-{role}`` per role, ``completionMode: Indexed`` with ``completions = parallelism =
+  num_replicas`` and ``template.spec.subdomain = {app}``: replica ``k`` runs as the pod with hostname
+  ``{app}-{role}-{k}``, reachable as ``{app}-{role}-{k}.{app}``; rank 0 is ``{app}-{role0}-0.{app}``
+  (``localhost`` on rank 0 itself), exported as ``TORCHX_RANK0_HOST``;
+- ``macros.replica_id`` becomes ``$(JOB_COMPLETION_INDEX)``, which Kubernetes expands in args and in
+  env values (the variable is declared first so later env values can refer to it);
+- retries: ``RetryPolicy.REPLICA`` uses the Job's own per-index backoff (``backoffLimitPerIndex``,
+  ``maxFailedIndexes: 0``); ``ROLE`` and ``APPLICATION`` use ``backoffLimit: 0`` and are restarted by
+  the backend, which recreates Jobs with a higher attempt label. Every Job ignores pod disruptions
+  (preemption, eviction, node drain) through its ``podFailurePolicy`` and replaces pods only once
+  they have fully terminated (``podReplacementPolicy: Failed``).
+
+Requires Kubernetes 1.29 or newer (``backoffLimitPerIndex`` and ``podReplacementPolicy`` are beta and on
+by default there).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from asynctorchx.schedulers._k8s import names as n
+from asynctorchx.specs.api import (
+    NULL_RESOURCE,
+    AppDef,
+    BindMount,
+    CfgVal,
+    DeviceMount,
+    InvalidAppDefException,
+    InvalidRunConfigException,
+    Resource,
+    RetryPolicy,
+    Role,
+    VolumeMount,
+    macros,
+    make_unique,
+)
+from asynctorchx.version import __version__
+
+MIN_KUBERNETES_VERSION = "1.29"
+
+RANK0_ENV = "TORCHX_RANK0_HOST"
+REPLICA_INDEX_ENV = "JOB_COMPLETION_INDEX"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+TERMINATION_LOG = "/dev/termination-log"
+GPU_RESOURCE = "nvidia.com/gpu"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+SHM_VOLUME = "dshm"
+
+_RANK0_SCRIPT = (
+    f'if [ "${{{REPLICA_INDEX_ENV}:-}}" = 0 ]; then {RANK0_ENV}=localhost; export {RANK0_ENV}; fi; '
+    'exec "$@"'
+)
+
+TOLERATION_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+IMAGE_PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+
+_QUANTITY = re.compile(
+    r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
+)
+_RESOURCE_NAME = re.compile(
+    r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+)
+
+
+@dataclass(frozen=True)
+class KubernetesOptions:
+    """The resolved run options of one submission (see ``KubernetesScheduler.run_opts``)."""
+
+    namespace: str = "default"
+    service_account: str | None = None
+    priority_class: str | None = None
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    image_pull_secrets: tuple[str, ...] = ()
+    image_pull_policy: str | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    pod_overlay: Mapping[str, Any] | None = None
+    rank0_localhost: bool = True
+
+    @staticmethod
+    def from_cfg(cfg: Mapping[str, CfgVal]) -> KubernetesOptions:
+        """Parses resolved run options, raising InvalidRunConfigException naming the bad key."""
+
+        def text(key: str) -> str | None:
+            value = cfg.get(key)
+            return value if isinstance(value, str) and value else None
+
+        def mapping(key: str) -> dict[str, str]:
+            value = cfg.get(key)
+            return dict(value) if isinstance(value, dict) else {}
+
+        def strings(key: str) -> list[str]:
+            value = cfg.get(key)
+            return list(value) if isinstance(value, list) else []
+
+        namespace = text("namespace") or "default"
+        if not n.is_dns1123_label(namespace):
+            _bad_cfg(
+                "namespace", namespace, "a DNS label (lowercase a-z, 0-9, '-', at most 63)", cfg
+            )
+        for key in ("service_account", "priority_class"):
+            value = text(key)
+            if value is not None and not n.is_dns1123_subdomain(value):
+                _bad_cfg(key, value, "a DNS subdomain (lowercase a-z, 0-9, '-', '.')", cfg)
+        node_selector = mapping("node_selector")
+        labels = mapping("labels")
+        for key, sel in (("node_selector", node_selector), ("labels", labels)):
+            for k, v in sel.items():
+                if not n.is_label_key(k):
+                    _bad_cfg(
+                        key, f"{k}:{v}", f"label keys like 'example.com/name', got key {k!r}", cfg
+                    )
+                if not n.is_label_value(v):
+                    _bad_cfg(
+                        key,
+                        f"{k}:{v}",
+                        f"label values of at most 63 [A-Za-z0-9_.-], got {v!r}",
+                        cfg,
+                    )
+        secrets = strings("image_pull_secrets")
+        for secret in secrets:
+            if not n.is_dns1123_subdomain(secret):
+                _bad_cfg("image_pull_secrets", secret, "names of Secrets (DNS subdomains)", cfg)
+        policy = text("image_pull_policy")
+        if policy is not None and policy not in IMAGE_PULL_POLICIES:
+            _bad_cfg("image_pull_policy", policy, f"one of {', '.join(IMAGE_PULL_POLICIES)}", cfg)
+        overlay_raw = text("pod_overlay")
+        overlay: dict[str, Any] | None = None
+        if overlay_raw is not None:
+            try:
+                overlay = json.loads(overlay_raw)
+            except ValueError as e:
+                _bad_cfg("pod_overlay", overlay_raw, f"a JSON object ({e})", cfg)
+            if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
+                _bad_cfg(
+                    "pod_overlay", overlay_raw, "a JSON object with 'metadata' and/or 'spec'", cfg
+                )
+        return KubernetesOptions(
+            namespace=namespace,
+            service_account=text("service_account"),
+            priority_class=text("priority_class"),
+            node_selector=node_selector,
+            tolerations=tuple(parse_toleration(t, cfg) for t in strings("tolerations")),
+            image_pull_secrets=tuple(secrets),
+            image_pull_policy=policy,
+            labels=labels,
+            pod_overlay=overlay,
+            rank0_localhost=cfg.get("rank0_localhost") is not False,
+        )
+
+
+def _bad_cfg(key: str, value: object, expected: str, cfg: Mapping[str, CfgVal]) -> NoReturn:
+    raise InvalidRunConfigException(
+        f"Run option {key!r} must be {expected}, got {value!r}", key, cfg
+    )
+
+
+def parse_toleration(spec: str, cfg: Mapping[str, CfgVal] | None = None) -> dict[str, Any]:
+    """Parses ``key[=value][:Effect]`` into a toleration.
+
+    ``key=value:NoSchedule`` tolerates that taint exactly (operator ``Equal``); ``key:NoExecute``
+    tolerates any value (operator ``Exists``); without an effect, every effect is tolerated.
+
+    Raises:
+        InvalidRunConfigException: the string does not have that shape or the effect is unknown.
+    """
+    head, sep, effect = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    key, eq, value = head.partition("=")
+    expected = f"'key[=value][:Effect]' with Effect one of {', '.join(TOLERATION_EFFECTS)}"
+    if (sep and effect not in TOLERATION_EFFECTS) or not key or not n.is_label_key(key):
+        _bad_cfg("tolerations", spec, expected, cfg or {})
+    if eq and not n.is_label_value(value):
+        _bad_cfg("tolerations", spec, expected, cfg or {})
+    tol: dict[str, Any] = {"key": key, "operator": "Equal" if eq else "Exists"}
+    if eq:
+        tol["value"] = value
+    if sep:
+        tol["effect"] = effect
+    return tol
+
+
+@dataclass
+class KubernetesRequest:
+    """What the ``kubernetes`` backend submits for one app: a Service and one Job per role.
+
+    Attributes:
+        namespace: the namespace of every object.
+        name: the app's name in the cluster (the Service's name, prefix of every other name).
+        service: the headless Service manifest.
+        jobs: one Job manifest per role, in role order (their owner reference to the Service is
+            added at submit time, once the Service's uid is known).
+        roles: the roles as submitted (retries recreate Jobs from ``jobs``).
+    """
+
+    namespace: str
+    name: str
+    service: dict[str, Any]
+    jobs: list[dict[str, Any]]
+    roles: list[Role]
+
+    @property
+    def app_id(self) -> str:
+        """The backend's app id, ``{namespace}:{name}``."""
+        return n.make_app_id(self.namespace, self.name)
+
+    @property
+    def needs_live_retries(self) -> bool:
+        """True when a role restarts by ROLE or APPLICATION policy (done by the submitting process)."""
+        return any(
+            r.max_retries > 0 and RetryPolicy(r.retry_policy) != RetryPolicy.REPLICA
+            for r in self.roles
+        )
+
+    def manifests(self) -> list[dict[str, Any]]:
+        """Every object, in creation order (the Service first)."""
+        return [self.service, *self.jobs]
+
+    def __str__(self) -> str:
+        return format_manifests(self.manifests())
+
+
+def format_manifests(objs: list[dict[str, Any]]) -> str:
+    """A multi-document YAML rendering of ``objs`` (JSON when PyYAML is not installed)."""
+    try:
+        import yaml  # type: ignore[import-untyped]
+    except ImportError:
+        return "\n---\n".join(json.dumps(o, indent=2) for o in objs)
+    return str(yaml.safe_dump_all(objs, sort_keys=False, default_flow_style=False))
+
+
+def role_to_json(role: Role) -> str:
+    """The role as compact JSON, stored on its Job so that ``describe`` can return it."""
+    res = role.resource
+    data = {
+        "name": role.name,
+        "image": role.image,
+        "entrypoint": role.entrypoint,
+        "args": role.args,
+        "env": role.env,
+        "num_replicas": role.num_replicas,
+        "min_replicas": role.min_replicas,
+        "max_retries": role.max_retries,
+        "retry_policy": RetryPolicy(role.retry_policy).value,
+        "resource": {
+            "cpu": res.cpu,
+            "gpu": res.gpu,
+            "memMB": res.memMB,
+            "capabilities": res.capabilities,
+            "devices": res.devices,
+        },
+        "port_map": role.port_map,
+        "metadata": role.metadata,
+        "mounts": [_mount_json(m) for m in role.mounts],
+    }
+    return json.dumps(data, separators=(",", ":"), sort_keys=True, default=str)
+
+
+def _mount_json(m: BindMount | VolumeMount | DeviceMount) -> dict[str, Any]:
+    if isinstance(m, BindMount):
+        return {
+            "type": "bind",
+            "src_path": m.src_path,
+            "dst_path": m.dst_path,
+            "read_only": m.read_only,
+        }
+    if isinstance(m, VolumeMount):
+        return {"type": "volume", "src": m.src, "dst_path": m.dst_path, "read_only": m.read_only}
+    return {
+        "type": "device",
+        "src_path": m.src_path,
+        "dst_path": m.dst_path,
+        "permissions": m.permissions,
+    }
+
+
+def role_from_json(raw: str) -> Role | None:
+    """The role stored by ``role_to_json``, or None when ``raw`` is not such JSON."""
+    try:
+        d = json.loads(raw)
+        res = d.get("resource") or {}
+        mounts: list[BindMount | VolumeMount | DeviceMount] = []
+        for m in d.get("mounts") or []:
+            kind = m.get("type")
+            if kind == "bind":
+                mounts.append(BindMount(m["src_path"], m["dst_path"], bool(m.get("read_only"))))
+            elif kind == "volume":
+                mounts.append(VolumeMount(m["src"], m["dst_path"], bool(m.get("read_only"))))
+            elif kind == "device":
+                mounts.append(
+                    DeviceMount(m["src_path"], m["dst_path"], m.get("permissions", "rwm"))
+                )
+        return Role(
+            name=d["name"],
+            image=d["image"],
+            entrypoint=d["entrypoint"],
+            args=list(d.get("args") or []),
+            env=dict(d.get("env") or {}),
+            num_replicas=int(d.get("num_replicas", 1)),
+            min_replicas=d.get("min_replicas"),
+            max_retries=int(d.get("max_retries", 0)),
+            retry_policy=RetryPolicy(d.get("retry_policy", "APPLICATION")),
+            resource=Resource(
+                cpu=res.get("cpu", -1),
+                gpu=res.get("gpu", -1),
+                memMB=res.get("memMB", -1),
+                capabilities=dict(res.get("capabilities") or {}),
+                devices=dict(res.get("devices") or {}),
+            ),
+            port_map=dict(d.get("port_map") or {}),
+            metadata=dict(d.get("metadata") or {}),
+            mounts=mounts,
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# -- names ---------------------------------------------------------------------------------------
+
+
+def role_dns_names(app: AppDef) -> list[str]:
+    """The DNS-label form of every role name, in role order.
+
+    Raises:
+        InvalidAppDefException: a role name has no usable characters, or two roles map to the same name.
+    """
+    seen: dict[str, str] = {}
+    out: list[str] = []
+    for role in app.roles:
+        dns = n.role_dns_name(role.name)
+        if not dns:
+            raise InvalidAppDefException(
+                f"name {role.name!r} has no letters or digits to build Kubernetes names from",
+                role=role.name,
+                field_name="name",
+            )
+        if dns in seen:
+            raise InvalidAppDefException(
+                f"name {role.name!r} and role {seen[dns]!r} both become {dns!r} in Kubernetes names "
+                "(lowercase, other characters as '-'); rename one of them",
+                role=role.name,
+                field_name="name",
+            )
+        seen[dns] = role.name
+        out.append(dns)
+    return out
+
+
+def new_app_name(app: AppDef, role_dns: list[str]) -> str:
+    """A fresh, unique app name short enough for every derived name to fit in 63 characters.
+
+    Raises:
+        InvalidAppDefException: a role's name (with its replica count) leaves no room for an app id.
+    """
+    pairs = [(dns, r.num_replicas) for dns, r in zip(role_dns, app.roles, strict=True)]
+    budget = n.app_id_budget(pairs)
+    if budget < n.APP_ID_MIN_LENGTH:
+        role, dns = max(
+            zip(app.roles, role_dns, strict=True),
+            key=lambda p: len(f"-{p[1]}-{p[0].num_replicas - 1}"),
+        )
+        index_len = len(str(max(role.num_replicas - 1, 0)))
+        allowed = n.MAX_LABEL - n.APP_ID_MIN_LENGTH - index_len - 2
+        raise InvalidAppDefException(
+            f"name {role.name!r} ({len(dns)} characters as {dns!r}) is too long for Kubernetes: pod "
+            f"hostnames '<app_id>-<role>-<index>' must fit in 63 characters and the app id needs at "
+            f"least {n.APP_ID_MIN_LENGTH}; use a role name of at most {allowed} characters",
+            role=role.name,
+            field_name="name",
+        )
+    return make_unique(
+        app.name, string_length=n.APP_ID_SUFFIX_LENGTH, max_length=min(n.APP_ID_MAX_LENGTH, budget)
+    )
+
+
+# -- resources -----------------------------------------------------------------------------------
+
+
+def cpu_quantity(cpu: float) -> str:
+    """CPU cores as a Kubernetes quantity (``2``, ``500m``)."""
+    if float(cpu).is_integer():
+        return str(int(cpu))
+    return f"{round(cpu * 1000)}m"
+
+
+def memory_quantity(mem_mb: float) -> str:
+    """MiB as a Kubernetes quantity (``4096Mi``; fractional MiB as whole KiB)."""
+    if float(mem_mb).is_integer():
+        return f"{int(mem_mb)}Mi"
+    return f"{round(mem_mb * 1024)}Ki"
+
+
+def resource_requirements(role: Role) -> dict[str, Any]:
+    """Requests equal to limits for every resource the role asks for (nothing is trimmed).
+
+    Raises:
+        InvalidAppDefException: a value Kubernetes cannot represent (infinite, fractional GPUs,
+            a device name that is not a resource name).
+    """
+    res = role.resource
+    if res is NULL_RESOURCE or res == NULL_RESOURCE:
+        return {}
+    amounts: dict[str, Any] = {}
+    for fname, value in (("cpu", res.cpu), ("memMB", res.memMB), ("gpu", res.gpu)):
+        if not math.isfinite(value):
+            raise InvalidAppDefException(
+                f"resource.{fname} must be a finite number, got {value!r}",
+                role=role.name,
+                field_name=f"resource.{fname}",
+            )
+    if res.cpu > 0:
+        cpu = cpu_quantity(res.cpu)
+        if cpu == "0m":
+            raise InvalidAppDefException(
+                f"resource.cpu must be at least 0.001 cores, got {res.cpu!r}",
+                role=role.name,
+                field_name="resource.cpu",
+            )
+        amounts["cpu"] = cpu
+    if res.memMB > 0:
+        mem = memory_quantity(res.memMB)
+        if mem == "0Ki":
+            raise InvalidAppDefException(
+                f"resource.memMB must be at least 1 KiB (0.001 MiB), got {res.memMB!r}",
+                role=role.name,
+                field_name="resource.memMB",
+            )
+        amounts["memory"] = mem
+    if res.gpu > 0:
+        if not float(res.gpu).is_integer():
+            raise InvalidAppDefException(
+                f"resource.gpu must be a whole number of GPUs on Kubernetes, got {res.gpu!r}",
+                role=role.name,
+                field_name="resource.gpu",
+            )
+        amounts[GPU_RESOURCE] = int(res.gpu)
+    for dev, count in res.devices.items():
+        if not _RESOURCE_NAME.fullmatch(dev) or len(dev) > n.MAX_SUBDOMAIN:
+            raise InvalidAppDefException(
+                f"resource.devices key {dev!r} is not a Kubernetes resource name "
+                "(like 'vpc.amazonaws.com/efa')",
+                role=role.name,
+                field_name="resource.devices",
+            )
+        if count > 0:
+            amounts[dev] = count
+    if not amounts:
+        return {}
+    return {"limits": dict(amounts), "requests": dict(amounts)}
+
+
+# -- the pod template ----------------------------------------------------------------------------
+
+
+def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
+    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
+    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    privileged = False
+    for i, m in enumerate(role.mounts):
+        name = f"mount-{i}"
+        if isinstance(m, BindMount):
+            volumes.append({"name": name, "hostPath": {"path": m.src_path}})
+            mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
+        elif isinstance(m, VolumeMount):
+            if not n.is_dns1123_subdomain(m.src):
+                raise InvalidAppDefException(
+                    f"mounts[{i}].src must name a PersistentVolumeClaim (a DNS subdomain), got {m.src!r}",
+                    role=role.name,
+                    field_name=f"mounts[{i}].src",
+                )
+            volumes.append(
+                {
+                    "name": name,
+                    "persistentVolumeClaim": {"claimName": m.src, "readOnly": m.read_only},
+                }
+            )
+            mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
+        else:
+            volumes.append({"name": name, "hostPath": {"path": m.src_path}})
+            mounts.append({"name": name, "mountPath": m.dst_path})
+            privileged = True
+    return volumes, mounts, privileged
+
+
+def _env(role: Role, extra: Mapping[str, str]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {
+            "name": REPLICA_INDEX_ENV,
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{n.COMPLETION_INDEX}']"}
+            },
+        }
+    ]
+    merged = {**extra, **role.env}
+    merged.setdefault(ERROR_FILE_ENV, TERMINATION_LOG)
+    for key, value in merged.items():
+        if key == REPLICA_INDEX_ENV:
+            raise InvalidAppDefException(
+                f"env[{key!r}] is set by Kubernetes for Indexed Jobs and cannot be overridden",
+                role=role.name,
+                field_name="env",
+            )
+        if not n.is_env_name(key):
+            raise InvalidAppDefException(
+                f"env key {key!r} is not a valid Kubernetes environment variable name "
+                "(letters, digits, '_', '-', '.', not starting with a digit)",
+                role=role.name,
+                field_name="env",
+            )
+        env.append({"name": key, "value": value})
+    return env
+
+
+def _ports(role: Role) -> list[dict[str, Any]]:
+    ports = []
+    for name, port in role.port_map.items():
+        if not n.is_port_name(name):
+            raise InvalidAppDefException(
+                f"port_map key {name!r} is not a Kubernetes port name (at most 15 lowercase letters, "
+                "digits and '-', with at least one letter)",
+                role=role.name,
+                field_name="port_map",
+            )
+        if not 1 <= port <= 65535:
+            raise InvalidAppDefException(
+                f"port_map[{name!r}] must be a port in [1, 65535] on Kubernetes, got {port!r}",
+                role=role.name,
+                field_name="port_map",
+            )
+        ports.append({"name": name, "containerPort": port})
+    return ports
+
+
+def merge_overlay(base: Any, overlay: Any) -> Any:
+    """``overlay`` merged into ``base`` (a copy): dicts key by key, lists of named dicts by name.
+
+    A ``None`` in the overlay removes the key; any other list or value replaces the base's.
+    """
+    if isinstance(base, dict) and isinstance(overlay, dict):
+        out = dict(base)
+        for key, value in overlay.items():
+            if value is None:
+                out.pop(key, None)
+            elif key in out:
+                out[key] = merge_overlay(out[key], value)
+            else:
+                out[key] = copy.deepcopy(value)
+        return out
+    if (
+        isinstance(base, list)
+        and isinstance(overlay, list)
+        and all(isinstance(x, dict) and "name" in x for x in base + overlay)
+    ):
+        out_list = [copy.deepcopy(x) for x in base]
+        index = {x["name"]: i for i, x in enumerate(out_list)}
+        for item in overlay:
+            if item["name"] in index:
+                out_list[index[item["name"]]] = merge_overlay(out_list[index[item["name"]]], item)
+            else:
+                out_list.append(copy.deepcopy(item))
+        return out_list
+    return copy.deepcopy(overlay)
+
+
+def pod_template(
+    role: Role,
+    role_dns: str,
+    *,
+    app_name: str,
+    labels: Mapping[str, str],
+    opts: KubernetesOptions,
+    rank0_host: str,
+    is_rank0_role: bool,
+) -> dict[str, Any]:
+    """The PodTemplateSpec of a role's Job (shared by every replica: per-replica values are expanded
+    from ``$(JOB_COMPLETION_INDEX)`` by Kubernetes).
+
+    Args:
+        role: the role, with macros already substituted.
+        role_dns: the role's DNS-label name (the container's name).
+        app_name: the app's name in the cluster (the Service, set as the pods' subdomain).
+        labels: the pod labels.
+        opts: the run options.
+        rank0_host: the DNS name of rank 0.
+        is_rank0_role: the role holding rank 0 (its replica 0 sees ``localhost``).
+    """
+    volumes, volume_mounts, privileged = _volumes(role)
+    command = [role.entrypoint]
+    rank0_env = rank0_host
+    if is_rank0_role and opts.rank0_localhost:
+        if role.num_replicas == 1:
+            rank0_env = "localhost"
+        else:
+            command = ["/bin/sh", "-c", _RANK0_SCRIPT, "asynctorchx-rank0", role.entrypoint]
+    container: dict[str, Any] = {
+        "name": role_dns,
+        "image": role.image,
+        "command": command,
+        "args": list(role.args),
+        "env": _env(role, {RANK0_ENV: rank0_env}),
+        "resources": resource_requirements(role),
+        "volumeMounts": volume_mounts,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if opts.image_pull_policy:
+        container["imagePullPolicy"] = opts.image_pull_policy
+    ports = _ports(role)
+    if ports:
+        container["ports"] = ports
+    if privileged:
+        container["securityContext"] = {"privileged": True}
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "subdomain": app_name,
+        "enableServiceLinks": False,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    node_selector = dict(opts.node_selector)
+    itype = role.resource.capabilities.get(INSTANCE_TYPE_LABEL)
+    if isinstance(itype, str) and itype:
+        node_selector.setdefault(INSTANCE_TYPE_LABEL, itype)
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if opts.tolerations:
+        spec["tolerations"] = [dict(t) for t in opts.tolerations]
+    if opts.service_account:
+        spec["serviceAccountName"] = opts.service_account
+    if opts.priority_class:
+        spec["priorityClassName"] = opts.priority_class
+    if opts.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": s} for s in opts.image_pull_secrets]
+    template: dict[str, Any] = {"metadata": {"labels": dict(labels)}, "spec": spec}
+    overlays = [opts.pod_overlay]
+    role_k8s = role.metadata.get("kubernetes")
+    if isinstance(role_k8s, dict):
+        overlays.append(role_k8s.get("pod_overlay"))
+    for overlay in overlays:
+        if overlay:
+            template = merge_overlay(template, overlay)
+    return template
+
+
+def _job_retry_spec(role: Role) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    if role.max_retries > 0 and RetryPolicy(role.retry_policy) == RetryPolicy.REPLICA:
+        spec["backoffLimitPerIndex"] = role.max_retries
+        spec["maxFailedIndexes"] = 0
+    else:
+        spec["backoffLimit"] = 0
+    spec["podFailurePolicy"] = {
+        "rules": [
+            {
+                "action": "Ignore",
+                "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+            }
+        ]
+    }
+    spec["podReplacementPolicy"] = "Failed"
+    return spec
+
+
+def build_request(
+    app: AppDef, opts: KubernetesOptions, session_name: str, app_name: str | None = None
+) -> KubernetesRequest:
+    """The Service and Jobs for ``app`` (validated, with a resolved cfg).
+
+    Args:
+        app: the app (not modified).
+        opts: the run options.
+        session_name: the session submitting it (recorded on the Service).
+        app_name: the app's name in the cluster; a fresh unique one when None.
+
+    Raises:
+        InvalidAppDefException: a role cannot be represented on Kubernetes (the message names it).
+    """
+    role_dns = role_dns_names(app)
+    name = app_name or new_app_name(app, role_dns)
+    common = {**opts.labels, n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_VERSION: __version__}
+    app_labels = {**common, n.LABEL_APP_ID: name}
+    rank0_host = f"{n.pod_hostname(name, role_dns[0], 0)}.{name}"
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": opts.namespace,
+            "labels": dict(app_labels),
+            "annotations": {
+                n.ANN_APP_NAME: app.name,
+                n.ANN_SESSION: session_name,
+                n.ANN_ROLES: json.dumps([r.name for r in app.roles]),
+            },
+        },
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {n.LABEL_APP_ID: name},
+        },
+    }
+    jobs = []
+    for i, (role, dns) in enumerate(zip(app.roles, role_dns, strict=True)):
+        values = macros.Values(
+            img_root="", app_id=name, replica_id=f"$({REPLICA_INDEX_ENV})", rank0_env=RANK0_ENV
+        )
+        expanded = values.apply(role)
+        labels = {
+            **app_labels,
+            n.LABEL_ROLE: dns,
+            n.LABEL_APP_ATTEMPT: "0",
+            n.LABEL_ROLE_ATTEMPT: "0",
+        }
+        template = pod_template(
+            expanded,
+            dns,
+            app_name=name,
+            labels=labels,
+            opts=opts,
+            rank0_host=rank0_host,
+            is_rank0_role=i == 0,
+        )
+        jobs.append(
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {
+                    "name": n.job_name(name, dns),
+                    "namespace": opts.namespace,
+                    "labels": dict(labels),
+                    "annotations": {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(i)},
+                },
+                "spec": {
+                    "completionMode": "Indexed",
+                    "completions": role.num_replicas,
+                    "parallelism": role.num_replicas,
+                    **_job_retry_spec(role),
+                    "template": template,
+                },
+            }
+        )
+    request = KubernetesRequest(
+        namespace=opts.namespace, name=name, service=service, jobs=jobs, roles=list(app.roles)
+    )
+    problems = lint(request.manifests())
+    if problems:
+        raise InvalidAppDefException(
+            "the Kubernetes objects for this app would be rejected: " + "; ".join(problems),
+            field_name="kubernetes",
+        )
+    return request
+
+
+def with_attempts(job: Mapping[str, Any], app_attempt: int, role_attempt: int) -> dict[str, Any]:
+    """A copy of a Job manifest for a restart: attempt labels set, server-set fields dropped."""
+    out = copy.deepcopy(dict(job))
+    meta = out["metadata"]
+    for key in ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields"):
+        meta.pop(key, None)
+    out.pop("status", None)
+    for labels in (meta.setdefault("labels", {}), out["spec"]["template"]["metadata"]["labels"]):
+        labels[n.LABEL_APP_ATTEMPT] = str(app_attempt)
+        labels[n.LABEL_ROLE_ATTEMPT] = str(role_attempt)
+    return out
+
+
+def owned_by(job: Mapping[str, Any], service: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a Job manifest owned by the created Service (deleted with it)."""
+    out = copy.deepcopy(dict(job))
+    out["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "name": service["metadata"]["name"],
+            "uid": service["metadata"]["uid"],
+            "blockOwnerDeletion": True,
+        }
+    ]
+    return out
+
+
+# -- lint: what the OpenAPI schemas do not check -------------------------------------------------
+
+
+def is_quantity(value: object) -> bool:
+    """True for a Kubernetes resource quantity (an int, or a string such as ``500m``, ``4Gi``)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 0
+    return isinstance(value, str) and _QUANTITY.fullmatch(value) is not None
+
+
+def _lint_meta(kind: str, meta: Mapping[str, Any], problems: list[str]) -> None:
+    for key, value in (meta.get("labels") or {}).items():
+        if not n.is_label_key(key):
+            problems.append(f"{kind} label key {key!r} is not valid")
+        if not isinstance(value, str) or not n.is_label_value(value):
+            problems.append(f"{kind} label {key}={value!r} is not a valid label value")
+    for key in meta.get("annotations") or {}:
+        if not n.is_label_key(key):
+            problems.append(f"{kind} annotation key {key!r} is not valid")
+
+
+def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> None:
+    if spec.get("restartPolicy") not in ("Never", "OnFailure", "Always"):
+        problems.append(
+            f"{where}.restartPolicy {spec.get('restartPolicy')!r} is not an allowed value"
+        )
+    volume_names = {v.get("name") for v in spec.get("volumes") or []}
+    for tol in spec.get("tolerations") or []:
+        if tol.get("operator") not in ("Equal", "Exists"):
+            problems.append(f"{where} toleration operator {tol.get('operator')!r} is not allowed")
+        if "effect" in tol and tol["effect"] not in TOLERATION_EFFECTS:
+            problems.append(f"{where} toleration effect {tol['effect']!r} is not allowed")
+    for c in spec.get("containers") or []:
+        cname = c.get("name", "")
+        if not n.is_dns1123_label(cname):
+            problems.append(f"{where} container name {cname!r} is not a DNS label")
+        if c.get("imagePullPolicy", "Always") not in IMAGE_PULL_POLICIES:
+            problems.append(f"{where} imagePullPolicy {c.get('imagePullPolicy')!r} is not allowed")
+        for section in ("requests", "limits"):
+            for rname, q in ((c.get("resources") or {}).get(section) or {}).items():
+                if not is_quantity(q):
+                    problems.append(f"{where} {section}[{rname!r}] = {q!r} is not a quantity")
+        requests = (c.get("resources") or {}).get("requests") or {}
+        limits = (c.get("resources") or {}).get("limits") or {}
+        if requests and limits and requests != limits:
+            problems.append(f"{where} container {cname!r} requests differ from its limits")
+        for e in c.get("env") or []:
+            if not n.is_env_name(str(e.get("name", ""))):
+                problems.append(f"{where} env name {e.get('name')!r} is not valid")
+        for p in c.get("ports") or []:
+            if "name" in p and not n.is_port_name(p["name"]):
+                problems.append(f"{where} port name {p['name']!r} is not an IANA service name")
+        for vm in c.get("volumeMounts") or []:
+            if vm.get("name") not in volume_names:
+                problems.append(f"{where} volumeMount {vm.get('name')!r} has no volume")
+
+
+def lint(objs: list[dict[str, Any]]) -> list[str]:
+    """Problems in the backend's manifests that the OpenAPI schemas do not catch.
+
+    Checks name lengths and syntax (DNS labels, label values, the pod hostname budget), enum values,
+    quantities, ``clusterIP: "None"`` as a string, and that each Job matches the Service.
+    Returns an empty list when there are none.
+    """
+    problems: list[str] = []
+    service = next((o for o in objs if o.get("kind") == "Service"), None)
+    service_name = ""
+    if service is None:
+        problems.append("no Service")
+    else:
+        meta = service["metadata"]
+        service_name = meta.get("name", "")
+        if not n.is_dns1035_label(service_name):
+            problems.append(f"Service name {service_name!r} is not a DNS-1035 label (max 63)")
+        _lint_meta("Service", meta, problems)
+        spec = service.get("spec") or {}
+        if spec.get("clusterIP") != "None":
+            problems.append(
+                f"Service clusterIP must be the string 'None', got {spec.get('clusterIP')!r}"
+            )
+        if spec.get("publishNotReadyAddresses") is not True:
+            problems.append("Service publishNotReadyAddresses must be true")
+        if not spec.get("selector"):
+            problems.append("Service has no selector")
+    for job in (o for o in objs if o.get("kind") == "Job"):
+        meta = job["metadata"]
+        name = meta.get("name", "")
+        _lint_meta(f"Job {name}", meta, problems)
+        if not n.is_dns1123_label(name):
+            problems.append(f"Job name {name!r} is not a DNS label of at most 63 characters")
+        spec = job["spec"]
+        completions = spec.get("completions")
+        if spec.get("completionMode") != "Indexed":
+            problems.append(f"Job {name} completionMode must be Indexed")
+        if (
+            not isinstance(completions, int)
+            or completions < 1
+            or spec.get("parallelism") != completions
+        ):
+            problems.append(f"Job {name} completions and parallelism must be the same positive int")
+        else:
+            host = f"{name}-{completions - 1}"
+            if not n.is_dns1123_label(host):
+                problems.append(f"pod hostname {host!r} of Job {name} exceeds 63 characters")
+        if spec.get("podReplacementPolicy") not in (None, "Failed", "TerminatingOrFailed"):
+            problems.append(f"Job {name} podReplacementPolicy {spec.get('podReplacementPolicy')!r}")
+        if "podFailurePolicy" in spec and spec.get("podReplacementPolicy") not in (None, "Failed"):
+            problems.append(f"Job {name} with a podFailurePolicy needs podReplacementPolicy Failed")
+        for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+            if rule.get("action") not in ("Ignore", "FailJob", "FailIndex", "Count"):
+                problems.append(f"Job {name} podFailurePolicy action {rule.get('action')!r}")
+        if "maxFailedIndexes" in spec and "backoffLimitPerIndex" not in spec:
+            problems.append(f"Job {name} maxFailedIndexes needs backoffLimitPerIndex")
+        template = spec.get("template") or {}
+        _lint_meta(f"Job {name} template", template.get("metadata") or {}, problems)
+        pod_spec = template.get("spec") or {}
+        _lint_pod_spec(f"Job {name}", pod_spec, problems)
+        if (spec.get("podFailurePolicy") or "backoffLimitPerIndex" in spec) and pod_spec.get(
+            "restartPolicy"
+        ) != "Never":
+            problems.append(f"Job {name} needs restartPolicy Never for its failure policies")
+        if service is not None:
+            if pod_spec.get("subdomain") != service_name:
+                problems.append(f"Job {name} pods' subdomain must be the Service {service_name!r}")
+            selector = (service.get("spec") or {}).get("selector") or {}
+            labels = (template.get("metadata") or {}).get("labels") or {}
+            if any(labels.get(k) != v for k, v in selector.items()):
+                problems.append(f"Job {name} pods are not selected by the Service")
+    return problems

@@ -1,0 +1,398 @@
+"""The state of an app from its Service, Jobs and Pods (pure: plain JSON objects in, a response out).
+
+Rules:
+
+- a Job with a true ``Complete`` or ``SuccessCriteriaMet`` condition succeeded; ``Failed`` or
+  ``FailureTarget`` failed; but only once none of its pods is still pending or running (the pods are
+  watched apart from the Jobs, so a Job's verdict can arrive before its pods' last states: until
+  they agree the Job reads as RUNNING, and the final status always shows the replicas' exit codes);
+  a suspended or deleted Job was stopped; otherwise it is RUNNING once one of its pods runs (or an
+  index completed) and PENDING before; a missing ``status`` means PENDING;
+- a replica is the newest pod of its completion index; pod phases map one to one and any phase the
+  backend does not know (``Unknown``, or a new one) is UNKNOWN;
+- the app: a Service being deleted means CANCELLED (unless every role had succeeded); any failed
+  role means FAILED, unless the backend is restarting it (ROLE/APPLICATION retries), which reads as
+  RUNNING; all roles succeeded means SUCCEEDED; fewer Jobs than roles means PENDING;
+- ``num_restarts`` counts application restarts, role restarts (the attempt labels the backend puts on
+  recreated Jobs) and replica restarts (the per-index failure counts the Job controller records on
+  each replacement pod, disruptions included).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+from asynctorchx.schedulers._k8s import names as n
+from asynctorchx.schedulers._k8s.manifests import role_from_json
+from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.specs.api import NONE, AppState, ReplicaStatus, Role, RoleStatus
+
+Obj = Mapping[str, Any]
+
+_POD_PHASES = {
+    "Pending": AppState.PENDING,
+    "Running": AppState.RUNNING,
+    "Succeeded": AppState.SUCCEEDED,
+    "Failed": AppState.FAILED,
+}
+_TIME = re.compile(
+    r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?([Zz]|[+-]\d\d:\d\d)"
+)
+
+
+def parse_time_ns(value: str | None) -> int | None:
+    """An RFC 3339 time (with up to nanoseconds) as integer nanoseconds since the epoch."""
+    if not value:
+        return None
+    m = _TIME.fullmatch(value.strip())
+    if not m:
+        return None
+    year, month, day, hour, minute, second, frac, tz = m.groups()
+    if tz in ("Z", "z"):
+        tzinfo = timezone.utc
+    else:
+        sign = 1 if tz[0] == "+" else -1
+        from datetime import timedelta
+
+        tzinfo = timezone(sign * timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6])))
+    try:
+        whole = datetime(
+            int(year), int(month), int(day), int(hour), int(minute), int(second), tzinfo=tzinfo
+        )
+    except ValueError:
+        return None
+    nanos = int((frac or "").ljust(9, "0")) if frac else 0
+    return int(whole.timestamp()) * 1_000_000_000 + nanos
+
+
+def meta(obj: Obj) -> Obj:
+    """The object's metadata (empty when missing)."""
+    m = obj.get("metadata")
+    return m if isinstance(m, Mapping) else {}
+
+
+def labels_of(obj: Obj) -> Mapping[str, str]:
+    """The object's labels."""
+    return meta(obj).get("labels") or {}
+
+
+def annotations_of(obj: Obj) -> Mapping[str, str]:
+    """The object's annotations."""
+    return meta(obj).get("annotations") or {}
+
+
+def _int(value: object, default: int = 0) -> int:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def pod_index(pod: Obj) -> int | None:
+    """The completion index of a pod of an Indexed Job (label, else annotation)."""
+    raw = labels_of(pod).get(n.COMPLETION_INDEX, annotations_of(pod).get(n.COMPLETION_INDEX))
+    if raw is None:
+        return None
+    idx = _int(raw, -1)
+    return idx if idx >= 0 else None
+
+
+def pod_sort_key(pod: Obj) -> tuple[int, int, str]:
+    """Orders pods oldest first: creation time, then resource version, then name."""
+    m = meta(pod)
+    return (
+        parse_time_ns(m.get("creationTimestamp")) or 0,
+        _int(m.get("resourceVersion")),
+        str(m.get("name", "")),
+    )
+
+
+def newest_pods(pods: Iterable[Obj]) -> dict[int, Obj]:
+    """The newest pod of every completion index."""
+    out: dict[int, Obj] = {}
+    for pod in sorted(pods, key=pod_sort_key):
+        idx = pod_index(pod)
+        if idx is not None:
+            out[idx] = pod
+    return out
+
+
+def parse_index_set(text: str | None) -> set[int]:
+    """Parses the Job status' index lists (``"1,3-5,7"``)."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.strip().isdigit():
+            continue
+        if sep and hi.strip().isdigit():
+            out.update(range(int(lo), int(hi) + 1))
+        else:
+            out.add(int(lo))
+    return out
+
+
+def _main_container_status(pod: Obj) -> Obj:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return statuses[0] if statuses else {}
+
+
+def pod_exit(pod: Obj) -> tuple[int | None, str]:
+    """The exit code and termination message of a pod's (first) container, when it terminated."""
+    term = (_main_container_status(pod).get("state") or {}).get("terminated") or {}
+    code = term.get("exitCode")
+    return (code if isinstance(code, int) else None), str(term.get("message") or "")
+
+
+def pod_state(pod: Obj) -> AppState:
+    """The replica state of a pod: its phase, UNKNOWN for a phase the backend does not know."""
+    phase = (pod.get("status") or {}).get("phase")
+    if phase is None:
+        return AppState.PENDING
+    return _POD_PHASES.get(phase, AppState.UNKNOWN)
+
+
+def pod_started(pod: Obj) -> bool:
+    """True once the pod's container has started (running or terminated): its log can be read."""
+    state = _main_container_status(pod).get("state") or {}
+    return "running" in state or "terminated" in state
+
+
+def pod_restarts(pod: Obj) -> int:
+    """How many pods of this index failed before this one (failures and ignored disruptions)."""
+    ann = annotations_of(pod)
+    return _int(ann.get(n.INDEX_FAILURE_COUNT)) + _int(ann.get(n.INDEX_IGNORED_FAILURE_COUNT))
+
+
+def _true_conditions(obj: Obj) -> dict[str, Obj]:
+    conds = (obj.get("status") or {}).get("conditions") or []
+    return {c.get("type", ""): c for c in conds if c.get("status") == "True"}
+
+
+def job_condition_message(job: Obj) -> str:
+    """``reason: message`` of the Job's failure condition, or ''."""
+    conds = _true_conditions(job)
+    cond = conds.get("Failed") or conds.get("FailureTarget")
+    if not cond:
+        return ""
+    reason, message = cond.get("reason", ""), cond.get("message", "")
+    return f"{reason}: {message}" if reason and message else reason or message
+
+
+def job_state(job: Obj, pods: Sequence[Obj] = ()) -> AppState:
+    """The state of one role's Job (see the module docstring)."""
+    conds = _true_conditions(job)
+    states = [pod_state(p) for p in newest_pods(pods).values()]
+    settled = AppState.PENDING not in states and AppState.RUNNING not in states
+    if "Complete" in conds or "SuccessCriteriaMet" in conds:
+        return AppState.SUCCEEDED if settled else AppState.RUNNING
+    if "Failed" in conds or "FailureTarget" in conds:
+        return AppState.FAILED if settled else AppState.RUNNING
+    if meta(job).get("deletionTimestamp") or "Suspended" in conds:
+        return AppState.CANCELLED
+    status = job.get("status") or {}
+    if AppState.RUNNING in states or _int(status.get("succeeded")) > 0:
+        return AppState.RUNNING
+    if AppState.UNKNOWN in states:
+        return AppState.UNKNOWN
+    return AppState.PENDING
+
+
+def job_attempts(job: Obj) -> tuple[int, int]:
+    """``(app attempt, role attempt)`` of a Job (0 for the first submission)."""
+    lab = labels_of(job)
+    return _int(lab.get(n.LABEL_APP_ATTEMPT)), _int(lab.get(n.LABEL_ROLE_ATTEMPT))
+
+
+def job_role(job: Obj) -> Role | None:
+    """The role a Job runs, as stored on it at submission."""
+    raw = annotations_of(job).get(n.ANN_ROLE)
+    return role_from_json(raw) if raw else None
+
+
+def job_role_index(job: Obj) -> int:
+    """The role's position in the app."""
+    return _int(annotations_of(job).get(n.ANN_ROLE_INDEX), 1 << 30)
+
+
+def service_role_names(service: Obj) -> list[str]:
+    """The names of the app's roles as recorded on the Service."""
+    try:
+        names = json.loads(annotations_of(service).get(n.ANN_ROLES, "[]"))
+    except ValueError:
+        return []
+    return [str(x) for x in names] if isinstance(names, list) else []
+
+
+def pods_of_job(job: Obj, pods: Iterable[Obj]) -> list[Obj]:
+    """The pods created for this Job (by owner uid, else by role label)."""
+    uid = meta(job).get("uid")
+    role = labels_of(job).get(n.LABEL_ROLE)
+    out = []
+    for pod in pods:
+        owners = meta(pod).get("ownerReferences") or []
+        if uid and owners:
+            if any(o.get("uid") == uid for o in owners):
+                out.append(pod)
+        elif labels_of(pod).get(n.LABEL_ROLE) == role:
+            out.append(pod)
+    return out
+
+
+def _replica(
+    role_name: str,
+    idx: int,
+    pod: Obj | None,
+    job: Obj,
+    job_st: AppState,
+    hostname: str,
+) -> ReplicaStatus:
+    if pod is None:
+        status = job.get("status") or {}
+        if idx in parse_index_set(status.get("completedIndexes")):
+            state = AppState.SUCCEEDED
+        elif idx in parse_index_set(status.get("failedIndexes")):
+            state = AppState.FAILED
+        elif job_st in (AppState.FAILED, AppState.CANCELLED):
+            state = AppState.CANCELLED
+        elif job_st == AppState.SUCCEEDED:
+            state = AppState.SUCCEEDED
+        else:
+            state = AppState.PENDING
+        return ReplicaStatus(id=idx, state=state, role=role_name, hostname=hostname)
+    spec = pod.get("spec") or {}
+    if spec.get("hostname") and spec.get("subdomain"):
+        hostname = f"{spec['hostname']}.{spec['subdomain']}"
+    code, message = pod_exit(pod)
+    state = pod_state(pod)
+    return ReplicaStatus(
+        id=idx,
+        state=state,
+        role=role_name,
+        hostname=hostname,
+        structured_error_msg=message if message and state == AppState.FAILED else NONE,
+        exit_code=code,
+    )
+
+
+def describe_app(
+    service: Obj,
+    jobs: Sequence[Obj],
+    pods: Sequence[Obj],
+    *,
+    restarting: bool = False,
+) -> DescribeAppResponse:
+    """The description of one app from its objects.
+
+    Args:
+        service: the app's Service.
+        jobs: the app's Jobs (any order).
+        pods: the app's pods (any order, replaced ones included).
+        restarting: the backend is restarting a failed role or the whole app (a failed Job then
+            reads as RUNNING).
+    """
+    smeta = meta(service)
+    name = str(smeta.get("name", ""))
+    namespace = str(smeta.get("namespace", "default"))
+    app_id = n.make_app_id(namespace, name)
+    jobs = sorted(jobs, key=job_role_index)
+    role_names = service_role_names(service)
+    roles: list[Role] = []
+    role_statuses: list[RoleStatus] = []
+    states: list[AppState] = []
+    restarts_app = 0
+    restarts_roles = 0
+    restarts_replicas = 0
+    failure: tuple[str, int, int | None, str, str] | None = None
+    for job in jobs:
+        role = job_role(job)
+        role_dns = labels_of(job).get(n.LABEL_ROLE, "")
+        role_name = role.name if role else role_dns
+        if role:
+            roles.append(role)
+        jpods = pods_of_job(job, pods)
+        st = job_state(job, jpods)
+        states.append(st)
+        app_attempt, role_attempt = job_attempts(job)
+        restarts_app = max(restarts_app, app_attempt)
+        restarts_roles += role_attempt
+        newest = newest_pods(jpods)
+        restarts_replicas += sum(pod_restarts(p) for p in newest.values())
+        completions = _int(
+            (job.get("spec") or {}).get("completions"), role.num_replicas if role else 0
+        )
+        replicas = []
+        for idx in range(completions):
+            replica = _replica(
+                role_name,
+                idx,
+                newest.get(idx),
+                job,
+                st,
+                f"{n.pod_hostname(name, role_dns, idx)}.{name}",
+            )
+            replicas.append(replica)
+            if failure is None and replica.state == AppState.FAILED:
+                failure = (
+                    role_name,
+                    idx,
+                    replica.exit_code,
+                    replica.structured_error_msg,
+                    job_condition_message(job),
+                )
+        if st == AppState.FAILED and failure is None:
+            failure = (role_name, -1, None, NONE, job_condition_message(job))
+        role_statuses.append(RoleStatus(role=role_name, replicas=replicas))
+
+    expected = max(len(role_names), len(jobs))
+    msg = NONE
+    structured = NONE
+    if states and len(states) == expected and all(s == AppState.SUCCEEDED for s in states):
+        state = AppState.SUCCEEDED
+    elif smeta.get("deletionTimestamp"):
+        state = AppState.CANCELLED
+        msg = "cancelled: the app's objects are being deleted"
+    elif AppState.FAILED in states:
+        if restarting:
+            state = AppState.RUNNING
+            msg = "restarting after a failure"
+        else:
+            state = AppState.FAILED
+            if failure is not None:
+                role_name, idx, code, message, reason = failure
+                where = f"role {role_name!r}" + (f" replica {idx}" if idx >= 0 else "")
+                msg = f"{where} failed" + (f" with exit code {code}" if code is not None else "")
+                if reason:
+                    msg += f" ({reason})"
+                if message != NONE and _is_json_error(message):
+                    structured = message
+    elif AppState.CANCELLED in states:
+        state = AppState.RUNNING if restarting else AppState.CANCELLED
+    elif len(jobs) < expected:
+        state = AppState.RUNNING if restarting else AppState.PENDING
+    elif AppState.RUNNING in states or AppState.SUCCEEDED in states:
+        state = AppState.RUNNING
+    elif AppState.UNKNOWN in states:
+        state = AppState.UNKNOWN
+    else:
+        state = AppState.PENDING
+    return DescribeAppResponse(
+        app_id=app_id,
+        state=state,
+        num_restarts=restarts_app + restarts_roles + restarts_replicas,
+        msg=msg,
+        structured_error_msg=structured,
+        roles_statuses=role_statuses,
+        roles=roles,
+        name=str(annotations_of(service).get(n.ANN_APP_NAME, name)),
+    )
+
+
+def _is_json_error(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

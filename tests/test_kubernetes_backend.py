@@ -1,0 +1,614 @@
+"""The kubernetes backend's control flow, end to end against the fake API server (tests/k8s_fake).
+
+Everything goes through the real kubernetes_asyncio client over HTTP on 127.0.0.1: submit, status
+from one list/watch per namespace, cancel with its propagation policy, REPLICA retries (done by the
+fake Job controller from the Job's per-index backoff), ROLE and APPLICATION retries (done by the
+backend), logs with since/until/regex, following logs across pod replacements and dropped streams, a
+watch resumed after 410 Gone, and 50 apps waited with one watch.
+
+What the fake cannot prove: that a real scheduler places the pods (resources, node selectors,
+tolerations, priority), that images pull, that the headless Service's DNS names resolve (rank 0 is
+reachable by the other replicas), admission and RBAC (including the ``services/finalizers``
+permission that ``blockOwnerDeletion`` needs), and real timings of the garbage collector and kubelet.
+The ``live`` tests (tests/test_kubernetes_live.py) check those on a real cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from k8s_fake import FakeKubeApiServer, PodContext, PodScript
+from k8s_fake.testing import fake_k8s, k8s_scheduler, until
+
+from asynctorchx import AsyncRunner
+from asynctorchx.runner.hub import PollSettings
+from asynctorchx.schedulers._k8s.client import KubeApiError
+from asynctorchx.schedulers.api import Stream, UnknownRoleException
+from asynctorchx.schedulers.kubernetes import KubernetesScheduler
+from asynctorchx.specs import (
+    AppDef,
+    AppState,
+    RetryPolicy,
+    Role,
+    UnknownAppException,
+    parse_app_handle,
+)
+
+__all__ = ["fake_k8s", "k8s_scheduler"]
+
+NS = "default"
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+# Pushes only: the hub's safety poll is pushed out of every test's horizon, so a waiter that
+# finishes was woken by the backend's watch.
+PUSH_ONLY = PollSettings(push_safety_interval=600.0, max_interval=600.0)
+
+
+def role(name: str = "worker", replicas: int = 1, **kw: Any) -> Role:
+    return Role(
+        name,
+        image="registry.example/img:1",
+        entrypoint="python",
+        args=["-m", name],
+        num_replicas=replicas,
+        **kw,
+    )
+
+
+@pytest.fixture
+async def runner(fake_k8s: FakeKubeApiServer) -> Any:
+    async with AsyncRunner(
+        name="test", poll_settings=PUSH_ONLY, k8s_configuration=fake_k8s.configuration()
+    ) as r:
+        yield r
+
+
+def app_id_of(handle: str) -> str:
+    return parse_app_handle(handle).app_id
+
+
+def running_pods(srv: FakeKubeApiServer, app: str = "") -> list[dict[str, Any]]:
+    return [
+        p
+        for p in srv.store.list("pods", NS)
+        if p["status"].get("phase") == "Running"
+        and (not app or p["metadata"]["labels"]["asynctorchx.dev/app-id"] == app)
+    ]
+
+
+async def test_success(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
+    """A 2-replica app succeeds; each replica reports exit code 0 and its DNS hostname."""
+    handle = await runner.run(AppDef("ok", roles=[role(replicas=2)]), scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    assert status.num_restarts == 0
+    name = app_id_of(handle).split(":")[1]
+    replicas = status.roles[0].replicas
+    assert [(r.id, r.state, r.exit_code) for r in replicas] == [
+        (0, AppState.SUCCEEDED, 0),
+        (1, AppState.SUCCEEDED, 0),
+    ]
+    assert replicas[1].hostname == f"{name}-worker-1.{name}"
+    described = await runner.describe(handle)
+    assert (
+        described is not None and described.name == "ok" and described.roles == [role(replicas=2)]
+    )
+
+
+async def test_replica_macros_expand_per_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """$(JOB_COMPLETION_INDEX) expands per replica in args and env; rank 0's DNS name is exported."""
+    app = AppDef(
+        "macros",
+        roles=[
+            Role(
+                "trainer",
+                image="i",
+                entrypoint="train",
+                args=["--rank", "${replica_id}"],
+                env={"RID": "${replica_id}"},
+                num_replicas=2,
+            ),
+            Role("ps", image="i", entrypoint="ps", args=["${replica_id}"]),
+        ],
+    )
+    handle = await runner.run(app, scheduler="kubernetes")
+    assert (await runner.wait(handle, timeout=20)).state == AppState.SUCCEEDED  # type: ignore[union-attr]
+    name = app_id_of(handle).split(":")[1]
+    by_pod = {(c.role, c.index): c for c in fake_k8s.cluster.pod_contexts}
+    assert by_pod[("trainer", 1)].argv[-2:] == ["--rank", "1"]
+    assert by_pod[("trainer", 1)].env["RID"] == "1"
+    assert by_pod[("ps", 0)].argv[-1] == "0"
+    assert by_pod[("ps", 0)].env["TORCHX_RANK0_HOST"] == f"{name}-trainer-0.{name}"
+    assert by_pod[("trainer", 0)].argv[:2] == ["/bin/sh", "-c"]
+
+
+@pytest.mark.parametrize(("index", "expected"), [("0", "localhost"), ("1", "app-trainer-0.app")])
+async def test_rank0_wrapper_exports_localhost_on_rank0_only(index: str, expected: str) -> None:
+    """The /bin/sh wrapper of role 0 sets TORCHX_RANK0_HOST=localhost on replica 0 only."""
+    from asynctorchx.schedulers._k8s.manifests import _RANK0_SCRIPT
+
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        _RANK0_SCRIPT,
+        "asynctorchx-rank0",
+        "/bin/sh",
+        "-c",
+        'printf %s "$TORCHX_RANK0_HOST"',
+        env={
+            "JOB_COMPLETION_INDEX": index,
+            "TORCHX_RANK0_HOST": "app-trainer-0.app",
+            "PATH": os.environ.get("PATH", ""),
+        },
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await proc.communicate()
+    assert (proc.returncode, out.decode()) == (0, expected)
+
+
+async def test_failure_reports_the_exit_code(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A replica exiting 3 fails the app; the status names the replica, its exit code and error."""
+    error = '{"message": {"message": "CUDA out of memory", "errorCode": 3, "extraInfo": {"timestamp": "1700000000"}}}'
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        lines=["boom\n"],
+        exit_code=3 if ctx.index == 1 else 0,
+        message=error if ctx.index == 1 else "",
+    )
+    handle = await runner.run(AppDef("bad", roles=[role(replicas=2)]), scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.FAILED
+    assert "role 'worker' replica 1 failed with exit code 3" in status.msg
+    failed = status.roles[0].replicas[1]
+    assert (failed.state, failed.exit_code) == (AppState.FAILED, 3)
+    assert "CUDA out of memory" in status.format()
+
+
+async def test_cancel_deletes_in_the_foreground(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """cancel deletes the Service with propagationPolicy Foreground; the app ends CANCELLED, pods gone."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=asyncio.Event())
+    handle = await runner.run(
+        AppDef("long", roles=[role(replicas=2), role("ps")]), scheduler="kubernetes"
+    )
+    name = app_id_of(handle).split(":")[1]
+    await until(fake_k8s, lambda: len(running_pods(fake_k8s, name)) == 3)
+    await runner.cancel(handle)
+    deletes = fake_k8s.requests_for("DELETE", "services")
+    assert len(deletes) == 1
+    assert deletes[0].path.endswith(f"/services/{name}")
+    assert (deletes[0].body or {}).get("propagationPolicy") == "Foreground"
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.CANCELLED
+    await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    after = await runner.status(handle)
+    assert after is not None and after.state == AppState.CANCELLED
+    await runner.cancel(handle)
+    assert len(fake_k8s.requests_for("DELETE", "services")) == 1
+
+
+async def test_cancel_leaves_finished_and_unknown_apps_alone(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """Cancelling a finished app or an unknown one deletes nothing."""
+    app_id = await k8s_scheduler.submit(AppDef("done", roles=[role()]), {})
+    await until(
+        fake_k8s,
+        lambda: any(
+            p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
+        ),
+    )
+    await until(
+        fake_k8s,
+        lambda: all(j["status"].get("conditions") for j in fake_k8s.store.list("jobs", NS)),
+    )
+    await k8s_scheduler.cancel(app_id)
+    await k8s_scheduler.cancel("default:never-existed-123")
+    assert fake_k8s.requests_for("DELETE", "services") == []
+    resp = await k8s_scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.SUCCEEDED
+
+
+async def test_replica_retry(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
+    """REPLICA: the failed index is replaced by Kubernetes (per-index backoff); the app succeeds."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        exit_code=1 if (ctx.index, ctx.index_attempt) == (1, 0) else 0
+    )
+    app = AppDef("rep", roles=[role(replicas=2, max_retries=1, retry_policy=RetryPolicy.REPLICA)])
+    handle = await runner.run(app, scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    assert status.num_restarts == 1
+    assert [(c.index, c.index_attempt) for c in fake_k8s.cluster.pod_contexts].count((1, 1)) == 1
+    assert fake_k8s.requests_for("DELETE", "jobs") == []
+
+
+async def test_replica_retries_exhausted_fail_the_app(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """REPLICA: an index failing more than max_retries times fails the app."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        exit_code=2 if ctx.index == 0 else 0, line_interval=0
+    )
+    app = AppDef("rep", roles=[role(replicas=2, max_retries=2, retry_policy=RetryPolicy.REPLICA)])
+    handle = await runner.run(app, scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.FAILED
+    assert status.num_restarts == 2
+    assert "exit code 2" in status.msg and "MaxFailedIndexesExceeded" in status.msg
+
+
+async def test_application_retry(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
+    """APPLICATION: a failed role makes the backend recreate every Job with the next attempt."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        exit_code=1 if (ctx.role, ctx.app_attempt) == ("reader", 0) else 0
+    )
+    app = AppDef(
+        "appretry",
+        roles=[
+            role("trainer", replicas=2, max_retries=1, retry_policy=RetryPolicy.APPLICATION),
+            role("reader", max_retries=1, retry_policy=RetryPolicy.APPLICATION),
+        ],
+    )
+    handle = await runner.run(app, scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED, status
+    assert status.num_restarts == 1
+    attempts = sorted((c.role, c.index, c.app_attempt) for c in fake_k8s.cluster.pod_contexts)
+    assert (
+        ("trainer", 0, 1) in attempts
+        and ("trainer", 1, 1) in attempts
+        and ("reader", 0, 1) in attempts
+    )
+    job_deletes = fake_k8s.requests_for("DELETE", "jobs")
+    assert len(job_deletes) == 2 and all(
+        d.body["propagationPolicy"] == "Foreground" for d in job_deletes
+    )
+    labels = [
+        j["metadata"]["labels"]["asynctorchx.dev/app-attempt"]
+        for j in fake_k8s.store.list("jobs", NS)
+    ]
+    assert labels == ["1", "1"]
+
+
+async def test_application_retries_exhausted_fail_the_app(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """APPLICATION: after max_retries restarts, the next failure fails the app."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(exit_code=1)
+    handle = await runner.run(
+        AppDef("never", roles=[role(max_retries=2, retry_policy=RetryPolicy.APPLICATION)]),
+        scheduler="kubernetes",
+    )
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.FAILED
+    assert status.num_restarts == 2
+    assert sorted(c.app_attempt for c in fake_k8s.cluster.pod_contexts) == [0, 1, 2]
+
+
+async def test_role_retry_restarts_only_that_role(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """ROLE: only the failed role's Job is recreated; the other role runs once."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        exit_code=1 if (ctx.role, ctx.role_attempt) == ("reader", 0) else 0
+    )
+    app = AppDef(
+        "roleretry",
+        roles=[role("trainer"), role("reader", max_retries=1, retry_policy=RetryPolicy.ROLE)],
+    )
+    handle = await runner.run(app, scheduler="kubernetes")
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    assert status.num_restarts == 1
+    roles = [c.role for c in fake_k8s.cluster.pod_contexts]
+    assert roles.count("trainer") == 1 and roles.count("reader") == 2
+
+
+async def test_a_failed_role_stops_the_others(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """When a role fails for good, the backend suspends the app's other Jobs: their pods stop."""
+    fake_k8s.cluster.script = lambda ctx: (
+        PodScript(exit_code=1) if ctx.role == "reader" else PodScript(hold=asyncio.Event())
+    )
+    handle = await runner.run(
+        AppDef("stop", roles=[role("trainer", replicas=2), role("reader")]), scheduler="kubernetes"
+    )
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.FAILED
+    name = app_id_of(handle).split(":")[1]
+    await until(fake_k8s, lambda: not running_pods(fake_k8s, name))
+    trainer = fake_k8s.store.get("jobs", NS, f"{name}-trainer")
+    assert trainer["spec"]["suspend"] is True
+    final = await runner.status(handle)
+    assert final is not None and final.state == AppState.FAILED
+
+
+async def test_unknown_app_is_none(k8s_scheduler: KubernetesScheduler) -> None:
+    """An app id the cluster does not have (or that is not one of ours) describes as None."""
+    assert await k8s_scheduler.describe("default:nothing-here-1234") is None
+    assert await k8s_scheduler.describe("not an app id") is None
+    assert await k8s_scheduler.exists("default:nothing-here-1234") is False
+    many = await k8s_scheduler.describe_many(["default:a-12345678", "x"])
+    assert many == {"default:a-12345678": None, "x": None}
+    with pytest.raises(UnknownAppException):
+        async for _ in k8s_scheduler.log_iter("default:nothing-here-1234", "worker"):
+            pass
+
+
+async def test_list(fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler) -> None:
+    """list returns the backend's apps in the namespace with state, name and session handle."""
+    fake_k8s.cluster.script = lambda ctx: (
+        PodScript(hold=asyncio.Event()) if ctx.app.startswith("held") else PodScript()
+    )
+    done = await k8s_scheduler.submit(AppDef("quick", roles=[role()]), {})
+    held = await k8s_scheduler.submit(AppDef("held", roles=[role()]), {})
+    other = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "not-ours"},
+        "spec": {"clusterIP": "None"},
+    }
+    fake_k8s.store.create("services", NS, other)
+    await until(fake_k8s, lambda: bool(running_pods(fake_k8s, held.split(":")[1])))
+    await until(
+        fake_k8s, lambda: any(j["status"].get("succeeded") for j in fake_k8s.store.list("jobs", NS))
+    )
+    apps = {a.app_id: a for a in await k8s_scheduler.list()}
+    assert set(apps) == {done, held}
+    assert apps[done].state == AppState.SUCCEEDED and apps[done].name == "quick"
+    assert apps[held].state == AppState.RUNNING
+    assert apps[held].app_handle == f"kubernetes://test/{held}"
+
+
+async def test_describe_many_costs_constant_round_trips(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """Without a watch, describing 20 apps costs one list per kind, not one call per app."""
+    ids = [await k8s_scheduler.submit(AppDef(f"a{i}", roles=[role()]), {}) for i in range(20)]
+    before = len(fake_k8s.requests)
+    results = await k8s_scheduler.describe_many(ids)
+    assert all(r is not None for r in results.values())
+    assert len(fake_k8s.requests) - before == 3
+
+
+async def test_logs_since_until_and_regex(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
+    """since/until bound lines by their kubelet timestamps; regex filters; newlines are kept."""
+    lines = [f"step {i} {'even' if i % 2 == 0 else 'odd'}\n" for i in range(6)]
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        lines=[*lines, b"bad \xff byte\n", "no newline"], line_interval=0.02
+    )
+    handle = await runner.run(AppDef("logs", roles=[role()]), scheduler="kubernetes")
+    await runner.wait(handle, timeout=20)
+    everything = [line async for line in runner.log_lines(handle, "worker")]
+    assert everything == [*lines, "bad \ufffd byte\n", "no newline"]
+    ((_, log),) = fake_k8s.cluster.logs.items()
+    stamps = [ts for ts, _ in log.lines]
+    since = EPOCH + timedelta(microseconds=stamps[1] // 1000)
+    until_ = EPOCH + timedelta(microseconds=stamps[4] // 1000 + 1)
+    window = [line async for line in runner.log_lines(handle, "worker", since=since, until=until_)]
+    assert window == lines[1:5]
+    odd = [line async for line in runner.log_lines(handle, "worker", regex=r"odd$", since=since)]
+    assert odd == [lines[1], lines[3], lines[5]]
+    local = [
+        line
+        async for line in runner.log_lines(
+            handle, "worker", since=since.astimezone().replace(tzinfo=None), until=until_
+        )
+    ]
+    assert local == lines[1:5]
+
+
+async def test_follow_across_a_pod_replacement(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """Following a replica reads its failed pod, then the replacement, each line exactly once."""
+
+    def script(ctx: PodContext) -> PodScript:
+        if ctx.index_attempt == 0:
+            return PodScript(
+                lines=["first 0\n", "first 1\n"], exit_code=1, start_delay=0.05, line_interval=0.02
+            )
+        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
+
+    fake_k8s.cluster.script = script
+    app = AppDef("follow", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
+    handle = await runner.run(app, scheduler="kubernetes")
+    got = [line async for line in runner.log_lines(handle, "worker", should_tail=True)]
+    assert got == ["first 0\n", "first 1\n", "second 0\n", "second 1\n"]
+    status = await runner.status(handle)
+    assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_follow_across_an_application_restart(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """Following a replica continues into the recreated Job's pod after an APPLICATION retry."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        lines=[f"attempt {ctx.app_attempt}\n"],
+        exit_code=1 if ctx.app_attempt == 0 else 0,
+        line_interval=0.02,
+    )
+    handle = await runner.run(AppDef("follow", roles=[role(max_retries=1)]), scheduler="kubernetes")
+    got = [line async for line in runner.log_lines(handle, "worker", should_tail=True)]
+    assert got == ["attempt 0\n", "attempt 1\n"]
+
+
+async def test_follow_resumes_a_dropped_stream_without_duplicates(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A log stream cut mid-way is resumed from the last timestamp: no line lost or repeated."""
+    lines = [f"line {i}\n" for i in range(12)]
+    fake_k8s.cluster.script = lambda ctx: PodScript(lines=lines, line_interval=0.02)
+    handle = await runner.run(AppDef("drop", roles=[role()]), scheduler="kubernetes")
+    got: list[str] = []
+    drops = 0
+    async for line in runner.log_lines(handle, "worker", should_tail=True):
+        got.append(line)
+        if len(got) in (3, 7):
+            drops += fake_k8s.drop_log_streams()
+    assert drops == 2
+    assert got == lines
+    assert len(fake_k8s.requests_for("GET", "pods", watch=False)) >= 0
+    log_reads = [r for r in fake_k8s.requests if r.path.endswith("/log")]
+    assert len(log_reads) >= 3 and log_reads[-1].query.get("sinceTime")
+
+
+async def test_log_arguments_are_checked(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
+    """Separate stdout/stderr, unknown roles and replicas out of range are clear errors."""
+    handle = await runner.run(AppDef("args", roles=[role(replicas=2)]), scheduler="kubernetes")
+    with pytest.raises(ValueError, match="stdout and stderr as one log"):
+        async for _ in runner.log_lines(handle, "worker", streams=Stream.STDERR):
+            pass
+    with pytest.raises(UnknownRoleException, match="no role 'nope'"):
+        async for _ in runner.log_lines(handle, "nope"):
+            pass
+    with pytest.raises(UnknownRoleException, match="k=2"):
+        async for _ in runner.log_lines(handle, "worker", k=2):
+            pass
+    combined = [
+        line
+        async for line in runner.log_lines(
+            handle, "worker", k=1, streams=Stream.COMBINED, should_tail=True
+        )
+    ]
+    assert len(combined) == 1 and combined[0].endswith(" python -m worker\n")
+
+
+async def test_watch_resumes_after_410_gone(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A dropped watch whose version was compacted relists (410 Gone) and still wakes the waiter."""
+    release = asyncio.Event()
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=release)
+    handle = await runner.run(AppDef("gone", roles=[role()]), scheduler="kubernetes")
+    name = app_id_of(handle).split(":")[1]
+    waiter = asyncio.ensure_future(runner.wait(handle, timeout=20))
+    await until(fake_k8s, lambda: bool(running_pods(fake_k8s, name)) and fake_k8s.open_watches == 3)
+    sched = runner._scheduler("kubernetes")
+    assert isinstance(sched, KubernetesScheduler)
+    lists_before = len(fake_k8s.requests_for("GET", "jobs", watch=False))
+    fake_k8s.compact()
+    assert fake_k8s.drop_watches() == 3
+    await until(
+        fake_k8s,
+        lambda: (
+            sched.watch_stats()["relists"] == 3
+            and fake_k8s.open_watches == 3
+            and all(
+                len(fake_k8s.requests_for("GET", k, watch=True)) == 3
+                for k in ("services", "jobs", "pods")
+            )
+        ),
+        timeout=10,
+    )
+    assert len(fake_k8s.requests_for("GET", "jobs", watch=False)) > lists_before
+    first, expired, relisted = fake_k8s.requests_for("GET", "jobs", watch=True)
+    assert expired.query["resourceVersion"] == first.query["resourceVersion"]
+    assert int(relisted.query["resourceVersion"]) > int(expired.query["resourceVersion"])
+    release.set()
+    status = await waiter
+    assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_watch_survives_a_cut_connection(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A watch connection cut without 410 resumes from its last resourceVersion (no relist)."""
+    release = asyncio.Event()
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=release)
+    handle = await runner.run(AppDef("cut", roles=[role()]), scheduler="kubernetes")
+    waiter = asyncio.ensure_future(runner.wait(handle, timeout=20))
+    await until(fake_k8s, lambda: bool(running_pods(fake_k8s)) and fake_k8s.open_watches == 3)
+    fake_k8s.drop_watches(abrupt=True)
+    await until(
+        fake_k8s, lambda: len(fake_k8s.requests_for("GET", "pods", watch=True)) >= 2, timeout=10
+    )
+    release.set()
+    status = await waiter
+    assert status is not None and status.state == AppState.SUCCEEDED
+    sched = runner._scheduler("kubernetes")
+    assert isinstance(sched, KubernetesScheduler) and sched.watch_stats()["relists"] == 0
+
+
+@pytest.mark.timeout(60)
+async def test_fifty_apps_waited_with_one_watch(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """50 apps waited together cost one watch per kind and no per-app status calls."""
+    fake_k8s.cluster.script = lambda ctx: PodScript(lines=["hi\n"], start_delay=0.05)
+    handles = await asyncio.gather(
+        *(
+            runner.run(AppDef(f"many{i}", roles=[role(replicas=2)]), scheduler="kubernetes")
+            for i in range(50)
+        )
+    )
+    results = await runner.wait_all(handles)
+    assert len(results) == 50
+    assert all(st is not None and st.state == AppState.SUCCEEDED for st in results.values())
+    for kind in ("services", "jobs", "pods"):
+        assert len(fake_k8s.requests_for("GET", kind, watch=True)) == 1, kind
+        gets = [
+            r
+            for r in fake_k8s.requests_for("GET", kind, watch=False)
+            if not r.path.endswith(f"/{kind}")
+        ]
+        assert gets == [], f"per-app GETs of {kind}"
+    lists = fake_k8s.requests_for("GET", "jobs", watch=False)
+    assert len(lists) <= 10, f"{len(lists)} job lists for 50 apps"
+    sched = runner._scheduler("kubernetes")
+    assert isinstance(sched, KubernetesScheduler) and sched.watch_stats()["relists"] == 0
+
+
+async def test_failed_submit_leaves_nothing(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A Job the API server rejects fails the submit and deletes the Service already created."""
+    info = k8s_scheduler.submit_dryrun(
+        AppDef("rej", roles=[role(), role("ps")]),
+        {"pod_overlay": '{"spec": {"nodeSelectr": {"a": "b"}}}'},
+    )
+    with pytest.raises(KubeApiError, match="422"):
+        await k8s_scheduler.schedule(info)
+    await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    assert fake_k8s.requests_for("DELETE", "services")
+
+
+async def test_close_stops_the_watches(fake_k8s: FakeKubeApiServer) -> None:
+    """close() ends the watch task; the scheduler refuses work afterwards."""
+    sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
+    unsubscribe = sched.subscribe(lambda app_id: None)
+    app_id = await sched.submit(AppDef("c", roles=[role()]), {})
+    await sched.describe(app_id)
+    await until(fake_k8s, lambda: fake_k8s.open_watches == 3)
+    await sched.close()
+    await sched.close()
+    unsubscribe()
+    deadline = asyncio.get_running_loop().time() + 5
+    while fake_k8s.open_watches and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    assert fake_k8s.open_watches == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        await sched.describe(app_id)
+
+
+async def test_disruption_is_a_restart_not_a_failure(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A preempted pod is replaced even with no retries; the app succeeds with one restart."""
+    hold = asyncio.Event()
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=hold if ctx.index_attempt == 0 else None)
+    handle = await runner.run(AppDef("preempt", roles=[role()]), scheduler="kubernetes")
+    await until(fake_k8s, lambda: bool(running_pods(fake_k8s)))
+    fake_k8s.cluster.disrupt(NS, running_pods(fake_k8s)[0]["metadata"]["name"])
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    assert status.num_restarts == 1

@@ -1,0 +1,422 @@
+"""Dry runs of the kubernetes backend: the manifests it would submit, without any cluster.
+
+The manifests are validated offline against the official Kubernetes OpenAPI schemas in strict mode
+(``kubernetes-validate``) at the oldest supported version (1.29) and the newest the package ships,
+plus the backend's own lint for what the schemas do not check (name lengths, enums, quantities,
+``clusterIP: "None"`` as a string). Set ``ASYNCTORCHX_UPDATE_GOLDEN=1`` to rewrite the golden file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from asynctorchx.schedulers._k8s import names
+from asynctorchx.schedulers._k8s.manifests import (
+    KubernetesRequest,
+    lint,
+    merge_overlay,
+    parse_toleration,
+)
+from asynctorchx.schedulers.kubernetes import KubernetesScheduler
+from asynctorchx.specs import (
+    AppDef,
+    BindMount,
+    DeviceMount,
+    InvalidAppDefException,
+    InvalidRunConfigException,
+    Resource,
+    RetryPolicy,
+    Role,
+    VolumeMount,
+    macros,
+)
+from asynctorchx.version import __version__
+
+GOLDEN = Path(__file__).parent / "golden" / "kubernetes" / "two_roles_two_replicas.yaml"
+OLDEST = "1.29"
+NEWEST = kubernetes_validate.latest_version()
+
+
+def scheduler() -> KubernetesScheduler:
+    return KubernetesScheduler("sess")
+
+
+def two_role_app() -> AppDef:
+    return AppDef(
+        "trainer",
+        roles=[
+            Role(
+                "trainer",
+                image="ghcr.io/example/train:1.0",
+                entrypoint="bash",
+                args=[
+                    "-c",
+                    f"torchrun --nnodes=2 --node_rank={macros.replica_id}"
+                    f" --rdzv_endpoint=$${{{macros.rank0_env}:=localhost}}:29500"
+                    f" train.py --out /ckpt/{macros.app_id}",
+                ],
+                env={"LOG_LEVEL": "info", "REPLICA": macros.replica_id},
+                num_replicas=2,
+                max_retries=2,
+                retry_policy=RetryPolicy.REPLICA,
+                resource=Resource(cpu=4, gpu=1, memMB=16384),
+                port_map={"c10d": 29500},
+                mounts=[VolumeMount(src="checkpoints", dst_path="/ckpt")],
+            ),
+            Role(
+                "reader",
+                image="ghcr.io/example/reader:1.0",
+                entrypoint="python",
+                args=["-m", "reader", "--shard", macros.replica_id],
+                num_replicas=2,
+                max_retries=1,
+                retry_policy=RetryPolicy.APPLICATION,
+                resource=Resource(cpu=0.5, gpu=0, memMB=1536),
+                mounts=[BindMount(src_path="/data", dst_path="/data", read_only=True)],
+            ),
+        ],
+    )
+
+
+def normalized_yaml(req: KubernetesRequest) -> str:
+    text = str(req)
+    return text.replace(req.name, "trainer-00000000").replace(
+        f"asynctorchx.dev/version: {__version__}", "asynctorchx.dev/version: VERSION"
+    )
+
+
+def validate_all(objs: list[dict[str, Any]], version: str) -> None:
+    for obj in objs:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_golden_two_roles_two_replicas() -> None:
+    """The dry run of a 2-role x 2-replica app matches the golden manifests."""
+    info = scheduler().submit_dryrun(
+        two_role_app(), {"namespace": "ml", "service_account": "trainer"}
+    )
+    got = normalized_yaml(info.request)
+    if os.environ.get("ASYNCTORCHX_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(got)
+    assert got == GOLDEN.read_text()
+
+
+@pytest.mark.parametrize("version", [OLDEST, NEWEST])
+def test_golden_manifests_validate_strictly(version: str) -> None:
+    """The golden manifests pass strict OpenAPI validation at the oldest and newest versions."""
+    objs = list(yaml.safe_load_all(GOLDEN.read_text()))
+    assert [o["kind"] for o in objs] == ["Service", "Job", "Job"]
+    validate_all(objs, version)
+    assert lint(objs) == []
+
+
+@pytest.mark.parametrize("version", [OLDEST, NEWEST])
+def test_every_option_validates_strictly(version: str) -> None:
+    """A dry run using every run option and mount kind passes strict validation."""
+    app = two_role_app()
+    app.roles[1].mounts.append(DeviceMount(src_path="/dev/fuse", dst_path="/dev/fuse"))
+    app.roles[0].resource.devices["vpc.amazonaws.com/efa"] = 2
+    app.roles[0].metadata["kubernetes"] = {"pod_overlay": {"spec": {"hostIPC": True}}}
+    cfg = {
+        "namespace": "team-a",
+        "service_account": "runner",
+        "priority_class": "high",
+        "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+        "tolerations": ["nvidia.com/gpu=present:NoSchedule", "dedicated:NoExecute", "spot"],
+        "image_pull_secrets": ["regcred"],
+        "image_pull_policy": "IfNotPresent",
+        "labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+        "pod_overlay": json.dumps({"spec": {"schedulerName": "custom"}}),
+        "rank0_localhost": False,
+    }
+    req = scheduler().submit_dryrun(app, cfg).request
+    validate_all(req.manifests(), version)
+    assert lint(req.manifests()) == []
+    pod = req.jobs[0]["spec"]["template"]["spec"]
+    assert pod["schedulerName"] == "custom" and pod["hostIPC"] is True
+    assert pod["tolerations"][2] == {"key": "spot", "operator": "Exists"}
+    assert req.jobs[1]["spec"]["template"]["spec"]["containers"][0]["securityContext"] == {
+        "privileged": True
+    }
+    assert req.service["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+
+
+def test_dryrun_layout() -> None:
+    """The Service owns nothing yet, selects every pod, and each Job is Indexed with its retries."""
+    req = scheduler().submit_dryrun(two_role_app(), {}).request
+    name = req.name
+    assert req.app_id == f"default:{name}"
+    assert req.service["spec"]["clusterIP"] == "None"
+    assert req.service["spec"]["publishNotReadyAddresses"] is True
+    trainer, reader = req.jobs
+    assert trainer["metadata"]["name"] == f"{name}-trainer"
+    assert trainer["spec"]["completions"] == trainer["spec"]["parallelism"] == 2
+    assert trainer["spec"]["backoffLimitPerIndex"] == 2 and trainer["spec"]["maxFailedIndexes"] == 0
+    assert reader["spec"]["backoffLimit"] == 0 and "backoffLimitPerIndex" not in reader["spec"]
+    for job in req.jobs:
+        assert job["spec"]["podReplacementPolicy"] == "Failed"
+        assert job["spec"]["podFailurePolicy"]["rules"][0]["action"] == "Ignore"
+        assert job["spec"]["template"]["spec"]["subdomain"] == name
+        assert "ownerReferences" not in job["metadata"]
+    assert req.needs_live_retries
+
+
+def test_macros_become_kubernetes_references() -> None:
+    """replica_id becomes $(JOB_COMPLETION_INDEX), declared first; app_id and rank0_env are filled."""
+    req = scheduler().submit_dryrun(two_role_app(), {}).request
+    c = req.jobs[0]["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"] == [
+        "-c",
+        "torchrun --nnodes=2 --node_rank=$(JOB_COMPLETION_INDEX)"
+        " --rdzv_endpoint=${TORCHX_RANK0_HOST:=localhost}:29500"
+        f" train.py --out /ckpt/{req.name}",
+    ]
+    env = {e["name"]: e for e in c["env"]}
+    assert c["env"][0]["name"] == "JOB_COMPLETION_INDEX"
+    assert "fieldRef" in c["env"][0]["valueFrom"]
+    assert env["REPLICA"]["value"] == "$(JOB_COMPLETION_INDEX)"
+    assert env["TORCHX_RANK0_HOST"]["value"] == f"{req.name}-trainer-0.{req.name}"
+    assert c["command"][:2] == ["/bin/sh", "-c"] and c["command"][-1] == "bash"
+
+
+def test_resources_requests_equal_limits() -> None:
+    """CPU, memory and GPUs are requested and limited to the same amounts, untrimmed."""
+    req = scheduler().submit_dryrun(two_role_app(), {}).request
+    trainer = req.jobs[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    reader = req.jobs[1]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert (
+        trainer["limits"]
+        == trainer["requests"]
+        == {"cpu": "4", "memory": "16384Mi", "nvidia.com/gpu": 1}
+    )
+    assert reader["limits"] == {"cpu": "500m", "memory": "1536Mi"}
+
+
+def test_dryrun_does_no_io_and_does_not_change_the_app() -> None:
+    """A dry run needs no cluster and leaves the AppDef as it was."""
+    app = two_role_app()
+    before = repr(app)
+    info = KubernetesScheduler("s", kubeconfig="/nonexistent/kubeconfig").submit_dryrun(app, {})
+    assert repr(app) == before
+    assert "kind: Job" in repr(info)
+
+
+def test_long_app_name_is_truncated_to_fit() -> None:
+    """An app name longer than the budget is shortened so every derived name fits 63 characters."""
+    app = two_role_app()
+    app.name = "a-really-long-application-name-that-goes-on-and-on-forever"
+    req = scheduler().submit_dryrun(app, {}).request
+    assert len(req.name) <= names.APP_ID_MAX_LENGTH
+    assert lint(req.manifests()) == []
+    for job in req.jobs:
+        assert len(f"{job['metadata']['name']}-{job['spec']['completions'] - 1}") <= 63
+
+
+def test_role_name_too_long_fails_with_a_clear_error() -> None:
+    """A role name that leaves no room for the app id in a 63-character hostname is rejected."""
+    app = AppDef("x", roles=[Role("r" * 60, image="i", entrypoint="e", num_replicas=10)])
+    with pytest.raises(InvalidAppDefException, match=r"role 'r{60}'.*63 characters.*at most \d+"):
+        scheduler().submit_dryrun(app, {})
+
+
+def test_bad_memory_fails_with_a_clear_error() -> None:
+    """Memory that Kubernetes cannot represent (infinite, negative) names the field and value."""
+    inf = AppDef(
+        "x",
+        roles=[
+            Role(
+                "w", image="i", entrypoint="e", resource=Resource(cpu=1, gpu=0, memMB=float("inf"))
+            )
+        ],
+    )
+    with pytest.raises(InvalidAppDefException, match=r"role 'w'.*resource\.memMB.*inf"):
+        scheduler().submit_dryrun(inf, {})
+    negative = AppDef(
+        "x", roles=[Role("w", image="i", entrypoint="e", resource=Resource(cpu=1, gpu=0, memMB=-5))]
+    )
+    with pytest.raises(InvalidAppDefException, match=r"resource\.memMB.*-5"):
+        scheduler().submit_dryrun(negative, {})
+
+
+def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
+    """A retry policy that is not REPLICA, ROLE or APPLICATION is rejected, naming it."""
+    role = Role("w", image="i", entrypoint="e", max_retries=1)
+    role.retry_policy = "SOMETIMES"  # type: ignore[assignment]
+    with pytest.raises(InvalidAppDefException, match=r"retry_policy.*SOMETIMES"):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "pattern"),
+    [
+        ({"namespace": "Not_A_Namespace"}, r"namespace.*Not_A_Namespace"),
+        ({"tolerations": ["gpu:Sometimes"]}, r"tolerations.*gpu:Sometimes"),
+        ({"image_pull_policy": "Maybe"}, r"image_pull_policy.*Maybe"),
+        ({"node_selector": {"zone": "bad value!"}}, r"node_selector.*bad value!"),
+        ({"pod_overlay": "{not json"}, r"pod_overlay"),
+        ({"pod_overlay": '{"containers": []}'}, r"pod_overlay.*metadata.*spec"),
+    ],
+)
+def test_bad_run_options_fail_with_clear_errors(cfg: dict[str, Any], pattern: str) -> None:
+    """Each bad run option is rejected in the dry run with its name and value."""
+    with pytest.raises(InvalidRunConfigException, match=pattern):
+        scheduler().submit_dryrun(two_role_app(), cfg)
+
+
+@pytest.mark.parametrize(
+    ("role", "pattern"),
+    [
+        (
+            Role("a_b", image="i", entrypoint="e", port_map={"my_port": 80}),
+            r"port_map key 'my_port'",
+        ),
+        (
+            Role("w", image="i", entrypoint="e", env={"JOB_COMPLETION_INDEX": "1"}),
+            r"JOB_COMPLETION_INDEX",
+        ),
+        (Role("w", image="i", entrypoint="e", env={"1BAD": "x"}), r"env key '1BAD'"),
+        (
+            Role("w", image="i", entrypoint="e", resource=Resource(cpu=1, gpu=0.5, memMB=10)),
+            r"resource\.gpu.*0\.5",
+        ),
+        (
+            Role("w", image="i", entrypoint="e", mounts=[VolumeMount("Bad_Claim", "/x")]),
+            r"Bad_Claim",
+        ),
+    ],
+)
+def test_roles_kubernetes_cannot_run_fail_with_clear_errors(role: Role, pattern: str) -> None:
+    """Role fields Kubernetes would reject fail in the dry run, naming the role and the value."""
+    with pytest.raises(InvalidAppDefException, match=pattern):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+def test_role_names_that_collide_in_kubernetes_are_rejected() -> None:
+    """Two roles whose DNS forms are equal (Trainer, trainer) are rejected, naming both."""
+    app = AppDef(
+        "x",
+        roles=[
+            Role("trainer", image="i", entrypoint="e"),
+            Role("Trainer", image="i", entrypoint="e"),
+        ],
+    )
+    with pytest.raises(InvalidAppDefException, match=r"'Trainer'.*'trainer'"):
+        scheduler().submit_dryrun(app, {})
+
+
+def test_lint_catches_what_schemas_miss() -> None:
+    """The lint reports a numeric clusterIP, long names, bad quantities and bad enum values."""
+    req = scheduler().submit_dryrun(two_role_app(), {}).request
+    objs = json.loads(json.dumps(req.manifests()))
+    objs[0]["spec"]["clusterIP"] = None
+    objs[1]["metadata"]["name"] = "x" * 64
+    c = objs[1]["spec"]["template"]["spec"]["containers"][0]
+    c["resources"]["limits"]["memory"] = "16 GB"
+    c["imagePullPolicy"] = "Sometimes"
+    objs[2]["spec"]["podReplacementPolicy"] = "TerminatingOrFailed"
+    problems = "\n".join(lint(objs))
+    for needle in ("clusterIP", "x" * 64, "'16 GB'", "Sometimes", "podReplacementPolicy"):
+        assert needle in problems
+
+
+def test_strict_schema_rejects_a_misspelt_overlay() -> None:
+    """A pod overlay with a misspelt field passes the lint but fails strict schema validation."""
+    req = (
+        scheduler()
+        .submit_dryrun(two_role_app(), {"pod_overlay": '{"spec": {"nodeSelectr": {"a": "b"}}}'})
+        .request
+    )
+    assert lint(req.manifests()) == []
+    with pytest.raises(kubernetes_validate.ValidationError, match="nodeSelectr"):
+        validate_all(req.manifests(), OLDEST)
+
+
+def test_toleration_parsing() -> None:
+    """key=value:Effect is Equal with an effect; key alone tolerates every effect of the key."""
+    assert parse_toleration("a=b:NoSchedule") == {
+        "key": "a",
+        "operator": "Equal",
+        "value": "b",
+        "effect": "NoSchedule",
+    }
+    assert parse_toleration("a:NoExecute") == {
+        "key": "a",
+        "operator": "Exists",
+        "effect": "NoExecute",
+    }
+    assert parse_toleration("a=b") == {"key": "a", "operator": "Equal", "value": "b"}
+
+
+def test_overlay_merges_named_lists_by_name() -> None:
+    """An overlay merges containers and env entries by name, replaces other lists, None removes."""
+    base = {
+        "spec": {
+            "containers": [{"name": "w", "env": [{"name": "A", "value": "1"}]}],
+            "volumes": [1],
+            "x": 1,
+        }
+    }
+    overlay = {
+        "spec": {
+            "containers": [{"name": "w", "env": [{"name": "B", "value": "2"}]}],
+            "volumes": [2],
+            "x": None,
+        }
+    }
+    merged = merge_overlay(base, overlay)
+    assert merged["spec"]["containers"][0]["env"] == [
+        {"name": "A", "value": "1"},
+        {"name": "B", "value": "2"},
+    ]
+    assert merged["spec"]["volumes"] == [2] and "x" not in merged["spec"]
+    assert base["spec"]["x"] == 1
+
+
+def test_role_round_trips_through_the_job_annotation() -> None:
+    """The role stored on its Job reads back equal to the submitted one."""
+    from asynctorchx.schedulers._k8s.manifests import role_from_json, role_to_json
+
+    app = two_role_app()
+    for role in app.roles:
+        assert role_from_json(role_to_json(role)) == role
+
+
+def test_importing_the_backend_does_not_import_the_client() -> None:
+    """Importing the backend (and dry runs) leave kubernetes_asyncio unimported."""
+    code = (
+        "import sys, asynctorchx.schedulers.kubernetes as k\n"
+        "from asynctorchx.specs import AppDef, Role\n"
+        "k.KubernetesScheduler('s').submit_dryrun(AppDef('a', roles=[Role('w', image='i', entrypoint='e')]), {})\n"
+        "assert 'kubernetes_asyncio' not in sys.modules, 'imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_missing_extra_names_the_pip_command() -> None:
+    """Without kubernetes_asyncio, creating the scheduler says to pip install the extra."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'kubernetes_asyncio':\n"
+        "            raise ImportError('blocked for the test')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from asynctorchx.schedulers import create_scheduler\n"
+        "try:\n"
+        "    create_scheduler('kubernetes', 's')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
+    assert "pip install 'asynctorchx[kubernetes]'" in out.stdout
