@@ -14,6 +14,7 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any
 
 IMPL, SCENARIO, PARAMS = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 PY = sys.executable
+WORKDIR = tempfile.mkdtemp(prefix=f"cmp-{IMPL}-")
 
 
 def cpu_seconds() -> float:
@@ -78,9 +80,27 @@ TAIL_SCRIPT = (
     "    sys.stdout.write(f'ts={time.time():.6f} i={i}\\n'); sys.stdout.flush()\n"
 )
 LINES_SCRIPT = (
-    "import sys\nn=int(sys.argv[1])\nw=sys.stdout.write\n"
+    "import sys,time\nn=int(sys.argv[1])\nw=sys.stdout.write\n"
     "for i in range(n): w(f'line {i:07d} ' + 'x'*40 + '\\n')\n"
+    "w(f'end {time.time():.6f}\\n')\n"
 )
+LINE_LEN = len("line 0000000 ") + 40
+
+
+def read_result(seconds: float, cpu: float, lines: list[str], n: int) -> dict[str, Any]:
+    """What a read scenario reports: time, reader CPU, and whether every line arrived whole."""
+    body = [ln.rstrip("\n") for ln in lines if ln.strip()]
+    intact = sum(1 for ln in body if ln.startswith("line ") and len(ln) == LINE_LEN)
+    result: dict[str, Any] = {
+        "seconds": seconds,
+        "cpu_s": cpu,
+        "lines": len(body),
+        "intact_lines": intact,
+        "expected_lines": n + 1,
+    }
+    if body and body[-1].startswith("end "):
+        result["app_end_ts"] = float(body[-1].split()[1])
+    return result
 
 
 # -- asynctorchx -------------------------------------------------------------------------------
@@ -94,6 +114,9 @@ async def ours() -> dict[str, Any]:
         if SCENARIO == "fanout":
             n = PARAMS["n"]
             app = scenario_app(specs, "fan", "sh", ["-c", "exit 0"])
+            await runner.wait(
+                await runner.run(app, sched)
+            )  # warm-up; cold_start measures the first
             t0 = time.perf_counter()
             handles = await asyncio.gather(*(runner.run(app, sched) for _ in range(n)))
             done = await runner.wait_all(handles)
@@ -145,16 +168,15 @@ async def ours() -> dict[str, Any]:
             h = await runner.run(app, sched)
             if SCENARIO == "read_finished":
                 await runner.wait(h)
-                t0 = time.perf_counter()
-                count = 0
-                async for _ in runner.log_lines(h, "main"):
-                    count += 1
-                return {"seconds": time.perf_counter() - t0, "lines": count}
-            t0 = time.perf_counter()
-            count = 0
-            async for _ in runner.log_lines(h, "main", should_tail=True):
-                count += 1
-            return {"seconds": time.perf_counter() - t0, "lines": count}
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            tail = SCENARIO == "read_tailing"
+            got = [ln async for ln in runner.log_lines(h, "main", should_tail=tail)]
+            t1, c1, end = time.perf_counter(), cpu_seconds(), time.time()
+            result = read_result(t1 - t0, c1 - c0, got, n)
+            app_end = result.pop("app_end_ts", None)
+            if tail and app_end is not None:
+                result["after_app_end_ms"] = (end - app_end) * 1000
+            return result
 
         if SCENARIO == "cancel":
             marker = str(random.randint(100000, 999999))
@@ -195,8 +217,11 @@ def theirs() -> dict[str, Any]:
     try:
         if SCENARIO == "fanout":
             app = scenario_app(specs, "fan", "sh", ["-c", "exit 0"])
+            runner.wait(
+                runner.run(app, sched, cfg=torchx_cfg()), wait_interval=0.1
+            )  # warm-up, as for asynctorchx
             t0 = time.perf_counter()
-            handles = [runner.run(app, sched) for _ in range(n)]
+            handles = [runner.run(app, sched, cfg=torchx_cfg()) for _ in range(n)]
             with ThreadPoolExecutor(max_workers=n) as pool:
                 states = list(pool.map(lambda h: runner.wait(h, wait_interval=0.1), handles))
             elapsed = time.perf_counter() - t0
@@ -209,7 +234,7 @@ def theirs() -> dict[str, Any]:
             for _ in range(n):
                 delay = f"{rng.uniform(0.2, 0.8):.3f}"
                 app = scenario_app(specs, "wake", "sh", ["-c", f"sleep {delay}; date +%s.%N"])
-                handles.append(runner.run(app, sched))
+                handles.append(runner.run(app, sched, cfg=torchx_cfg()))
 
             def wait_one(h: str) -> float:
                 runner.wait(h, wait_interval=0.1)
@@ -226,7 +251,7 @@ def theirs() -> dict[str, Any]:
         if SCENARIO == "idle_cpu":
             secs = PARAMS["seconds"]
             app = scenario_app(specs, "idle", "sleep", [str(secs)])
-            handles = [runner.run(app, sched) for _ in range(n)]
+            handles = [runner.run(app, sched, cfg=torchx_cfg()) for _ in range(n)]
             time.sleep(0.5)
             c0, t0 = cpu_seconds(), time.perf_counter()
             with ThreadPoolExecutor(max_workers=n) as pool:
@@ -236,7 +261,7 @@ def theirs() -> dict[str, Any]:
 
         if SCENARIO == "tail":
             app = scenario_app(specs, "tail", PY, ["-u", "-c", TAIL_SCRIPT, str(PARAMS["lines"])])
-            h = runner.run(app, sched)
+            h = runner.run(app, sched, cfg=torchx_cfg())
             lat = []
             for line in runner.log_lines(h, "main", should_tail=True):
                 now = time.time()
@@ -248,22 +273,25 @@ def theirs() -> dict[str, Any]:
         if SCENARIO in ("read_finished", "read_tailing"):
             lines_n = PARAMS["lines"]
             app = scenario_app(specs, "lines", PY, ["-c", LINES_SCRIPT, str(lines_n)])
-            h = runner.run(app, sched)
+            h = runner.run(app, sched, cfg=torchx_cfg())
             if SCENARIO == "read_finished":
                 runner.wait(h, wait_interval=0.1)
-                t0 = time.perf_counter()
-                count = sum(1 for ln in runner.log_lines(h, "main") if ln)
-                return {"seconds": time.perf_counter() - t0, "lines": count}
-            t0 = time.perf_counter()
-            count = sum(1 for ln in runner.log_lines(h, "main", should_tail=True) if ln)
-            return {"seconds": time.perf_counter() - t0, "lines": count}
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            tail = SCENARIO == "read_tailing"
+            got = list(runner.log_lines(h, "main", should_tail=tail))
+            t1, c1, end = time.perf_counter(), cpu_seconds(), time.time()
+            result = read_result(t1 - t0, c1 - c0, got, lines_n)
+            app_end = result.pop("app_end_ts", None)
+            if tail and app_end is not None:
+                result["after_app_end_ms"] = (end - app_end) * 1000
+            return result
 
         if SCENARIO == "cancel":
             marker = str(random.randint(100000, 999999))
             app = scenario_app(
                 specs, "stubborn", "sh", ["-c", f"trap '' TERM; sleep {marker} & sleep {marker}"]
             )
-            h = runner.run(app, sched)
+            h = runner.run(app, sched, cfg=torchx_cfg())
             while len(find_marked(marker)) < 2:
                 time.sleep(0.01)
             t0 = time.perf_counter()
@@ -286,9 +314,59 @@ def theirs() -> dict[str, Any]:
     raise SystemExit(f"unknown scenario {SCENARIO}")
 
 
+# -- cold start: import, runner, first app terminal (both measured from before the import) -------
+
+
+def ours_cold() -> dict[str, Any]:
+    t0 = time.perf_counter()
+    from asynctorchx import AsyncRunner, specs
+
+    async def first_app() -> tuple[float, str | None]:
+        async with AsyncRunner(name="bench") as runner:
+            app = scenario_app(specs, "cold", "sh", ["-c", "exit 0"])
+            st = await runner.wait(await runner.run(app, "local_cwd", cfg=torchx_cfg()))
+            return time.perf_counter(), st.state.name if st else None
+
+    t1, state = asyncio.run(first_app())
+    return {"seconds": t1 - t0, "with_close_s": time.perf_counter() - t0, "state": state}
+
+
+def theirs_cold() -> dict[str, Any]:
+    t0 = time.perf_counter()
+    from torchx import specs
+    from torchx.runner import get_runner
+
+    runner = get_runner("bench")
+    try:
+        app = scenario_app(specs, "cold", "sh", ["-c", "exit 0"])
+        st = runner.wait(runner.run(app, "local_cwd", cfg=torchx_cfg()), wait_interval=0.1)
+        t1 = time.perf_counter()
+    finally:
+        runner.close()
+    return {
+        "seconds": t1 - t0,
+        "with_close_s": time.perf_counter() - t0,
+        "state": st.state.name if st else None,
+    }
+
+
+def torchx_cfg() -> dict[str, str]:
+    """TorchX's logs go under the worker's own directory, like asynctorchx's state root."""
+    return {"log_dir": os.path.join(WORKDIR, "logs")}
+
+
 def main() -> None:
-    os.chdir(tempfile.mkdtemp(prefix=f"cmp-{IMPL}-"))
-    result = asyncio.run(ours()) if IMPL == "asynctorchx" else theirs()
+    os.chdir(WORKDIR)
+    # a fresh state root per measurement: no records of earlier runs, nothing left in /tmp afterwards
+    os.environ["ASYNCTORCHX_LOCAL_ROOT"] = os.path.join(WORKDIR, "state")
+    try:
+        if SCENARIO == "cold_start":
+            result = ours_cold() if IMPL == "asynctorchx" else theirs_cold()
+        else:
+            result = asyncio.run(ours()) if IMPL == "asynctorchx" else theirs()
+    finally:
+        os.chdir("/")
+        shutil.rmtree(WORKDIR, ignore_errors=True)
     print(json.dumps(result))
 
 

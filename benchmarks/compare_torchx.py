@@ -3,10 +3,15 @@
     bash benchmarks/setup_torchx.sh                 # TorchX 0.7.0 in benchmarks/.venv-torchx
     python benchmarks/compare_torchx.py [--quick]   # --quick: smaller sizes, one round, < 2 minutes
 
-Every measurement runs in a fresh interpreter (``_compare_worker.py``), and the two implementations
-alternate within each round (the order flips every round) so that machine noise hits both alike.
-TorchX is driven the best way a TorchX user can: one waiter thread per app with ``wait_interval=0.1``
-and its app cache raised above the number of apps.
+Every measurement runs in a fresh interpreter (``_compare_worker.py``) with its own temporary state and
+log directory, and the two implementations alternate within each round (the order flips every round)
+so that machine noise hits both alike. TorchX is driven the best way a TorchX user can: one waiter
+thread per app with ``wait_interval=0.1`` and its app cache raised above the number of apps.
+
+``cold_start`` times a fresh process from before the library's import to its first app being
+terminal (imports, runner, scheduler set-up included). The ``fanout`` scenarios run one warm-up app
+first on both sides, so they time launching N apps and waiting for all of them, not the one-off set-up
+(which TorchX does at import and ``get_runner`` time and asynctorchx lazily at the first launch).
 
 For each scenario the output has, per implementation, the median and range of the headline metric
 over the rounds, and ``ratio`` = TorchX / asynctorchx (above 1: asynctorchx is better, since every
@@ -32,6 +37,7 @@ DEFAULT_TORCHX_PY = HERE / ".venv-torchx" / "bin" / "python"
 
 # (name, params, headline metric path) in full and quick mode
 FULL: list[tuple[str, dict[str, Any], str]] = [
+    ("cold_start", {}, "seconds"),
     ("fanout", {"n": 10}, "seconds"),
     ("fanout", {"n": 50}, "seconds"),
     ("fanout", {"n": 200}, "seconds"),
@@ -44,6 +50,7 @@ FULL: list[tuple[str, dict[str, Any], str]] = [
     ("cancel", {"settle": 1.0}, "terminal_s"),
 ]
 QUICK: list[tuple[str, dict[str, Any], str]] = [
+    ("cold_start", {}, "seconds"),
     ("fanout", {"n": 10}, "seconds"),
     ("fanout", {"n": 200}, "seconds"),
     ("wake", {"n": 10}, "latency_ms.median"),
@@ -53,6 +60,16 @@ QUICK: list[tuple[str, dict[str, Any], str]] = [
     ("read_tailing", {"lines": 50_000}, "seconds"),
     ("cancel", {"settle": 0.5}, "terminal_s"),
 ]
+
+# secondary metrics summarised next to the headline (median, min, max over the rounds)
+EXTRA: dict[str, list[str]] = {
+    "cold_start": ["with_close_s"],
+    "wake": ["latency_ms.p95", "latency_ms.max"],
+    "tail": ["latency_ms.p95", "latency_ms.max"],
+    "read_finished": ["cpu_s", "intact_lines"],
+    "read_tailing": ["after_app_end_ms", "cpu_s", "intact_lines"],
+    "cancel": ["cancel_returned_s", "survivors"],
+}
 
 
 def dig(result: dict[str, Any], path: str) -> float | None:
@@ -95,7 +112,7 @@ def main() -> int:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, one round (< 2 minutes)")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="rounds per scenario (default 3, quick 1)"
+        "--rounds", type=int, default=None, help="rounds per scenario (default 5, quick 1)"
     )
     parser.add_argument(
         "--torchx-python", default=None, help="an interpreter with torchx installed"
@@ -112,7 +129,7 @@ def main() -> int:
         ).returncode
         == 0
     )
-    rounds = args.rounds or (1 if args.quick else 3)
+    rounds = args.rounds or (1 if args.quick else 5)
     plan = QUICK if args.quick else FULL
     if args.only:
         plan = [p for p in plan if args.only in p[0]]
@@ -135,7 +152,14 @@ def main() -> int:
         medians = {}
         for impl, runs in per_impl.items():
             values = [v for v in (dig(run, metric) for run in runs) if v is not None]
-            entry[impl] = {"summary": summarise(values), "runs": runs}
+            entry[impl] = {
+                "summary": summarise(values),
+                "extra": {
+                    path: summarise([v for v in (dig(run, path) for run in runs) if v is not None])
+                    for path in EXTRA.get(name, [])
+                },
+                "runs": runs,
+            }
             if values:
                 medians[impl] = statistics.median(values)
         if "asynctorchx" in medians and "torchx" in medians and medians["asynctorchx"] > 0:

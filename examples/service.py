@@ -20,6 +20,7 @@ per scheduler between all of them, and each log stream is its own async generato
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from collections.abc import AsyncIterator
 
@@ -103,19 +104,22 @@ async def logs(request: web.Request) -> web.StreamResponse:
         replica = int(request.query.get("replica", "0"))
     except ValueError:
         return _error(400, f"replica must be an integer, got {request.query.get('replica')!r}")
-    lines = runner.log_lines(handle, role, replica, should_tail=True)
-    try:
-        first = await anext(lines, None)
-    except (LookupError, ValueError) as e:  # unknown app, role or replica
-        return _error(404, str(e))
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    await response.prepare(request)
-    if first is not None:
-        await response.write(_sse(first))
-        async for line in lines:
-            await response.write(_sse(line))
+    # aclosing: a client that goes away mid-stream stops the tail at once
+    async with contextlib.aclosing(
+        runner.log_lines(handle, role, replica, should_tail=True)
+    ) as lines:
+        try:
+            first = await anext(lines, None)
+        except (LookupError, ValueError) as e:  # unknown app, role or replica
+            return _error(404, str(e))
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        if first is not None:
+            await response.write(_sse(first))
+            async for line in lines:
+                await response.write(_sse(line))
     final = await runner.status(handle)
     state = final.state.name if final else "UNKNOWN"
     await response.write(f"event: end\ndata: {json.dumps({'state': state})}\n\n".encode())

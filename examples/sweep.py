@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import random
 import re
 import statistics
 import sys
@@ -53,9 +55,10 @@ class Trial:
     stopped_early: bool = False
 
 
-def configs(n: int) -> list[tuple[float, float]]:
-    """``n`` (lr, momentum) pairs from a grid, in a fixed order."""
-    grid = itertools.product([0.001, 0.003, 0.01, 0.03, 0.1, 0.3], [0.0, 0.5, 0.9])
+def configs(n: int, seed: int = 0) -> list[tuple[float, float]]:
+    """``n`` (lr, momentum) pairs from a grid, in a shuffled but fixed order (``seed``)."""
+    grid = list(itertools.product([0.001, 0.003, 0.01, 0.03, 0.1, 0.3], [0.0, 0.5, 0.9]))
+    random.Random(seed).shuffle(grid)
     return list(itertools.islice(itertools.cycle(grid), n))
 
 
@@ -131,12 +134,14 @@ class Sweep:
                     running.add(trial.handle)
                     followers.start_soon(self.follow, trial)
                 self.max_running = max(self.max_running, len(running))
-                async for handle, status in self.runner.as_completed(running):
-                    trial = self.by_handle[handle]
-                    trial.ended = time.monotonic()
-                    trial.state = status.state.name if status else AppState.UNKNOWN.name
-                    running.discard(handle)
-                    break
+                # the next trial to finish; the loop above then fills the freed slot
+                async with contextlib.aclosing(self.runner.as_completed(running)) as finished:
+                    async for handle, status in finished:
+                        trial = self.by_handle[handle]
+                        trial.ended = time.monotonic()
+                        trial.state = status.state.name if status else AppState.UNKNOWN.name
+                        running.discard(handle)
+                        break
 
     def summary(self) -> dict[str, object]:
         finished = [t for t in self.trials if t.state == "SUCCEEDED" and t.final_loss is not None]
