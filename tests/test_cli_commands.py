@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import selectors
 import shutil
 import signal
 import subprocess
@@ -550,6 +551,74 @@ def test_wait_many_prints_transitions_and_exits_with_the_worst(cli: Cli, finishe
     assert unknown.returncode == 4
     events = [json.loads(x) for x in cli("wait", "--json", finished).stdout.splitlines()]
     assert events[-1]["handle"] == finished and events[-1]["state"] == "SUCCEEDED"
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float = 30) -> str:
+    """The next line of ``proc``'s stdout, waiting at most ``timeout`` seconds for it."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        assert sel.select(timeout), f"no line from {proc.args} within {timeout}s"
+    return proc.stdout.readline()
+
+
+def _transition(line: str) -> list[str]:
+    """``HH:MM:SS HANDLE STATE`` -> [HANDLE, STATE], checking the clock field."""
+    clock, *rest = line.split()
+    assert re.fullmatch(r"\d\d:\d\d:\d\d", clock), line
+    return rest
+
+
+@pytest.mark.parametrize(
+    ("end", "state", "code"),
+    [("finish", "SUCCEEDED", 0), ("cancel", "CANCELLED", 3)],
+)
+def test_wait_on_a_running_app_prints_the_transition(
+    cli: Cli, tmp_path: Path, end: str, state: str, code: int
+) -> None:
+    """`wait` on a RUNNING app prints the RUNNING line, then the final state's line when the app
+    ends (by itself or cancelled by `cancel`), and exits with that state's code."""
+    go = tmp_path / "go"
+    script = f'while [ ! -e "{go}" ]; do sleep 0.01; done'
+    run = cli.popen("run", "comp.py:job", "--workers", "1", "--ps", "0", "--script", script)
+    waiter = None
+    try:
+        handle = _handle_line(run)
+        pids = cli.wait_running(handle, 1)
+        waiter = cli.popen("wait", handle)
+        assert _transition(_read_line(waiter)) == [handle, "RUNNING"]
+        assert waiter.poll() is None  # still waiting: the app has not ended
+        if end == "finish":
+            go.touch()
+        else:
+            cancelled = cli("cancel", handle)
+            assert cancelled.returncode == 0, cancelled.stderr
+        out, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == code, err
+        assert [_transition(line) for line in out.splitlines()] == [[handle, state]]
+        assert run.wait(timeout=30) == code
+    finally:
+        for proc in (run, waiter):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
+    _wait_groups_gone(pids, timeout=5)
+    assert cli.status(handle)["state"] == state
+
+
+def test_run_wait_exit_code_matches_the_state(cli: Cli) -> None:
+    """`run --wait` on local_cwd exits 0 when the app succeeds and 1 when it fails."""
+    ok, bad = cli.many(
+        ("run", "--wait", "comp.py:job", "--workers", "1", "--ps", "0", "--script", "true"),
+        ("run", "--wait", "comp.py:job", "--workers", "2", "--ps", "0", "--script", "exit 5"),
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert bad.returncode == 1, bad.stderr
+    for result, state in ((ok, "SUCCEEDED"), (bad, "FAILED")):
+        handle = result.stdout.strip()
+        assert result.stdout == f"{handle}\n"  # the handle alone on stdout
+        assert cli.status(handle)["state"] == state
+    assert "FAILED" in bad.stderr and "exit code: 5" in bad.stderr
 
 
 # -- errors ---------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import sys
 from collections.abc import AsyncIterator, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +142,64 @@ async def test_tail_drains_what_is_left(sched: LocalScheduler) -> None:
     with anyio.fail_after(20):
         got = await read(sched, app_id, should_tail=True)
     assert got == ["start\n", *[f"{i}\n" for i in range(5000)]]
+
+
+TOLERANCE = timedelta(milliseconds=10)
+STAMPED = (
+    "import sys, time\n"
+    "for i in range(5):\n"
+    "    if i: time.sleep(0.1)\n"
+    "    t = time.time()\n"
+    "    sys.stdout.write(f'line {i} {t:.6f}\\n'); sys.stdout.flush()\n"
+)
+
+
+async def test_since_and_until_within_10_ms(sched: LocalScheduler) -> None:
+    """since/until placed 10 ms either side of the moment the app printed a line include/exclude it."""
+    app_id = await run_to_end(sched, py_app(STAMPED))
+    lines = await read(sched, app_id)
+    assert [ln.split()[:2] for ln in lines] == [["line", str(i)] for i in range(5)]
+    written = [datetime.fromtimestamp(float(ln.split()[2])) for ln in lines]
+    assert all(b - a >= timedelta(milliseconds=100) for a, b in itertools.pairwise(written))
+    for i, t in enumerate(written):
+        early, late = t - TOLERANCE, t + TOLERANCE
+        assert await read(sched, app_id, since=early) == lines[i:], f"since {i} - 10 ms"
+        assert await read(sched, app_id, since=late) == lines[i + 1 :], f"since {i} + 10 ms"
+        assert await read(sched, app_id, until=late) == lines[: i + 1], f"until {i} + 10 ms"
+        assert await read(sched, app_id, until=early) == lines[:i], f"until {i} - 10 ms"
+        assert await read(sched, app_id, since=early, until=late) == [lines[i]], f"window {i}"
+
+
+# An irregular interleaving, so neither "all stdout then all stderr" nor strict alternation matches.
+PATTERN = "oeeoeoooeeeoeoeeoooe"
+
+
+async def test_combined_keeps_arrival_order(sched: LocalScheduler, tmp_path: Path) -> None:
+    """Writes alternating between stdout and stderr, each acknowledged before the next, come back
+    from the combined stream in exactly the order they were written."""
+    acks = tmp_path / "acks"
+    acks.mkdir()
+    code = (
+        "import os, sys, time\n"
+        f"pattern, acks = {PATTERN!r}, os.environ['ACKS']\n"
+        "for i, c in enumerate(pattern):\n"
+        "    s = sys.stdout if c == 'o' else sys.stderr\n"
+        "    s.write(f'{c}{i} ' + 'word' * (len(pattern) - i) + '\\n'); s.flush()\n"
+        "    deadline = time.monotonic() + 20\n"
+        "    while not os.path.exists(os.path.join(acks, str(i))):\n"
+        "        if time.monotonic() > deadline: sys.exit(9)\n"
+        "        time.sleep(0.002)\n"
+    )
+    expected = [f"{c}{i} " + "word" * (len(PATTERN) - i) + "\n" for i, c in enumerate(PATTERN)]
+    app_id = await sched.submit(py_app(code, ACKS=str(acks)), {})
+    tailed = []
+    with anyio.fail_after(30):
+        async for line in sched.log_iter(app_id, "main", should_tail=True, streams=Stream.COMBINED):
+            tailed.append(line)
+            (acks / line.split()[0][1:]).touch()  # the handshake: the app writes the next line now
+    assert tailed == expected
+    assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
+    assert await read(sched, app_id, streams=Stream.COMBINED) == expected
+    assert await read(sched, app_id, streams=Stream.STDOUT) == [x for x in expected if x[0] == "o"]
+    assert await read(sched, app_id, streams=Stream.STDERR) == [x for x in expected if x[0] == "e"]
+    assert len(os.listdir(acks)) == len(PATTERN)

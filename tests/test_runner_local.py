@@ -17,6 +17,7 @@ from asynctorchx.schedulers.api import DescribeAppResponse, Scheduler, Stream
 from asynctorchx.specs import (
     AppDef,
     AppState,
+    InvalidComponentArgsException,
     InvalidRunConfigException,
     Role,
     UnknownAppException,
@@ -374,6 +375,45 @@ async def test_bad_input_fails_before_anything_runs(runner: AsyncRunner) -> None
     with pytest.raises(ComponentNotFoundException):
         await runner.run_component("utils.ehco", [], LOCAL)
     assert await runner.list(LOCAL) == []
+
+
+def tree(path: Path) -> set[str]:
+    """Every file and directory under ``path`` (relative), empty when it does not exist."""
+    return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
+
+
+@pytest.mark.parametrize(
+    ("component", "args", "message"),
+    [
+        ("utils.touch", [], "the following arguments are required: --file"),
+        (
+            "utils.echo",
+            ["--num_replicas", "two"],
+            "argument --num_replicas: invalid int value: 'two'",
+        ),
+        ("utils.sh", ["--num_replicas"], "argument --num_replicas: expected one argument"),
+    ],
+    ids=["missing-required", "wrong-type", "missing-value"],
+)
+async def test_bad_component_args_raise_and_launch_nothing(
+    runner: AsyncRunner, root: Path, component: str, args: list[str], message: str
+) -> None:
+    """run_component with bad arguments raises InvalidComponentArgsException naming the argument;
+    no app is listed and no log directory is created (a good run afterwards is both)."""
+    before = tree(root)
+    with pytest.raises(InvalidComponentArgsException) as caught:
+        await runner.run_component(component, args, LOCAL)
+    assert isinstance(caught.value, ValueError)  # the documented base class
+    assert message in str(caught.value)
+    assert caught.value.component == component.split(".")[1]
+    assert await runner.list(LOCAL) == []
+    assert tree(root) == before
+
+    good = await runner.run_component("utils.echo", ["--msg", "ok"], LOCAL)
+    final = await runner.wait(good, timeout=30)
+    assert final is not None and final.state == AppState.SUCCEEDED
+    assert [a.app_handle for a in await runner.list(LOCAL)] == [good]
+    assert any(app_id(good) in part for part in tree(root) - before)
 
 
 async def test_run_opts_and_cfg_from_str(runner: AsyncRunner) -> None:
