@@ -5,13 +5,22 @@ Tests import what they use: ``from _slurm_env import slurm_cluster, slurm_schedu
 - ``slurm_cluster`` checks (once per session) that ``sbatch`` exists and ``scontrol ping`` finds the
   controller UP with idle nodes; without them the test skips, or fails when
   ``ASYNCTORCHX_REQUIRE_ENGINES=1`` (CI), like every engine-backed test.
-- ``accounting`` parametrizes a test over the two ways the backend runs: with ``sacct``
-  (``acct``) and with ``squeue`` only (``noacct``, as on clusters without accounting). The
-  environment variable ``ASYNCTORCHX_SLURM_ACCOUNTING`` = ``on``, ``off`` or ``both`` (default)
-  picks which of them run.
+- ``accounting`` parametrizes a test over the two clusters the backend is tested on, and selects
+  (and checks, like ``slurm_cluster``) the one of the test:
+
+  - ``acct``: the cluster of ``scripts/engines/slurm.sh`` (slurmdbd), the backend forced to use
+    ``sacct`` (``accounting=True``);
+  - ``noacct``: the second cluster of ``scripts/engines/slurm_noacct.sh``, which has no accounting
+    at all (``sacct`` answers "Slurm accounting storage is disabled"). ``SLURM_CONF`` points at it
+    for the whole test (every Slurm command the test or the backend starts inherits it), and the
+    backend is left to find out by itself that there is no accounting (``accounting=None``).
+
+  The environment variable ``ASYNCTORCHX_SLURM_ACCOUNTING`` = ``on``, ``off`` or ``both``
+  (default) picks which of them run; ``ASYNCTORCHX_SLURM_NOACCT_CONF`` overrides the second
+  cluster's config path.
 - ``slurm_scheduler`` is a ``SlurmScheduler`` in that mode whose commands go through a
   ``CountingRunner`` (the real subprocess runner, counted); every job it submitted is scancelled at
-  teardown.
+  teardown (on the cluster it was submitted to).
 """
 
 from __future__ import annotations
@@ -35,6 +44,11 @@ from asynctorchx.schedulers.slurm import SlurmScheduler
 from asynctorchx.specs.api import AppState, is_terminal
 
 SETUP_HINT = "run `bash scripts/engines/slurm.sh`"
+NOACCT_SETUP_HINT = "run `bash scripts/engines/slurm_noacct.sh`"
+# The cluster with accounting is the one the environment names at start (usually /etc/slurm).
+MAIN_CONF = os.environ.get("SLURM_CONF")
+NOACCT_CONF = os.environ.get("ASYNCTORCHX_SLURM_NOACCT_CONF", "/etc/slurm-noacct/slurm.conf")
+NO_ACCOUNTING_MESSAGE = "Slurm accounting storage is disabled"
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,62 +57,110 @@ def _modes() -> list[bool]:
     return {"on": [True], "off": [False]}.get(choice, [True, False])
 
 
+def _env(conf: str | None) -> dict[str, str]:
+    """The environment of a Slurm command for the cluster of ``conf`` (None: the main cluster)."""
+    env = dict(os.environ)
+    conf = conf or MAIN_CONF
+    if conf is None:
+        env.pop("SLURM_CONF", None)
+    else:
+        env["SLURM_CONF"] = conf
+    return env
+
+
 class CountingRunner:
-    """Runs the Slurm commands for real and counts them by program (``squeue``, ``sacct``...)."""
+    """Runs the Slurm commands for real and counts them by program (``squeue``, ``sacct``...).
+
+    Each command goes to the cluster ``SLURM_CONF`` names when it runs; ``submitted`` keeps the
+    ids it submitted and ``clusters`` the config each of them was submitted with.
+    """
 
     def __init__(self, inner: CommandRunner | None = None) -> None:
         self.inner = inner or SubprocessRunner()
         self.counts: Counter[str] = Counter()
         self.submitted: list[str] = []
+        self.clusters: dict[str, str | None] = {}
 
     async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
         self.counts[argv[0]] += 1
+        conf = os.environ.get("SLURM_CONF")
         result = await self.inner(argv, stdin=stdin)
         if argv[0] == "sbatch" and result.returncode == 0:
-            self.submitted.append(result.stdout.strip().split(";")[0])
+            job_id = result.stdout.strip().split(";")[0]
+            self.submitted.append(job_id)
+            self.clusters[job_id] = conf
         return result
 
 
-def _cluster_problem() -> str | None:
+def _cluster_problem(conf: str | None = None) -> str | None:
+    """What is missing of the cluster of ``conf`` (default: the main one), or None."""
     if shutil.which("sbatch") is None:
         return "the Slurm commands (sbatch not on PATH)"
+    if conf is not None and not os.path.isfile(conf):
+        return f"the Slurm cluster config {conf}"
+    where = "" if conf is None else f" (SLURM_CONF={conf})"
     try:
-        ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+        ping = subprocess.run(
+            ["scontrol", "ping"], capture_output=True, text=True, timeout=20, env=_env(conf)
+        )
         nodes = subprocess.run(
             ["sinfo", "-h", "-N", "-p", "debug", "-o", "%N %t"],
             capture_output=True,
             text=True,
             timeout=20,
+            env=_env(conf),
         )
     except (OSError, subprocess.TimeoutExpired) as e:
-        return f"a Slurm controller ({e})"
+        return f"a Slurm controller{where} ({e})"
     if "is UP" not in ping.stdout:
-        return f"a running Slurm controller ({ping.stdout.strip() or ping.stderr.strip()})"
+        return f"a running Slurm controller{where} ({ping.stdout.strip() or ping.stderr.strip()})"
     usable = {
         ln.split()[0]
         for ln in nodes.stdout.splitlines()
         if ln.split()[-1:] and ln.split()[-1] in ("idle", "mix", "alloc")
     }
     if len(usable) < 4:
-        return f"4 usable Slurm nodes (found: {nodes.stdout.split() or 'none'})"
+        return f"4 usable Slurm nodes{where} (found: {nodes.stdout.split() or 'none'})"
+    if conf is not None:
+        # The point of that cluster: sacct must refuse for want of accounting.
+        sacct = subprocess.run(
+            ["sacct", "-n", "-X"], capture_output=True, text=True, timeout=20, env=_env(conf)
+        )
+        if sacct.returncode == 0 or NO_ACCOUNTING_MESSAGE not in sacct.stderr:
+            return (
+                f"a Slurm cluster without accounting{where} (sacct exited {sacct.returncode}: "
+                f"{sacct.stderr.strip() or 'no error'})"
+            )
     return None
 
 
-_PROBLEM: list[str | None] = []
+_PROBLEMS: dict[str | None, str | None] = {}
+
+
+def check_cluster(conf: str | None = None, hint: str = SETUP_HINT) -> None:
+    """Skips/fails the test unless the cluster of ``conf`` answers (checked once per session)."""
+    if conf not in _PROBLEMS:
+        _PROBLEMS[conf] = _cluster_problem(conf)
+    problem = _PROBLEMS[conf]
+    if problem is not None:
+        engine_missing(f"{problem} ({hint})")
 
 
 @pytest.fixture
 def slurm_cluster() -> None:
     """The test cluster answers (controller UP, 4 usable nodes; checked once); else skip/fail."""
-    if not _PROBLEM:
-        _PROBLEM.append(_cluster_problem())
-    if _PROBLEM[0] is not None:
-        engine_missing(f"{_PROBLEM[0]} ({SETUP_HINT})")
+    check_cluster()
 
 
 @pytest.fixture(params=_modes(), ids=lambda acct: "acct" if acct else "noacct")
-def accounting(request: pytest.FixtureRequest) -> bool:
-    """True: the backend uses sacct; False: squeue only (a cluster without accounting)."""
+def accounting(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The test's cluster, checked and selected. True: the cluster with accounting (the backend uses
+    sacct); False: the cluster without accounting (``SLURM_CONF`` points at it for the test)."""
+    if request.param:
+        check_cluster()
+    else:
+        check_cluster(NOACCT_CONF, NOACCT_SETUP_HINT)
+        monkeypatch.setenv("SLURM_CONF", NOACCT_CONF)
     return bool(request.param)
 
 
@@ -116,10 +178,12 @@ def job_dir(tmp_path: Path) -> Path:
     return d
 
 
-def scancel(ids: Sequence[str]) -> None:
-    """Cancels jobs left behind by a test (synchronously, at teardown)."""
+def scancel(ids: Sequence[str], conf: str | None = None) -> None:
+    """Cancels jobs left behind by a test (synchronously, at teardown) on the cluster of ``conf``."""
     if ids:
-        subprocess.run(["scancel", *ids], capture_output=True, timeout=30, check=False)
+        subprocess.run(
+            ["scancel", *ids], capture_output=True, timeout=30, check=False, env=_env(conf)
+        )
 
 
 @pytest.fixture
@@ -127,19 +191,25 @@ def slurm_runner() -> Iterator[CountingRunner]:
     """The real command runner, counting the commands; what it submitted is scancelled at teardown."""
     runner = CountingRunner()
     yield runner
-    scancel(runner.submitted)
+    for conf in dict.fromkeys(runner.clusters.values()):
+        scancel([i for i, c in runner.clusters.items() if c == conf], conf)
 
 
 @pytest.fixture
 async def slurm_scheduler(
-    slurm_cluster: None, accounting: bool, slurm_session: str, slurm_runner: CountingRunner
+    accounting: bool, slurm_session: str, slurm_runner: CountingRunner
 ) -> AsyncIterator[SlurmScheduler]:
-    """A SlurmScheduler in the test's accounting mode whose commands go through ``slurm_runner``."""
-    sched = SlurmScheduler(slurm_session, runner=slurm_runner, accounting=accounting)
+    """A SlurmScheduler on the test's cluster whose commands go through ``slurm_runner``: forced to
+    use sacct on the cluster with accounting, left to detect it (``accounting=None``) on the other."""
+    sched = SlurmScheduler(
+        slurm_session, runner=slurm_runner, accounting=True if accounting else None
+    )
     try:
         yield sched
     finally:
         await sched.close()
+    if not accounting:
+        assert sched.accounting is not True, "the backend found accounting on a cluster without it"
 
 
 async def wait_for_state(

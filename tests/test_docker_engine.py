@@ -32,6 +32,7 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
 )
 
 from asynctorchx.runner import AsyncRunner
+from asynctorchx.runner.hub import PollSettings
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.docker import DockerScheduler, DockerSchedulerError
 from asynctorchx.specs import (
@@ -45,6 +46,7 @@ from asynctorchx.specs import (
     VolumeMount,
     is_terminal,
     macros,
+    parse_app_handle,
 )
 
 pytestmark = pytest.mark.docker
@@ -574,3 +576,75 @@ async def test_runner_waits_for_a_docker_app_through_pushed_events(
             assert lines == []
     finally:
         await purge_session(docker_session)
+
+
+# Never polls within a test's horizon: every pacing knob of the hub at 10 minutes, so a waiter that
+# returns sooner was woken by a change the backend pushed (Docker's /events stream).
+PUSH_ONLY = PollSettings(min_interval=600.0, max_interval=600.0, push_safety_interval=600.0)
+
+
+def _docker_time(text: str) -> float:
+    """A Docker API timestamp (RFC 3339 with nanoseconds) as seconds since the epoch."""
+    head, _, frac = text.rstrip("Z").partition(".")
+    seconds = datetime.fromisoformat(head + "+00:00").timestamp()
+    return seconds + (float("0." + frac) if frac else 0.0)
+
+
+@pytest.mark.timeout(60)
+async def test_runner_wait_wakes_from_the_event_stream_without_polling(
+    docker_engine: None, busybox_image: str, docker_session: str, tmp_path: Path
+) -> None:
+    """With a hub that never polls (every interval 600 s), runner.wait on a running container that
+    then exits returns its final state within a second or two of the exit: the hub ran no round
+    after the app was RUNNING other than those Docker's pushed events asked for."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    role = sh(
+        busybox_image,
+        "until [ -f /gate/open ]; do sleep 0.02; done; exit 4",
+        mounts=[BindMount(str(gate), "/gate")],
+    )
+    try:
+        async with AsyncRunner(name=docker_session, poll_settings=PUSH_ONLY) as runner:
+            hub = runner.hub("local_docker")
+            pushes: list[str] = []
+            unsubscribe = hub.scheduler.subscribe(pushes.append)
+            handle = await runner.run(AppDef("pushed", [role]), "local_docker")
+            app_id = parse_app_handle(handle).app_id
+
+            async def running() -> None:
+                async for event in runner.watch([handle]):
+                    assert not event.is_terminal, event
+                    if event.state == AppState.RUNNING:
+                        return
+
+            await asyncio.wait_for(running(), 30)  # woken by the initial round or "start"
+            rounds_before, pushes_before = hub.rounds, pushes.count(app_id)
+            assert rounds_before >= 1  # the initial round(s)
+
+            (gate / "open").touch()  # the container exits 4 within ~20 ms
+            started = time.monotonic()
+            status = await runner.wait(handle, timeout=30)
+            woke_at, waited = time.time(), time.monotonic() - started
+            unsubscribe()
+            rounds = hub.rounds - rounds_before
+            pushed = pushes.count(app_id) - pushes_before
+
+            import aiodocker
+
+            assert await containers_of(app_id) == [f"/{app_id}-main-0"]
+            async with aiodocker.Docker() as client:
+                info = await client.containers.container(f"{app_id}-main-0").show()
+            exited_at = _docker_time(info["State"]["FinishedAt"])
+    finally:
+        await purge_session(docker_session)
+
+    assert status is not None and status.state == AppState.FAILED
+    assert status.roles[0].replicas[0].exit_code == 4
+    assert info["State"]["ExitCode"] == 4
+    # far from the 600 s at which the hub would first poll: the exit event woke it
+    assert waited < 10, f"runner.wait took {waited:.2f}s after the gate opened"
+    assert woke_at - exited_at < 2.0, f"woke {woke_at - exited_at:.3f}s after the exit"
+    # every round since RUNNING was asked for by a pushed event ("die"), none by a timer
+    assert pushed >= 1
+    assert 1 <= rounds <= pushed, f"{rounds} rounds for {pushed} pushed events"

@@ -1,7 +1,10 @@
 # ruff: noqa: F811 - the fixtures imported from _slurm_env are redefined as test parameters
-"""The slurm backend against the real Slurm test cluster, with accounting (acct) and squeue only (noacct).
+"""The slurm backend against two real Slurm test clusters: one with accounting (acct: sacct and
+squeue) and one without (noacct: squeue only, the backend finding out by itself from sacct's
+refusal that there is no accounting).
 
-Needs ``scripts/engines/slurm.sh`` (4 virtual nodes, slurmdbd); skips without it, fails in CI.
+Needs ``scripts/engines/slurm.sh`` (4 virtual nodes, slurmdbd) and ``scripts/engines/slurm_noacct.sh``
+(4 more virtual nodes, no accounting); skips without them, fails in CI.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
+    NO_ACCOUNTING_MESSAGE,
     REPO,
     CountingRunner,
     accounting,
@@ -66,6 +70,18 @@ def _my_live_jobs() -> set[str]:
     return set(out.split())
 
 
+def _cluster_nodes() -> list[str]:
+    """The nodes of the test's cluster (node1..4 with accounting, nacct1..4 without)."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-p", "debug", "-o", "%N"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return sorted(set(out.split()))
+
+
 @pytest.mark.timeout(90)
 async def test_two_roles_two_replicas_succeed(
     slurm_scheduler: SlurmScheduler, job_dir: Path
@@ -86,7 +102,7 @@ async def test_two_roles_two_replicas_succeed(
     assert sorted(replicas) == [("reader", 0), ("reader", 1), ("trainer", 0), ("trainer", 1)]
     assert {r.state for r in replicas.values()} == {AppState.SUCCEEDED}
     assert {r.exit_code for r in replicas.values()} == {0}
-    assert sorted(r.hostname for r in replicas.values()) == ["node1", "node2", "node3", "node4"]
+    assert sorted(r.hostname for r in replicas.values()) == _cluster_nodes()  # one node each
     assert {r.name: r.num_replicas for r in resp.roles} == {"trainer": 2, "reader": 2}
     rank0 = replicas[("trainer", 0)].hostname
     lines = [
@@ -253,16 +269,16 @@ async def test_bad_input_is_rejected_with_sbatch_message(
 
 @pytest.mark.timeout(120)
 async def test_fifty_apps_waited_cost_one_squeue_per_round(
-    slurm_cluster: None,
     accounting: bool,
     slurm_runner: CountingRunner,
     slurm_session: str,
     job_dir: Path,
 ) -> None:
     """50 apps waited concurrently through AsyncRunner cost one squeue (and at most one sacct) per
-    status round of the runner's hub, not one per app."""
+    status round of the runner's hub, not one per app; without accounting, one sacct in all (the
+    one that finds out there is none)."""
     async with AsyncRunner(
-        slurm_session, slurm_runner=slurm_runner, slurm_accounting=accounting
+        slurm_session, slurm_runner=slurm_runner, slurm_accounting=True if accounting else None
     ) as runner:
         app = AppDef("many", [sh("w", "sleep 1")])
         handles = await asyncio.gather(
@@ -270,16 +286,59 @@ async def test_fifty_apps_waited_cost_one_squeue_per_round(
         )
         before = dict(slurm_runner.counts)
         statuses = await runner.wait_all(handles, timeout=100)
-        rounds = runner.hub("slurm").rounds
+        hub = runner.hub("slurm")
+        rounds = hub.rounds
+        assert isinstance(hub.scheduler, SlurmScheduler)
+        detected = hub.scheduler.accounting
     assert len(statuses) == 50
     assert {s.state for s in statuses.values() if s is not None} == {AppState.SUCCEEDED}
     squeues = slurm_runner.counts["squeue"] - before.get("squeue", 0)
     saccts = slurm_runner.counts["sacct"] - before.get("sacct", 0)
     assert 1 <= squeues <= rounds
     assert saccts <= rounds
+    assert detected is accounting
     if not accounting:
-        assert saccts == 0
+        assert saccts == 1  # the refusal that told the backend there is no accounting
     assert squeues < 50  # the point: rounds, not apps
+
+
+@pytest.mark.timeout(60)
+async def test_backend_detects_whether_the_cluster_has_accounting(
+    accounting: bool, slurm_runner: CountingRunner, slurm_session: str, job_dir: Path
+) -> None:
+    """Left to find out (accounting=None), the backend learns from sacct's own answer whether the
+    cluster keeps accounting: on the cluster without it, sacct really refuses ("Slurm accounting
+    storage is disabled"), the backend asks it once, then describes and lists from squeue only,
+    with the replicas' exit codes from the job directory."""
+    sacct = subprocess.run(["sacct", "-n", "-X"], capture_output=True, text=True, timeout=30)
+    if accounting:
+        assert sacct.returncode == 0, sacct.stderr
+    else:
+        assert sacct.returncode != 0
+        assert NO_ACCOUNTING_MESSAGE in sacct.stderr
+    sched = SlurmScheduler(slurm_session, runner=slurm_runner)
+    try:
+        assert sched.accounting is None
+        script = '[ "$SLURM_PROCID" = 1 ] && exit 3; exit 0'
+        app_id = await sched.submit(
+            AppDef("detect", [sh("w", script, 2)]), {"job_dir": str(job_dir)}
+        )
+        resp = await wait_for_state(sched, app_id)
+        assert sched.accounting is accounting
+        assert resp.state == AppState.FAILED and "exit code 3" in resp.msg
+        [role] = resp.roles_statuses
+        assert {r.id: r.exit_code for r in role.replicas}[1] == 3
+        saccts = slurm_runner.counts["sacct"]
+        if not accounting:
+            assert saccts == 1  # asked once; the answer is remembered
+        again = await sched.describe(app_id)
+        assert again is not None and again.state == AppState.FAILED
+        listed = {a.app_id: a.state for a in await sched.list()}
+        assert listed[app_id] == AppState.FAILED
+        if not accounting:
+            assert slurm_runner.counts["sacct"] == saccts  # no sacct since it refused
+    finally:
+        await sched.close()
 
 
 DDP_SCRIPT = """\
