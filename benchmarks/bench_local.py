@@ -6,6 +6,9 @@
 
 Scenarios (targets from issue 3, on a 2-core machine):
 
+- ``spawn_floor``: the machine's own floor for ``fanout``: 200 bare ``posix_spawn`` calls of
+  ``sh -c "exit 0"`` with their pipes, then reaping them, with no log files, records or event loop.
+
 - ``fanout``: 200 apps of ``sh -c "exit 0"`` submitted at once through ``AsyncRunner.run`` and waited
   with ``wait_all``; seconds until all are terminal (target <= 0.25 s). ``fanout_scheduler`` is the same
   directly on the scheduler (submit + pushed changes), without the runner.
@@ -130,6 +133,35 @@ async def fanout_scheduler(root: Path, n: int, rounds: int) -> dict[str, Any]:
     return {"n": n, "seconds": stats(times), "rounds": times}
 
 
+async def spawn_floor(n: int, rounds: int) -> dict[str, Any]:
+    """What the machine itself costs: ``n`` bare ``posix_spawn`` of ``sh -c "exit 0"`` (own session,
+    stdout and stderr on pipes, as a replica starts) and their reaping, without any bookkeeping."""
+    times = []
+    env = dict(os.environ)
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        pids = []
+        for _ in range(n):
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            pids.append(
+                os.posix_spawn(
+                    "/bin/sh",
+                    ["sh", "-c", "exit 0"],
+                    env,
+                    file_actions=[(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)],
+                    setsid=True,
+                )
+            )
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        times.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.3)
+    return {"n": n, "seconds": stats(times), "rounds": times}
+
+
 async def wake(root: Path, n: int) -> dict[str, Any]:
     rng = random.Random(7)
     async with AsyncRunner(name="bench-wake", local_root=str(root)) as runner:
@@ -230,6 +262,7 @@ async def main() -> None:
     wanted = set(args.only.split(",")) if args.only else None
     q = args.quick
     plan = {
+        "spawn_floor": lambda: spawn_floor(200, 2 if q else args.rounds),
         "fanout": lambda: fanout(root, 200, 2 if q else args.rounds),
         "fanout_scheduler": lambda: fanout_scheduler(root, 200, 2 if q else args.rounds),
         "wake": lambda: wake(root, 10 if q else 30),

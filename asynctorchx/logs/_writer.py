@@ -55,16 +55,23 @@ class ReplicaLogWriter:
         OSError: the directory or a file cannot be created or opened for writing.
     """
 
-    def __init__(self, directory: pathlib.Path) -> None:
-        self._directory = pathlib.Path(directory)
-        self._key = _notify.directory_key(self._directory)
-        self._directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
+        # burst of launches creates thousands of writers
+        path = self._path = os.fspath(directory)
+        self._key = _notify.directory_key(path)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(path, exist_ok=True)
         self._files: dict[Stream, int] = {}
         self._index_fd = -1
         try:
             for stream, name in LOG_FILES.items():
-                self._files[stream] = os.open(self._directory / name, _FILE_FLAGS, 0o644)
-            self._index_fd = os.open(self._directory / INDEX_FILE, _FILE_FLAGS, 0o644)
+                self._files[stream] = os.open(os.path.join(path, name), _FILE_FLAGS, 0o644)
+            self._index_fd = os.open(os.path.join(path, INDEX_FILE), _FILE_FLAGS, 0o644)
             self._offsets = {s: os.fstat(fd).st_size for s, fd in self._files.items()}
             self._last_ns = self._init_index()
         except BaseException:
@@ -80,7 +87,7 @@ class ReplicaLogWriter:
 
     def _init_index(self) -> int:
         """Writes the index header, or drops a torn last record; returns the last record's time."""
-        path = self._directory / INDEX_FILE
+        path = os.path.join(self._path, INDEX_FILE)
         size = self._align_index()
         if size == 0:
             _write_all(self._index_fd, INDEX_MAGIC)
@@ -109,7 +116,7 @@ class ReplicaLogWriter:
     @property
     def directory(self) -> pathlib.Path:
         """The replica's log directory."""
-        return self._directory
+        return pathlib.Path(self._path)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -128,7 +135,7 @@ class ReplicaLogWriter:
 
     def path(self, stream: Stream) -> pathlib.Path:
         """The file that holds ``stream``."""
-        return self._directory / LOG_FILES[Stream(stream)]
+        return pathlib.Path(self._path, LOG_FILES[Stream(stream)])
 
     def attach(self, fd: int, stream: Stream) -> None:
         """Takes ownership of ``fd``, the read end of a pipe, and copies what it carries to ``stream``.
@@ -144,7 +151,7 @@ class ReplicaLogWriter:
         if stream not in STREAM_IDS:
             raise ValueError(f"a pipe feeds stdout or stderr, not {stream.value!r}")
         if self._closed:
-            raise RuntimeError(f"log writer for {self._directory} is closed")
+            raise RuntimeError(f"log writer for {self._path} is closed")
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -171,7 +178,7 @@ class ReplicaLogWriter:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:
-                logger.warning("reading %s pipe of %s failed: %s", stream.value, self._directory, e)
+                logger.warning("reading %s pipe of %s failed: %s", stream.value, self._path, e)
                 eof = True
                 break
             if not data:
@@ -203,7 +210,7 @@ class ReplicaLogWriter:
             _write_all(self._files[Stream.COMBINED], data)
         except OSError as e:
             if self._write_error is None:
-                logger.error("writing the logs of %s failed: %s", self._directory, e)
+                logger.error("writing the logs of %s failed: %s", self._path, e)
             self._write_error = e
             try:
                 self._align_index()
@@ -266,4 +273,4 @@ class ReplicaLogWriter:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<ReplicaLogWriter {str(self._directory)!r} attached={len(self._fds)}>"
+        return f"<ReplicaLogWriter {str(self._path)!r} attached={len(self._fds)}>"

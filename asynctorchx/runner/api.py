@@ -9,6 +9,7 @@ status round per tick, not a thousand polls.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import math
 import time
@@ -37,6 +38,7 @@ from asynctorchx.specs.api import (
     parse_app_handle,
     runopts,
 )
+from asynctorchx.specs.errors import InvalidComponentArgsException
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +270,10 @@ class AsyncRunner:
         )
         if isinstance(component_args, Mapping):
             merged: dict[str, Any] = {**(defaults or {}), **component_args}
+            try:
+                inspect.signature(found.fn).bind(**merged)
+            except TypeError as e:  # a missing or unknown argument
+                raise InvalidComponentArgsException(component, str(e)) from None
             return found.fn(**merged)
         return materialize_appdef(found.fn, list(component_args), defaults)
 
@@ -522,6 +528,9 @@ class AsyncRunner:
     ) -> AsyncGenerator[str, None]:
         """The log lines of replica ``k`` of ``role_name`` (see ``Scheduler.log_iter``).
 
+        Nothing is checked or read until the first line is asked for; ``aclose()`` stops a tail at
+        once.
+
         Raises:
             UnknownAppException: the scheduler does not know the app.
             UnknownRoleException: no such role or replica.
@@ -532,6 +541,7 @@ class AsyncRunner:
         if not await scheduler.exists(app_id):
             raise UnknownAppException(app_handle)
         lines = scheduler.log_iter(app_id, role_name, k, regex, since, until, should_tail, streams)
+        # one plain async-generator layer: cheaper per line than any hand-written __anext__
         try:
             async for line in lines:
                 yield line

@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import resource
 import shutil
 import signal
@@ -245,7 +244,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         self._reaper = Reaper()
         self._exe_cache: dict[tuple[str, str, str], str] = {}
         self._opts: runopts | None = None
-        self._session_dirs: set[Path] = set()
+        self._session_dirs: set[str] = set()
         self._prepare_lock = asyncio.Lock()
 
     @property
@@ -402,28 +401,33 @@ class LocalScheduler(Scheduler[LocalRequest]):
             rep.executable = exe
 
     def _make_app_dir(self, app: _App) -> None:
-        app_dir = Path(app.request.app_dir)
-        if app_dir.parent not in self._session_dirs:
-            app_dir.parent.mkdir(parents=True, exist_ok=True)
-            self._session_dirs.add(app_dir.parent)
+        """Creates ``{app_dir}/{role}/{replica}/`` and each replica's log files (a few system calls
+        per replica, on the event loop: a worker thread would only wait for the GIL meanwhile)."""
+        app_dir = app.request.app_dir
+        session_dir = os.path.dirname(app_dir)
+        if session_dir not in self._session_dirs:
+            os.makedirs(session_dir, exist_ok=True)
+            self._session_dirs.add(session_dir)
         try:
             try:
-                app_dir.mkdir()
+                os.mkdir(app_dir)
             except FileNotFoundError:  # the session directory was removed since
-                app_dir.parent.mkdir(parents=True, exist_ok=True)
-                app_dir.mkdir()
+                os.makedirs(session_dir, exist_ok=True)
+                os.mkdir(app_dir)
         except FileExistsError:
             raise ValueError(
                 f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
                 "was this dry run already scheduled?"
             ) from None
-        for rep in app.replicas:
-            try:
-                rep.writer = ReplicaLogWriter(Path(rep.req.log_dir))
-            except OSError:
-                self._close_writers(app)
-                shutil.rmtree(app_dir, ignore_errors=True)
-                raise
+        try:
+            for role_dir in dict.fromkeys(os.path.dirname(r.req.log_dir) for r in app.replicas):
+                os.mkdir(role_dir)
+            for rep in app.replicas:
+                rep.writer = ReplicaLogWriter(rep.req.log_dir)
+        except OSError:
+            self._close_writers(app)
+            shutil.rmtree(app_dir, ignore_errors=True)
+            raise
 
     def _start(self, app: _App, replicas: Iterable[_Replica]) -> None:
         """Starts ``replicas`` (sync: a few hundred microseconds each). Raises LaunchError."""
@@ -471,8 +475,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
             rep.stopping = False
             rep.structured_error_msg = NONE
             loop.add_reader(rep.pidfd, self._on_exit, app, rep)
+            # queued: the lines of a burst of submits reach the watchdog in one write, at the end
+            # of this loop iteration, before ``schedule`` can return
             self._watchdog.send(f"+ {app.app_id} {rep.pid} {grace}\n")
-        self._watchdog.flush()
 
     def _on_exit(self, app: _App, rep: _Replica) -> None:
         code = reap(rep.pid or 0, rep.pidfd)
@@ -916,28 +921,17 @@ class LocalScheduler(Scheduler[LocalRequest]):
         check_replica(app_id, record.role_counts(), role_name, k)
         replica = record.replica(role_name, k)
         assert replica is not None
-        return self._log_lines(app_id, Path(replica.log_dir), stream, pattern, lo, hi, should_tail)
-
-    async def _log_lines(
-        self,
-        app_id: str,
-        directory: Path,
-        stream: Stream,
-        pattern: re.Pattern[str] | None,
-        since: float | None,
-        until: float | None,
-        follow: bool,
-    ) -> AsyncIterator[str]:
-        async for line in iter_log_lines(
-            directory,
+        # iter_log_lines' generator itself, not a wrapper: every layer of async generator between
+        # the file and the caller costs as much again per line
+        return iter_log_lines(
+            Path(replica.log_dir),
             stream,
             regex=pattern,
-            since=since,
-            until=until,
-            follow=follow,
+            since=lo,
+            until=hi,
+            follow=should_tail,
             is_finished=lambda: self._is_finished(app_id),
-        ):
-            yield line
+        )
 
     async def _is_finished(self, app_id: str) -> bool:
         own = self._own(app_id)
