@@ -138,12 +138,14 @@ def main() -> int:
         default=0.0,
         help="seconds each app sleeps before it prints and exits",
     )
+    parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
     args = parser.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-sweep-")
+    root = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.root)
     try:
         result = asyncio.run(sweep(args.apps, args.concurrency, args.sleep, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    result["state_root"] = os.path.dirname(root)
     result["python"] = sys.version.split()[0]
     result["cpus"] = os.cpu_count()
     print(json.dumps(result, indent=2))

@@ -114,6 +114,7 @@ class AsyncRunner:
         self._factories = dict(scheduler_factories) if scheduler_factories is not None else None
         self._schedulers: dict[str, Scheduler[Any]] = {}
         self._hubs: dict[str, StatusHub] = {}
+        self._split_cache: dict[str, tuple[str, str]] = {}
         self._supervisor = TaskSupervisor(f"runner:{name}")
         self._state = _Lifecycle.UNOPENED
         self._closed_event = asyncio.Event()
@@ -315,6 +316,10 @@ class AsyncRunner:
     # -- status ---------------------------------------------------------------------------------
 
     def _split(self, app_handle: AppHandle) -> tuple[str, str]:
+        # cached: a sweep driver hands the same handles to as_completed over and over
+        split = self._split_cache.get(app_handle)
+        if split is not None:
+            return split
         backend, session, app_id = parse_app_handle(app_handle)
         if backend not in self._available():
             raise UnknownSchedulerException(backend, self._available())
@@ -322,6 +327,9 @@ class AsyncRunner:
             raise UnknownAppException(
                 app_handle, f"it belongs to session {session!r}, not this runner's {self._name!r}"
             )
+        if len(self._split_cache) >= 100_000:
+            self._split_cache.clear()
+        self._split_cache[app_handle] = (backend, app_id)
         return backend, app_id
 
     async def status(self, app_handle: AppHandle) -> AppStatus | None:

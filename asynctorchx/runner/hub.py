@@ -66,6 +66,9 @@ class _Entry:
         return None if self.response is None else self.response.to_status()
 
 
+_MAX_FINAL_ENTRIES = 100_000
+
+
 def _key(resp: DescribeAppResponse | None) -> tuple[AppState, int] | None:
     return None if resp is None else (resp.state, resp.num_restarts)
 
@@ -89,6 +92,10 @@ class StatusHub:
         self.settings = settings or PollSettings()
         self._supervisor = supervisor
         self._entries: dict[str, _Entry] = {}
+        # the apps still followed, in the order they were first tracked (an ordered set)
+        self._live: dict[str, None] = {}
+        # final entries, oldest first: the oldest are forgotten beyond _MAX_FINAL_ENTRIES
+        self._finals: dict[str, None] = {}
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -105,6 +112,7 @@ class StatusHub:
         if entry is None:
             entry = _Entry(app_id, submitted_at=time.monotonic() if submitted else None)
             self._entries[app_id] = entry
+            self._live[app_id] = None
             self._mark_dirty(app_id)
         elif entry.final and not submitted:
             pass
@@ -174,7 +182,20 @@ class StatusHub:
     # -- the loop -------------------------------------------------------------------------------
 
     def _live_ids(self) -> list[str]:
-        return [app_id for app_id, e in self._entries.items() if not e.final]
+        return list(self._live)
+
+    def _finalized(self, entry: _Entry) -> None:
+        """Stops following ``entry``; forgets the oldest final entries nobody listens to, so that a
+        long-lived runner does not keep every app it ever waited on (a forgotten app that is asked
+        about again is simply described again)."""
+        self._live.pop(entry.app_id, None)
+        self._finals[entry.app_id] = None
+        while len(self._finals) > _MAX_FINAL_ENTRIES:
+            oldest = next(iter(self._finals))
+            del self._finals[oldest]
+            old = self._entries.get(oldest)
+            if old is not None and old.final and not old.listeners:
+                del self._entries[oldest]
 
     async def _run(self) -> None:
         s = self.settings
@@ -248,6 +269,8 @@ class StatusHub:
         if response is not None and is_terminal(response.state):
             entry.final = True
         changed = (not was_known) or before != _key(response) or entry.final
+        if entry.final:
+            self._finalized(entry)
         if changed:
             entry.version += 1
             entry.changed.set()
