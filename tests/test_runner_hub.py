@@ -237,3 +237,29 @@ async def test_log_lines_unknown_role() -> None:
         with pytest.raises(UnknownRoleException, match="no role 'ps'"):
             async for _ in runner.log_lines(handle, "ps"):
                 pass
+
+
+async def test_hub_forgets_the_oldest_final_apps_and_describes_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Beyond the cap, the oldest final entries are dropped; waiting on one again re-describes it."""
+    from asynctorchx.runner import hub as hub_module
+
+    monkeypatch.setattr(hub_module, "_MAX_FINAL_ENTRIES", 2)
+    runner, made = make_runner()
+    async with runner:
+        handles = [await runner.run(app(), "fake") for _ in range(3)]
+        sched = made[0]
+        for app_id in list(sched.apps):
+            sched.set_state(app_id, AppState.SUCCEEDED)
+        for handle in handles:
+            status = await runner.wait(handle, timeout=5)
+            assert status is not None and status.state == AppState.SUCCEEDED
+        hub = runner.hub("fake")
+        assert hub.entry("fake-0") is None  # the oldest of three, over a cap of two
+        assert hub.entry("fake-1") is not None and hub.entry("fake-2") is not None
+        assert hub._live_ids() == []
+        calls = len(sched.describe_many_calls)
+        status = await runner.wait(handles[0], timeout=5)
+        assert status is not None and status.state == AppState.SUCCEEDED
+        assert len(sched.describe_many_calls) > calls  # asked the backend again
