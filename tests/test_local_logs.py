@@ -6,19 +6,18 @@ import asyncio
 import itertools
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from _local_env import GATE, wait_for
 
-from asynctorchx.schedulers.api import DescribeAppResponse, Stream
+from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role, is_terminal
-
-GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
+from asynctorchx.specs import AppDef, AppState, Role
 
 
 @pytest.fixture
@@ -26,27 +25,6 @@ async def sched(tmp_path: Path) -> AsyncIterator[LocalScheduler]:
     s = LocalScheduler("logs", local_root=tmp_path / "root")
     yield s
     await s.close()
-
-
-async def wait_for(
-    s: LocalScheduler,
-    app_id: str,
-    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
-    timeout: float = 20.0,
-) -> DescribeAppResponse:
-    """Waits (on pushed changes, bounded) until ``pred`` holds for the app."""
-    changed = asyncio.Event()
-    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
-    try:
-        with anyio.fail_after(timeout):
-            while True:
-                changed.clear()
-                desc = await s.describe(app_id)
-                if desc is not None and pred(desc):
-                    return desc
-                await changed.wait()
-    finally:
-        unsubscribe()
 
 
 def py_app(code: str, **env: str) -> AppDef:

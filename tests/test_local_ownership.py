@@ -15,8 +15,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from _local_env import wait_for
 
-from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role, is_terminal
 
@@ -75,27 +75,6 @@ async def until(condition: Callable[[], bool], timeout: float, what: str) -> Non
         while not condition():
             await asyncio.sleep(0.02)
     assert condition(), what
-
-
-async def wait_for(
-    s: LocalScheduler,
-    app_id: str,
-    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
-    timeout: float = 15.0,
-) -> DescribeAppResponse:
-    """Waits (on pushed changes, bounded) until ``pred`` holds for an app ``s`` launched."""
-    changed = asyncio.Event()
-    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
-    try:
-        with anyio.fail_after(timeout):
-            while True:
-                changed.clear()
-                desc = await s.describe(app_id)
-                if desc is not None and pred(desc):
-                    return desc
-                await changed.wait()
-    finally:
-        unsubscribe()
 
 
 async def replica_groups(s: LocalScheduler, app_id: str) -> list[int]:

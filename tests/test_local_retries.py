@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
+from _local_env import GATE, wait_for
 
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, AppState, RetryPolicy, Role, is_terminal, macros
-
-GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
+from asynctorchx.specs import AppDef, AppState, RetryPolicy, Role, macros
 
 
 @pytest.fixture
@@ -26,27 +25,6 @@ async def sched(tmp_path: Path) -> AsyncIterator[LocalScheduler]:
     s = LocalScheduler("retries", local_root=tmp_path / "root")
     yield s
     await s.close()
-
-
-async def wait_for(
-    s: LocalScheduler,
-    app_id: str,
-    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
-    timeout: float = 15.0,
-) -> DescribeAppResponse:
-    """Waits (on pushed changes, bounded) until ``pred`` holds for the app."""
-    changed = asyncio.Event()
-    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
-    try:
-        with anyio.fail_after(timeout):
-            while True:
-                changed.clear()
-                desc = await s.describe(app_id)
-                if desc is not None and pred(desc):
-                    return desc
-                await changed.wait()
-    finally:
-        unsubscribe()
 
 
 def role(name: str, n: int, tmp: Path, fail_replica: str | None = None, **kw: object) -> Role:

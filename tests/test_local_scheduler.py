@@ -7,13 +7,14 @@ import json
 import os
 import stat
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from _local_env import GATE, wait_for
 
 from asynctorchx.schedulers import create_scheduler
 from asynctorchx.schedulers.api import DescribeAppResponse, Stream, UnknownRoleException
@@ -25,11 +26,8 @@ from asynctorchx.specs import (
     Resource,
     Role,
     UnknownAppException,
-    is_terminal,
     macros,
 )
-
-GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
 
 
 def sh(script: str, name: str = "main", **kw: Any) -> Role:
@@ -51,27 +49,6 @@ async def sched(root: Path) -> AsyncIterator[LocalScheduler]:
     s = LocalScheduler("test", local_root=root)
     yield s
     await s.close()
-
-
-async def wait_for(
-    s: LocalScheduler,
-    app_id: str,
-    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
-    timeout: float = 15.0,
-) -> DescribeAppResponse:
-    """Waits (on the scheduler's pushed changes, bounded) until ``pred`` holds for the app."""
-    changed = asyncio.Event()
-    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
-    try:
-        with anyio.fail_after(timeout):
-            while True:
-                changed.clear()
-                desc = await s.describe(app_id)
-                if desc is not None and pred(desc):
-                    return desc
-                await changed.wait()
-    finally:
-        unsubscribe()
 
 
 async def lines(

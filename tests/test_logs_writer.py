@@ -6,41 +6,13 @@ import asyncio
 import os
 import pathlib
 import struct
-import sys
 import time
 
 import pytest
+from _logs_env import run_child, spawn
 
 from asynctorchx.logs import INDEX_FILE, ReplicaLogWriter, Stream, iter_log_lines
 from asynctorchx.logs._files import INDEX_MAGIC, RECORD, RECORD_SIZE
-
-
-async def spawn(
-    writer: ReplicaLogWriter, code: str, *args: str, stdin: int | None = None
-) -> asyncio.subprocess.Process:
-    """Starts ``python -c code`` with its stdout/stderr on pipes attached to ``writer``."""
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", code, *args, stdin=stdin, stdout=out_w, stderr=err_w
-        )
-    finally:
-        os.close(out_w)
-        os.close(err_w)
-    writer.attach(out_r, Stream.STDOUT)
-    writer.attach(err_r, Stream.STDERR)
-    return proc
-
-
-async def run_child(directory: pathlib.Path, code: str, *args: str) -> ReplicaLogWriter:
-    """Runs ``python -c code`` to completion with its output written to ``directory``."""
-    writer = ReplicaLogWriter(directory)
-    proc = await spawn(writer, code, *args)
-    await proc.wait()
-    await writer.wait_drained()
-    writer.close()
-    return writer
 
 
 def index_records(directory: pathlib.Path) -> list[tuple[int, int, int, int, int]]:

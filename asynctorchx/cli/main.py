@@ -55,6 +55,7 @@ class CliParser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line with a hint, exit code 2."""
 
     def error(self, message: str) -> NoReturn:
+        """Prints a usage error as one line with a hint (no usage dump) and exits 2."""
         from asynctorchx.cli._output import print_error
 
         print_error(self.prog, message, f"'{self.prog} --help' shows the usage")

@@ -217,7 +217,7 @@ from torch.distributed.run import main
 sys.exit(main())
 EOF
   chmod 755 "$root/usr/local/bin/torchrun"
-  rm -rf "$site/bin"
+  rm -rf "${site:?}/bin"
   import_rootfs "$root" "$TORCH_IMAGE" || die "importing $TORCH_IMAGE failed"
   if ! docker run --rm --network none "$TORCH_IMAGE" \
     python3 -c 'import torch.distributed as d; assert d.is_gloo_available()'; then

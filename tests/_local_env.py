@@ -1,0 +1,39 @@
+"""Helpers for the local backend's tests (real processes, no mocks).
+
+Tests import what they use: ``from _local_env import GATE, wait_for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import anyio
+
+from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import is_terminal
+
+#: A shell line that blocks until the file named by ``$GO`` exists: the test's go signal.
+GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
+
+
+async def wait_for(
+    s: LocalScheduler,
+    app_id: str,
+    pred: Callable[[DescribeAppResponse], bool] = lambda d: is_terminal(d.state),
+    timeout: float = 20.0,
+) -> DescribeAppResponse:
+    """Waits (on pushed changes, bounded) until ``pred`` holds for the app."""
+    changed = asyncio.Event()
+    unsubscribe = s.subscribe(lambda a: changed.set() if a == app_id else None)
+    try:
+        with anyio.fail_after(timeout):
+            while True:
+                changed.clear()
+                desc = await s.describe(app_id)
+                if desc is not None and pred(desc):
+                    return desc
+                await changed.wait()
+    finally:
+        unsubscribe()
