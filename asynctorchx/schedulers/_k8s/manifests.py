@@ -37,16 +37,15 @@ from asynctorchx.specs.api import (
     AppDef,
     BindMount,
     CfgVal,
-    DeviceMount,
     InvalidAppDefException,
     InvalidRunConfigException,
-    Resource,
     RetryPolicy,
     Role,
     VolumeMount,
     macros,
     make_unique,
 )
+from asynctorchx.specs.serialize import role_from_dict, role_to_dict
 from asynctorchx.version import __version__
 
 MIN_KUBERNETES_VERSION = "1.29"
@@ -244,86 +243,13 @@ def format_manifests(objs: list[dict[str, Any]]) -> str:
 
 def role_to_json(role: Role) -> str:
     """The role as compact JSON, stored on its Job so that ``describe`` can return it."""
-    res = role.resource
-    data = {
-        "name": role.name,
-        "image": role.image,
-        "entrypoint": role.entrypoint,
-        "args": role.args,
-        "env": role.env,
-        "num_replicas": role.num_replicas,
-        "min_replicas": role.min_replicas,
-        "max_retries": role.max_retries,
-        "retry_policy": RetryPolicy(role.retry_policy).value,
-        "resource": {
-            "cpu": res.cpu,
-            "gpu": res.gpu,
-            "memMB": res.memMB,
-            "capabilities": res.capabilities,
-            "devices": res.devices,
-        },
-        "port_map": role.port_map,
-        "metadata": role.metadata,
-        "mounts": [_mount_json(m) for m in role.mounts],
-    }
-    return json.dumps(data, separators=(",", ":"), sort_keys=True, default=str)
-
-
-def _mount_json(m: BindMount | VolumeMount | DeviceMount) -> dict[str, Any]:
-    if isinstance(m, BindMount):
-        return {
-            "type": "bind",
-            "src_path": m.src_path,
-            "dst_path": m.dst_path,
-            "read_only": m.read_only,
-        }
-    if isinstance(m, VolumeMount):
-        return {"type": "volume", "src": m.src, "dst_path": m.dst_path, "read_only": m.read_only}
-    return {
-        "type": "device",
-        "src_path": m.src_path,
-        "dst_path": m.dst_path,
-        "permissions": m.permissions,
-    }
+    return json.dumps(role_to_dict(role), separators=(",", ":"), sort_keys=True, default=str)
 
 
 def role_from_json(raw: str) -> Role | None:
     """The role stored by ``role_to_json``, or None when ``raw`` is not such JSON."""
     try:
-        d = json.loads(raw)
-        res = d.get("resource") or {}
-        mounts: list[BindMount | VolumeMount | DeviceMount] = []
-        for m in d.get("mounts") or []:
-            kind = m.get("type")
-            if kind == "bind":
-                mounts.append(BindMount(m["src_path"], m["dst_path"], bool(m.get("read_only"))))
-            elif kind == "volume":
-                mounts.append(VolumeMount(m["src"], m["dst_path"], bool(m.get("read_only"))))
-            elif kind == "device":
-                mounts.append(
-                    DeviceMount(m["src_path"], m["dst_path"], m.get("permissions", "rwm"))
-                )
-        return Role(
-            name=d["name"],
-            image=d["image"],
-            entrypoint=d["entrypoint"],
-            args=list(d.get("args") or []),
-            env=dict(d.get("env") or {}),
-            num_replicas=int(d.get("num_replicas", 1)),
-            min_replicas=d.get("min_replicas"),
-            max_retries=int(d.get("max_retries", 0)),
-            retry_policy=RetryPolicy(d.get("retry_policy", "APPLICATION")),
-            resource=Resource(
-                cpu=res.get("cpu", -1),
-                gpu=res.get("gpu", -1),
-                memMB=res.get("memMB", -1),
-                capabilities=dict(res.get("capabilities") or {}),
-                devices=dict(res.get("devices") or {}),
-            ),
-            port_map=dict(d.get("port_map") or {}),
-            metadata=dict(d.get("metadata") or {}),
-            mounts=mounts,
-        )
+        return role_from_dict(json.loads(raw))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 

@@ -27,18 +27,12 @@ from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
     NONE,
-    AppDef,
     AppState,
-    BindMount,
-    DeviceMount,
-    Mount,
     ReplicaStatus,
-    Resource,
-    RetryPolicy,
     Role,
     RoleStatus,
-    VolumeMount,
 )
+from asynctorchx.specs.serialize import appdef_from_dict, appdef_to_dict
 
 logger = logging.getLogger(__name__)
 
@@ -58,94 +52,9 @@ def default_root() -> Path:
 # -- the AppDef as JSON --------------------------------------------------------------------------
 
 
-def _mount_to_json(m: Mount) -> dict[str, Any]:
-    if isinstance(m, BindMount):
-        return {
-            "type": "bind",
-            "src_path": m.src_path,
-            "dst_path": m.dst_path,
-            "read_only": m.read_only,
-        }
-    if isinstance(m, VolumeMount):
-        return {"type": "volume", "src": m.src, "dst_path": m.dst_path, "read_only": m.read_only}
-    return {
-        "type": "device",
-        "src_path": m.src_path,
-        "dst_path": m.dst_path,
-        "permissions": m.permissions,
-    }
-
-
-def _mount_from_json(d: Mapping[str, Any]) -> Mount:
-    kind = d.get("type")
-    if kind == "bind":
-        return BindMount(d["src_path"], d["dst_path"], bool(d.get("read_only", False)))
-    if kind == "volume":
-        return VolumeMount(d["src"], d["dst_path"], bool(d.get("read_only", False)))
-    return DeviceMount(d["src_path"], d["dst_path"], d.get("permissions", "rwm"))
-
-
-def appdef_to_json(app: AppDef) -> dict[str, Any]:
-    """A JSON-ready dict of ``app`` (``appdef_from_json`` inverts it)."""
-    roles = []
-    for r in app.roles:
-        roles.append(
-            {
-                "name": r.name,
-                "image": r.image,
-                "entrypoint": r.entrypoint,
-                "args": list(r.args),
-                "env": dict(r.env),
-                "num_replicas": r.num_replicas,
-                "min_replicas": r.min_replicas,
-                "max_retries": r.max_retries,
-                "retry_policy": RetryPolicy(r.retry_policy).value,
-                "resource": {
-                    "cpu": r.resource.cpu,
-                    "gpu": r.resource.gpu,
-                    "memMB": r.resource.memMB,
-                    "capabilities": dict(r.resource.capabilities),
-                    "devices": dict(r.resource.devices),
-                },
-                "port_map": dict(r.port_map),
-                "metadata": dict(r.metadata),
-                "mounts": [_mount_to_json(m) for m in r.mounts],
-                "base_image": r.base_image,
-            }
-        )
-    return {"name": app.name, "metadata": dict(app.metadata), "roles": roles}
-
-
-def appdef_from_json(d: Mapping[str, Any]) -> AppDef:
-    """The ``AppDef`` stored by ``appdef_to_json``."""
-    roles = []
-    for r in d.get("roles", []):
-        res = r.get("resource") or {}
-        roles.append(
-            Role(
-                name=r["name"],
-                image=r.get("image", ""),
-                entrypoint=r.get("entrypoint", ""),
-                args=list(r.get("args", [])),
-                env=dict(r.get("env", {})),
-                num_replicas=int(r.get("num_replicas", 1)),
-                min_replicas=r.get("min_replicas"),
-                max_retries=int(r.get("max_retries", 0)),
-                retry_policy=RetryPolicy(r.get("retry_policy", RetryPolicy.APPLICATION.value)),
-                resource=Resource(
-                    cpu=res.get("cpu", -1),
-                    gpu=res.get("gpu", -1),
-                    memMB=res.get("memMB", -1),
-                    capabilities=dict(res.get("capabilities", {})),
-                    devices=dict(res.get("devices", {})),
-                ),
-                port_map=dict(r.get("port_map", {})),
-                metadata=dict(r.get("metadata", {})),
-                mounts=[_mount_from_json(m) for m in r.get("mounts", [])],
-                base_image=r.get("base_image"),
-            )
-        )
-    return AppDef(name=d.get("name", ""), roles=roles, metadata=dict(d.get("metadata", {})))
+#: The AppDef kept in a record (``appdef_from_json`` inverts it).
+appdef_to_json = appdef_to_dict
+appdef_from_json = appdef_from_dict
 
 
 # -- records -------------------------------------------------------------------------------------
