@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything the test suite needs (the package with its dev extras, CPU torch, a Docker
-# engine, a Slurm cluster with accounting) and runs the whole suite. Safe to run again.
+# engine with its local test images, two Slurm clusters: one with accounting, one without, and tmux),
+# runs the quick TorchX comparison (informational) and then the whole suite. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +15,22 @@ for engine in scripts/engines/*.sh; do
   log "engine: $engine"
   bash "$engine"
 done
+
+log "benchmark, informational (not a gate): benchmarks/compare_torchx.py --quick"
+# Shows that the side-by-side benchmark runs in CI's environment; its numbers are noisy here and
+# never fail the run. The JSON goes to .benchmarks/compare_quick.json, a summary line to stderr.
+mkdir -p .benchmarks
+if bash benchmarks/setup_torchx.sh >.benchmarks/setup_torchx.log 2>&1 &&
+  timeout 600 python3 benchmarks/compare_torchx.py --quick \
+    >.benchmarks/compare_quick.json 2>.benchmarks/compare_quick.log; then
+  python3 -c 'import json, sys
+d = json.load(open(".benchmarks/compare_quick.json"))
+print("TorchX / asynctorchx:", ", ".join(
+    "{}{}={:.2f}x".format(s["scenario"], s["params"].get("n", ""), s["ratio"]) for s in d["scenarios"]))
+' >&2 || true
+else
+  log "compare_torchx --quick did not complete (see .benchmarks/*.log); not a gate, going on"
+fi
 
 log "tests"
 # Engine-backed tests fail (not skip) when their engine is missing.
