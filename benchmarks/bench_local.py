@@ -221,6 +221,7 @@ async def concurrent(root: Path, n: int) -> dict[str, Any]:
             statuses = await asyncio.gather(*(runner.status(h) for h in handles))
             running = sum(1 for st in statuses if st is not None and st.state == AppState.RUNNING)
             fds = len(os.listdir("/proc/self/fd"))
+            threads = len(os.listdir("/proc/self/task"))
             t1 = time.perf_counter()
             fcntl.flock(gate, fcntl.LOCK_UN)
             done = await waiters
@@ -233,6 +234,7 @@ async def concurrent(root: Path, n: int) -> dict[str, Any]:
         "submit_s": submitted,
         "running_at_once": running,
         "open_fds_at_peak": fds,
+        "threads_at_peak": threads,
         "release_to_all_terminal_s": released_to_done,
         "all_terminal_s": total,
         "succeeded": sum(1 for st in done if st is not None and st.state == AppState.SUCCEEDED),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import stat
@@ -515,3 +516,23 @@ def test_state_root_is_private(root: Path) -> None:
 
     RecordStore(root).ensure()
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
+
+
+async def test_running_apps_need_no_thread_each(sched: LocalScheduler, tmp_path: Path) -> None:
+    """100 running apps are watched through pidfds on the event loop: no watcher thread per child."""
+    lock = tmp_path / "gate.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # each app blocks (without spinning) until this is released
+    try:
+        before = len(os.listdir("/proc/self/task"))
+        gated = app(Role("main", image=".", entrypoint="flock", args=["-s", str(lock), "true"]))
+        ids = [await sched.submit(gated, {}) for _ in range(100)]
+        for app_id in ids:
+            await wait_for(sched, app_id, lambda d: d.state == AppState.RUNNING)
+        during = len(os.listdir("/proc/self/task"))
+    finally:
+        os.close(fd)  # releases the lock
+    for app_id in ids:
+        assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
+    # a handful of worker threads (record writing, file reads) at most, not one per child
+    assert during - before < 10, (before, during)
