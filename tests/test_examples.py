@@ -193,3 +193,25 @@ async def test_service_bad_requests(service: TestClient) -> None:
     assert (
         await service.get("/apps/local_cwd/no-such-app/logs", params={"role": "x"})
     ).status == 404
+
+
+# -- the README's first command --------------------------------------------------------------------
+
+
+def test_readme_demo_runs_a_two_replica_job(local_root: Path) -> None:
+    """``scripts/demo.sh`` (the README's first command, install skipped) runs both replicas to success."""
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "ASYNCTORCHX_DEMO_NO_INSTALL": "1"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    handle = done.stdout.strip()
+    assert handle.startswith("local_cwd://")
+    for k in (0, 1):
+        assert f"sh/{k} | hello from replica {k} of {handle}\n" in done.stderr
+        assert f"sh/{k} | replica {k} done\n" in done.stderr
+    assert f"{handle} SUCCEEDED" in done.stderr
