@@ -215,3 +215,24 @@ def test_readme_demo_runs_a_two_replica_job(local_root: Path) -> None:
         assert f"sh/{k} | hello from replica {k} of {handle}\n" in done.stderr
         assert f"sh/{k} | replica {k} done\n" in done.stderr
     assert f"{handle} SUCCEEDED" in done.stderr
+
+
+def test_readme_quickstart_runs(local_root: Path, tmp_path: Path) -> None:
+    """The README's Quickstart code block, run as a script, follows replica 1 and ends SUCCEEDED."""
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    script = tmp_path / "quickstart.py"
+    script.write_text(code)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env=dict(os.environ),
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "worker/1: hi from 1" in lines
+    assert sum(line.endswith(" SUCCEEDED") for line in lines) == 2, lines
