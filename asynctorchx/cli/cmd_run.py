@@ -24,7 +24,7 @@ running). A second Ctrl+C exits at once (130).
 
 examples:
   asynctorchx run utils.echo --msg hello
-  asynctorchx run --log utils.sh --num_replicas 2 'echo hi from $REPLICA_ID'
+  asynctorchx run --log utils.sh --num_replicas 2 -- sh -c 'echo hi; date'
   asynctorchx run -s local_docker --wait dist.ddp -j 1x2 --script train.py
   asynctorchx run --dryrun -s slurm -cfg partition=debug,time=10 utils.echo
   asynctorchx run utils.echo --help            the component's arguments

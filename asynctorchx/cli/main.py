@@ -40,7 +40,7 @@ Launch, follow and cancel distributed PyTorch apps on local processes, Docker, S
 
 examples:
   asynctorchx run utils.echo --msg hello          launch a builtin component (local, waits)
-  asynctorchx run --log utils.sh --num_replicas 2 'echo $REPLICA_ID'
+  asynctorchx run --log utils.sh --num_replicas 2 -- sh -c 'echo hi; date'
   asynctorchx run -s slurm -cfg partition=debug dist.ddp -j 2x2 --script train.py
   asynctorchx status local_cwd://asynctorchx/echo-a1b2c3
   asynctorchx log -f local_cwd://asynctorchx/echo-a1b2c3/echo/0
