@@ -6,10 +6,13 @@ set an app's state at an exact moment and count the backend round trips.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
+
+import anyio
 
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
@@ -30,6 +33,7 @@ class FakeScheduler(Scheduler[AppDef]):
         self.apps: dict[str, DescribeAppResponse] = {}
         self.describe_many_calls: list[list[str]] = []
         self.describe_calls = 0
+        self._described = asyncio.Condition()  # notified after every describe_many round
         self.closed = False
         self._ids = itertools.count()
         self._push = push
@@ -71,7 +75,22 @@ class FakeScheduler(Scheduler[AppDef]):
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
         self.describe_many_calls.append(list(app_ids))
-        return {a: await self.describe(a) for a in app_ids}
+        result = {a: await self.describe(a) for a in app_ids}
+        async with self._described:
+            self._described.notify_all()
+        return result
+
+    async def wait_described(self, *app_ids: str, timeout: float = 5) -> None:
+        """Returns once every one of ``app_ids`` was in some ``describe_many`` round (the runner's hub
+        has seen its state then); raises TimeoutError after ``timeout`` seconds."""
+
+        def all_described() -> bool:
+            seen = {a for call in self.describe_many_calls for a in call}
+            return seen.issuperset(app_ids)
+
+        with anyio.fail_after(timeout):
+            async with self._described:
+                await self._described.wait_for(all_described)
 
     async def _cancel_existing(self, app_id: str) -> None:
         self.set_state(app_id, AppState.CANCELLED)

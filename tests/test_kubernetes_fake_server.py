@@ -274,9 +274,24 @@ async def test_orphan_is_the_default_for_jobs(
     )
     await until(fake_k8s, lambda: len(fake_k8s.store.list("pods", NS)) == 1)
     fake_k8s.store.delete("jobs", NS, job["metadata"]["name"], None)
-    await asyncio.sleep(0.05)
-    pods = fake_k8s.store.list("pods", NS)
+
+    def pods_of(job_name: str) -> list[dict[str, Any]]:
+        return [
+            p
+            for p in fake_k8s.store.list("pods", NS)
+            if p["metadata"]["labels"].get("batch.kubernetes.io/job-name") == job_name
+        ]
+
+    # The fake's control loop handles the store's changes in order and collects garbage on every
+    # pass: once it has made the pod of a Job created after the deletion, its garbage collector has
+    # had its chance at the orphan.
+    _, (later,) = await submit(
+        kube_api, AppDef("later", roles=[Role("w", image="i", entrypoint="e")])
+    )
+    await until(fake_k8s, lambda: bool(pods_of(later["metadata"]["name"])))
+    pods = pods_of(job["metadata"]["name"])
     assert len(pods) == 1 and not pods[0]["metadata"].get("ownerReferences")
+    assert not pods[0]["metadata"].get("deletionTimestamp")
 
 
 async def test_per_index_backoff_replaces_the_failed_index(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import pytest
 from _fake_scheduler import FakeScheduler
 
@@ -125,7 +126,8 @@ async def test_cancelling_waiter_leaves_app_running() -> None:
     async with runner:
         handle = await runner.run(app(), "fake")
         task = asyncio.create_task(runner.wait(handle))
-        await asyncio.sleep(0.05)
+        await made[0].wait_described("fake-0")  # the hub has seen it RUNNING: the waiter waits
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -142,8 +144,10 @@ async def test_many_waiters_share_one_round_per_tick(push: bool) -> None:
     async with runner:
         handles = [await runner.run(app(), "fake") for _ in range(200)]
         waiters = [asyncio.create_task(runner.wait(h, timeout=10)) for h in handles]
-        await asyncio.sleep(0.1)
         sched = made[0]
+        # every app was seen RUNNING before any finishes, so the waiters really wait on the hub
+        await sched.wait_described(*sched.apps)
+        assert not any(w.done() for w in waiters)
         for app_id in list(sched.apps):
             sched.set_state(app_id, AppState.SUCCEEDED)
         results = await asyncio.gather(*waiters)
@@ -169,7 +173,8 @@ async def test_push_wakes_without_polling() -> None:
     ) as runner:
         handle = await runner.run(app(), "fake")
         waiter = asyncio.create_task(runner.wait(handle, timeout=5))
-        await asyncio.sleep(0.05)
+        # the first round saw it RUNNING; the next poll is 10 s away, so only the push can wake it
+        await made[0].wait_described("fake-0")
         made[0].set_state("fake-0", AppState.FAILED)
         status = await waiter
         assert status is not None and status.state == AppState.FAILED
@@ -181,15 +186,14 @@ async def test_as_completed_order() -> None:
     async with runner:
         handles = [await runner.run(app(), "fake") for _ in range(3)]
         order = ["fake-2", "fake-0", "fake-1"]
-
-        async def finish() -> None:
-            for app_id in order:
-                await asyncio.sleep(0.05)
-                made[0].set_state(app_id, AppState.SUCCEEDED)
-
-        finisher = asyncio.create_task(finish())
-        seen = [h.rsplit("/", 1)[1] async for h, _ in runner.as_completed(handles, timeout=5)]
-        await finisher
+        seen: list[str] = []
+        # each app finishes only once the previous one was yielded, so the order they finish in is
+        # exactly ``order``
+        made[0].set_state(order[0], AppState.SUCCEEDED)
+        async for h, _ in runner.as_completed(handles, timeout=5):
+            seen.append(h.rsplit("/", 1)[1])
+            if len(seen) < len(order):
+                made[0].set_state(order[len(seen)], AppState.SUCCEEDED)
         assert seen == order
 
 
@@ -199,17 +203,16 @@ async def test_watch_reports_transitions_and_restarts() -> None:
     async with runner:
         handle = await runner.run(app(), "fake")
         events = []
-
-        async def drive() -> None:
-            await asyncio.sleep(0.05)
-            made[0].set_state("fake-0", AppState.RUNNING, num_restarts=1)
-            await asyncio.sleep(0.05)
-            made[0].set_state("fake-0", AppState.FAILED)
-
-        driver = asyncio.create_task(drive())
-        async for event in runner.watch([handle]):
-            events.append((event.state, event.num_restarts))
-        await driver
+        # each change is made once the event before it was seen, so none can be coalesced away
+        changes = [
+            lambda: made[0].set_state("fake-0", AppState.RUNNING, num_restarts=1),
+            lambda: made[0].set_state("fake-0", AppState.FAILED),
+        ]
+        with anyio.fail_after(5):
+            async for event in runner.watch([handle]):
+                events.append((event.state, event.num_restarts))
+                if changes:
+                    changes.pop(0)()
         assert events == [(AppState.RUNNING, 0), (AppState.RUNNING, 1), (AppState.FAILED, 1)]
 
 
