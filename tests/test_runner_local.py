@@ -589,4 +589,7 @@ async def test_500_apps_through_as_completed_cost_one_round_per_tick(
             f"\n{n} apps: {hub.rounds} rounds in all, {rounds_to_finish} after launching, "
             f"{sum(map(len, recorder.rounds))} app descriptions"
         )
-        assert rounds_to_finish < n // 5  # exits are batched: far fewer rounds than apps
+        # exits are batched: far fewer rounds than apps (how many share a round depends on how the
+        # exits spread out in time on a busy machine: 100-110 rounds for 500 apps were seen on a
+        # loaded 2-core VM, 40-60 on a quiet one); a hub polling per waiter would need >= n calls
+        assert rounds_to_finish <= n // 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,13 +222,13 @@ def test_entry_points_are_read_once_per_process(
     """The entry-point scan is cached; lookups after the first do not scan again."""
     named_resource_names()
     calls: list[str] = []
-    real = named_resources_module.entry_points
+    real = importlib.metadata.entry_points
 
     def counting(**kw: str) -> object:
         calls.append(kw["group"])
         return real(**kw)
 
-    monkeypatch.setattr(named_resources_module, "entry_points", counting)
+    monkeypatch.setattr(importlib.metadata, "entry_points", counting)
     get_named_resource("aws.p4d.24xlarge")
     named_resource_names()
     assert calls == []

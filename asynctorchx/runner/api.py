@@ -23,7 +23,11 @@ import anyio
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.runner.hub import PollSettings, StatusHub, _Entry
-from asynctorchx.schedulers import SchedulerFactory, get_scheduler_factories
+from asynctorchx.schedulers import (
+    SchedulerFactory,
+    builtin_scheduler_factory,
+    get_scheduler_factories,
+)
 from asynctorchx.schedulers.api import ListAppResponse, Scheduler, Stream
 from asynctorchx.specs.api import (
     AppDef,
@@ -187,14 +191,22 @@ class AsyncRunner:
         """The names of every scheduler backend available."""
         return list(self._available())
 
+    def _factory(self, backend: str) -> SchedulerFactory | None:
+        """The factory of ``backend`` (None when unknown); a builtin needs no entry-point scan."""
+        if self._factories is None:
+            builtin = builtin_scheduler_factory(backend)
+            if builtin is not None:
+                return builtin
+        return self._available().get(backend)
+
     def _scheduler(self, backend: str) -> Scheduler[Any]:
         self._check_not_closed()
         scheduler = self._schedulers.get(backend)
         if scheduler is None:
-            factories = self._available()
-            if backend not in factories:
-                raise UnknownSchedulerException(backend, factories)
-            scheduler = factories[backend](self._name, **self._scheduler_params)
+            factory = self._factory(backend)
+            if factory is None:
+                raise UnknownSchedulerException(backend, self._available())
+            scheduler = factory(self._name, **self._scheduler_params)
             self._schedulers[backend] = scheduler
         return scheduler
 
@@ -321,7 +333,7 @@ class AsyncRunner:
         if split is not None:
             return split
         backend, session, app_id = parse_app_handle(app_handle)
-        if backend not in self._available():
+        if backend not in self._schedulers and self._factory(backend) is None:
             raise UnknownSchedulerException(backend, self._available())
         if session != self._name:
             raise UnknownAppException(

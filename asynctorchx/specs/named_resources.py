@@ -11,9 +11,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
-from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 from asynctorchx.specs.api import InvalidAppDefException, Resource
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 GiB = 1024
 
@@ -63,6 +66,8 @@ def _plugin_factory(ep: EntryPoint) -> Callable[[], Resource]:
 
 @cache
 def _plugins() -> Mapping[str, Callable[[], Resource]]:
+    from importlib.metadata import entry_points  # costly to import: only when a lookup needs it
+
     found: dict[str, Callable[[], Resource]] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name not in _GENERIC and ep.name not in found:
