@@ -432,13 +432,20 @@ async def test_follow_across_an_application_restart(
     fake_k8s: FakeKubeApiServer, runner: AsyncRunner
 ) -> None:
     """Following a replica continues into the recreated Job's pod after an APPLICATION retry."""
+    # the first attempt fails only once its line was read: a retry deletes the failed Job and its
+    # pods, so a follower that started later could not read that attempt at all
+    release = asyncio.Event()
     fake_k8s.cluster.script = lambda ctx: PodScript(
         lines=[f"attempt {ctx.app_attempt}\n"],
         exit_code=1 if ctx.app_attempt == 0 else 0,
         line_interval=0.02,
+        hold=release if ctx.app_attempt == 0 else None,
     )
     handle = await runner.run(AppDef("follow", roles=[role(max_retries=1)]), scheduler="kubernetes")
-    got = [line async for line in runner.log_lines(handle, "worker", should_tail=True)]
+    got = []
+    async for line in runner.log_lines(handle, "worker", should_tail=True):
+        got.append(line)
+        release.set()
     assert got == ["attempt 0\n", "attempt 1\n"]
 
 

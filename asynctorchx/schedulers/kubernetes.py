@@ -70,6 +70,7 @@ from asynctorchx.schedulers._k8s.manifests import (
 )
 from asynctorchx.schedulers._k8s.status import (
     describe_app,
+    job_finished,
     job_role_index,
     job_state,
     labels_of,
@@ -107,6 +108,20 @@ logger = logging.getLogger(__name__)
 __all__ = ["KubeApiError", "KubernetesRequest", "KubernetesScheduler", "create_scheduler"]
 
 _LIST_CHUNK = 100
+_CONFIRMED_APPS = 10_000
+
+
+def _finished_jobs_key(jobs: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """Which of the app's Jobs have finished, by uid and resourceVersion (empty: none has)."""
+    return tuple(
+        sorted(
+            (str(meta(j).get("uid", "")), str(meta(j).get("resourceVersion", "")))
+            for j in jobs
+            if job_finished(j)
+        )
+    )
+
+
 # A log read (without following) cut this many times in a row raises instead of returning a part.
 _MAX_LOG_RESUMES = 3
 
@@ -168,6 +183,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         self._informer_tasks: dict[str, asyncio.Task[None]] = {}
         self._managed: dict[str, _Managed] = {}
         self._cancelled: dict[str, DescribeAppResponse] = {}
+        # app id -> the finished Jobs whose pods were listed afresh (see _list_pods)
+        self._pods_confirmed: dict[str, tuple[tuple[str, str], ...]] = {}
         self._namespaces_used: set[str] = {self._namespace}
 
     # -- options and dry runs -------------------------------------------------------------------
@@ -379,13 +396,21 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
                 await self._informer(ns)
             inf = self._synced_informer(ns)
             missing: list[tuple[str, str]] = []
+            confirm: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
             for app_id, name in apps:
                 if inf is not None:
                     svc, jobs, pods = inf.app_objects(name)
                     if svc is not None:
+                        key = _finished_jobs_key(jobs)
+                        if key and self._pods_confirmed.get(app_id) != key:
+                            confirm[name] = (app_id, key)
+                            continue
                         results[app_id] = self._response(app_id, svc, jobs, pods)
                         continue
                 missing.append((app_id, name))
+            if confirm:
+                assert inf is not None
+                await self._confirm_pods(ns, inf, confirm, results)
             for i in range(0, len(missing), _LIST_CHUNK):
                 chunk = missing[i : i + _LIST_CHUNK]
                 found = await self._fetch_apps(ns, [name for _, name in chunk])
@@ -393,6 +418,50 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
                     svc, jobs, pods = found.get(name, (None, [], []))
                     results[app_id] = self._response(app_id, svc, jobs, pods)
         return results
+
+    async def _confirm_pods(
+        self,
+        namespace: str,
+        inf: Informer,
+        confirm: Mapping[str, tuple[str, tuple[tuple[str, str], ...]]],
+        results: dict[str, DescribeAppResponse | None],
+    ) -> None:
+        """Describes apps whose Jobs just finished with their pods listed afresh (``_list_pods``).
+
+        The app is read from the cache again once the pods are listed: if its Jobs changed
+        meanwhile (a restart began), the cache answers and the confirmation waits for next time.
+        """
+        names = list(confirm)
+        for i in range(0, len(names), _LIST_CHUNK):
+            part = names[i : i + _LIST_CHUNK]
+            fresh = await self._list_pods(namespace, part)
+            for name in part:
+                app_id, key = confirm[name]
+                svc, jobs, pods = inf.app_objects(name)
+                if svc is not None and _finished_jobs_key(jobs) == key:
+                    pods = fresh.get(name, [])
+                    self._pods_confirmed[app_id] = key
+                    while len(self._pods_confirmed) > _CONFIRMED_APPS:
+                        del self._pods_confirmed[next(iter(self._pods_confirmed))]
+                results[app_id] = self._response(app_id, svc, jobs, pods)
+
+    async def _list_pods(self, namespace: str, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+        """The pods of the named apps, in one list call.
+
+        The Jobs and the pods come from two watches whose events may arrive in either order: when
+        a Job has just finished, the cached pods can lag it (the replacement pod that succeeded not
+        seen yet, so no restart counted). Pods listed after the Job was seen finished include every
+        pod that finished before it.
+        """
+        api = await self._client()
+        selector = f"{MANAGED_SELECTOR},{n.LABEL_APP_ID} in ({','.join(names)})"
+        listing = await api.list("pods", namespace, selector)
+        out: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for pod in listing.get("items") or []:
+            app = labels_of(pod).get(n.LABEL_APP_ID)
+            if app in out:
+                out[app].append(pod)
+        return out
 
     async def _fetch_apps(
         self, namespace: str, names: list[str]

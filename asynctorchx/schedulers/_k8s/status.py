@@ -182,6 +182,12 @@ def job_condition_message(job: Obj) -> str:
     return f"{reason}: {message}" if reason and message else reason or message
 
 
+def job_finished(job: Obj) -> bool:
+    """True once the Job has a condition that says it succeeded or failed."""
+    conds = _true_conditions(job)
+    return bool(conds.keys() & {"Complete", "SuccessCriteriaMet", "Failed", "FailureTarget"})
+
+
 def job_state(job: Obj, pods: Sequence[Obj] = ()) -> AppState:
     """The state of one role's Job (see the module docstring)."""
     conds = _true_conditions(job)
