@@ -266,3 +266,27 @@ async def test_hub_forgets_the_oldest_final_apps_and_describes_them_again(
         status = await runner.wait(handles[0], timeout=5)
         assert status is not None and status.state == AppState.SUCCEEDED
         assert len(sched.describe_many_calls) > calls  # asked the backend again
+
+
+async def test_closing_the_runner_ends_as_completed_and_watch() -> None:
+    """as_completed and watch waiting on running apps raise RuntimeError when the runner closes."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        started = asyncio.Event()
+
+        async def completed() -> None:
+            async for _ in runner.as_completed([handle]):
+                pass
+
+        async def watched() -> None:
+            async for _ in runner.watch([handle]):
+                started.set()
+
+        tasks = [asyncio.create_task(completed()), asyncio.create_task(watched())]
+        await asyncio.wait_for(started.wait(), 5)  # watch saw RUNNING: both are waiting now
+        await made[0].wait_described("fake-0")
+        assert not any(t.done() for t in tasks)
+    for task in tasks:
+        with pytest.raises(RuntimeError, match="runner was closed"):
+            await asyncio.wait_for(task, 5)

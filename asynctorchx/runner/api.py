@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -45,6 +45,11 @@ from asynctorchx.specs.api import (
 from asynctorchx.specs.errors import InvalidComponentArgsException
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Put by ``close()`` into the queues of active ``as_completed``/``watch`` iterations.
+_CLOSED: Any = object()
 
 DEFAULT_SESSION_NAME = "asynctorchx"
 
@@ -121,7 +126,8 @@ class AsyncRunner:
         self._split_cache: dict[str, tuple[str, str]] = {}
         self._supervisor = TaskSupervisor(f"runner:{name}")
         self._state = _Lifecycle.UNOPENED
-        self._closed_event = asyncio.Event()
+        # the queues that as_completed and watch are reading: close() puts _CLOSED in each
+        self._readers: set[asyncio.Queue[Any]] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -155,7 +161,8 @@ class AsyncRunner:
         if self._state is _Lifecycle.CLOSED:
             return
         self._state = _Lifecycle.CLOSED
-        self._closed_event.set()
+        for queue in self._readers:
+            queue.put_nowait(_CLOSED)
         with anyio.CancelScope(shield=True):
             for hub in self._hubs.values():
                 await hub.aclose()
@@ -419,37 +426,29 @@ class AsyncRunner:
             listeners.append((entry, on_change))
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         seen: set[AppHandle] = set()
+        self._readers.add(done)
         try:
             while pending:
                 remaining = deadline - time.monotonic()
                 with anyio.fail_after(max(remaining, 0) if remaining != math.inf else math.inf):
-                    handle, entry = await self._next_done(done)
+                    handle, entry = await self._next_item(done, "waiting for apps")
                 if handle in seen:
                     continue
                 seen.add(handle)
                 pending -= 1
                 yield handle, entry.status
         finally:
+            self._readers.discard(done)
             for entry, listener in listeners:
                 if listener in entry.listeners:
                     entry.listeners.remove(listener)
 
-    async def _next_done(
-        self, done: asyncio.Queue[tuple[AppHandle, _Entry]]
-    ) -> tuple[AppHandle, _Entry]:
-        getter = asyncio.ensure_future(done.get())
-        closed = asyncio.ensure_future(self._wait_closed())
-        try:
-            finished, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            getter.cancel()
-            closed.cancel()
-        if getter in finished and not getter.cancelled():
-            return getter.result()
-        raise RuntimeError("the runner was closed while waiting for apps")
-
-    async def _wait_closed(self) -> None:
-        await self._closed_event.wait()
+    async def _next_item(self, queue: asyncio.Queue[T], what: str) -> T:
+        """The next item of a queue that ``close()`` ends with ``_CLOSED``."""
+        item = await queue.get()
+        if item is _CLOSED:
+            raise RuntimeError(f"the runner was closed while {what}")
+        return item
 
     async def watch(self, app_handles: Iterable[AppHandle]) -> AsyncGenerator[AppEvent, None]:
         """Yields an ``AppEvent`` for every state change (and restart) of the apps until all are final.
@@ -493,29 +492,19 @@ class AsyncRunner:
             registered.append((entry, on_change))
             if entry.known:
                 emit(handle, entry)
+        self._readers.add(queue)
         try:
             remaining = set(live)
             while remaining:
-                event = await self._next_event(queue)
+                event = await self._next_item(queue, "watching apps")
                 if event.is_terminal:
                     remaining.discard(event.handle)
                 yield event
         finally:
+            self._readers.discard(queue)
             for entry, listener in registered:
                 if listener in entry.listeners:
                     entry.listeners.remove(listener)
-
-    async def _next_event(self, queue: asyncio.Queue[AppEvent]) -> AppEvent:
-        getter = asyncio.ensure_future(queue.get())
-        closed = asyncio.ensure_future(self._wait_closed())
-        try:
-            finished, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            getter.cancel()
-            closed.cancel()
-        if getter in finished and not getter.cancelled():
-            return getter.result()
-        raise RuntimeError("the runner was closed while watching apps")
 
     # -- control and inspection -----------------------------------------------------------------
 
