@@ -10,6 +10,7 @@ import time
 
 import pytest
 from _logs_env import run_child, spawn
+from conftest import engine_missing
 
 from asynctorchx.logs import (
     INDEX_FILE,
@@ -626,7 +627,7 @@ async def follow_from_another_process(
 async def test_a_follower_in_another_process_wakes_through_inotify(tmp_path: pathlib.Path) -> None:
     """A follower in a second process gets each line as it is written, woken by inotify, checking is_finished rarely."""
     if not _inotify.available():
-        pytest.skip("inotify is not available here")
+        engine_missing("inotify")
     _, err = await follow_from_another_process(tmp_path, {})
     assert "woken by inotify" in err
     checks = int(err.rsplit("checks=", 1)[1])
