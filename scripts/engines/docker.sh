@@ -50,9 +50,15 @@ if ! docker info >/dev/null 2>&1; then
     log "dockerd is running but does not answer yet; waiting"
   else
     log "starting dockerd (log: $DOCKERD_LOG)"
-    # A stale pid file from a dead daemon stops a new one from starting.
-    if [[ -f /var/run/docker.pid ]] && ! kill -0 "$(cat /var/run/docker.pid)" 2>/dev/null; then
-      rm -f /var/run/docker.pid
+    # Pid files outlive their daemons, and the pid they name may belong to an unrelated process
+    # by now. No dockerd runs, so docker.pid is stale (it would stop dockerd from starting); the
+    # containerd one is stale unless it names a containerd (dockerd would take the stranger for
+    # its containerd, fail to reach it, and in the end kill it).
+    rm -f /var/run/docker.pid
+    containerd_pidfile=/var/run/docker/containerd/containerd.pid
+    if [[ -s $containerd_pidfile ]] &&
+      [[ $(cat "/proc/$(<"$containerd_pidfile")/comm" 2>/dev/null) != containerd ]]; then
+      rm -f "$containerd_pidfile"
     fi
     setsid nohup dockerd -H unix:///var/run/docker.sock >>"$DOCKERD_LOG" 2>&1 </dev/null &
   fi

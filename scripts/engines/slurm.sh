@@ -99,7 +99,7 @@ real_mem=$(real_memory)
 # Job ids must keep growing: the controller's saved state carries the sequence; when that state is
 # missing (first start, or wiped) start after the highest id the accounting database has seen.
 first_job_id_file=/var/lib/slurm/asynctorchx-first-job-id
-if ! pid_alive "$RUN_DIR/slurmctld.pid" && [[ ! -f $STATE_DIR/job_state || ! -f $first_job_id_file ]]; then
+if ! pid_alive "$RUN_DIR/slurmctld.pid" slurmctld "-f $CONF_DIR/slurm.conf " && [[ ! -f $STATE_DIR/job_state || ! -f $first_job_id_file ]]; then
   max_db_id=$(mariadb --protocol=socket -N -B -e \
     "SELECT COALESCE(MAX(id_job), 0) FROM ${DB_NAME}.${CLUSTER}_job_table" 2>/dev/null || echo 0)
   prev=$(cat "$first_job_id_file" 2>/dev/null || echo 1)
@@ -139,9 +139,9 @@ EOF
 
 # slurmdbd first: slurmctld registers with it, and sacctmgr needs slurm.conf.
 if ((dbd_changed)); then
-  stop_pidfile "$RUN_DIR/slurmdbd.pid" slurmdbd
+  stop_pidfile "$RUN_DIR/slurmdbd.pid" slurmdbd slurmdbd
 fi
-if ! pid_alive "$RUN_DIR/slurmdbd.pid"; then
+if ! pid_alive "$RUN_DIR/slurmdbd.pid" slurmdbd; then
   log "starting slurmdbd"
   /usr/sbin/slurmdbd
 fi

@@ -19,18 +19,39 @@ wait_for() {
   done
 }
 
-pid_alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# pid_matches PID TEXT... : PID is a live process whose command line contains every TEXT (a
+# zombie's command line is empty, so one that has exited but is not reaped yet does not match).
+pid_matches() {
+  local pid=$1 cmdline text
+  shift
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  cmdline=$(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline") || return 1
+  for text in "$@"; do
+    [[ $cmdline == *"$text"* ]] || return 1
+  done
+}
 
-# stop_pidfile PIDFILE NAME : stops the daemon whose pid is in PIDFILE (if it runs), bounded.
+# pid_alive PIDFILE TEXT... : the pid in PIDFILE is a live process whose command line contains
+# every TEXT. Pid files outlive their daemons (a new machine or a CI run starts with /run as the
+# last one left it), and a pid they name may belong to an unrelated process by now: a bare
+# `kill -0` would take that process for the daemon, never start the daemon, and stop_pidfile would
+# kill the stranger.
+pid_alive() {
+  [[ -s $1 ]] && pid_matches "$(<"$1")" "${@:2}"
+}
+
+# stop_pidfile PIDFILE NAME TEXT... : stops the daemon whose pid is in PIDFILE (when it runs and its
+# command line contains every TEXT, see pid_alive), bounded.
 stop_pidfile() {
   local pidfile=$1 name=$2
-  pid_alive "$pidfile" || return 0
+  shift 2
+  pid_alive "$pidfile" "$@" || { rm -f "$pidfile"; return 0; }
   local pid
-  pid=$(cat "$pidfile")
+  pid=$(<"$pidfile")
   log "stopping $name (pid $pid)"
   kill "$pid" 2>/dev/null || true
   local deadline=$((SECONDS + 20))
-  while kill -0 "$pid" 2>/dev/null; do
+  while pid_matches "$pid" "$@"; do
     if ((SECONDS >= deadline)); then
       kill -9 "$pid" 2>/dev/null || true
       break
@@ -153,17 +174,17 @@ start_slurm_daemons() {
   shift 5
   local nodes=("$@") n
   if ((changed)); then
-    for n in "${nodes[@]}"; do stop_pidfile "$run_dir/slurmd-$n.pid" "slurmd $n"; done
-    stop_pidfile "$run_dir/slurmctld.pid" slurmctld
+    for n in "${nodes[@]}"; do stop_pidfile "$run_dir/slurmd-$n.pid" "slurmd $n" slurmd "-N $n "; done
+    stop_pidfile "$run_dir/slurmctld.pid" slurmctld slurmctld "-f $conf "
   fi
-  if ! pid_alive "$run_dir/slurmctld.pid"; then
+  if ! pid_alive "$run_dir/slurmctld.pid" slurmctld "-f $conf "; then
     log "starting slurmctld"
     SLURM_CONF=$conf /usr/sbin/slurmctld -f "$conf"
   fi
   wait_for "$WAIT_SECONDS" "slurmctld (log: $log_dir/slurmctld.log)" ctld_ok "$conf"
   for n in "${nodes[@]}"; do
     install -d -m 0755 "$spool_dir/$n"
-    if ! pid_alive "$run_dir/slurmd-$n.pid"; then
+    if ! pid_alive "$run_dir/slurmd-$n.pid" slurmd "-N $n "; then
       log "starting slurmd $n"
       SLURM_CONF=$conf /usr/sbin/slurmd -f "$conf" -N "$n"
     fi
@@ -191,10 +212,10 @@ nodes_ready() {
 # cred_expire) would wait for the next unrelated event; a busy cluster has them all the time.
 start_scheduler_tick() {
   local conf=$1 tick_pidfile=$2/asynctorchx-tick.pid
-  if ! pid_alive "$tick_pidfile"; then
+  if ! pid_alive "$tick_pidfile" "$tick_pidfile"; then
     log "starting the scheduler tick"
     setsid nohup env SLURM_CONF="$conf" bash -c "echo \$\$ >'$tick_pidfile'; while sleep 2; do scontrol update PartitionName=debug State=UP >/dev/null 2>&1 || true; done" \
       </dev/null >/dev/null 2>&1 &
-    wait_for 10 "the scheduler tick" pid_alive "$tick_pidfile"
+    wait_for 10 "the scheduler tick" pid_alive "$tick_pidfile" "$tick_pidfile"
   fi
 }
