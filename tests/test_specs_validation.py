@@ -209,3 +209,72 @@ def test_replace_role_returns_an_independent_copy() -> None:
     assert new.num_replicas == 3 and role.num_replicas == 1
     assert new.mounts == role.mounts and new.mounts is not role.mounts
     assert new.resource is not role.resource
+
+
+def _containers(obj: Any) -> list[Any]:
+    """Every list, dict and dataclass instance reachable from ``obj`` (``obj`` included)."""
+    found: list[Any] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, (list, dict)) or hasattr(o, "__dataclass_fields__"):
+            found.append(o)
+        if isinstance(o, list):
+            for v in o:
+                walk(v)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif hasattr(o, "__dataclass_fields__"):
+            for name in o.__dataclass_fields__:
+                walk(getattr(o, name))
+
+    walk(obj)
+    return found
+
+
+def test_copy_app_equals_the_app_and_shares_no_mutable_part_with_it() -> None:
+    """copy_app (what every submit copies its app with) is a deep copy: equal, nothing shared."""
+    from asynctorchx.specs.api import copy_app
+
+    app = _rich_app()
+    app.roles[0].metadata = {"nested": {"list": [1, {"x": "y"}]}}
+    app.roles[0].resource.capabilities = {"zones": ["a", "b"]}
+    app.metadata = {"team": "ml"}
+    copied = copy_app(app)
+    assert copied == app
+    assert type(copied) is AppDef and all(type(r) is Role for r in copied.roles)
+    original_ids = {id(o) for o in _containers(app)}
+    shared = [o for o in _containers(copied) if id(o) in original_ids]
+    assert shared == []
+
+
+def test_copy_app_deep_copies_role_subclasses_with_their_own_fields() -> None:
+    """A Role subclass (e.g. one with a pre_proc hook and fields of its own) keeps its class and
+    fields in the copy, and its fields are copied too."""
+    from dataclasses import dataclass, field
+
+    from asynctorchx.specs.api import copy_app
+
+    @dataclass
+    class TaggedRole(Role):
+        tags: list[str] = field(default_factory=list)
+
+    role = TaggedRole(name="r", image="/img", entrypoint="python", tags=["a"])
+    copied = copy_app(AppDef("app", [role]))
+    new = copied.roles[0]
+    assert isinstance(new, TaggedRole) and new == role
+    assert new.tags is not role.tags
+
+
+def test_copy_app_knows_every_field_of_role_resource_and_appdef() -> None:
+    """copy_app lists the fields it copies; a field added to Role, Resource or AppDef must be added
+    there too, or copies would silently reset it to its default."""
+    import inspect
+    from dataclasses import fields
+
+    from asynctorchx.specs import api
+
+    source = inspect.getsource(api._copy_role) + inspect.getsource(api.copy_app)
+    for cls in (Role, Resource, AppDef):
+        for f in fields(cls):
+            assert f"{f.name}=" in source, f"copy_app does not copy {cls.__name__}.{f.name}"

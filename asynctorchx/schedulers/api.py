@@ -12,7 +12,6 @@ changed; the runner's StatusHub subscribes with ``subscribe`` and re-describes j
 from __future__ import annotations
 
 import abc
-import copy
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -32,6 +31,7 @@ from asynctorchx.specs.api import (
     CfgVal,
     Role,
     RoleStatus,
+    copy_app,
     runopts,
     validate_app,
 )
@@ -147,7 +147,7 @@ class Scheduler(abc.ABC, Generic[T]):
         """
         validate_app(app)
         resolved = self.run_opts().resolve(cfg)
-        own = copy.deepcopy(app)
+        own = copy_app(app)
         info = self._submit_dryrun(own, resolved)
         for role in own.roles:
             info = role.pre_proc(self.backend, info)

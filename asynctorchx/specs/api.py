@@ -398,6 +398,55 @@ class AppDef:
             seen.add(role.name)
 
 
+def copy_app(app: AppDef) -> AppDef:
+    """A deep copy of ``app``: nothing in the copy is shared with ``app``.
+
+    Same result as ``copy.deepcopy`` for plain ``AppDef``/``Role``/``Resource``/mount objects, at a
+    fraction of its cost (every submit copies its app); subclasses and anything else are copied
+    with ``copy.deepcopy``.
+    """
+    if type(app) is not AppDef:
+        return copy.deepcopy(app)
+    return AppDef(
+        name=app.name,
+        roles=[_copy_role(r) for r in app.roles],
+        metadata=copy.deepcopy(app.metadata) if app.metadata else {},
+    )
+
+
+_PLAIN_MOUNTS = (BindMount, VolumeMount, DeviceMount)
+
+
+def _copy_role(role: Role) -> Role:
+    if type(role) is not Role or type(role.resource) is not Resource:
+        return copy.deepcopy(role)
+    res = role.resource
+    return Role(
+        name=role.name,
+        image=role.image,
+        entrypoint=role.entrypoint,
+        args=list(role.args),
+        env=dict(role.env),
+        num_replicas=role.num_replicas,
+        min_replicas=role.min_replicas,
+        max_retries=role.max_retries,
+        retry_policy=role.retry_policy,
+        resource=Resource(
+            cpu=res.cpu,
+            gpu=res.gpu,
+            memMB=res.memMB,
+            capabilities=copy.deepcopy(res.capabilities) if res.capabilities else {},
+            devices=dict(res.devices),
+        ),
+        port_map=dict(role.port_map),
+        metadata=copy.deepcopy(role.metadata) if role.metadata else {},
+        mounts=[
+            copy.copy(m) if type(m) in _PLAIN_MOUNTS else copy.deepcopy(m) for m in role.mounts
+        ],
+        base_image=role.base_image,
+    )
+
+
 def validate_app(app: AppDef) -> None:
     """Validates ``app``; see ``AppDef.validate``."""
     if not isinstance(app, AppDef):
@@ -1010,7 +1059,12 @@ def make_unique(name: str, string_length: int = 8, max_length: int = 40) -> str:
             f"max_length must be at least string_length + 2 = {string_length + 2}, got {max_length}"
         )
     alphabet = "abcdefghijklmnopqrstuvwxyz0123456789"
-    suffix = "".join(secrets.choice(alphabet) for _ in range(string_length))
+    number = secrets.randbelow(36**string_length)  # one draw: 8 `choice` calls cost 8 times more
+    digits = []
+    for _ in range(string_length):
+        number, digit = divmod(number, 36)
+        digits.append(alphabet[digit])
+    suffix = "".join(digits)
     prefix = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
     prefix = re.sub(r"-{2,}", "-", prefix)
     if not prefix or not prefix[0].isalpha():

@@ -11,7 +11,7 @@ import os
 import re
 import string
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from asynctorchx.specs.api import (
@@ -154,7 +154,7 @@ def resolve_image(backend: str, role: Role) -> str:
 
 def _substituter(values: macros.Values) -> Callable[[str], str]:
     """``values.substitute`` with the mapping built once (it runs for every arg of every replica)."""
-    mapping = asdict(values)
+    mapping = vars(values)  # its fields are all strings: asdict's deep copy is not needed
 
     def substitute(arg: str) -> str:
         return string.Template(arg).safe_substitute(mapping) if "$" in arg else arg
