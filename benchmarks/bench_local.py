@@ -11,7 +11,9 @@ Scenarios (targets from issue 3, on a 2-core machine):
 
 - ``fanout``: 200 apps of ``sh -c "exit 0"`` submitted at once through ``AsyncRunner.run`` and waited
   with ``wait_all``; seconds until all are terminal (target <= 0.25 s). ``fanout_scheduler`` is the same
-  directly on the scheduler (submit + pushed changes), without the runner.
+  directly on the scheduler (submit + pushed changes), without the runner. ``fanout`` and
+  ``spawn_floor`` also report the CPU seconds of a round, the launcher's and its children's: on two
+  cores a round cannot take less than half their sum (``two_core_floor_s``).
 - ``wake``: exit-to-wake latency: each app runs ``sleep D; exec date +%s.%N`` and the time printed just
   before its exit is compared with when ``runner.as_completed`` yields it (target median <= 5 ms).
 - ``idle_cpu``: CPU time of this process (user + system, children excluded) while 100 apps sleep 20 s
@@ -56,6 +58,40 @@ def cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def cpu_split() -> tuple[float, float]:
+    """CPU seconds used so far (user + system) by this process and by its reaped children."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+class CpuRounds:
+    """CPU per round of a scenario: the launcher's and its children's. Two cores give at most 2 CPU
+    seconds per second, so ``(launcher + children) / 2`` bounds a round's time from below."""
+
+    def __init__(self) -> None:
+        self.launcher: list[float] = []
+        self.children: list[float] = []
+        self._start = (0.0, 0.0)
+
+    def begin(self) -> None:
+        self._start = cpu_split()
+
+    def end(self) -> None:
+        own, kids = cpu_split()
+        self.launcher.append(own - self._start[0])
+        self.children.append(kids - self._start[1])
+
+    def summary(self) -> dict[str, float]:
+        launcher = statistics.median(self.launcher)
+        children = statistics.median(self.children)
+        return {
+            "launcher_median": launcher,
+            "children_median": children,
+            "two_core_floor_s": (launcher + children) / 2,
+        }
+
+
 def stats(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {
@@ -87,19 +123,28 @@ def filesystem_of(path: Path) -> str:
 
 async def fanout(root: Path, n: int, rounds: int) -> dict[str, Any]:
     times, ok = [], []
+    cpu = CpuRounds()
     app = sh_app("fan", "exit 0")
     async with AsyncRunner(name="bench-fanout", local_root=str(root)) as runner:
         await runner.wait(await runner.run(app, "local_cwd"))  # warm-up (watchdog, imports)
         for _ in range(rounds):
+            cpu.begin()
             t0 = time.perf_counter()
             handles = await asyncio.gather(*(runner.run(app, "local_cwd") for _ in range(n)))
             done = await runner.wait_all(handles)
             times.append(time.perf_counter() - t0)
+            cpu.end()
             ok.append(
                 sum(1 for s in done.values() if s is not None and s.state == AppState.SUCCEEDED)
             )
             await asyncio.sleep(0.3)
-    return {"n": n, "seconds": stats(times), "rounds": times, "succeeded": ok}
+    return {
+        "n": n,
+        "seconds": stats(times),
+        "rounds": times,
+        "succeeded": ok,
+        "cpu_seconds": cpu.summary(),
+    }
 
 
 async def fanout_scheduler(root: Path, n: int, rounds: int) -> dict[str, Any]:
@@ -137,8 +182,10 @@ async def spawn_floor(n: int, rounds: int) -> dict[str, Any]:
     """What the machine itself costs: ``n`` bare ``posix_spawn`` of ``sh -c "exit 0"`` (own session,
     stdout and stderr on pipes, as a replica starts) and their reaping, without any bookkeeping."""
     times = []
+    cpu = CpuRounds()
     env = dict(os.environ)
     for _ in range(rounds):
+        cpu.begin()
         t0 = time.perf_counter()
         pids = []
         for _ in range(n):
@@ -158,8 +205,9 @@ async def spawn_floor(n: int, rounds: int) -> dict[str, Any]:
         for pid in pids:
             os.waitpid(pid, 0)
         times.append(time.perf_counter() - t0)
+        cpu.end()
         await asyncio.sleep(0.3)
-    return {"n": n, "seconds": stats(times), "rounds": times}
+    return {"n": n, "seconds": stats(times), "rounds": times, "cpu_seconds": cpu.summary()}
 
 
 async def wake(root: Path, n: int) -> dict[str, Any]:
