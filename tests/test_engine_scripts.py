@@ -37,22 +37,21 @@ def stranger() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def test_pid_alive_accepts_the_daemon_its_command_line_names(
-    tmp_path: Path, stranger: subprocess.Popen[bytes]
+@pytest.mark.parametrize(
+    ("texts", "expected"),
+    [
+        pytest.param('"-c import time" "-N node1 "', "alive", id="its-own-command-line"),
+        pytest.param('slurmd "-N node1 "', "stale", id="a-stranger-with-that-pid"),
+    ],
+)
+def test_pid_alive_tells_the_daemon_from_a_stranger_by_its_command_line(
+    tmp_path: Path, stranger: subprocess.Popen[bytes], texts: str, expected: str
 ) -> None:
-    pidfile = tmp_path / "d.pid"
-    pidfile.write_text(f"{stranger.pid}\n")
-    result = _bash(f'pid_alive {pidfile} "-c import time" "-N node1 " && echo alive')
-    assert result.stdout.strip() == "alive", result.stderr
-
-
-def test_pid_alive_rejects_a_live_process_whose_command_line_differs(
-    tmp_path: Path, stranger: subprocess.Popen[bytes]
-) -> None:
+    """A live pid counts only when its command line has every text the caller names."""
     pidfile = tmp_path / "slurmd-node1.pid"
     pidfile.write_text(f"{stranger.pid}\n")
-    result = _bash(f'pid_alive {pidfile} slurmd "-N node1 " || echo stale')
-    assert result.stdout.strip() == "stale", result.stderr
+    result = _bash(f"if pid_alive {pidfile} {texts}; then echo alive; else echo stale; fi")
+    assert result.stdout.strip() == expected, result.stderr
 
 
 @pytest.mark.parametrize("content", ["", "not-a-pid\n", "999999999\n"])
