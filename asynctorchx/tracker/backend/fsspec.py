@@ -1,0 +1,519 @@
+"""A file-system tracker in TorchX's ``FsspecTracker`` layout: runs written by either are read by both.
+
+Layout under ``root_path`` (run ids are Base32-encoded, so ``local_cwd://s/app`` is a valid name)::
+
+    {root}/{b32(run_id)}/metadata/{time_ns}      {"metadata": {...}}   one file per add_metadata
+    {root}/{b32(run_id)}/artifacts/{time_ns}     {"name": ..., "path": ..., "metadata": ...}
+    {root}/{b32(run_id)}/sources/{b32(source)}   the artifact name and a newline ("\\n" for none)
+    {root}/{b32(source)}/descendants/{b32(run)}  only when that directory already exists (as TorchX)
+
+Readers merge the metadata files in the order of their names (the write time), later values winning.
+
+On a local path (``protocol=file``) nothing beyond the standard library is needed, and every file
+appears whole: it is written beside the category directory and hard-linked into place under a
+name no other writer holds (``O_EXCL`` semantics: two replicas writing in the same nanosecond both
+keep their entry). Other protocols (``s3``, ``memory``, ...) go through fsspec
+(``pip install 'asynctorchx[tracker]'``).
+
+``create(config)`` reads TorchX's config file: ``key=value`` lines, ``#`` comments, ``protocol`` and
+``root_path`` required, every other key (``a.b=v`` nests) passed to ``fsspec.filesystem``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import errno
+import json
+import os
+import time
+from base64 import b32decode, b32encode
+from collections.abc import Mapping
+from typing import Any
+
+from asynctorchx.tracker.api import (
+    Lineage,
+    TrackerArtifact,
+    TrackerBase,
+    TrackerConfigError,
+    TrackerError,
+    TrackerSource,
+    UnknownRunError,
+    check_json,
+)
+
+METADATA = "metadata"
+ARTIFACTS = "artifacts"
+SOURCES = "sources"
+DESCENDANTS = "descendants"
+
+LOCAL_PROTOCOLS = ("file", "local")
+INSTALL_HINT = "pip install 'asynctorchx[tracker]'"
+
+
+def encode_run_id(run_id: str) -> str:
+    """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids)."""
+    return b32encode(run_id.encode("utf-8")).decode("ascii")
+
+
+def decode_run_id(name: str) -> str | None:
+    """The run id of a directory name, or None when the name is not one ``encode_run_id`` makes."""
+    try:
+        return b32decode(name.encode("ascii")).decode("utf-8")
+    except (binascii.Error, ValueError, UnicodeError):
+        return None
+
+
+def entry_sort_key(name: str) -> tuple[int, str]:
+    """Orders entry files by their write time (their name), foreign names last."""
+    return (int(name), name) if name.isdigit() else (1 << 64, name)
+
+
+class _Storage:
+    """The file operations the tracker needs, on a local directory tree."""
+
+    local = True
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[tuple[str, bool]]:
+        """``(name, is_directory)`` of each entry; empty when ``path`` does not exist."""
+        try:
+            with os.scandir(path) as it:
+                return [(e.name, e.is_dir()) for e in it]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def _temp(self, tmp_dir: str, data: bytes) -> str:
+        tmp = os.path.join(tmp_dir, f".tmp-{os.getpid()}-{time.time_ns()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        return tmp
+
+    def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
+        """Writes ``data`` as a new file named by the current time (ns) in ``directory``."""
+        tmp = self._temp(tmp_dir, data)
+        try:
+            ns = time.time_ns()
+            while True:
+                path = os.path.join(directory, str(ns))
+                try:
+                    os.link(tmp, path)
+                    return path
+                except FileExistsError:
+                    ns += 1
+                except OSError as e:
+                    if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                        raise
+                    break  # a file system without hard links: create the name exclusively
+            while True:
+                path = os.path.join(directory, str(ns))
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                except FileExistsError:
+                    ns += 1
+                    continue
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                return path
+        finally:
+            os.unlink(tmp)
+
+    def replace(self, path: str, data: bytes, tmp_dir: str) -> None:
+        """Writes ``data`` to ``path`` at once (readers see the old or the new file, never half)."""
+        tmp = self._temp(tmp_dir, data)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def append(self, path: str, data: bytes) -> None:
+        with open(path, "ab") as f:
+            f.write(data)
+
+
+class _FsspecStorage(_Storage):
+    """The same operations through an fsspec file system."""
+
+    local = False
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    def join(self, *parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts[:-1]) + "/" + parts[-1]
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self.fs.isdir(path))
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[tuple[str, bool]]:
+        try:
+            listing = self.fs.ls(path, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = []
+        for item in listing:
+            name = str(item["name"]).rstrip("/").rsplit("/", 1)[-1]
+            out.append((name, item.get("type") == "directory"))
+        return out
+
+    def read(self, path: str) -> bytes:
+        with self.fs.open(path, "rb") as f:
+            return bytes(f.read())
+
+    def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
+        ns = time.time_ns()
+        while self.fs.exists(self.join(directory, str(ns))):
+            ns += 1
+        path = self.join(directory, str(ns))
+        with self.fs.open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def replace(self, path: str, data: bytes, tmp_dir: str) -> None:
+        with self.fs.open(path, "wb") as f:
+            f.write(data)
+
+    def append(self, path: str, data: bytes) -> None:
+        with self.fs.open(path, "ab") as f:
+            f.write(data)
+
+
+def _is_local_fs(fs: Any) -> bool:
+    protocol = getattr(fs, "protocol", None)
+    protocols = (protocol,) if isinstance(protocol, str) else tuple(protocol or ())
+    return any(p in LOCAL_PROTOCOLS for p in protocols) and type(fs).__name__ == "LocalFileSystem"
+
+
+class FsspecTracker(TrackerBase):
+    """A tracker storing each run in a directory tree (TorchX's ``FsspecTracker`` layout).
+
+    Args:
+        fs: an fsspec file system, or None for a local path (no fsspec needed).
+        root_dir: the directory holding the runs; it must exist.
+
+    Raises:
+        TrackerConfigError: ``root_dir`` does not exist.
+    """
+
+    def __init__(self, fs: Any, root_dir: str | os.PathLike[str]) -> None:
+        root = os.fspath(root_dir)
+        if fs is None or _is_local_fs(fs):
+            if root.startswith("file://"):
+                root = root[len("file://") :]
+            self._fs: _Storage = _Storage()
+            root = os.path.abspath(root)
+        else:
+            self._fs = _FsspecStorage(fs)
+        if not self._fs.isdir(root):
+            raise TrackerConfigError(
+                f"the tracker's root_path {root!r} does not exist or is not a directory"
+            )
+        self.fs = fs
+        self.root = root
+
+    @property
+    def is_local(self) -> bool:
+        """True when the runs are in a local directory (file-system notification can watch it)."""
+        return self._fs.local
+
+    # -- paths ----------------------------------------------------------------------------------
+
+    def run_dir(self, run_id: str) -> str:
+        """The directory of ``run_id``."""
+        return self._fs.join(self.root, encode_run_id(run_id))
+
+    def category_dir(self, run_id: str, category: str) -> str:
+        """The ``metadata``/``artifacts``/``sources`` directory of ``run_id``."""
+        return self._fs.join(self.run_dir(run_id), category)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def _persist(self, run_id: str, category: str, content: Mapping[str, object]) -> None:
+        data = json.dumps(content).encode("utf-8")
+        directory = self.category_dir(run_id, category)
+        self._fs.makedirs(directory)
+        self._fs.create_entry(directory, data, self.run_dir(run_id))
+
+    def add_metadata(self, run_id: str, **metadata: object) -> None:
+        """Writes one metadata file holding ``metadata``."""
+        check_json("metadata", metadata)
+        self._persist(run_id, METADATA, {"metadata": metadata})
+
+    def add_artifact(
+        self, run_id: str, name: str, path: str, metadata: Mapping[str, object] | None = None
+    ) -> None:
+        """Writes one artifact file."""
+        if metadata is not None:
+            check_json(f"metadata of artifact {name!r},", dict(metadata))
+        entry = {
+            "name": name,
+            "path": path,
+            "metadata": None if metadata is None else dict(metadata),
+        }
+        self._persist(run_id, ARTIFACTS, entry)
+
+    def add_source(self, run_id: str, source_id: str, artifact_name: str | None = None) -> None:
+        """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX)."""
+        sources = self.category_dir(run_id, SOURCES)
+        self._fs.makedirs(sources)
+        line = f"{artifact_name or ''}\n".encode()
+        self._fs.replace(
+            self._fs.join(sources, encode_run_id(source_id)), line, self.run_dir(run_id)
+        )
+        descendants = self.category_dir(source_id, DESCENDANTS)
+        if self._fs.isdir(descendants):
+            self._fs.append(self._fs.join(descendants, encode_run_id(run_id)), line)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def exists(self, run_id: str) -> bool:
+        """True when the tracker has a directory for ``run_id``."""
+        return self._fs.isdir(self.run_dir(run_id))
+
+    def check_run(self, run_id: str) -> None:
+        """Raises ``UnknownRunError`` when the tracker has no run ``run_id``."""
+        if not self.exists(run_id):
+            raise UnknownRunError(run_id, repr(self))
+
+    def entry_names(self, run_id: str, category: str) -> list[str]:
+        """The entry files of a category of the run, in write order."""
+        names = [n for n, is_dir in self._fs.listdir(self.category_dir(run_id, category))]
+        return sorted((n for n in names if not n.startswith(".")), key=entry_sort_key)
+
+    def read_entry(self, run_id: str, category: str, name: str) -> Mapping[str, Any] | None:
+        """One entry file, or None while it is still being written (empty or cut-off JSON).
+
+        Raises:
+            TrackerError: the file holds something that is not an entry (names the file).
+        """
+        path = self._fs.join(self.category_dir(run_id, category), name)
+        try:
+            data = self._fs.read(path)
+        except FileNotFoundError:
+            return None
+        try:
+            entry = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as e:
+            if not data.strip() or _cut_off(data):
+                return None  # a writer without atomic publication (TorchX's) is still at it
+            raise TrackerError(f"{self!r}: {path} is not valid JSON: {e}") from None
+        if not isinstance(entry, dict) or (
+            category == METADATA and not isinstance(entry.get("metadata"), dict)
+        ):
+            raise TrackerError(f"{self!r}: {path} is not a {category} entry: {data[:80]!r}")
+        return entry
+
+    def _load(self, run_id: str, category: str) -> list[Mapping[str, Any]]:
+        entries = []
+        for name in self.entry_names(run_id, category):
+            entry = self.read_entry(run_id, category, name)
+            for _ in range(50):
+                if entry is not None:
+                    break
+                time.sleep(0.01)  # a file still being written by a non-atomic writer
+                entry = self.read_entry(run_id, category, name)
+            if entry is None:
+                raise TrackerError(
+                    f"{self!r}: {self._fs.join(self.category_dir(run_id, category), name)} "
+                    "stays empty or incomplete"
+                )
+            entries.append(entry)
+        return entries
+
+    def metadata(self, run_id: str) -> dict[str, object]:
+        """The run's metadata, merged in write order (empty for an unknown run, as TorchX)."""
+        merged: dict[str, object] = {}
+        for entry in self._load(run_id, METADATA):
+            merged.update(entry["metadata"])
+        return merged
+
+    def artifacts(self, run_id: str) -> dict[str, TrackerArtifact]:
+        """The run's artifacts by name, a later one of a name replacing an earlier one."""
+        out: dict[str, TrackerArtifact] = {}
+        for entry in self._load(run_id, ARTIFACTS):
+            name = str(entry.get("name"))
+            out[name] = TrackerArtifact(name, str(entry.get("path")), entry.get("metadata"))
+        return out
+
+    def sources(self, run_id: str, artifact_name: str | None = None) -> list[TrackerSource]:
+        """The run's sources, optionally only those recorded for ``artifact_name``."""
+        out: list[TrackerSource] = []
+        sources = self.category_dir(run_id, SOURCES)
+        for name, is_dir in sorted(self._fs.listdir(sources)):
+            source_id = decode_run_id(name)
+            if is_dir or source_id is None:
+                continue
+            lines = [
+                ln.strip().decode("utf-8", "replace")
+                for ln in self._fs.read(self._fs.join(sources, name)).splitlines()
+            ]
+            kinds = [ln for ln in lines if ln]
+            if kinds:
+                out.extend(
+                    TrackerSource(source_id, k)
+                    for k in kinds
+                    if not artifact_name or k == artifact_name
+                )
+            elif not artifact_name:
+                out.append(TrackerSource(source_id, None))
+        return out
+
+    def run_ids(self, parent_run_id: str | None = None, **filters: str) -> list[str]:
+        """Every run id under the root; ``parent_run_id=`` keeps the runs with that source.
+
+        Raises:
+            TypeError: an unknown filter.
+        """
+        if filters:
+            raise TypeError(
+                f"unknown run_ids filter(s) {', '.join(map(repr, filters))}; "
+                "the fsspec tracker filters by parent_run_id only"
+            )
+        ids = []
+        parent_name = encode_run_id(parent_run_id) if parent_run_id else None
+        for name, is_dir in self._fs.listdir(self.root):
+            run_id = decode_run_id(name) if is_dir else None
+            if run_id is None:
+                continue
+            if parent_name is not None and not self._fs.exists(
+                self._fs.join(self.root, name, SOURCES, parent_name)
+            ):
+                continue
+            ids.append(run_id)
+        return sorted(ids)
+
+    def lineage(self, run_id: str) -> Lineage:
+        """Not implemented (nor is it in TorchX)."""
+        raise NotImplementedError("lineage is not implemented by the fsspec tracker")
+
+    def __repr__(self) -> str:
+        return f"<FsspecTracker: root_path={self.root}>"
+
+
+def _cut_off(data: bytes) -> bool:
+    """True when ``data`` looks like the start of a JSON document whose end is missing."""
+    try:
+        json.loads(data)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(data.rstrip())
+    except ValueError:
+        return False
+    return False
+
+
+def _put_config(key: str, value: str, config: dict[str, Any], source: str) -> None:
+    head, dot, rest = key.partition(".")
+    if not dot:
+        config[key] = value
+        return
+    if not rest or not head:
+        raise TrackerConfigError(f"{source}: config key {key!r} is not valid (empty part)")
+    nested = config.setdefault(head, {})
+    if not isinstance(nested, dict):
+        raise TrackerConfigError(f"{source}: config key {head!r} is both a value and a section")
+    _put_config(rest, value, nested, source)
+
+
+def _read_text(config_file: str) -> str:
+    path = config_file[len("file://") :] if config_file.startswith("file://") else config_file
+    if "://" not in path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise TrackerConfigError(f"cannot read config file {config_file!r}: {reason}") from None
+    fsspec = _import_fsspec(f"reading config file {config_file!r}")
+    try:
+        with fsspec.open(config_file, "rt", encoding="utf-8") as f:
+            return str(f.read())
+    except Exception as e:
+        raise TrackerConfigError(f"cannot read config file {config_file!r}: {e}") from None
+
+
+def _import_fsspec(why: str) -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise TrackerConfigError(f"{why} needs fsspec: {INSTALL_HINT}") from None
+    return fsspec
+
+
+def read_config(config_file: str) -> dict[str, Any]:
+    """The ``key=value`` lines of a tracker config file, ``a.b=v`` nested (TorchX's format).
+
+    Raises:
+        TrackerConfigError: the file cannot be read, or a key is not valid.
+    """
+    data: dict[str, Any] = {}
+    for line in _read_text(config_file).splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if key.strip() and sep and value.strip():
+            _put_config(key.strip(), value.strip(), data, config_file)
+    return data
+
+
+def create(config: str | None) -> FsspecTracker:
+    """The tracker described by the config file ``config`` (TorchX's entry point of the same name).
+
+    The file needs ``protocol`` (``file`` for a local path, or any fsspec protocol) and ``root_path``
+    (an existing directory); other keys are passed to ``fsspec.filesystem(protocol, **kwargs)``.
+
+    Raises:
+        TrackerConfigError: no config given, the file is unreadable, a key is missing, the root does
+            not exist, or the protocol needs fsspec and it is not installed.
+    """
+    if not config:
+        raise TrackerConfigError(
+            "the fsspec tracker needs a config file: set 'config = PATH' in its [tracker:NAME] "
+            "section of .torchxconfig (a file with 'protocol=file' and 'root_path=DIR' lines)"
+        )
+    values = read_config(config)
+    missing = [k for k in ("protocol", "root_path") if k not in values]
+    if missing:
+        raise TrackerConfigError(
+            f"config file {config!r} has no {' and no '.join(missing)} (both are required)"
+        )
+    protocol = values.pop("protocol")
+    root = values.pop("root_path")
+    if not isinstance(protocol, str) or not isinstance(root, str):
+        raise TrackerConfigError(f"config file {config!r}: protocol and root_path must be values")
+    if protocol in LOCAL_PROTOCOLS and not values:
+        return FsspecTracker(None, root)
+    fsspec = _import_fsspec(f"protocol {protocol!r} of config file {config!r}")
+    try:
+        fs = fsspec.filesystem(protocol, **values)
+    except Exception as e:
+        raise TrackerConfigError(
+            f"config file {config!r}: fsspec cannot open protocol {protocol!r} with "
+            f"{sorted(values)}: {type(e).__name__}: {e}"
+        ) from None
+    return FsspecTracker(fs, root)
