@@ -78,6 +78,15 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         help="a workspace to build into the image, for schedulers that support it",
     )
     p.add_argument(
+        "--parent_run_id",
+        "--parent-run-id",
+        default=None,
+        metavar="RUN_ID",
+        help="the run this app belongs to, for experiment tracking: every role gets "
+        "TORCHX_PARENT_RUN_ID (default: $TORCHX_PARENT_RUN_ID); 'asynctorchx tracker list runs "
+        "--parent-run-id RUN_ID' lists its children",
+    )
+    p.add_argument(
         "component_args",
         nargs=argparse.REMAINDER,
         metavar="COMPONENT [ARGS...]",
@@ -150,7 +159,14 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     async with runner_for_session(None) as runner:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)
         try:
-            dryrun = runner.dryrun_component(component, component_args, scheduler, cfg, workspace)
+            dryrun = runner.dryrun_component(
+                component,
+                component_args,
+                scheduler,
+                cfg,
+                workspace,
+                parent_run_id=args.parent_run_id,
+            )
         except SystemExit as e:  # the component's --help
             return e.code if isinstance(e.code, int) else 0
         if args.dryrun:

@@ -43,6 +43,7 @@ from asynctorchx.specs.api import (
     runopts,
 )
 from asynctorchx.specs.errors import InvalidComponentArgsException
+from asynctorchx.tracker.api import TrackerSetting
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class AsyncRunner:
         self._state = _Lifecycle.UNOPENED
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
+        self._trackers: list[TrackerSetting] | None = None  # .torchxconfig's, read at first dry run
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -245,8 +247,13 @@ class AsyncRunner:
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
         workspace: str | None = None,
+        parent_run_id: str | None = None,
     ) -> AppDryRunInfo[Any]:
         """What ``run`` would submit, without submitting it (pure; ``app`` is not modified).
+
+        Every role's env gets the tracking variables (``TORCHX_JOB_ID``, ``TORCHX_PARENT_RUN_ID``
+        from ``parent_run_id`` or the launcher's environment, ``TORCHX_TRACKERS`` and the trackers'
+        configs from ``.torchxconfig``, read once per runner): see ``asynctorchx.tracker``.
 
         Raises:
             UnknownSchedulerException: no such scheduler (the message lists the available ones).
@@ -254,7 +261,18 @@ class AsyncRunner:
             InvalidRunConfigException: a bad cfg value (names the run option and its type).
         """
         del workspace  # images are built by the backends that support workspaces; none here yet
-        return self._scheduler(scheduler).submit_dryrun(app, cfg or {})
+        sched = self._scheduler(scheduler)
+        return sched.submit_dryrun(self._with_tracking(app, scheduler, parent_run_id), cfg or {})
+
+    def _with_tracking(self, app: AppDef, scheduler: str, parent_run_id: str | None) -> AppDef:
+        from asynctorchx.tracker._launch import tracking_env, with_env
+
+        if self._trackers is None:
+            from asynctorchx.runner.config import configured_trackers
+
+            self._trackers = configured_trackers()
+        env = tracking_env(scheduler, self._name, self._trackers, parent_run_id)
+        return with_env(app, env)
 
     def dryrun_component(
         self,
@@ -263,6 +281,7 @@ class AsyncRunner:
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
         workspace: str | None = None,
+        parent_run_id: str | None = None,
     ) -> AppDryRunInfo[Any]:
         """``dryrun`` of the app a component builds from its arguments.
 
@@ -276,7 +295,7 @@ class AsyncRunner:
             SystemExit-free argparse errors are raised as ValueError naming the argument.
         """
         app = self._materialize(component, component_args)
-        return self.dryrun(app, scheduler, cfg, workspace)
+        return self.dryrun(app, scheduler, cfg, workspace, parent_run_id)
 
     def _materialize(
         self, component: str, component_args: Sequence[str] | Mapping[str, Any]
@@ -303,10 +322,14 @@ class AsyncRunner:
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
         workspace: str | None = None,
+        parent_run_id: str | None = None,
     ) -> AppHandle:
-        """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app)."""
+        """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app).
+
+        ``parent_run_id`` groups runs for tracking (``TORCHX_PARENT_RUN_ID`` in every role).
+        """
         self._check_open()
-        return await self.schedule(self.dryrun(app, scheduler, cfg, workspace))
+        return await self.schedule(self.dryrun(app, scheduler, cfg, workspace, parent_run_id))
 
     async def run_component(
         self,
@@ -315,11 +338,14 @@ class AsyncRunner:
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
         workspace: str | None = None,
+        parent_run_id: str | None = None,
     ) -> AppHandle:
         """Builds the app of a component and submits it; returns its handle."""
         self._check_open()
         return await self.schedule(
-            self.dryrun_component(component, component_args, scheduler, cfg, workspace)
+            self.dryrun_component(
+                component, component_args, scheduler, cfg, workspace, parent_run_id
+            )
         )
 
     async def schedule(self, dryrun_info: AppDryRunInfo[Any]) -> AppHandle:

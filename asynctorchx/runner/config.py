@@ -12,6 +12,12 @@ Sections::
     [cli:run]                   # default options of a CLI command
     scheduler = local_cwd
 
+    [torchx:tracker]            # the trackers of every job: NAME = factory (empty: NAME itself)
+    fsspec =
+
+    [tracker:fsspec]            # a tracker's config string, passed to its factory in the job
+    config = /shared/tracker.conf
+
 Where the files are read from, highest precedence first:
 
 1. the file named by the ``TORCHXCONFIG`` environment variable, alone (an empty value reads none);
@@ -35,8 +41,9 @@ import configparser
 import difflib
 import logging
 import os
+import re
 import warnings
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -51,6 +58,12 @@ from asynctorchx.specs.api import (
     runopts,
 )
 from asynctorchx.specs.errors import ConfigWarning
+from asynctorchx.tracker.api import (
+    ENV_TORCHX_TRACKERS,
+    TrackerSetting,
+    tracker_config_env_var_name,
+    tracker_names_from_environ,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +71,8 @@ CONFIG_FILE = ".torchxconfig"
 ENV_TORCHXCONFIG = "TORCHXCONFIG"
 CONFIG_PREFIX_DELIM = ":"
 NONE_VALUE = "None"
-KNOWN_PREFIXES = ("component", "cli")
+KNOWN_PREFIXES = ("component", "cli", "torchx", "tracker")
+TRACKER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class ConfigFileError(ValueError):
@@ -207,10 +221,14 @@ def _check_sections(paths: Iterable[Path]) -> None:
         for section in read_config(path).sections():
             prefix, delim, rest = section.partition(CONFIG_PREFIX_DELIM)
             if delim:
-                if prefix not in KNOWN_PREFIXES or not rest:
+                if (
+                    prefix not in KNOWN_PREFIXES
+                    or not rest
+                    or (section.startswith("torchx:") and rest != "tracker")
+                ):
                     _warn(
                         f"{path}: section [{section}] is ignored: a prefixed section is "
-                        f"[component:NAME] or [cli:COMMAND]"
+                        f"[component:NAME], [cli:COMMAND], [torchx:tracker] or [tracker:NAME]"
                     )
                 continue
             if schedulers is None:
@@ -351,3 +369,68 @@ def dump(
             elif not required_only:
                 parser.set(name, key, _format_default(opt.opt_type, opt.default))
     parser.write(f, space_around_delimiters=True)
+
+
+def configured_trackers(
+    dirs: Iterable[str | os.PathLike[str]] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> list[TrackerSetting]:
+    """The trackers of ``[torchx:tracker]``, each with the ``config`` of its ``[tracker:NAME]``.
+
+    As TorchX's launcher: ``$TORCHX_TRACKERS`` (comma-separated names), when set, replaces the names
+    of the files, and ``$TORCHX_TRACKER_<NAME>_CONFIG`` replaces a tracker's ``config``. The value of
+    a name in ``[torchx:tracker]`` is the factory the job resolves instead of the name (an entry
+    point or ``module:factory``); empty or equal to the name, the name itself is resolved.
+
+    Raises:
+        ConfigFileError: a file is not valid INI, or a tracker name cannot be an environment
+            variable's part (letters, digits, ``_``, ``.``, ``-`` only).
+    """
+    env = os.environ if environ is None else environ
+    names: dict[str, str] = {}
+    configs: dict[str, str] = {}
+    for path in find_configs(dirs):
+        parser = read_config(path)
+        for section in parser.sections():
+            prefix, _, rest = section.partition(CONFIG_PREFIX_DELIM)
+            if section == "torchx:tracker":
+                for key, value in parser.items(section):
+                    if not TRACKER_NAME.fullmatch(key):
+                        raise ConfigFileError(
+                            f"{path}: [torchx:tracker] {key!r} is not a valid tracker name "
+                            "(letters, digits, '_', '.' and '-' only)"
+                        )
+                    names.setdefault(key, value.strip())
+            elif prefix == "tracker" and rest:
+                for key, value in parser.items(section):
+                    if key != "config":
+                        _warn(
+                            f"{path}: [{section}] {key} is ignored: a tracker section has "
+                            "only 'config'"
+                        )
+                        continue
+                    configs.setdefault(rest, value.strip())
+    if ENV_TORCHX_TRACKERS in env:
+        order = tracker_names_from_environ(env)
+        logger.info("tracker names from %s: %s", ENV_TORCHX_TRACKERS, order)
+    else:
+        order = list(names)
+    unused = sorted(set(configs) - set(order))
+    if unused:
+        _warn(
+            f"[tracker:{unused[0]}] is ignored: {unused[0]!r} is not a tracker of "
+            f"[torchx:tracker] ({', '.join(order) or 'none configured'})"
+        )
+    settings = []
+    for name in order:
+        config = env.get(tracker_config_env_var_name(name)) or configs.get(name) or None
+        factory = names.get(name) or None
+        settings.append(TrackerSetting(name, config, None if factory == name else factory))
+    return settings
+
+
+def get_configured_trackers(
+    dirs: Iterable[str | os.PathLike[str]] | None = None,
+) -> dict[str, str | None]:
+    """``{tracker name: config}`` of the config files and environment (TorchX's function)."""
+    return {t.name: t.config for t in configured_trackers(dirs)}

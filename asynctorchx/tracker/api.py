@@ -205,6 +205,22 @@ class TrackerBase(ABC):
 TrackerFactory = Callable[[str | None], TrackerBase]
 
 
+@dataclass(frozen=True)
+class TrackerSetting:
+    """A tracker as the launcher configures it (``[torchx:tracker]`` and ``[tracker:NAME]``).
+
+    Args:
+        name: the tracker's name (``TORCHX_TRACKERS`` lists it).
+        config: its config string (``TORCHX_TRACKER_<NAME>_CONFIG``), or None.
+        factory: what the job resolves instead of the name (``TORCHX_TRACKER_<NAME>_FACTORY``), or
+            None to resolve the name itself.
+    """
+
+    name: str
+    config: str | None = None
+    factory: str | None = None
+
+
 def tracker_config_env_var_name(entrypoint_key: str) -> str:
     """``TORCHX_TRACKER_<NAME>_CONFIG``: the variable holding tracker ``NAME``'s config."""
     return f"TORCHX_TRACKER_{entrypoint_key.upper()}_CONFIG"

@@ -1,0 +1,76 @@
+"""The launcher side of tracking: the environment every role of a job gets at dry run.
+
+Imported by the runner (never by a job); the job reads what this writes through
+``asynctorchx.tracker.api``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+
+from asynctorchx.specs.api import AppDef, macros, make_app_handle
+from asynctorchx.tracker.api import (
+    ENV_TORCHX_JOB_ID,
+    ENV_TORCHX_PARENT_RUN_ID,
+    ENV_TORCHX_TRACKERS,
+    TrackerSetting,
+    tracker_config_env_var_name,
+    tracker_factory_env_var_name,
+)
+
+
+def check_run_id(field: str, value: object) -> str:
+    """``value`` if it can be a run id in an environment variable, else a ValueError naming ``field``."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{field} must be a non-empty string, got {value!r}")
+    if "\0" in value or "\n" in value:
+        raise ValueError(f"{field} must not contain NUL or newline characters, got {value!r}")
+    return value
+
+
+def tracking_env(
+    scheduler: str,
+    session: str,
+    trackers: Sequence[TrackerSetting],
+    parent_run_id: str | None,
+) -> dict[str, str]:
+    """The variables TorchX's runner puts into every role: job id, parent run, trackers.
+
+    ``parent_run_id`` None falls back to ``$TORCHX_PARENT_RUN_ID`` of the launcher (an explicit
+    argument wins over the environment; TorchX lets the environment win).
+    """
+    env = {ENV_TORCHX_JOB_ID: make_app_handle(scheduler, session, macros.app_id)}
+    if parent_run_id is None:
+        parent_run_id = os.environ.get(ENV_TORCHX_PARENT_RUN_ID) or None
+    if parent_run_id is not None:
+        env[ENV_TORCHX_PARENT_RUN_ID] = check_run_id("parent_run_id", parent_run_id)
+    if trackers:
+        env[ENV_TORCHX_TRACKERS] = ",".join(t.name for t in trackers)
+    for t in trackers:
+        if t.config:
+            env[tracker_config_env_var_name(t.name)] = t.config
+        if t.factory and t.factory != t.name:
+            env[tracker_factory_env_var_name(t.name)] = t.factory
+    return env
+
+
+def with_env(app: AppDef, env: Mapping[str, str]) -> AppDef:
+    """A copy of ``app`` whose every role has ``env`` added (``app`` is not modified).
+
+    The copy is shallow but for the roles and their ``env``: the scheduler deep-copies what it keeps.
+    """
+    if not env or not isinstance(app, AppDef) or not isinstance(app.roles, list):
+        return app
+    new = copy.copy(app)
+    roles = []
+    for role in app.roles:
+        if not isinstance(getattr(role, "env", None), dict):
+            roles.append(role)
+            continue
+        r = copy.copy(role)
+        r.env = {**role.env, **env}
+        roles.append(r)
+    new.roles = roles
+    return new
