@@ -1,0 +1,537 @@
+"""The async reader of tracked runs, for sweep drivers and services.
+
+``AsyncTrackerReader`` wraps any ``TrackerBase``: every call of the (synchronous) tracker runs in a
+worker thread, never on the event loop. ``watch_metadata`` follows the metadata of many runs at once:
+
+- on a local file tracker (``asynctorchx.tracker.backend.fsspec`` with ``protocol=file``) through
+  inotify: one watch on the root (new runs), and per run one on its directory and one on its
+  ``metadata`` directory; an idle reader costs nothing, and an ``add_metadata`` wakes it at once.
+  Only the runs that changed are read, in one worker-thread call per wake-up;
+- where inotify is unavailable (another OS, the watch limit reached, ``ASYNCTORCHX_DISABLE_INOTIFY=1``,
+  a remote fsspec file system): one scan of the watched runs every ``poll_interval`` seconds (on a
+  local disk, a run whose ``metadata`` directory did not change is not listed);
+- on any other tracker: its merged metadata, read every ``poll_interval`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from asynctorchx.tracker.api import (
+    TrackerArtifact,
+    TrackerBase,
+    TrackerSource,
+    UnknownRunError,
+    build_tracker,
+)
+from asynctorchx.tracker.backend.fsspec import (
+    METADATA,
+    SOURCES,
+    FsspecTracker,
+    create,
+    decode_run_id,
+    encode_run_id,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_POLL_INTERVAL = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataUpdate:
+    """New metadata of a run, as ``AsyncTrackerReader.watch_metadata`` yields it.
+
+    Args:
+        run_id: the run.
+        entry: what was recorded (one ``add_metadata`` call on a file tracker; the changed keys on
+            other trackers).
+        metadata: all of the run's metadata so far, merged (later values win).
+        timestamp: when the entry was written (seconds since the epoch), when the tracker knows.
+    """
+
+    run_id: str
+    entry: Mapping[str, object]
+    metadata: Mapping[str, object]
+    timestamp: float | None = None
+
+
+class AsyncTrackerReader:
+    """Reads runs of a tracker from async code: ``async with AsyncTrackerReader(tracker) as r:``.
+
+    Args:
+        tracker: the tracker to read (``FsspecTracker`` gets file-system notification).
+        poll_interval: seconds between scans when changes cannot be pushed.
+    """
+
+    def __init__(self, tracker: TrackerBase, *, poll_interval: float = DEFAULT_POLL_INTERVAL):
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval must be a positive number, got {poll_interval!r}")
+        self._tracker = tracker
+        self._poll_interval = float(poll_interval)
+        self._closed = False
+
+    @classmethod
+    def from_root(
+        cls, root: str | os.PathLike[str], *, poll_interval: float = DEFAULT_POLL_INTERVAL
+    ) -> AsyncTrackerReader:
+        """A reader of the file tracker whose runs are in the local directory ``root``.
+
+        Raises:
+            TrackerConfigError: ``root`` is not an existing directory.
+        """
+        return cls(FsspecTracker(None, root), poll_interval=poll_interval)
+
+    @classmethod
+    def from_config(
+        cls,
+        config: str,
+        name: str = "fsspec",
+        *,
+        factory: str | None = None,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
+    ) -> AsyncTrackerReader:
+        """A reader of tracker ``name`` built with ``config`` as a job would build it.
+
+        Raises:
+            UnknownTrackerError, TrackerConfigError, TrackerError: see ``build_tracker``.
+        """
+        if name == "fsspec" and factory is None:
+            return cls(create(config), poll_interval=poll_interval)
+        return cls(build_tracker(name, config, factory), poll_interval=poll_interval)
+
+    @property
+    def tracker(self) -> TrackerBase:
+        """The tracker read."""
+        return self._tracker
+
+    async def __aenter__(self) -> AsyncTrackerReader:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Marks the reader closed; later calls raise RuntimeError. Idempotent."""
+        self._closed = True
+
+    def _check(self) -> None:
+        if self._closed:
+            raise RuntimeError("the tracker reader is closed")
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        self._check()
+        return await anyio.to_thread.run_sync(fn, *args)
+
+    # -- one-shot queries -----------------------------------------------------------------------
+
+    async def run_ids(self, **filters: str) -> list[str]:
+        """The runs of the tracker; ``parent_run_id=ID`` keeps the children of run ``ID``.
+
+        Raises:
+            TypeError: a filter the tracker does not know.
+        """
+        return list(await self._call(lambda: list(self._tracker.run_ids(**filters))))
+
+    def _exists(self, run_id: str) -> bool:
+        if isinstance(self._tracker, FsspecTracker):
+            return self._tracker.exists(run_id)
+        return run_id in set(self._tracker.run_ids())
+
+    async def exists(self, run_id: str) -> bool:
+        """True when the tracker has run ``run_id``."""
+        return bool(await self._call(self._exists, run_id))
+
+    def _known(self, run_id: str) -> None:
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"run id must be a non-empty string, got {run_id!r}")
+        if not self._exists(run_id):
+            raise UnknownRunError(run_id, repr(self._tracker))
+
+    async def metadata(self, run_id: str) -> dict[str, object]:
+        """The run's metadata, merged (later values win).
+
+        Raises:
+            UnknownRunError: the tracker has no such run.
+        """
+
+        def read() -> dict[str, object]:
+            self._known(run_id)
+            return dict(self._tracker.metadata(run_id))
+
+        return dict(await self._call(read))
+
+    async def artifacts(self, run_id: str) -> dict[str, TrackerArtifact]:
+        """The run's artifacts by name.
+
+        Raises:
+            UnknownRunError: the tracker has no such run.
+        """
+
+        def read() -> dict[str, TrackerArtifact]:
+            self._known(run_id)
+            return dict(self._tracker.artifacts(run_id))
+
+        return dict(await self._call(read))
+
+    async def sources(self, run_id: str, artifact_name: str | None = None) -> list[TrackerSource]:
+        """The run's sources (its parent run among them), optionally of one artifact only.
+
+        Raises:
+            UnknownRunError: the tracker has no such run.
+        """
+
+        def read() -> list[TrackerSource]:
+            self._known(run_id)
+            return list(self._tracker.sources(run_id, artifact_name))
+
+        return list(await self._call(read))
+
+    # -- following ------------------------------------------------------------------------------
+
+    async def watch_metadata(
+        self,
+        run_ids: Iterable[str] | None = None,
+        *,
+        parent_run_id: str | None = None,
+    ) -> AsyncGenerator[MetadataUpdate, None]:
+        """Yields the metadata of many runs as it is recorded, until the caller stops iterating.
+
+        What the runs already have is yielded first; runs that do not exist yet are picked up when
+        they appear (a trial just launched). Use ``contextlib.aclosing`` (or ``break``) to stop.
+
+        Args:
+            run_ids: the runs to follow.
+            parent_run_id: follow the children of this run, including those that appear later.
+                With neither argument, every run of the tracker is followed.
+        """
+        self._check()
+        fixed = None if run_ids is None else list(dict.fromkeys(run_ids))
+        if fixed is not None and parent_run_id is not None:
+            raise ValueError("give run_ids or parent_run_id, not both")
+        for r in fixed or ():
+            if not isinstance(r, str) or not r:
+                raise ValueError(f"run id must be a non-empty string, got {r!r}")
+        if isinstance(self._tracker, FsspecTracker):
+            follower: Any = _FileFollower(self, self._tracker, fixed, parent_run_id)
+        else:
+            follower = _PollingFollower(self, fixed, parent_run_id)
+        async with contextlib.aclosing(follower.updates()) as updates:
+            async for update in updates:
+                yield update
+
+
+class _PollingFollower:
+    """Follows a tracker that can only be asked for merged metadata."""
+
+    def __init__(
+        self, reader: AsyncTrackerReader, fixed: list[str] | None, parent: str | None
+    ) -> None:
+        self.reader = reader
+        self.fixed = fixed
+        self.parent = parent
+        self.last: dict[str, dict[str, object]] = {}
+
+    def _round(self) -> list[MetadataUpdate]:
+        tracker = self.reader.tracker
+        if self.fixed is not None:
+            runs = self.fixed
+        elif self.parent is not None:
+            runs = list(tracker.run_ids(parent_run_id=self.parent))
+        else:
+            runs = list(tracker.run_ids())
+        out = []
+        for run_id in runs:
+            current = dict(tracker.metadata(run_id))
+            before = self.last.get(run_id, {})
+            changed = {k: v for k, v in current.items() if k not in before or before[k] != v}
+            if changed:
+                self.last[run_id] = current
+                out.append(MetadataUpdate(run_id, changed, dict(current), None))
+        return out
+
+    async def updates(self) -> AsyncGenerator[MetadataUpdate, None]:
+        while True:
+            for update in await self.reader._call(self._round):
+                yield update
+            await anyio.sleep(self.reader._poll_interval)
+
+
+@dataclass
+class _Run:
+    """What a file follower knows of one run directory."""
+
+    name: str
+    run_id: str
+    confirmed: bool
+    seen: set[str] = field(default_factory=set)
+    merged: dict[str, object] = field(default_factory=dict)
+    metadata_mtime: int | None = None
+    watches: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Scan:
+    name: str
+    run_dir: bool
+    metadata_dir: bool
+    sources_dir: bool
+    confirmed: bool
+    metadata_mtime: int | None
+    entries: list[tuple[str, Mapping[str, Any]]]
+
+
+_DIR_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_ONLYDIR")
+_FILE_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_CLOSE_WRITE", "IN_ONLYDIR")
+
+
+class _FileFollower:
+    """Follows the runs of a file tracker: inotify where it can, one scan per interval otherwise."""
+
+    def __init__(
+        self,
+        reader: AsyncTrackerReader,
+        tracker: FsspecTracker,
+        fixed: list[str] | None,
+        parent: str | None,
+    ) -> None:
+        self.reader = reader
+        self.tracker = tracker
+        self.parent_name = None if parent is None else encode_run_id(parent)
+        self.fixed = None if fixed is None else {encode_run_id(r): r for r in fixed}
+        self.runs: dict[str, _Run] = {}
+        self.dirty: set[str] = set()
+        self.root_dirty = True
+        self.overflow = False
+        self.wake = asyncio.Event()
+        self.root_watch: Any = None
+        self.inotify: Any = None
+        self.unwatched = True  # something is not covered by a watch: scan it every interval
+
+    # -- inotify ------------------------------------------------------------------------------
+
+    def _mask(self, names: tuple[str, ...]) -> int:
+        mask = 0
+        for n in names:
+            mask |= getattr(self.inotify, n)
+        return int(mask)
+
+    def _watch(self, path: str, names: tuple[str, ...], on_event: Any) -> Any:
+        """A watch of ``path``; None when inotify refused it (the limit of watches...).
+
+        Raises:
+            FileNotFoundError: ``path`` went away.
+        """
+        if self.inotify is None:
+            return None
+        return self.inotify.watch(path, on_event, self._mask(names))
+
+    def _on_overflow(self) -> None:
+        self.overflow = True
+        self.root_dirty = True
+        self.dirty.update(self.runs)
+        self.wake.set()
+
+    def _on_root(self, name: str, mask: int) -> None:
+        if mask & self.inotify.IN_Q_OVERFLOW:
+            self._on_overflow()
+            return
+        if self.fixed is not None and name not in self.fixed:
+            return
+        self.dirty.add(name)
+        self.wake.set()
+
+    def _on_run(self, name: str) -> Any:
+        def on_event(_child: str, mask: int) -> None:
+            if mask & self.inotify.IN_Q_OVERFLOW:
+                self._on_overflow()
+                return
+            self.dirty.add(name)
+            self.wake.set()
+
+        return on_event
+
+    def _update_watches(self, run: _Run, scan: _Scan) -> bool:
+        """Adds the watches a run's directories now allow; True when one was added."""
+        if self.inotify is None:
+            return False
+        added = False
+        run_dir = self.tracker.run_dir(run.run_id)
+        wanted: dict[str, tuple[str, tuple[str, ...], bool]] = {
+            "": (run_dir, _DIR_MASK_NAMES, scan.run_dir)
+        }
+        if run.confirmed:
+            wanted[METADATA] = (
+                self.tracker.category_dir(run.run_id, METADATA),
+                _FILE_MASK_NAMES,
+                scan.metadata_dir,
+            )
+        elif scan.sources_dir:
+            wanted[SOURCES] = (
+                self.tracker.category_dir(run.run_id, SOURCES),
+                _FILE_MASK_NAMES,
+                True,
+            )
+        for key in [k for k in run.watches if k not in wanted]:
+            run.watches.pop(key).cancel()
+        for key, (path, names, present) in wanted.items():
+            current = run.watches.get(key)
+            if current is not None and current.active:
+                continue
+            if not present:
+                continue  # the watch of its parent directory reports its creation
+            try:
+                w = self._watch(path, names, self._on_run(run.name))
+            except FileNotFoundError:
+                added = True  # gone again: scan once more to see what happened
+                continue
+            if w is None:
+                self.unwatched = True
+                continue
+            run.watches[key] = w
+            added = True
+        return added
+
+    # -- scanning (in a worker thread) --------------------------------------------------------
+
+    def _scan_root(self) -> list[str]:
+        names = [n for n, is_dir in self.tracker._fs.listdir(self.tracker.root) if is_dir]
+        return [n for n in names if decode_run_id(n) is not None]
+
+    def _scan_run(
+        self, name: str, run_id: str, seen: frozenset[str], confirmed: bool, mtime: int | None
+    ) -> _Scan:
+        fs = self.tracker._fs
+        run_dir = self.tracker.run_dir(run_id)
+        if not fs.isdir(run_dir):
+            return _Scan(name, False, False, False, False, None, [])
+        sources_dir = fs.isdir(self.tracker.category_dir(run_id, SOURCES))
+        if not confirmed and self.parent_name is not None:
+            confirmed = sources_dir and fs.exists(
+                fs.join(self.tracker.category_dir(run_id, SOURCES), self.parent_name)
+            )
+        else:
+            confirmed = True
+        if not confirmed:
+            return _Scan(name, True, False, sources_dir, False, None, [])
+        metadata_dir = self.tracker.category_dir(run_id, METADATA)
+        new_mtime: int | None = None
+        if fs.local:
+            try:
+                st = os.stat(metadata_dir)
+            except FileNotFoundError:
+                return _Scan(name, True, False, sources_dir, True, None, [])
+            new_mtime = st.st_mtime_ns
+            # a directory changed within the last second may change again under the same mtime
+            if mtime is not None and new_mtime == mtime and time.time_ns() - mtime > 1_000_000_000:
+                return _Scan(name, True, True, sources_dir, True, mtime, [])
+        entries = []
+        for entry_name in self.tracker.entry_names(run_id, METADATA):
+            if entry_name in seen:
+                continue
+            entry = self.tracker.read_entry(run_id, METADATA, entry_name)
+            if entry is None:
+                new_mtime = None  # still being written: look again next time
+                continue
+            entries.append((entry_name, entry))
+        return _Scan(name, True, fs.isdir(metadata_dir), sources_dir, True, new_mtime, entries)
+
+    def _scan(
+        self, scan_root: bool, todo: list[tuple[str, str, frozenset[str], bool, int | None]]
+    ) -> tuple[list[str] | None, list[_Scan]]:
+        roots = self._scan_root() if scan_root else None
+        return roots, [self._scan_run(*args) for args in todo]
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _run_for(self, name: str) -> _Run | None:
+        run = self.runs.get(name)
+        if run is not None:
+            return run
+        run_id = self.fixed.get(name) if self.fixed is not None else decode_run_id(name)
+        if run_id is None:
+            return None
+        run = _Run(name, run_id, confirmed=self.parent_name is None)
+        self.runs[name] = run
+        return run
+
+    async def updates(self) -> AsyncGenerator[MetadataUpdate, None]:
+        if self.tracker.is_local:
+            from asynctorchx.logs import _inotify
+
+            if _inotify.available():
+                self.inotify = _inotify
+        try:
+            if self.inotify is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    self.root_watch = self._watch(self.tracker.root, _DIR_MASK_NAMES, self._on_root)
+            if self.fixed is not None:
+                for name in self.fixed:
+                    self._run_for(name)
+                self.dirty.update(self.fixed)
+                self.root_dirty = False
+            while True:
+                polling = self.inotify is None or self.root_watch is None or self.unwatched
+                if polling or self.overflow:
+                    self.overflow = False
+                    self.dirty.update(self.runs)
+                    self.root_dirty = self.root_dirty or self.fixed is None
+                if self.fixed is None and self.root_watch is None:
+                    self.root_dirty = True
+                self.unwatched = False
+                todo = []
+                for name in sorted(self.dirty):
+                    run = self._run_for(name)
+                    if run is not None:
+                        todo.append(
+                            (
+                                name,
+                                run.run_id,
+                                frozenset(run.seen),
+                                run.confirmed,
+                                run.metadata_mtime,
+                            )
+                        )
+                self.dirty.clear()
+                scan_root, self.root_dirty = self.root_dirty, False
+                self.wake.clear()
+                roots, scans = await self.reader._call(self._scan, scan_root, todo)
+                for scan in scans:
+                    run = self.runs[scan.name]
+                    run.confirmed = run.confirmed or scan.confirmed
+                    run.metadata_mtime = scan.metadata_mtime
+                    if self._update_watches(run, scan):
+                        self.dirty.add(run.name)  # what arrived before the watch existed
+                    for entry_name, entry in scan.entries:
+                        run.seen.add(entry_name)
+                        values = dict(entry["metadata"])
+                        run.merged.update(values)
+                        stamp = int(entry_name) / 1e9 if entry_name.isdigit() else None
+                        yield MetadataUpdate(run.run_id, values, dict(run.merged), stamp)
+                if roots is not None:
+                    for name in roots:
+                        if name not in self.runs and self._run_for(name) is not None:
+                            self.dirty.add(name)
+                if self.dirty or self.root_dirty:
+                    continue
+                if self.inotify is not None and self.root_watch is not None and not self.unwatched:
+                    await self.wake.wait()
+                else:
+                    with anyio.move_on_after(self.reader._poll_interval):
+                        await self.wake.wait()
+        finally:
+            if self.root_watch is not None:
+                self.root_watch.cancel()
+            for run in self.runs.values():
+                for w in run.watches.values():
+                    w.cancel()
