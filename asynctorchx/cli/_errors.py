@@ -101,6 +101,16 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "fix the component's arguments; 'asynctorchx run --dryrun ...' shows the app it builds",
     ),
+    "UnknownRunError": (
+        ExitCode.UNKNOWN,
+        "'asynctorchx tracker list runs' lists the runs the tracker knows",
+    ),
+    "UnknownTrackerError": (
+        ExitCode.USAGE,
+        "a tracker is a builtin (fsspec), an entry point of asynctorchx.tracker or "
+        "torchx.tracker, or module:factory",
+    ),
+    "TrackerConfigError": (ExitCode.USAGE, "fix the [tracker:NAME] config of .torchxconfig"),
     "InvalidRunConfigException": (
         ExitCode.USAGE,
         "'asynctorchx runopts {scheduler}' lists the scheduler's options (pass them as -cfg k=v,...)",

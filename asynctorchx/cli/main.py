@@ -22,6 +22,7 @@ from asynctorchx.cli import (
     cmd_run,
     cmd_runopts,
     cmd_status,
+    cmd_tracker,
     cmd_wait,
 )
 from asynctorchx.cli._errors import ExitCode, classify
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_list,
         cmd_runopts,
         cmd_builtins,
+        cmd_tracker,
     ):
         module.register(sub, common)
     return parser

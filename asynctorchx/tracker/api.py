@@ -90,11 +90,7 @@ class UnknownRunError(TrackerError, LookupError):
 
     def __init__(self, run_id: str, where: str = "") -> None:
         self.run_id = run_id
-        super().__init__(
-            f"unknown run id {run_id!r}"
-            + (f" in {where}" if where else "")
-            + " (`asynctorchx tracker list runs` lists the known ones)"
-        )
+        super().__init__(f"unknown run id {run_id!r}" + (f" in {where}" if where else ""))
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
