@@ -50,9 +50,23 @@ LOCAL_PROTOCOLS = ("file", "local")
 INSTALL_HINT = "pip install 'asynctorchx[tracker]'"
 
 
+#: File names are at most 255 bytes; Base32 makes 8 characters of every 5 bytes.
+MAX_RUN_ID_BYTES = 255 // 8 * 5
+
+
 def encode_run_id(run_id: str) -> str:
-    """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids)."""
-    return b32encode(run_id.encode("utf-8")).decode("ascii")
+    """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids).
+
+    Raises:
+        TrackerError: the id is too long to be a file name.
+    """
+    raw = run_id.encode("utf-8")
+    if len(raw) > MAX_RUN_ID_BYTES:
+        raise TrackerError(
+            f"run id {run_id[:40]!r}... is too long for the file tracker "
+            f"({len(raw)} bytes; at most {MAX_RUN_ID_BYTES})"
+        )
+    return b32encode(raw).decode("ascii")
 
 
 def decode_run_id(name: str) -> str | None:
