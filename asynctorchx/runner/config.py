@@ -405,7 +405,7 @@ def configured_trackers(
                 for key, value in parser.items(section):
                     if key != "config":
                         _warn(
-                            f"{path}: [{section}] {key} is ignored: a tracker section has "
+                            f"{path}: [{section}] {key} = {value} is ignored: a tracker section has "
                             "only 'config'"
                         )
                         continue
