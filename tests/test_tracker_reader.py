@@ -1,0 +1,408 @@
+# ruff: noqa: F811 - the fixtures imported from _docker_env are redefined as test parameters
+"""The async tracker reader and the tracker CLI, with real jobs on local_cwd reporting through the tracker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from pathlib import Path
+
+import anyio
+import pytest
+from _docker_env import docker_engine, python_image  # noqa: F401 - pytest fixtures
+from _torchx_env import torchx_python
+from conftest import engine_missing
+
+from asynctorchx import AsyncRunner
+from asynctorchx.logs import _inotify
+from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.tracker import AsyncTrackerReader, MetadataUpdate, UnknownRunError
+from asynctorchx.tracker.api import Lineage, TrackerArtifact, TrackerBase, TrackerSource
+from asynctorchx.tracker.backend.fsspec import FsspecTracker, create
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REPORT = """
+import sys
+from asynctorchx.tracker import app_run_from_env
+run = app_run_from_env()
+run.add_metadata(lr=float(sys.argv[1]), epoch=0)
+run.add_metadata(loss=float(sys.argv[1]) * 2, epoch=1)
+run.add_artifact("checkpoint", "/ckpt/final.pt", {"epoch": 1})
+"""
+
+
+@pytest.fixture
+def tracked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tracker root, its config and a .torchxconfig (TORCHXCONFIG) naming it; returns the root."""
+    root = tmp_path / "runs"
+    root.mkdir()
+    conf = tmp_path / "tracker.conf"
+    conf.write_text(f"protocol=file\nroot_path={root}\n")
+    torchxconfig = tmp_path / ".torchxconfig"
+    torchxconfig.write_text(f"[torchx:tracker]\nfsspec =\n\n[tracker:fsspec]\nconfig = {conf}\n")
+    monkeypatch.setenv("TORCHXCONFIG", str(torchxconfig))
+    monkeypatch.setenv("ASYNCTORCHX_LOCAL_ROOT", str(tmp_path / "state"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    for key in ("TORCHX_PARENT_RUN_ID", "TORCHX_TRACKERS", "TORCHX_TRACKER_FSSPEC_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    return root
+
+
+def reporter(lr: float, name: str = "report") -> AppDef:
+    return AppDef(
+        name,
+        [
+            Role(
+                "trainer",
+                image=".",
+                entrypoint=sys.executable,
+                args=["-c", REPORT, str(lr)],
+            )
+        ],
+    )
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asynctorchx", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+
+
+def require_inotify() -> None:
+    if not _inotify.available():
+        engine_missing("inotify")
+
+
+async def collect(
+    updates: AsyncGenerator[MetadataUpdate, None],
+    n: int,
+    got: list[MetadataUpdate],
+    timeout: float = 10,
+) -> None:
+    """Appends updates to ``got`` as they come, until there are ``n``."""
+    with anyio.fail_after(timeout):
+        async with contextlib.aclosing(updates) as it:
+            async for u in it:
+                got.append(u)
+                if len(got) == n:
+                    break
+
+
+# -- one-shot queries -----------------------------------------------------------------------------
+
+
+async def test_queries_and_unknown_runs(tmp_path: Path) -> None:
+    """run_ids/metadata/artifacts/sources read the tracker; an unknown run id raises UnknownRunError."""
+    tracker = FsspecTracker(None, tmp_path)
+    tracker.add_source("r1", "p")
+    tracker.add_metadata("r1", a=1)
+    tracker.add_artifact("r1", "m", "/m")
+    async with AsyncTrackerReader(tracker) as reader:
+        assert await reader.run_ids() == ["r1"]
+        assert await reader.run_ids(parent_run_id="p") == ["r1"]
+        assert await reader.run_ids(parent_run_id="q") == []
+        assert await reader.metadata("r1") == {"a": 1}
+        assert await reader.artifacts("r1") == {"m": TrackerArtifact("m", "/m", None)}
+        assert await reader.sources("r1") == [TrackerSource("p", None)]
+        assert await reader.exists("r1") and not await reader.exists("r2")
+        for call in (reader.metadata, reader.artifacts, reader.sources):
+            with pytest.raises(UnknownRunError, match="'local_cwd://s/nope'"):
+                await call("local_cwd://s/nope")
+    with pytest.raises(RuntimeError, match="closed"):
+        await reader.metadata("r1")
+
+
+# -- following ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inotify", [True, False], ids=["inotify", "scan"])
+async def test_watch_yields_existing_then_new_metadata_of_fixed_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inotify: bool
+) -> None:
+    """watch_metadata yields what runs have, then each new add_metadata, also of runs not yet created."""
+    if inotify:
+        require_inotify()
+    else:
+        monkeypatch.setenv(_inotify.DISABLE_ENV, "1")
+    tracker = FsspecTracker(None, tmp_path)
+    tracker.add_metadata("a", x=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+    got: list[MetadataUpdate] = []
+
+    async def follow() -> None:
+        await collect(reader.watch_metadata(["a", "b"]), 4, got)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow)
+        with anyio.fail_after(10):
+            while not got:
+                await anyio.sleep(0.01)  # the first update: the follower is set up
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("a", x=2))
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=1))
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("c", z=1))
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=2, w=0))
+    assert [(u.run_id, dict(u.entry)) for u in got] == [
+        ("a", {"x": 1}),
+        ("a", {"x": 2}),
+        ("b", {"y": 1}),
+        ("b", {"y": 2, "w": 0}),
+    ]
+    assert got[-1].metadata == {"y": 2, "w": 0}
+    assert all(u.timestamp is not None for u in got)
+
+
+async def test_watch_by_parent_picks_up_children_launched_later(tmp_path: Path) -> None:
+    """watch_metadata(parent_run_id=) follows children that appear while it runs, and no others."""
+    require_inotify()
+    tracker = FsspecTracker(None, tmp_path)
+    reader = AsyncTrackerReader(tracker)
+    got: list[MetadataUpdate] = []
+    started = anyio.Event()
+
+    async def follow() -> None:
+        it = reader.watch_metadata(parent_run_id="sweep")
+        started.set()
+        await collect(it, 3, got)
+
+    def write() -> None:
+        tracker.add_metadata("orphan", a=0)
+        for i in range(3):
+            tracker.add_source(f"trial-{i}", "sweep")
+            tracker.add_metadata(f"trial-{i}", loss=i)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow)
+        await started.wait()
+        await anyio.sleep(
+            0.05
+        )  # let the generator start (nothing to wait on before its first item)
+        await anyio.to_thread.run_sync(write)
+    assert sorted(u.run_id for u in got) == ["trial-0", "trial-1", "trial-2"]
+
+
+async def test_watch_waits_for_files_written_in_place(tmp_path: Path) -> None:
+    """An entry created empty and filled later (TorchX's writer) is yielded once, when complete."""
+    require_inotify()
+    tracker = FsspecTracker(None, tmp_path)
+    tracker.add_metadata("r", a=1)
+    reader = AsyncTrackerReader(tracker)
+    got: list[MetadataUpdate] = []
+
+    async def follow() -> None:
+        await collect(reader.watch_metadata(["r"]), 2, got)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow)
+        with anyio.fail_after(10):
+            while not got:
+                await anyio.sleep(0.01)
+        path = Path(tracker.category_dir("r", "metadata")) / "99999999999999999999"
+        with open(path, "w") as f:
+            f.write('{"metadata": {"b"')
+            f.flush()
+            await anyio.sleep(0.1)
+            f.write(": 2}}")
+    assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
+
+
+class DictTracker(TrackerBase):
+    """A tracker without files (only merged metadata): followed by polling."""
+
+    def __init__(self) -> None:
+        self.md: dict[str, dict[str, object]] = {}
+
+    def add_artifact(
+        self, run_id: str, name: str, path: str, metadata: Mapping[str, object] | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def artifacts(self, run_id: str) -> Mapping[str, TrackerArtifact]:
+        return {}
+
+    def add_metadata(self, run_id: str, **kwargs: object) -> None:
+        self.md.setdefault(run_id, {}).update(kwargs)
+
+    def metadata(self, run_id: str) -> Mapping[str, object]:
+        return dict(self.md.get(run_id, {}))
+
+    def add_source(self, run_id: str, source_id: str, artifact_name: str | None = None) -> None:
+        raise NotImplementedError
+
+    def sources(self, run_id: str, artifact_name: str | None = None) -> Iterable[TrackerSource]:
+        return []
+
+    def lineage(self, run_id: str) -> Lineage:
+        raise NotImplementedError
+
+    def run_ids(self, **kwargs: str) -> Iterable[str]:
+        return list(self.md)
+
+
+async def test_other_trackers_are_followed_by_polling_their_metadata() -> None:
+    """A tracker that is not a file tracker yields the keys that changed, per poll."""
+    tracker = DictTracker()
+    tracker.add_metadata("r", a=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.02)
+    got: list[MetadataUpdate] = []
+
+    async def follow() -> None:
+        await collect(reader.watch_metadata(["r"]), 2, got)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(follow)
+        with anyio.fail_after(10):
+            while not got:
+                await anyio.sleep(0.01)
+        tracker.add_metadata("r", b=2)
+    assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
+    assert await reader.metadata("r") == {"a": 1, "b": 2}
+    with pytest.raises(UnknownRunError):
+        await reader.metadata("missing")
+
+
+def test_bad_reader_arguments_are_rejected(tmp_path: Path) -> None:
+    """poll_interval must be positive; run_ids and parent_run_id exclude each other."""
+    with pytest.raises(ValueError, match="poll_interval"):
+        AsyncTrackerReader.from_root(tmp_path, poll_interval=0)
+    reader = AsyncTrackerReader.from_root(tmp_path)
+    with pytest.raises(ValueError, match="not both"):
+        anyio.run(anext, reader.watch_metadata(["a"], parent_run_id="p"))  # type: ignore[arg-type]
+
+
+# -- real jobs ------------------------------------------------------------------------------------
+
+
+async def test_a_local_job_reports_and_the_reader_the_cli_and_torchx_read_it(tracked: Path) -> None:
+    """A local_cwd job's app_run_from_env() metadata and artifact are read by us, the CLI and TorchX."""
+    async with AsyncRunner("trk") as runner:
+        handle = await runner.run(reporter(0.5), "local_cwd", parent_run_id="driver-1")
+        status = await runner.wait(handle, timeout=60)
+    assert status is not None and status.state == AppState.SUCCEEDED, status
+    async with AsyncTrackerReader.from_root(tracked) as reader:
+        assert await reader.run_ids(parent_run_id="driver-1") == [handle]
+        assert await reader.metadata(handle) == {"lr": 0.5, "epoch": 1, "loss": 1.0}
+        assert await reader.artifacts(handle) == {
+            "checkpoint": TrackerArtifact("checkpoint", "/ckpt/final.pt", {"epoch": 1})
+        }
+        assert await reader.sources(handle) == [TrackerSource("driver-1", None)]
+
+    result = cli("tracker", "list", "runs", "--parent-run-id", "driver-1", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [handle]
+    result = cli("tracker", "list", "metadata", handle, "--json")
+    assert json.loads(result.stdout) == {"lr": 0.5, "epoch": 1, "loss": 1.0}
+    result = cli("tracker", "list", "artifacts", handle)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [
+        "ARTIFACT", "PATH", "METADATA", "checkpoint", "/ckpt/final.pt", '{"epoch":', "1}"
+    ]  # fmt: skip
+    result = cli("tracker", "list", "metadata", "local_cwd://trk/nope")
+    assert result.returncode == 4
+    assert "unknown run id 'local_cwd://trk/nope'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    code = f"""
+        import json
+        from torchx.tracker.backend.fsspec import FsspecTracker
+        import fsspec
+        t = FsspecTracker(fsspec.filesystem("file"), {str(tracked)!r})
+        a = t.artifacts({handle!r})["checkpoint"]
+        print(json.dumps([list(t.run_ids(parent_run_id="driver-1")), t.metadata({handle!r}),
+                          [a.name, a.path, a.metadata]]))
+    """
+    proc = subprocess.run(
+        [torchx_python(), "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    ids, metadata, artifact = json.loads(proc.stdout)
+    assert ids == [handle]
+    # TorchX merges the entries in listing order, so which "epoch" wins is TorchX's chance
+    assert metadata.pop("epoch") in (0, 1)
+    assert metadata == {"lr": 0.5, "loss": 1.0}
+    assert artifact == ["checkpoint", "/ckpt/final.pt", {"epoch": 1}]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_twenty_trials_are_listed_under_their_drivers_run_id(tracked: Path) -> None:
+    """A driver's run id as parent_run_id of 20 trials: listed by parent, each trial's metadata seen."""
+    driver = "sweep-driver-42"
+    async with AsyncRunner("sweep") as runner, AsyncTrackerReader.from_root(tracked) as reader:
+        seen: dict[str, float] = {}
+
+        async def follow() -> None:
+            async with contextlib.aclosing(reader.watch_metadata(parent_run_id=driver)) as it:
+                async for u in it:
+                    if "loss" in u.entry:
+                        seen[u.run_id] = float(u.entry["loss"])  # type: ignore[arg-type]
+                        if len(seen) == 20:
+                            return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            handles = [
+                await runner.run(reporter(i / 10, f"trial-{i}"), "local_cwd", parent_run_id=driver)
+                for i in range(20)
+            ]
+            other = await runner.run(reporter(9.0, "unrelated"), "local_cwd")
+            with anyio.fail_after(150):
+                done = await runner.wait_all([*handles, other])
+        assert all(s is not None and s.state == AppState.SUCCEEDED for s in done.values()), done
+        assert sorted(await reader.run_ids(parent_run_id=driver)) == sorted(handles)
+        assert other in await reader.run_ids()
+        assert seen == {h: i / 10 * 2 for i, h in enumerate(handles)}
+    result = cli("tracker", "list", "runs", "--parent-run-id", driver)
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.split()[2:]) == sorted(handles)
+
+
+@pytest.mark.docker
+@pytest.mark.timeout(180)
+async def test_a_docker_job_reports_through_a_bind_mounted_tracker_root(
+    tracked: Path, python_image: str
+) -> None:
+    """A local_docker job writes through app_run_from_env() into a bind mount; we read it on the host."""
+    from asynctorchx.specs import BindMount
+
+    conf = tracked.parent / "tracker.conf"
+    src = ROOT / "asynctorchx"
+    role = Role(
+        "trainer",
+        image=python_image,
+        entrypoint="python",
+        args=["-c", REPORT, "0.25"],
+        env={"PYTHONPATH": "/opt/src"},
+        mounts=[
+            BindMount(str(src), "/opt/src/asynctorchx", read_only=True),
+            BindMount(str(tracked.parent), str(tracked.parent)),
+        ],
+    )
+    async with AsyncRunner("trk-docker") as runner:
+        handle = await runner.run(
+            AppDef("docker-report", [role]), "local_docker", parent_run_id="d1"
+        )
+        status = await runner.wait(handle, timeout=150)
+        logs = [ln async for ln in runner.log_lines(handle, "trainer")]
+        await runner.cancel(handle)
+    assert status is not None and status.state == AppState.SUCCEEDED, (status, logs)
+    reader = AsyncTrackerReader.from_config(str(conf))
+    assert await reader.run_ids(parent_run_id="d1") == [handle]
+    assert await reader.metadata(handle) == {"lr": 0.25, "epoch": 1, "loss": 0.5}
+    assert (await reader.artifacts(handle))["checkpoint"].path == "/ckpt/final.pt"
+    result = cli("tracker", "list", "metadata", handle, "--json")
+    assert json.loads(result.stdout)["loss"] == 0.5
+    assert create(str(conf)).exists(handle)
