@@ -2,16 +2,24 @@
 
     python examples/sweep.py --trials 12 --concurrency 4
 
-Each trial runs ``examples/train_toy.py`` on the local scheduler. The driver
+Each trial runs ``examples/train_toy.py`` on the local scheduler and reports its metrics through the
+tracker (``app_run_from_env().add_metadata(epoch=..., loss=...)``), never through its log. The driver
 
+- has a run id of its own and launches every trial with it as ``parent_run_id``; the trials write to
+  a file tracker under ``--tracker-root`` (a new temporary directory by default), configured as
+  TorchX's launcher reads it (``TORCHX_TRACKERS`` / ``TORCHX_TRACKER_FSSPEC_CONFIG``; a
+  ``.torchxconfig`` ``[torchx:tracker]`` section does the same),
 - keeps at most ``--concurrency`` trials running and launches the next as soon as one finishes
   (``runner.as_completed`` over the running set),
-- follows every running trial's log (``runner.log_lines(..., should_tail=True)``) and cancels a trial
-  whose loss at an epoch is worse than the median of what the finished trials had at that epoch
-  (the median stopping rule),
-- reads each finished trial's final ``RESULT`` line from its log, and prints the best configurations.
+- follows the metadata of all its trials with one ``AsyncTrackerReader.watch_metadata(
+  parent_run_id=...)`` and cancels a trial whose loss at an epoch is worse than the median of what
+  the finished trials had at that epoch (the median stopping rule),
+- reads each finished trial's final loss and loss curve with ``reader.metadata(handle)``, and prints
+  the best configurations.
 
-``--json`` prints a machine-readable summary instead of the table.
+``--json`` prints a machine-readable summary instead of the table. Afterwards,
+``TORCHX_TRACKERS=fsspec TORCHX_TRACKER_FSSPEC_CONFIG=ROOT/tracker.conf asynctorchx tracker list runs
+--parent-run-id DRIVER`` lists the trials (the summary gives both).
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
-import re
 import statistics
 import sys
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +43,9 @@ import anyio
 
 from asynctorchx import AsyncRunner
 from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.tracker import AsyncTrackerReader, MetadataUpdate, UnknownRunError
 
 TRAIN = Path(__file__).resolve().parent / "train_toy.py"
-LOSS_LINE = re.compile(r"epoch=(\d+) loss=([0-9.eE+-]+|nan|inf)")
-RESULT_LINE = re.compile(r"RESULT loss=([0-9.eE+-]+|nan|inf)")
 
 
 @dataclass
@@ -78,18 +87,34 @@ def trial_app(trial: Trial, epochs: int, epoch_seconds: float) -> AppDef:
     )
 
 
+def use_tracker(root: Path) -> None:
+    """Makes every app this process launches report to a file tracker under ``root``.
+
+    TorchX's launcher reads ``TORCHX_TRACKERS`` and ``TORCHX_TRACKER_<NAME>_CONFIG`` from its own
+    environment before ``.torchxconfig``; the runner passes them on to every role.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    conf = root / "tracker.conf"
+    conf.write_text(f"protocol=file\nroot_path={root}\n")
+    os.environ["TORCHX_TRACKERS"] = "fsspec"
+    os.environ["TORCHX_TRACKER_FSSPEC_CONFIG"] = str(conf)
+
+
 class Sweep:
-    """Runs the trials on one AsyncRunner."""
+    """Runs the trials on one AsyncRunner and follows them through one tracker reader."""
 
     def __init__(
         self,
         runner: AsyncRunner,
+        reader: AsyncTrackerReader,
         trials: list[Trial],
         concurrency: int,
         epochs: int,
         epoch_seconds: float,
     ):
         self.runner = runner
+        self.reader = reader
+        self.run_id = f"sweep-{uuid.uuid4().hex[:12]}"
         self.trials = trials
         self.concurrency = concurrency
         self.epochs = epochs
@@ -103,36 +128,57 @@ class Sweep:
         ]
         return statistics.median(done) if len(done) >= 3 else None
 
-    async def follow(self, trial: Trial) -> None:
-        """Reads the trial's losses as it prints them; cancels it when it falls behind the median."""
-        async for line in self.runner.log_lines(trial.handle, "trainer", should_tail=True):
-            m = LOSS_LINE.search(line)
-            if m:
-                epoch, loss = int(m.group(1)), float(m.group(2))
-                trial.losses[epoch] = loss
-                median = self.median_at(epoch)
-                if epoch >= 2 and median is not None and loss > 10 * median:
-                    trial.stopped_early = True
-                    await self.runner.cancel(trial.handle)
-                    return
-            elif r := RESULT_LINE.search(line):
-                trial.final_loss = float(r.group(1))
+    async def on_metadata(self, update: MetadataUpdate) -> None:
+        """Records a trial's loss at an epoch; cancels it when it falls far behind the median."""
+        trial = self.by_handle.get(update.run_id)
+        epoch, loss = update.entry.get("epoch"), update.entry.get("loss")
+        if trial is None or trial.stopped_early or not isinstance(epoch, int):
+            return
+        if not isinstance(loss, (int, float)):
+            return
+        trial.losses[epoch] = float(loss)
+        median = self.median_at(epoch)
+        if epoch >= 2 and median is not None and loss > 10 * median:
+            trial.stopped_early = True
+            await self.runner.cancel(trial.handle)
+
+    async def follow(self) -> None:
+        """Follows the metadata of every trial of this sweep, as they report it."""
+        async with contextlib.aclosing(
+            self.reader.watch_metadata(parent_run_id=self.run_id)
+        ) as updates:
+            async for update in updates:
+                await self.on_metadata(update)
+
+    async def finished(self, trial: Trial) -> None:
+        """Reads the final loss and the loss curve the trial recorded."""
+        try:
+            metadata = await self.reader.metadata(trial.handle)
+        except UnknownRunError:
+            return  # stopped before it reported anything
+        final, curve = metadata.get("final_loss"), metadata.get("losses")
+        if isinstance(final, (int, float)):
+            trial.final_loss = float(final)
+        if isinstance(curve, list):
+            trial.losses = {i: float(x) for i, x in enumerate(curve)}
 
     async def run(self) -> None:
         queue = list(self.trials)
         running: set[str] = set()
-        async with anyio.create_task_group() as followers:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.follow)
             while queue or running:
                 while queue and len(running) < self.concurrency:
                     trial = queue.pop(0)
                     trial.handle = await self.runner.run(
-                        trial_app(trial, self.epochs, self.epoch_seconds), "local_cwd"
+                        trial_app(trial, self.epochs, self.epoch_seconds),
+                        "local_cwd",
+                        parent_run_id=self.run_id,
                     )
                     trial.started = time.monotonic()
                     trial.state = "RUNNING"
                     self.by_handle[trial.handle] = trial
                     running.add(trial.handle)
-                    followers.start_soon(self.follow, trial)
                 self.max_running = max(self.max_running, len(running))
                 # the next trial to finish; the loop above then fills the freed slot
                 async with contextlib.aclosing(self.runner.as_completed(running)) as finished:
@@ -141,7 +187,10 @@ class Sweep:
                         trial.ended = time.monotonic()
                         trial.state = status.state.name if status else AppState.UNKNOWN.name
                         running.discard(handle)
+                        if trial.state == AppState.SUCCEEDED.name:
+                            await self.finished(trial)
                         break
+            tg.cancel_scope.cancel()
 
     def summary(self) -> dict[str, object]:
         finished = [t for t in self.trials if t.state == "SUCCEEDED" and t.final_loss is not None]
@@ -149,6 +198,7 @@ class Sweep:
             finished, key=lambda t: t.final_loss if t.final_loss is not None else float("inf")
         )
         return {
+            "driver_run_id": self.run_id,
             "trials": len(self.trials),
             "succeeded": len(finished),
             "stopped_early": sum(t.stopped_early for t in self.trials),
@@ -178,14 +228,23 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--epoch_seconds", type=float, default=0.05)
+    parser.add_argument(
+        "--tracker-root",
+        type=Path,
+        default=None,
+        help="where the trials' runs are recorded (default: a new temporary directory)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     args = parser.parse_args(argv)
 
+    root = args.tracker_root or Path(tempfile.mkdtemp(prefix="sweep-runs-"))
+    use_tracker(root)
     trials = [Trial(i, lr, mom) for i, (lr, mom) in enumerate(configs(args.trials))]
-    async with AsyncRunner(name="sweep") as runner:
-        sweep = Sweep(runner, trials, args.concurrency, args.epochs, args.epoch_seconds)
+    async with AsyncRunner(name="sweep") as runner, AsyncTrackerReader.from_root(root) as reader:
+        sweep = Sweep(runner, reader, trials, args.concurrency, args.epochs, args.epoch_seconds)
         await sweep.run()
     summary = sweep.summary()
+    summary["tracker_root"] = str(root)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -1,7 +1,10 @@
 """A toy "training" script for the sweep example: gradient descent with momentum on a noisy quadratic.
 
-It prints one ``epoch=<i> loss=<x>`` line per epoch (what the sweep driver reads while it runs) and a
-final ``RESULT loss=<x>`` line. Plain Python, so the example runs anywhere in a fraction of a second.
+It reports through the tracker (``asynctorchx.tracker.app_run_from_env()``, TorchX's API): one
+``add_metadata(epoch=<i>, loss=<x>)`` per epoch, which the sweep drivers follow while it runs, and at
+the end ``add_metadata(final_loss=<x>, losses=[...])``. It also prints ``epoch=<i> loss=<x>`` lines
+and a ``RESULT loss=<x>`` line for people reading its log. Plain Python (the tracker's job side
+imports no asyncio), so the example runs anywhere in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import argparse
 import random
 import time
+
+from asynctorchx.tracker import app_run_from_env
 
 
 def main() -> None:
@@ -20,7 +25,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
+    run = app_run_from_env()
+    run.add_metadata(lr=args.lr, momentum=args.momentum, seed=args.seed)
     rng = random.Random(args.seed)
+    losses = []
     w, velocity, target = 5.0, 0.0, 1.0
     loss = (w - target) ** 2
     for epoch in range(args.epochs):
@@ -28,9 +36,12 @@ def main() -> None:
             grad = 2 * (w - target) + rng.gauss(0, 0.05)
             velocity = args.momentum * velocity - args.lr * grad
             w += velocity
-        loss = (w - target) ** 2
+        loss = (w - target) ** 2 if abs(w) < 1e100 else float("inf")
+        losses.append(loss)
         print(f"epoch={epoch} loss={loss:.6g}", flush=True)
+        run.add_metadata(epoch=epoch, loss=loss)
         time.sleep(args.epoch_seconds)
+    run.add_metadata(final_loss=loss, losses=losses)
     print(f"RESULT loss={loss:.6g}", flush=True)
 
 

@@ -16,6 +16,8 @@ import pytest
 from aiohttp import ClientResponse
 from aiohttp.test_utils import TestClient, TestServer
 
+from asynctorchx.tracker.backend.fsspec import FsspecTracker
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
@@ -53,11 +55,21 @@ def load_example(name: str) -> ModuleType:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sweep_runs_every_trial_within_the_concurrency_limit(local_root: Path) -> None:
+def test_sweep_runs_every_trial_within_the_concurrency_limit(
+    local_root: Path, tmp_path: Path
+) -> None:
     """sweep.py --json finishes all trials, never runs more than --concurrency at once, stops the worst."""
     trials, concurrency = 12, 3
+    runs = tmp_path / "runs"
     proc = run_example(
-        "sweep.py", "--trials", str(trials), "--concurrency", str(concurrency), "--json"
+        "sweep.py",
+        "--trials",
+        str(trials),
+        "--concurrency",
+        str(concurrency),
+        "--tracker-root",
+        str(runs),
+        "--json",
     )
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
@@ -72,6 +84,52 @@ def test_sweep_runs_every_trial_within_the_concurrency_limit(local_root: Path) -
     assert 1 <= summary["max_overlap"] <= concurrency
     losses = [row["loss"] for row in summary["best"]]
     assert losses == sorted(losses) and len(losses) == min(5, summary["succeeded"])
+    # the metrics came through the tracker: every trial is a child of the driver's run
+    tracker = FsspecTracker(None, runs)
+    assert tracker.run_ids(parent_run_id=summary["driver_run_id"]) == sorted(states)
+    finals = sorted(
+        float(tracker.metadata(h)["final_loss"])  # type: ignore[arg-type]
+        for h, s in states.items()
+        if s == "SUCCEEDED"
+    )
+    assert losses == finals[: len(losses)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_optuna_study_finds_its_best_trial_through_the_tracker(
+    local_root: Path, tmp_path: Path
+) -> None:
+    """optuna_sweep.py runs a small study by ask/tell; its best trial is the lowest loss recorded."""
+    runs = tmp_path / "runs"
+    proc = run_example(
+        "optuna_sweep.py",
+        "--trials",
+        "8",
+        "--concurrency",
+        "3",
+        "--epochs",
+        "4",
+        "--tracker-root",
+        str(runs),
+        "--json",
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert summary["trials"] == 8
+    assert sum(summary["states"].values()) == 8
+    assert summary["states"]["COMPLETE"] >= 1
+    assert 1 <= summary["max_running"] <= 3
+    best = summary["best"]
+    assert best["value"] == min(summary["completed_values"])
+    assert 1e-3 <= best["params"]["lr"] <= 0.3 and 0.0 <= best["params"]["momentum"] <= 0.95
+    assert best["value"] < 1.0, "the toy problem starts at loss 16; the best trial must have learnt"
+    tracker = FsspecTracker(None, runs)
+    children = tracker.run_ids(parent_run_id=summary["driver_run_id"])
+    assert sorted(children) == sorted(summary["handles"])
+    [best_handle] = [h for h, n in summary["handles"].items() if n == best["number"]]
+    assert tracker.metadata(best_handle)["final_loss"] == best["value"]
 
 
 # -- multi_launch ----------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def test_concurrent_writers_keep_every_entry(conf: Path) -> None:
 
 def test_fsspec_protocols_work_through_fsspec(tmp_path: Path) -> None:
     """A non-local protocol (fsspec's memory file system) stores and reads runs in the same layout."""
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec  # the dev extra installs it (asynctorchx[tracker] for users)
+
     fs = fsspec.filesystem("memory")
     fs.makedirs("/trk", exist_ok=True)
     conf = tmp_path / "mem.conf"
@@ -142,7 +143,8 @@ def test_fsspec_protocols_work_through_fsspec(tmp_path: Path) -> None:
 
 def test_local_fsspec_filesystem_objects_use_the_local_path(tmp_path: Path) -> None:
     """FsspecTracker(fsspec LocalFileSystem, root) writes the local layout (atomic publication)."""
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec  # the dev extra installs it (asynctorchx[tracker] for users)
+
     tracker = FsspecTracker(fsspec.filesystem("file"), str(tmp_path))
     assert tracker.is_local
     tracker.add_metadata(RUN, a=1)
