@@ -274,6 +274,7 @@ class _Run:
     name: str
     run_id: str
     confirmed: bool
+    rejected: bool = False
     seen: set[str] = field(default_factory=set)
     merged: dict[str, object] = field(default_factory=dict)
     metadata_mtime: int | None = None
@@ -289,6 +290,7 @@ class _Scan:
     confirmed: bool
     metadata_mtime: int | None
     entries: list[tuple[str, Mapping[str, Any]]]
+    rejected: bool = False
 
 
 _DIR_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_ONLYDIR")
@@ -423,7 +425,14 @@ class _FileFollower:
         else:
             confirmed = True
         if not confirmed:
-            return _Scan(name, True, False, sources_dir, False, None, [])
+            # A job records its parent before anything else (app_run_from_env), so a run that has
+            # other sources, or metadata, without the parent never becomes a child: stop watching it.
+            sources = self.tracker.category_dir(run_id, SOURCES)
+            others = sources_dir and any(
+                decode_run_id(n) is not None for n, _ in fs.listdir(sources)
+            )
+            rejected = others or bool(self.tracker.entry_names(run_id, METADATA))
+            return _Scan(name, True, False, sources_dir, False, None, [], rejected)
         metadata_dir = self.tracker.category_dir(run_id, METADATA)
         new_mtime: int | None = None
         if fs.local:
@@ -492,7 +501,7 @@ class _FileFollower:
                 todo = []
                 for name in sorted(self.dirty):
                     run = self._run_for(name)
-                    if run is not None:
+                    if run is not None and not run.rejected:
                         todo.append(
                             (
                                 name,
@@ -508,6 +517,12 @@ class _FileFollower:
                 roots, scans = await self.reader._call(self._scan, scan_root, todo)
                 for scan in scans:
                     run = self.runs[scan.name]
+                    if scan.rejected:
+                        run.rejected = True
+                        for w in run.watches.values():
+                            w.cancel()
+                        run.watches.clear()
+                        continue
                     run.confirmed = run.confirmed or scan.confirmed
                     run.metadata_mtime = scan.metadata_mtime
                     if self._update_watches(run, scan):
