@@ -93,9 +93,10 @@ async def test_success(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None
     ]
     assert replicas[1].hostname == f"{name}-worker-1.{name}"
     described = await runner.describe(handle)
-    assert (
-        described is not None and described.name == "ok" and described.roles == [role(replicas=2)]
-    )
+    # the role as submitted: the runner adds the tracking job id (TorchX's runner does the same)
+    submitted = role(replicas=2)
+    submitted.env["TORCHX_JOB_ID"] = "kubernetes://test/${app_id}"
+    assert described is not None and described.name == "ok" and described.roles == [submitted]
 
 
 async def test_replica_macros_expand_per_pod(
