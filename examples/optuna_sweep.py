@@ -43,9 +43,9 @@ try:
 except ImportError:  # pragma: no cover - the message is the point
     sys.exit("this example needs Optuna: pip install 'asynctorchx[examples]'")
 
-# use_tracker comes from the sibling example sweep.py
+# shared with the sibling example sweep.py
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sweep import use_tracker
+from sweep import follow_children, use_tracker
 
 TRAIN = Path(__file__).resolve().parent / "train_toy.py"
 
@@ -99,13 +99,6 @@ class OptunaDriver:
             self.pruned.add(update.run_id)
             await self.runner.cancel(update.run_id)
 
-    async def follow(self) -> None:
-        async with contextlib.aclosing(
-            self.reader.watch_metadata(parent_run_id=self.run_id)
-        ) as updates:
-            async for update in updates:
-                await self.on_metadata(update)
-
     async def result(self, handle: str) -> float | None:
         """The final loss the trial recorded, or None."""
         try:
@@ -119,7 +112,7 @@ class OptunaDriver:
         asked = 0
         running: set[str] = set()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.follow)
+            tg.start_soon(follow_children, self.reader, self.run_id, self.on_metadata)
             while asked < self.n_trials or running:
                 while asked < self.n_trials and len(running) < self.concurrency:
                     trial = self.study.ask()

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,6 +101,17 @@ def use_tracker(root: Path) -> None:
     os.environ["TORCHX_TRACKER_FSSPEC_CONFIG"] = str(conf)
 
 
+async def follow_children(
+    reader: AsyncTrackerReader,
+    parent_run_id: str,
+    on_update: Callable[[MetadataUpdate], Awaitable[None]],
+) -> None:
+    """Calls ``on_update`` for each metadata entry any child of ``parent_run_id`` records."""
+    async with contextlib.aclosing(reader.watch_metadata(parent_run_id=parent_run_id)) as updates:
+        async for update in updates:
+            await on_update(update)
+
+
 class Sweep:
     """Runs the trials on one AsyncRunner and follows them through one tracker reader."""
 
@@ -142,14 +154,6 @@ class Sweep:
             trial.stopped_early = True
             await self.runner.cancel(trial.handle)
 
-    async def follow(self) -> None:
-        """Follows the metadata of every trial of this sweep, as they report it."""
-        async with contextlib.aclosing(
-            self.reader.watch_metadata(parent_run_id=self.run_id)
-        ) as updates:
-            async for update in updates:
-                await self.on_metadata(update)
-
     async def finished(self, trial: Trial) -> None:
         """Reads the final loss and the loss curve the trial recorded."""
         try:
@@ -166,7 +170,7 @@ class Sweep:
         queue = list(self.trials)
         running: set[str] = set()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self.follow)
+            tg.start_soon(follow_children, self.reader, self.run_id, self.on_metadata)
             while queue or running:
                 while queue and len(running) < self.concurrency:
                     trial = queue.pop(0)

@@ -23,3 +23,20 @@ def torchx_python() -> str:
             f"the TorchX 0.7 virtual environment ({VENV}; run benchmarks/setup_torchx.sh)"
         )
     return str(python)
+
+
+def run_torchx(code: str, **env: str) -> str:
+    """Runs ``code`` (dedented) with TorchX 0.7's Python and ``env`` added; returns its stdout."""
+    import os
+    import subprocess
+    import textwrap
+
+    proc = subprocess.run(
+        [torchx_python(), "-c", textwrap.dedent(code)],
+        env={**os.environ, "PYTHONPATH": "", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -11,7 +11,7 @@ from base64 import b32encode
 from pathlib import Path
 
 import pytest
-from _torchx_env import torchx_python
+from _torchx_env import run_torchx
 
 from asynctorchx.tracker.api import TrackerArtifact, TrackerError, TrackerSource
 from asynctorchx.tracker.backend.fsspec import FsspecTracker, create, decode_run_id, encode_run_id
@@ -152,19 +152,6 @@ def test_local_fsspec_filesystem_objects_use_the_local_path(tmp_path: Path) -> N
 
 
 # -- TorchX 0.7 itself ------------------------------------------------------------------------------
-
-
-def run_torchx(code: str, **env: str) -> str:
-    """Runs ``code`` with TorchX 0.7's Python; returns its stdout."""
-    proc = subprocess.run(
-        [torchx_python(), "-c", textwrap.dedent(code)],
-        env={**os.environ, "PYTHONPATH": "", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
 
 
 def test_torchx_reads_runs_written_by_asynctorchx(conf: Path) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
-from _torchx_env import torchx_python
+from _torchx_env import run_torchx
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner.config import ConfigFileError, apply, configured_trackers
@@ -167,15 +166,7 @@ def test_the_same_env_as_torchx_runner_dryrun(config: Path) -> None:
         get_runner("sess").dryrun(app, "local_cwd", parent_run_id="sweep-3")
         print(json.dumps(app.roles[0].env))
     """
-    proc = subprocess.run(
-        [torchx_python(), "-c", textwrap.dedent(code)],
-        env={**os.environ, "PYTHONPATH": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    theirs = json.loads(run_torchx(code).strip().splitlines()[-1])
     info = AsyncRunner("sess").dryrun(
         AppDef("app", [Role("w", image=".", entrypoint="python")]),
         "local_cwd",

@@ -8,14 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from pathlib import Path
 
 import anyio
 import pytest
 from _docker_env import docker_engine, python_image  # noqa: F401 - pytest fixtures
-from _torchx_env import torchx_python
+from _torchx_env import run_torchx
 from conftest import engine_missing
 
 from asynctorchx import AsyncRunner
@@ -83,19 +82,28 @@ def require_inotify() -> None:
         engine_missing("inotify")
 
 
-async def collect(
-    updates: AsyncGenerator[MetadataUpdate, None],
-    n: int,
-    got: list[MetadataUpdate],
-    timeout: float = 10,
-) -> None:
-    """Appends updates to ``got`` as they come, until there are ``n``."""
-    with anyio.fail_after(timeout):
-        async with contextlib.aclosing(updates) as it:
-            async for u in it:
-                got.append(u)
-                if len(got) == n:
-                    break
+@contextlib.asynccontextmanager
+async def following(
+    updates: AsyncGenerator[MetadataUpdate, None], n: int
+) -> AsyncIterator[list[MetadataUpdate]]:
+    """Collects ``n`` updates in a task; the body runs once the first one came (the watch is set up)."""
+    got: list[MetadataUpdate] = []
+    first = anyio.Event()
+
+    async def run() -> None:
+        with anyio.fail_after(10):
+            async with contextlib.aclosing(updates) as it:
+                async for u in it:
+                    got.append(u)
+                    first.set()
+                    if len(got) == n:
+                        break
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run)
+        with anyio.fail_after(10):
+            await first.wait()
+        yield got
 
 
 # -- one-shot queries -----------------------------------------------------------------------------
@@ -137,16 +145,7 @@ async def test_watch_yields_existing_then_new_metadata_of_fixed_runs(
     tracker = FsspecTracker(None, tmp_path)
     tracker.add_metadata("a", x=1)
     reader = AsyncTrackerReader(tracker, poll_interval=0.05)
-    got: list[MetadataUpdate] = []
-
-    async def follow() -> None:
-        await collect(reader.watch_metadata(["a", "b"]), 4, got)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        with anyio.fail_after(10):
-            while not got:
-                await anyio.sleep(0.01)  # the first update: the follower is set up
+    async with following(reader.watch_metadata(["a", "b"]), 4) as got:
         await anyio.to_thread.run_sync(lambda: tracker.add_metadata("a", x=2))
         await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=1))
         await anyio.to_thread.run_sync(lambda: tracker.add_metadata("c", z=1))
@@ -165,27 +164,18 @@ async def test_watch_by_parent_picks_up_children_launched_later(tmp_path: Path) 
     """watch_metadata(parent_run_id=) follows children that appear while it runs, and no others."""
     require_inotify()
     tracker = FsspecTracker(None, tmp_path)
+    tracker.add_source("trial-0", "sweep")
+    tracker.add_metadata("trial-0", loss=0)
+    tracker.add_metadata("old-orphan", a=0)
     reader = AsyncTrackerReader(tracker)
-    got: list[MetadataUpdate] = []
-    started = anyio.Event()
-
-    async def follow() -> None:
-        it = reader.watch_metadata(parent_run_id="sweep")
-        started.set()
-        await collect(it, 3, got)
 
     def write() -> None:
         tracker.add_metadata("orphan", a=0)
-        for i in range(3):
+        for i in (1, 2):
             tracker.add_source(f"trial-{i}", "sweep")
             tracker.add_metadata(f"trial-{i}", loss=i)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        await started.wait()
-        await anyio.sleep(
-            0.05
-        )  # let the generator start (nothing to wait on before its first item)
+    async with following(reader.watch_metadata(parent_run_id="sweep"), 3) as got:
         await anyio.to_thread.run_sync(write)
     assert sorted(u.run_id for u in got) == ["trial-0", "trial-1", "trial-2"]
 
@@ -196,21 +186,12 @@ async def test_watch_waits_for_files_written_in_place(tmp_path: Path) -> None:
     tracker = FsspecTracker(None, tmp_path)
     tracker.add_metadata("r", a=1)
     reader = AsyncTrackerReader(tracker)
-    got: list[MetadataUpdate] = []
-
-    async def follow() -> None:
-        await collect(reader.watch_metadata(["r"]), 2, got)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        with anyio.fail_after(10):
-            while not got:
-                await anyio.sleep(0.01)
+    async with following(reader.watch_metadata(["r"]), 2) as got:
         path = Path(tracker.category_dir("r", "metadata")) / "99999999999999999999"
         with open(path, "w") as f:
             f.write('{"metadata": {"b"')
             f.flush()
-            await anyio.sleep(0.1)
+            await anyio.sleep(0.1)  # the reader sees the cut-off entry meanwhile
             f.write(": 2}}")
     assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
 
@@ -253,16 +234,7 @@ async def test_other_trackers_are_followed_by_polling_their_metadata() -> None:
     tracker = DictTracker()
     tracker.add_metadata("r", a=1)
     reader = AsyncTrackerReader(tracker, poll_interval=0.02)
-    got: list[MetadataUpdate] = []
-
-    async def follow() -> None:
-        await collect(reader.watch_metadata(["r"]), 2, got)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        with anyio.fail_after(10):
-            while not got:
-                await anyio.sleep(0.01)
+    async with following(reader.watch_metadata(["r"]), 2) as got:
         tracker.add_metadata("r", b=2)
     assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
     assert await reader.metadata("r") == {"a": 1, "b": 2}
@@ -320,15 +292,7 @@ async def test_a_local_job_reports_and_the_reader_the_cli_and_torchx_read_it(tra
         print(json.dumps([list(t.run_ids(parent_run_id="driver-1")), t.metadata({handle!r}),
                           [a.name, a.path, a.metadata]]))
     """
-    proc = subprocess.run(
-        [torchx_python(), "-c", textwrap.dedent(code)],
-        env={**os.environ, "PYTHONPATH": ""},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    ids, metadata, artifact = json.loads(proc.stdout)
+    ids, metadata, artifact = json.loads(run_torchx(code))
     assert ids == [handle]
     # TorchX merges the entries in listing order, so which "epoch" wins is TorchX's chance
     assert metadata.pop("epoch") in (0, 1)

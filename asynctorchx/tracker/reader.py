@@ -158,18 +158,20 @@ class AsyncTrackerReader:
         if not self._exists(run_id):
             raise UnknownRunError(run_id, repr(self._tracker))
 
+    async def _read(self, run_id: str, read: Any) -> Any:
+        def known_then_read() -> Any:
+            self._known(run_id)
+            return read()
+
+        return await self._call(known_then_read)
+
     async def metadata(self, run_id: str) -> dict[str, object]:
         """The run's metadata, merged (later values win).
 
         Raises:
             UnknownRunError: the tracker has no such run.
         """
-
-        def read() -> dict[str, object]:
-            self._known(run_id)
-            return dict(self._tracker.metadata(run_id))
-
-        return dict(await self._call(read))
+        return dict(await self._read(run_id, lambda: self._tracker.metadata(run_id)))
 
     async def artifacts(self, run_id: str) -> dict[str, TrackerArtifact]:
         """The run's artifacts by name.
@@ -177,12 +179,7 @@ class AsyncTrackerReader:
         Raises:
             UnknownRunError: the tracker has no such run.
         """
-
-        def read() -> dict[str, TrackerArtifact]:
-            self._known(run_id)
-            return dict(self._tracker.artifacts(run_id))
-
-        return dict(await self._call(read))
+        return dict(await self._read(run_id, lambda: self._tracker.artifacts(run_id)))
 
     async def sources(self, run_id: str, artifact_name: str | None = None) -> list[TrackerSource]:
         """The run's sources (its parent run among them), optionally of one artifact only.
@@ -190,12 +187,9 @@ class AsyncTrackerReader:
         Raises:
             UnknownRunError: the tracker has no such run.
         """
-
-        def read() -> list[TrackerSource]:
-            self._known(run_id)
-            return list(self._tracker.sources(run_id, artifact_name))
-
-        return list(await self._call(read))
+        return list(
+            await self._read(run_id, lambda: list(self._tracker.sources(run_id, artifact_name)))
+        )
 
     # -- following ------------------------------------------------------------------------------
 

@@ -113,13 +113,8 @@ class _Storage:
 
     def _temp(self, tmp_dir: str, data: bytes) -> str:
         tmp = os.path.join(tmp_dir, f".tmp-{os.getpid()}-{time.time_ns()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
+        with open(tmp, "xb") as f:
+            f.write(data)
         return tmp
 
     def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
