@@ -212,6 +212,7 @@ def test_help_lists_every_command(cli: Cli) -> None:
         "list",
         "runopts",
         "builtins",
+        "tracker",
     ):
         assert re.search(rf"^\s+{command}\s", result.stdout, re.M), command
     assert "124" in result.stdout and "130" in result.stdout

@@ -19,6 +19,7 @@ from conftest import engine_missing
 
 from asynctorchx import AsyncRunner
 from asynctorchx.logs import _inotify
+from asynctorchx.schedulers.api import Stream
 from asynctorchx.specs import AppDef, AppState, Role
 from asynctorchx.tracker import AsyncTrackerReader, MetadataUpdate, UnknownRunError
 from asynctorchx.tracker.api import Lineage, TrackerArtifact, TrackerBase, TrackerSource
@@ -370,3 +371,44 @@ async def test_a_docker_job_reports_through_a_bind_mounted_tracker_root(
     result = cli("tracker", "list", "metadata", handle, "--json")
     assert json.loads(result.stdout)["loss"] == 0.5
     assert create(str(conf)).exists(handle)
+
+
+async def test_a_job_whose_tracker_cannot_be_imported_fails_naming_it(
+    tracked: Path, tmp_path: Path
+) -> None:
+    """A [torchx:tracker] factory missing in the job: app_run_from_env() fails the job, naming it."""
+    config = Path(os.environ["TORCHXCONFIG"])
+    config.write_text("[torchx:tracker]\nbroken = no_such_tracker_module:create\n")
+    async with AsyncRunner("trk-bad") as runner:
+        handle = await runner.run(reporter(0.5), "local_cwd")
+        status = await runner.wait(handle, timeout=60)
+        stderr = "".join(
+            [ln async for ln in runner.log_lines(handle, "trainer", streams=Stream.STDERR)]
+        )
+    assert status is not None and status.state == AppState.FAILED
+    assert (
+        "UnknownTrackerError: tracker 'broken': factory 'no_such_tracker_module:create' " in stderr
+    )
+
+
+def test_cli_tracker_errors_are_one_line(tracked: Path) -> None:
+    """No tracker configured, or an unknown one: one error line, exit code 2, no traceback."""
+    Path(os.environ["TORCHXCONFIG"]).write_text("")
+    result = cli("tracker", "list", "runs")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "no tracker is configured" in result.stderr
+    Path(os.environ["TORCHXCONFIG"]).write_text("[torchx:tracker]\nnope =\n")
+    result = cli("tracker", "list", "runs", "--json")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "unknown tracker 'nope'" in result.stderr
+
+
+def test_cli_dryrun_shows_the_parent_run_id(tracked: Path) -> None:
+    """run --dryrun --parent_run_id shows TORCHX_PARENT_RUN_ID in each replica's env; '' is refused."""
+    result = cli("run", "--dryrun", "--parent_run_id", "sweep-5", "utils.echo", "--msg", "hi")
+    assert result.returncode == 0, result.stderr
+    assert "env TORCHX_PARENT_RUN_ID=sweep-5" in result.stdout
+    assert "env TORCHX_TRACKERS=fsspec" in result.stdout
+    result = cli("run", "--dryrun", "--parent_run_id", "", "utils.echo")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "parent_run_id" in result.stderr
