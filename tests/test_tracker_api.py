@@ -335,3 +335,24 @@ def test_names_match_torchx() -> None:
     ):
         assert hasattr(api, name), name
     assert api.tracker_config_env_var_name("my_tracker") == "TORCHX_TRACKER_MY_TRACKER_CONFIG"
+
+
+@pytest.mark.parametrize("group", ["asynctorchx.tracker", "torchx.tracker"])
+def test_entry_point_trackers_resolve_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: str
+) -> None:
+    """A tracker name that is an entry point of asynctorchx.tracker or torchx.tracker is loaded."""
+    dist = tmp_path / "my_trackers-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-trackers\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{group}]\nmemtrk = test_tracker_api:make_memory_tracker\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    tracker = build_tracker("memtrk", "cfg-ep")
+    assert isinstance(tracker, MemoryTracker)
+    assert tracker.config == "cfg-ep"
+    (dist / "entry_points.txt").write_text(f"[{group}]\nmemtrk = no_such_mod_q:create\n")
+    with pytest.raises(UnknownTrackerError, match="tracker 'memtrk': its entry point"):
+        build_tracker("memtrk", None)
