@@ -243,6 +243,29 @@ async def test_other_trackers_are_followed_by_polling_their_metadata() -> None:
         await reader.metadata("missing")
 
 
+async def test_closing_the_reader_ends_active_watches(tmp_path: Path) -> None:
+    """aclose() ends a watch_metadata iteration that is waiting, with RuntimeError."""
+    tracker = FsspecTracker(None, tmp_path)
+    tracker.add_metadata("r", a=1)
+    reader = AsyncTrackerReader(tracker)
+    first = anyio.Event()
+    errors: list[Exception] = []
+
+    async def follow() -> None:
+        try:
+            async for _ in reader.watch_metadata(["r"]):
+                first.set()
+        except RuntimeError as e:
+            errors.append(e)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(follow)
+            await first.wait()
+            await reader.aclose()
+    assert [str(e) for e in errors] == ["the tracker reader is closed"]
+
+
 def test_bad_reader_arguments_are_rejected(tmp_path: Path) -> None:
     """poll_interval must be positive; run_ids and parent_run_id exclude each other."""
     with pytest.raises(ValueError, match="poll_interval"):

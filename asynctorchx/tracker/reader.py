@@ -80,6 +80,7 @@ class AsyncTrackerReader:
         self._tracker = tracker
         self._poll_interval = float(poll_interval)
         self._closed = False
+        self._followers: set[Any] = set()
 
     @classmethod
     def from_root(
@@ -122,8 +123,11 @@ class AsyncTrackerReader:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Marks the reader closed; later calls raise RuntimeError. Idempotent."""
+        """Closes the reader: active ``watch_metadata`` iterations end with RuntimeError, and so do
+        later calls. Idempotent."""
         self._closed = True
+        for follower in self._followers:
+            follower.wake.set()
 
     def _check(self) -> None:
         if self._closed:
@@ -220,9 +224,13 @@ class AsyncTrackerReader:
             follower: Any = _FileFollower(self, self._tracker, fixed, parent_run_id)
         else:
             follower = _PollingFollower(self, fixed, parent_run_id)
-        async with contextlib.aclosing(follower.updates()) as updates:
-            async for update in updates:
-                yield update
+        self._followers.add(follower)
+        try:
+            async with contextlib.aclosing(follower.updates()) as updates:
+                async for update in updates:
+                    yield update
+        finally:
+            self._followers.discard(follower)
 
 
 class _PollingFollower:
@@ -235,6 +243,7 @@ class _PollingFollower:
         self.fixed = fixed
         self.parent = parent
         self.last: dict[str, dict[str, object]] = {}
+        self.wake = asyncio.Event()
 
     def _round(self) -> list[MetadataUpdate]:
         tracker = self.reader.tracker
@@ -258,7 +267,8 @@ class _PollingFollower:
         while True:
             for update in await self.reader._call(self._round):
                 yield update
-            await anyio.sleep(self.reader._poll_interval)
+            with anyio.move_on_after(self.reader._poll_interval):
+                await self.wake.wait()
 
 
 @dataclass
