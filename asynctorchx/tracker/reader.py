@@ -444,10 +444,12 @@ class _FileFollower:
                 st = os.stat(metadata_dir)
             except FileNotFoundError:
                 return _Scan(name, True, False, sources_dir, True, None, [])
-            new_mtime = st.st_mtime_ns
-            # a directory changed within the last second may change again under the same mtime
-            if mtime is not None and new_mtime == mtime and time.time_ns() - mtime > 1_000_000_000:
+            if mtime is not None and st.st_mtime_ns == mtime:
                 return _Scan(name, True, True, sources_dir, True, mtime, [])
+            # Time stamps are coarse (a clock tick): an entry added in the same tick as the listing
+            # below would leave the mtime as it is. Only an mtime a second old is trusted.
+            recent = time.time_ns() - st.st_mtime_ns < 1_000_000_000
+            new_mtime = None if recent else st.st_mtime_ns
         entries = []
         for entry_name in self.tracker.entry_names(run_id, METADATA):
             if entry_name in seen:
