@@ -88,6 +88,8 @@ class AsyncTrackerReader:
     ) -> AsyncTrackerReader:
         """A reader of the file tracker whose runs are in the local directory ``root``.
 
+        Checks that ``root`` exists (one ``stat``, on the calling thread).
+
         Raises:
             TrackerConfigError: ``root`` is not an existing directory.
         """
@@ -103,6 +105,9 @@ class AsyncTrackerReader:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
     ) -> AsyncTrackerReader:
         """A reader of tracker ``name`` built with ``config`` as a job would build it.
+
+        The factory runs on the calling thread (the fsspec tracker reads its small config file);
+        build readers once, not per request.
 
         Raises:
             UnknownTrackerError, TrackerConfigError, TrackerError: see ``build_tracker``.
