@@ -192,6 +192,7 @@ class Sweep:
                         trial.state = status.state.name if status else AppState.UNKNOWN.name
                         running.discard(handle)
                         if trial.state == AppState.SUCCEEDED.name:
+                            trial.stopped_early = False  # it ended before the cancel reached it
                             await self.finished(trial)
                         break
             tg.cancel_scope.cancel()
