@@ -12,6 +12,10 @@ Sections::
     [cli:run]                   # default options of a CLI command
     scheduler = local_cwd
 
+    [limits:slurm]              # launch limits of a backend (``asynctorchx.runner.limits``)
+    max_concurrent_submits = 8
+    max_calls_per_second = 5
+
 Where the files are read from, highest precedence first:
 
 1. the file named by the ``TORCHXCONFIG`` environment variable, alone (an empty value reads none);
@@ -58,7 +62,7 @@ CONFIG_FILE = ".torchxconfig"
 ENV_TORCHXCONFIG = "TORCHXCONFIG"
 CONFIG_PREFIX_DELIM = ":"
 NONE_VALUE = "None"
-KNOWN_PREFIXES = ("component", "cli")
+KNOWN_PREFIXES = ("component", "cli", "limits")
 
 
 class ConfigFileError(ValueError):
@@ -210,7 +214,7 @@ def _check_sections(paths: Iterable[Path]) -> None:
                 if prefix not in KNOWN_PREFIXES or not rest:
                     _warn(
                         f"{path}: section [{section}] is ignored: a prefixed section is "
-                        f"[component:NAME] or [cli:COMMAND]"
+                        f"[component:NAME], [cli:COMMAND] or [limits:SCHEDULER]"
                     )
                 continue
             if schedulers is None:
