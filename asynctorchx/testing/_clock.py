@@ -155,6 +155,11 @@ class VirtualClock(_Clock):
         self._elapsed = target
 
     @property
+    def pending_timers(self) -> int:
+        """How many timers wait for the clock (e.g. tasks in ``sleep``): a test can wait for them."""
+        return sum(not t[2].cancelled for t in self._timers)
+
+    @property
     def next_due(self) -> float | None:
         """When the next pending timer is due (``monotonic`` seconds), or None."""
         while self._timers and self._timers[0][2].cancelled:
