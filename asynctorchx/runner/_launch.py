@@ -294,9 +294,9 @@ async def launch_group(
         else:
             stop = group.handles if cancel_on_exit else []
         left = await group._cleanup(stop, timeout)
-        if left:
+        if left and (failure is not None or not ended_normally):  # else raised below
             logger.warning(
-                "%d app(s) were not terminal %.0f s after their launch block cancelled them: %s",
+                "%d app(s) were not terminal %g s after their launch block cancelled them: %s",
                 len(left),
                 timeout,
                 ", ".join(left),
