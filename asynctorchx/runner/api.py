@@ -743,6 +743,7 @@ class AsyncRunner:
         await self._call(backend)
         if not await scheduler.exists(app_id):
             raise UnknownAppException(app_handle)
+        await self._call(backend)
         lines = scheduler.log_iter(app_id, role_name, k, regex, since, until, should_tail, streams)
         # one plain async-generator layer: cheaper per line than any hand-written __anext__
         try:

@@ -10,8 +10,9 @@ to one backend:
   a component is built or a dry run made.
 - ``max_calls_per_second``: how many control-plane calls the runner makes per second. One call each:
   a submit, a ``status``/``describe``, a status round of the StatusHub (one ``describe_many`` for
-  every app it follows, however many), a ``cancel``, a ``list``, the opening of a log by
-  ``log_lines`` (the lines read afterwards are not calls). What a backend does inside one of these
+  every app it follows, however many), a ``cancel``, a ``list``; two for the opening of a log by
+  ``log_lines`` (the app's existence check, then the log itself; the lines read afterwards are not
+  calls). What a backend does inside one of these
   (a local ``cancel`` that describes the app first, the default ``describe_many`` that describes
   apps one by one) is counted as the one call the runner made. With ``R`` calls per second the
   runner makes at most ``max(1, floor(R))`` calls in any window of ``max(1, floor(R)) / R``

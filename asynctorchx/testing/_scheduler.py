@@ -277,6 +277,10 @@ class ScriptedBackend:
     scheduler (the name must match). Nothing runs: no process, container or network call. The
     backend keeps the apps of every runner (session) that uses it, like a real cluster.
 
+    What the test can inspect: ``apps`` (by id, in submission order), ``calls`` (a Counter of the
+    operations: submit, describe, describe_many, cancel, list, log_iter), ``call_log`` (each call
+    with the clock's ``monotonic()`` time), ``in_flight_submits`` and ``max_in_flight_submits``.
+
     Args:
         name: the scheduler name it answers to (part of every handle).
         default: the script of apps no other script is chosen for (default: RUNNING from the
@@ -334,6 +338,7 @@ class ScriptedBackend:
         self.push = push
         self.apps: dict[str, ScriptedApp] = {}
         self.calls: collections.Counter[str] = collections.Counter()
+        self.call_log: list[tuple[str, float]] = []
         self.in_flight_submits = 0
         self.max_in_flight_submits = 0
         self._faults: dict[tuple[str, int], BaseException] = {}
@@ -401,6 +406,7 @@ class ScriptedBackend:
 
     def _call(self, operation: str) -> BaseException | None:
         self.calls[operation] += 1
+        self.call_log.append((operation, self.clock.monotonic()))
         return self._faults.get((operation, self.calls[operation]))
 
     def _notify(self, app_id: str) -> None:
