@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -454,3 +458,27 @@ async def test_virtual_clock_sleep_and_timers() -> None:
     assert sorted(woke) == [1.5, 11.5, 11.5]
     with pytest.raises(ValueError, match="in the past"):
         clock.advance_to(3)
+
+
+def test_the_readme_example_passes_as_written(tmp_path: Path) -> None:
+    """The README's complete pytest example for asynctorchx.testing runs and its 2 tests pass."""
+    root = Path(__file__).resolve().parent.parent
+    section = (root / "README.md").read_text().split("### Testing code that uses the runner", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "def test_" in code
+    (tmp_path / "test_readme_example.py").write_text(code)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_readme_example.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
