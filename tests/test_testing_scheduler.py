@@ -23,6 +23,7 @@ from asynctorchx.testing import (
     Fault,
     LogLine,
     ScriptedBackend,
+    ScriptedScheduler,
     ScriptError,
     Transition,
     VirtualClock,
@@ -482,3 +483,24 @@ def test_the_readme_example_passes_as_written(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("push", [True, False])
+async def test_waiters_share_status_rounds_seen_in_the_call_log(push: bool) -> None:
+    """200 waiters cost describe_many rounds (recorded with their app ids), never a describe each."""
+    slurm = ScriptedBackend("slurm", push=push)
+    fast = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
+    async with runner_for(slurm, poll_settings=fast) as runner:
+        handles = [await runner.run(app(f"a{i}"), "slurm") for i in range(200)]
+        waiters = [asyncio.create_task(runner.wait(h, timeout=10)) for h in handles]
+        await slurm.wait_until(lambda: slurm.described >= set(slurm.apps))
+        assert not any(w.done() for w in waiters)  # they wait on the hub, which saw them RUNNING
+        for app_id in slurm.apps:
+            slurm.set_state(app_id, AppState.SUCCEEDED)
+        results = await asyncio.gather(*waiters)
+        assert all(r is not None and r.state == AppState.SUCCEEDED for r in results)
+        rounds = [c.app_ids for c in slurm.call_log if c.operation == "describe_many"]
+        assert len(rounds) == runner.hub("slurm").rounds < 50
+        assert slurm.calls["describe"] == 0
+        view = runner._schedulers["slurm"]
+    assert isinstance(view, ScriptedScheduler) and view.closed

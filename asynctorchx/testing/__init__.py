@@ -22,6 +22,7 @@ wake as soon as the clock passes a transition. ``Fault`` makes the n-th call of 
 """
 
 from asynctorchx.testing._clock import VirtualClock as VirtualClock
+from asynctorchx.testing._scheduler import Call as Call
 from asynctorchx.testing._scheduler import ScriptedApp as ScriptedApp
 from asynctorchx.testing._scheduler import ScriptedBackend as ScriptedBackend
 from asynctorchx.testing._scheduler import ScriptedRequest as ScriptedRequest
@@ -35,6 +36,7 @@ from asynctorchx.testing._script import lines as lines
 
 __all__ = [
     "AppScript",
+    "Call",
     "Fault",
     "LogLine",
     "ScriptError",

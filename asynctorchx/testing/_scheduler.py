@@ -54,6 +54,21 @@ class ScriptedRequest:
 
 
 @dataclass(frozen=True)
+class Call:
+    """One call the backend received.
+
+    Args:
+        operation: submit, describe, describe_many, cancel, list or log_iter.
+        time: the backend clock's ``monotonic()`` when it was received.
+        app_ids: the apps it was about (all of them for describe_many; none for submit and list).
+    """
+
+    operation: str
+    time: float
+    app_ids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class _Line:
     at: float
     text: str
@@ -278,8 +293,9 @@ class ScriptedBackend:
     backend keeps the apps of every runner (session) that uses it, like a real cluster.
 
     What the test can inspect: ``apps`` (by id, in submission order), ``calls`` (a Counter of the
-    operations: submit, describe, describe_many, cancel, list, log_iter), ``call_log`` (each call
-    with the clock's ``monotonic()`` time), ``in_flight_submits`` and ``max_in_flight_submits``.
+    operations: submit, describe, describe_many, cancel, list, log_iter), ``call_log`` (each
+    ``Call`` with its time and app ids), ``described``, ``in_flight_submits`` and
+    ``max_in_flight_submits``; ``wait_until`` waits for a condition on them.
 
     Args:
         name: the scheduler name it answers to (part of every handle).
@@ -338,14 +354,14 @@ class ScriptedBackend:
         self.push = push
         self.apps: dict[str, ScriptedApp] = {}
         self.calls: collections.Counter[str] = collections.Counter()
-        self.call_log: list[tuple[str, float]] = []
+        self.call_log: list[Call] = []
         self.in_flight_submits = 0
         self.max_in_flight_submits = 0
         self._faults: dict[tuple[str, int], BaseException] = {}
         for fault in faults:
             self.add_fault(fault)
         self._views: list[ScriptedScheduler] = []
-        self._submitted = asyncio.Condition()
+        self._progress = asyncio.Event()
         self._ids = 0
 
     # -- the factory ----------------------------------------------------------------------------
@@ -397,17 +413,44 @@ class ScriptedBackend:
         Raises:
             TimeoutError: fewer were submitted within ``timeout`` real seconds.
         """
-        with anyio.fail_after(timeout):
-            async with self._submitted:
-                await self._submitted.wait_for(lambda: len(self.apps) >= count)
+        await self.wait_until(lambda: len(self.apps) >= count, timeout)
         return list(self.apps.values())
+
+    async def wait_until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:  # noqa: ASYNC109
+        """Returns once ``condition()`` holds; it is checked after every call and submission.
+
+        E.g. ``await backend.wait_until(lambda: "app-1" in backend.described)``: the runner has
+        seen the app's state.
+
+        Raises:
+            TimeoutError: it did not hold within ``timeout`` real seconds.
+        """
+        with anyio.fail_after(timeout):
+            while not condition():
+                await self._progress.wait()
+
+    @property
+    def described(self) -> set[str]:
+        """The ids of the apps that some ``describe`` or ``describe_many`` call asked about."""
+        return {
+            a
+            for c in self.call_log
+            if c.operation in ("describe", "describe_many")
+            for a in c.app_ids
+        }
 
     # -- for the schedulers ---------------------------------------------------------------------
 
-    def _call(self, operation: str) -> BaseException | None:
+    def _call(self, operation: str, app_ids: Sequence[str] = ()) -> BaseException | None:
         self.calls[operation] += 1
-        self.call_log.append((operation, self.clock.monotonic()))
+        self.call_log.append(Call(operation, self.clock.monotonic(), tuple(app_ids)))
+        self._poke()
         return self._faults.get((operation, self.calls[operation]))
+
+    def _poke(self) -> None:
+        """Wakes ``wait_until``."""
+        self._progress.set()
+        self._progress = asyncio.Event()
 
     def _notify(self, app_id: str) -> None:
         for view in self._views:
@@ -445,8 +488,7 @@ class ScriptedBackend:
             app._arm()
         finally:
             self.in_flight_submits -= 1
-        async with self._submitted:
-            self._submitted.notify_all()
+        self._poke()
         self._notify(app_id)
         return app_id
 
@@ -464,6 +506,11 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
     @property
     def pushes_changes(self) -> bool:  # type: ignore[override]
         return self.scripted.push
+
+    @property
+    def closed(self) -> bool:
+        """True once the runner closed this scheduler."""
+        return self._closed
 
     def _run_opts(self) -> runopts:
         return self.scripted.run_opts
@@ -488,7 +535,7 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
 
     async def describe(self, app_id: str) -> DescribeAppResponse | None:
         self._check_open()
-        fault = self.scripted._call("describe")
+        fault = self.scripted._call("describe", (app_id,))
         if fault is not None:
             raise fault
         app = self.scripted.apps.get(app_id)
@@ -496,7 +543,7 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
         self._check_open()
-        fault = self.scripted._call("describe_many")
+        fault = self.scripted._call("describe_many", app_ids)
         if fault is not None:
             raise fault
         apps = self.scripted.apps
@@ -504,7 +551,7 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
 
     async def cancel(self, app_id: str) -> None:
         self._check_open()
-        fault = self.scripted._call("cancel")
+        fault = self.scripted._call("cancel", (app_id,))
         if fault is not None:
             raise fault
         app = self.scripted.apps.get(app_id)
@@ -550,7 +597,7 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
             UnknownRoleException: no such role, or ``k`` is out of range.
         """
         self._check_open()
-        fault = self.scripted._call("log_iter")
+        fault = self.scripted._call("log_iter", (app_id,))
         if fault is not None:
             raise fault
         stream = Stream.COMBINED if streams is None else streams
