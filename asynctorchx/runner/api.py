@@ -387,15 +387,20 @@ class AsyncRunner:
         app_name = dryrun_info.app.name if dryrun_info.app is not None else ""
 
         def emit(phase: LaunchPhase, **fields: Any) -> None:
-            events.emit(
-                LaunchEvent(launch_id, backend, app_name, phase, timestamp=time.time(), **fields)
-            )
+            if events.listened:
+                events.emit(
+                    LaunchEvent(
+                        launch_id, backend, app_name, phase, timestamp=time.time(), **fields
+                    )
+                )
+
+        handles: list[AppHandle] = []
 
         def submitted(app_id: str) -> None:
-            handle = make_app_handle(backend, self._name, app_id)
+            handles.append(make_app_handle(backend, self._name, app_id))
             if guard is not None:
-                guard.on_submitted(handle)
-            emit(LaunchPhase.SUBMITTED, handle=handle)
+                guard.on_submitted(handles[0])
+            emit(LaunchPhase.SUBMITTED, handle=handles[0])
 
         try:
             async with (
@@ -416,7 +421,8 @@ class AsyncRunner:
                     on_result=submitted,
                 )
         except asyncio.CancelledError:
-            emit(LaunchPhase.CANCELLED)
+            if not handles:  # a guarded submit reports SUBMITTED, then the cancellation
+                emit(LaunchPhase.CANCELLED)
             raise
         except Exception as e:
             emit(LaunchPhase.FAILED, error=f"{type(e).__name__}: {e}")
