@@ -318,3 +318,10 @@ def test_bad_limits_in_torchxconfig_name_the_section_and_the_value(
     write_config(project, f"[limits:slurm]\n{section}\n")
     with pytest.raises(ValueError, match=message):
         get_runner()
+
+
+def test_an_absurd_rate_is_capped_not_a_crash() -> None:
+    """A huge but finite rate (1e300 calls/s) makes a limiter with a bounded burst, not an OverflowError."""
+    limiter = RateLimiter(1e300, VirtualClock())
+    assert limiter.burst == 100_000 and limiter.window < 1e-290
+    assert Limits(max_concurrent_submits=10**18).max_concurrent_submits == 10**18

@@ -504,3 +504,23 @@ async def test_waiters_share_status_rounds_seen_in_the_call_log(push: bool) -> N
         assert slurm.calls["describe"] == 0
         view = runner._schedulers["slurm"]
     assert isinstance(view, ScriptedScheduler) and view.closed
+
+
+async def test_a_10000_line_log_is_tailed_as_the_clock_moves() -> None:
+    """A 10 000-line script is tailed completely, each line once, as the virtual clock passes it."""
+    clock = VirtualClock()
+    script = AppScript(
+        states=[(0, AppState.RUNNING), (10_000, AppState.SUCCEEDED)],
+        logs=lines("trainer", [f"line {i}" for i in range(10_000)], every=1),
+    )
+    slurm = ScriptedBackend("slurm", script, clock=clock)
+    async with runner_for(slurm) as runner:
+        handle = await runner.run(app(), "slurm")
+        got: list[str] = []
+        clock.advance(100)
+        with anyio.fail_after(30):
+            async for line in runner.log_lines(handle, "trainer", should_tail=True):
+                got.append(line)
+                if len(got) % 100 == 0:
+                    clock.advance(100)
+        assert got == [f"line {i}\n" for i in range(10_000)]

@@ -152,6 +152,9 @@ class Limits:
         )
 
 
+_MAX_BURST = 100_000
+
+
 class RateLimiter:
     """At most ``max(1, floor(rate))`` grants in any window of ``max(1, floor(rate)) / rate`` seconds.
 
@@ -161,7 +164,8 @@ class RateLimiter:
 
     def __init__(self, rate: float, clock: Clock) -> None:
         self.rate = rate
-        self.burst = max(1, math.floor(rate))
+        # the burst is capped so that an absurd rate (1e300) costs no absurd memory
+        self.burst = max(1, min(math.floor(rate), _MAX_BURST))
         self.window = self.burst / rate
         self._clock = clock
         self._grants: collections.deque[float] = collections.deque(maxlen=self.burst)

@@ -115,6 +115,7 @@ class ScriptedApp:
                 self._lines[(line.role, line.replica)].append(_Line(line.at, part, line.stream))
         self._changed = asyncio.Event()
         self._timer: Timer | None = None
+        self._times: list[float] | None = None  # _event_times, until the timeline changes
 
     # -- the timeline ---------------------------------------------------------------------------
 
@@ -154,11 +155,13 @@ class ScriptedApp:
         return end is not None and end <= self.elapsed
 
     def _event_times(self) -> list[float]:
-        end = self.end
-        times = {t.at for t in self._timeline}
-        for lines in self._lines.values():
-            times.update(ln.at for ln in lines if end is None or ln.at <= end)
-        return sorted(times)
+        if self._times is None:
+            end = self.end
+            times = {t.at for t in self._timeline}
+            for lines in self._lines.values():
+                times.update(ln.at for ln in lines if end is None or ln.at <= end)
+            self._times = sorted(times)
+        return self._times
 
     def _arm(self) -> None:
         """Sets the timer of the next transition or log line (one timer per app at a time)."""
@@ -189,6 +192,7 @@ class ScriptedApp:
             )
         self._timeline = [t for t in self._timeline if t.at <= now]
         self._timeline.append(Transition(now, state, msg, num_restarts))
+        self._times = None
         self._changed_now()
         self._arm()
 
@@ -207,6 +211,7 @@ class ScriptedApp:
         if not kept or not is_terminal(kept[-1].state):
             kept.append(Transition(stop, AppState.CANCELLED, "cancelled"))
         self._timeline = kept
+        self._times = None
         self._changed_now()
         self._arm()
 
