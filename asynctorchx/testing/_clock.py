@@ -14,14 +14,15 @@ from datetime import datetime
 DEFAULT_START = 1_700_000_000.0
 
 
-def _seconds(value: object, what: str) -> float:
+def _seconds(value: object, what: str, error: type[ValueError] = ValueError) -> float:
+    """``value`` as seconds; ``error`` names ``what`` and the value unless it is finite and >= 0."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or value < 0
     ):
-        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+        raise error(f"{what} must be a finite number of seconds >= 0, got {value!r}")
     return float(value)
 
 

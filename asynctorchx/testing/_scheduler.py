@@ -347,10 +347,7 @@ class ScriptedBackend:
             raise ScriptError(
                 f"clock must be a VirtualClock (or None for real time), got {clock!r}"
             )
-        try:
-            self.submit_latency = _seconds(submit_latency, "submit_latency")
-        except ValueError as e:
-            raise ScriptError(str(e)) from None
+        self.submit_latency = _seconds(submit_latency, "submit_latency", ScriptError)
         self.name = name
         self.default = default or AppScript()
         self.scripts = scripts

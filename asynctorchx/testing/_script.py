@@ -8,13 +8,13 @@ inconsistent script fails the test at once with a message naming the offending v
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.specs.api import AppDef, AppState, is_terminal
+from asynctorchx.testing._clock import _seconds
 
 
 class ScriptError(ValueError):
@@ -22,14 +22,7 @@ class ScriptError(ValueError):
 
 
 def _time(value: object, what: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ScriptError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+    return _seconds(value, what, ScriptError)
 
 
 @dataclass(frozen=True)
