@@ -23,7 +23,7 @@ from asynctorchx import AsyncRunner
 from asynctorchx.runner import GangFailedError
 from asynctorchx.schedulers._local.procs import pid_alive
 from asynctorchx.specs import AppDef, AppState, AppStatus, Role, is_terminal
-from asynctorchx.testing import AppScript, ScriptedBackend, VirtualClock
+from asynctorchx.testing import AppScript, Fault, ScriptedBackend, VirtualClock
 
 if sys.version_info >= (3, 11):
     from builtins import ExceptionGroup
@@ -342,3 +342,32 @@ async def test_bad_arguments_are_clear_errors() -> None:
         with pytest.raises(RuntimeError, match="block has ended"):
             await group.launch(app(), "scripted")
         assert backend.apps == {}
+
+
+async def test_a_refused_submission_raises_to_the_block_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused submit raises its error from launched(); a cancellation during it wins over it; nothing is logged as a failed task."""
+    backend, clock, runner = scripted(
+        submit_latency=1,
+        faults=[Fault("submit", n, RuntimeError(f"refused {n}")) for n in (1, 2)],
+    )
+    async with runner:
+
+        async def block() -> None:
+            async with runner.launched(app(), "scripted"):
+                pytest.fail("the block should not be entered")
+
+        with caplog.at_level(logging.ERROR), pytest.raises(RuntimeError, match="refused 1"):
+            task = asyncio.create_task(block())
+            await poll_until(lambda: backend.in_flight_submits == 1, "the submission to start")
+            clock.advance(1)
+            await asyncio.wait_for(task, 10)
+        task = asyncio.create_task(block())
+        await poll_until(lambda: backend.in_flight_submits == 1, "the second submission")
+        task.cancel()
+        clock.advance(1)
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+    assert backend.apps == {}
+    assert "background task" not in caplog.text

@@ -75,6 +75,15 @@ def submit_guard() -> _SubmitGuard | None:
     return _SUBMIT_GUARD.get()
 
 
+async def _outcome(coro: Coroutine[Any, Any, T]) -> tuple[T | None, Exception | None]:
+    """``(result, None)`` or ``(None, exception)``: the caller gets the exception, not the
+    supervisor (which would log it as a failed background task)."""
+    try:
+        return await coro, None
+    except Exception as e:
+        return None, e
+
+
 async def shielded(
     supervisor: TaskSupervisor,
     coro: Coroutine[Any, Any, T],
@@ -85,13 +94,14 @@ async def shielded(
 
     ``coro`` runs as a task of ``supervisor``; the caller waits for it under an anyio shield (scope
     cancellation) and through ``Task.cancel()`` (native cancellation). ``on_result`` gets the result
-    first; then a cancellation that arrived meanwhile is raised, else the result returned.
+    first; then a cancellation that arrived meanwhile is raised (even if ``coro`` failed), else the
+    result is returned or ``coro``'s exception raised.
 
     Raises:
         RuntimeError: the supervisor was closed (the runner closed) before the task finished.
     """
     try:
-        task = supervisor.spawn(coro, name=name)
+        task = supervisor.spawn(_outcome(coro), name=name)
     except RuntimeError:
         raise RuntimeError("the runner is closed") from None
     cancelled: BaseException | None = None
@@ -103,12 +113,14 @@ async def shielded(
                 cancelled = e
     if task.cancelled():
         raise RuntimeError(f"the runner was closed during {name}")
-    result = task.result()  # raises the task's exception, if any
-    if on_result is not None:
-        on_result(result)
+    result, error = task.result()
+    if error is None and on_result is not None:
+        on_result(result)  # type: ignore[arg-type]  # coro returned a T
     if cancelled is not None:
         raise cancelled
-    return result
+    if error is not None:
+        raise error
+    return result  # type: ignore[return-value]  # coro returned a T
 
 
 def _check_timeout(value: object) -> float:
