@@ -11,10 +11,20 @@ Endpoints (``{scheduler}/{app_id}`` are the last two parts of an app handle):
   Server-Sent Events, following the tail until the app ends (one ``data:`` event per line, then an
   ``event: end`` with the final state);
 - ``POST /apps/{scheduler}/{app_id}/wait`` waits for the app and answers its final status;
-- ``DELETE /apps/{scheduler}/{app_id}`` cancels the app.
+- ``DELETE /apps/{scheduler}/{app_id}`` cancels the app;
+- ``POST /runs`` with the body of ``POST /apps`` (plus optional ``"role"`` and ``"replica"``) is an
+  attached run: it launches the component and streams that replica's log as Server-Sent Events
+  until the app ends. The app lives no longer than the request: a client that disconnects
+  mid-stream gets its app cancelled (``runner.launched``).
 
 Any number of clients can launch and stream at once: the runner's StatusHub shares one status loop
-per scheduler between all of them, and each log stream is its own async generator.
+per scheduler between all of them, and each log stream is its own async generator. The runner is
+made by ``get_runner``, so ``[limits:SCHEDULER]`` sections of ``.torchxconfig`` bound how many
+submits the service has in flight and how many calls per second it makes to each backend; a launch
+beyond the limit waits for its turn.
+
+Its tests (``tests/test_example_service.py``) run it on ``asynctorchx.testing``'s scripted
+scheduler: no process is started.
 """
 
 from __future__ import annotations
@@ -23,19 +33,21 @@ import argparse
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
-from asynctorchx import AsyncRunner
+from asynctorchx import AsyncRunner, get_runner
 from asynctorchx.specs import make_app_handle
 
 RUNNER = web.AppKey("runner", AsyncRunner)
 SESSION = web.AppKey("session_name", str)
+RUNNER_OPTIONS = web.AppKey("runner_options", dict[str, Any])
 
 
 async def runner_ctx(app: web.Application) -> AsyncIterator[None]:
     """Opens one AsyncRunner for the service's lifetime; closing it stops the local apps it launched."""
-    async with AsyncRunner(name=app[SESSION]) as runner:
+    async with get_runner(app[SESSION], **app[RUNNER_OPTIONS]) as runner:
         app[RUNNER] = runner
         yield
 
@@ -51,21 +63,41 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-async def launch(request: web.Request) -> web.Response:
-    runner = request.app[RUNNER]
+async def _launch_request(request: web.Request) -> tuple[str, list[str], str, dict[str, Any]]:
+    """``(component, args, scheduler, body)`` of a launch request.
+
+    Raises:
+        web.HTTPBadRequest: the body is not such a JSON object.
+    """
     try:
         body = await request.json()
         component = body["component"]
         args = [str(a) for a in body.get("args", [])]
         scheduler = body.get("scheduler", "local_cwd")
-    except (ValueError, KeyError, TypeError) as e:
-        return _error(
-            400, f"expected a JSON body with 'component' and optional 'args', 'scheduler': {e}"
-        )
+        if not isinstance(component, str) or not isinstance(scheduler, str):
+            raise TypeError("'component' and 'scheduler' must be strings")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise web.HTTPBadRequest(
+            text=json.dumps(
+                {
+                    "error": "expected a JSON body with 'component' and optional 'args', "
+                    f"'scheduler': {e}"
+                }
+            ),
+            content_type="application/json",
+        ) from None
+    return component, args, scheduler, body
+
+
+async def launch(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER]
+    component, args, scheduler, _ = await _launch_request(request)
     try:
         handle = await runner.run_component(component, args, scheduler)
     except (ValueError, LookupError) as e:  # unknown component/scheduler, bad args or cfg
         return _error(400, str(e))
+    except Exception as e:  # the backend refused the submission
+        return _error(502, f"the scheduler {scheduler!r} did not accept the app: {e}")
     app_id = handle.rsplit("/", 1)[1]
     return web.json_response(
         {"handle": handle, "scheduler": scheduler, "app_id": app_id}, status=201
@@ -95,7 +127,6 @@ async def cancel(request: web.Request) -> web.Response:
 
 
 async def logs(request: web.Request) -> web.StreamResponse:
-    runner = request.app[RUNNER]
     handle = _handle(request)
     role = request.query.get("role")
     if not role:
@@ -104,6 +135,14 @@ async def logs(request: web.Request) -> web.StreamResponse:
         replica = int(request.query.get("replica", "0"))
     except ValueError:
         return _error(400, f"replica must be an integer, got {request.query.get('replica')!r}")
+    return await _stream_log(request, handle, role, replica)
+
+
+async def _stream_log(
+    request: web.Request, handle: str, role: str, replica: int
+) -> web.StreamResponse:
+    """Streams a replica's log as Server-Sent Events until the app ends, then its final state."""
+    runner = request.app[RUNNER]
     # aclosing: a client that goes away mid-stream stops the tail at once
     async with contextlib.aclosing(
         runner.log_lines(handle, role, replica, should_tail=True)
@@ -120,11 +159,46 @@ async def logs(request: web.Request) -> web.StreamResponse:
             await response.write(_sse(first))
             async for line in lines:
                 await response.write(_sse(line))
-    final = await runner.status(handle)
+    final = await runner.wait(handle)
     state = final.state.name if final else "UNKNOWN"
     await response.write(f"event: end\ndata: {json.dumps({'state': state})}\n\n".encode())
     await response.write_eof()
     return response
+
+
+async def attached_run(request: web.Request) -> web.StreamResponse:
+    """Launches a component for the duration of the request and streams its log.
+
+    ``runner.launched`` cancels the app (and waits for its end) if the handler is cancelled, which
+    aiohttp does when the client disconnects (``handler_cancellation=True``), if streaming fails,
+    or if the request ends before the app did (an unknown role, say).
+    """
+    runner = request.app[RUNNER]
+    component, args, scheduler, body = await _launch_request(request)
+    role = body.get("role")
+    replica = body.get("replica", 0)
+    if not isinstance(replica, int) or isinstance(replica, bool):
+        return _error(400, f"replica must be an integer, got {replica!r}")
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            # the app never outlives the request: cancelled on errors, disconnection, or the end
+            handle = await stack.enter_async_context(
+                runner.launched(
+                    component,
+                    scheduler,
+                    component_args=args,
+                    cancel_on_normal_exit=True,
+                    cleanup_timeout=30,
+                )
+            )
+        except (ValueError, LookupError) as e:  # unknown component/scheduler, bad args or cfg
+            return _error(400, str(e))
+        except Exception as e:  # the backend refused the submission
+            return _error(502, f"the scheduler {scheduler!r} did not accept the app: {e}")
+        if role is None:
+            described = await runner.describe(handle)
+            role = described.roles[0].name if described and described.roles else ""
+        return await _stream_log(request, handle, str(role), replica)
 
 
 def _sse(line: str) -> bytes:
@@ -132,16 +206,24 @@ def _sse(line: str) -> bytes:
     return f"data: {json.dumps(line)}\n\n".encode()
 
 
-def make_app(session_name: str = "service") -> web.Application:
-    """The aiohttp application (tests serve it on an ephemeral port)."""
+def make_app(session_name: str = "service", **runner_options: Any) -> web.Application:
+    """The aiohttp application (tests serve it on an ephemeral port).
+
+    Args:
+        session_name: the runner's session name (part of every handle).
+        **runner_options: passed to ``get_runner`` (tests give ``scheduler_factories=``, a service
+            may give ``limits=`` instead of ``.torchxconfig`` sections).
+    """
     app = web.Application()
     app[SESSION] = session_name
+    app[RUNNER_OPTIONS] = dict(runner_options)
     app.cleanup_ctx.append(runner_ctx)
     app.router.add_post("/apps", launch)
     app.router.add_get("/apps/{scheduler}/{app_id}", status)
     app.router.add_post("/apps/{scheduler}/{app_id}/wait", wait)
     app.router.add_delete("/apps/{scheduler}/{app_id}", cancel)
     app.router.add_get("/apps/{scheduler}/{app_id}/logs", logs)
+    app.router.add_post("/runs", attached_run)
     return app
 
 
@@ -152,7 +234,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     args = parser.parse_args()
-    web.run_app(make_app(), host=args.host, port=args.port)
+    # a client that disconnects cancels its handler: its attached run is then cancelled too
+    web.run_app(make_app(), host=args.host, port=args.port, handler_cancellation=True)
 
 
 if __name__ == "__main__":

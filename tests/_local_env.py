@@ -37,3 +37,13 @@ async def wait_for(
                 await changed.wait()
     finally:
         unsubscribe()
+
+
+async def poll_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Polls ``condition()`` (bounded, every 10 ms) until it is true: for outside facts like pids."""
+    try:
+        with anyio.fail_after(timeout):
+            while not condition():
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None

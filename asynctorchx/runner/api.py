@@ -9,6 +9,7 @@ status round per tick, not a thousand polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -22,7 +23,19 @@ from typing import Any, TypeVar
 import anyio
 
 from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.runner import _launch
 from asynctorchx.runner.hub import PollSettings, StatusHub, _Entry
+from asynctorchx.runner.limits import (
+    BackendLimiter,
+    Clock,
+    LaunchEvent,
+    LaunchEvents,
+    LaunchEventStream,
+    LaunchPhase,
+    Limits,
+    SystemClock,
+    make_limiters,
+)
 from asynctorchx.schedulers import (
     SchedulerFactory,
     builtin_scheduler_factory,
@@ -95,8 +108,17 @@ class AsyncRunner:
         component_defaults: per-component default arguments, ``{component: {arg: value}}``.
         poll_settings: how the status hubs pace their rounds.
         scheduler_factories: the backends to use instead of the registry's (builtins and plugins);
-            a seam for tests and for embedding custom backends.
+            a seam for tests and for embedding custom backends (``asynctorchx.testing``). A factory
+            registered as ``name`` must make a scheduler whose ``backend`` is ``name``.
+        limits: per-backend launch limits, ``{backend: Limits(...)}`` or ``{backend: {key: value}}``
+            (see ``asynctorchx.runner.limits``).
+        clock: the time source of the rate limits (``asynctorchx.testing.VirtualClock`` in tests);
+            waiting, timeouts and status polling always use real time.
         **scheduler_params: passed to every scheduler factory (each takes what it knows).
+
+    Raises:
+        ValueError: a bad name or a bad limit (naming the backend and the value).
+        UnknownSchedulerException: ``limits`` names a backend that does not exist.
     """
 
     def __init__(
@@ -106,6 +128,8 @@ class AsyncRunner:
         *,
         poll_settings: PollSettings | None = None,
         scheduler_factories: Mapping[str, SchedulerFactory] | None = None,
+        limits: Mapping[str, Limits | Mapping[str, object]] | None = None,
+        clock: Clock | None = None,
         **scheduler_params: Any,
     ) -> None:
         if (
@@ -130,6 +154,11 @@ class AsyncRunner:
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
         self._trackers: list[TrackerSetting] | None = None  # .torchxconfig's, read at first dry run
+        self._limiters: dict[str, BackendLimiter] = make_limiters(limits, clock or SystemClock())
+        for backend in self._limiters:
+            if self._factory(backend) is None:
+                raise UnknownSchedulerException(backend, self._available())
+        self._launch_events = LaunchEvents()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -165,6 +194,7 @@ class AsyncRunner:
         self._state = _Lifecycle.CLOSED
         for queue in self._readers:
             queue.put_nowait(_CLOSED)
+        self._launch_events.close()
         with anyio.CancelScope(shield=True):
             for hub in self._hubs.values():
                 await hub.aclose()
@@ -216,6 +246,11 @@ class AsyncRunner:
             if factory is None:
                 raise UnknownSchedulerException(backend, self._available())
             scheduler = factory(self._name, **self._scheduler_params)
+            if scheduler.backend != backend:
+                raise ValueError(
+                    f"the scheduler factory registered as {backend!r} made a scheduler of backend "
+                    f"{scheduler.backend!r}: register it under {scheduler.backend!r}"
+                )
             self._schedulers[backend] = scheduler
         return scheduler
 
@@ -223,7 +258,13 @@ class AsyncRunner:
         self._check_open()
         hub = self._hubs.get(backend)
         if hub is None:
-            hub = StatusHub(self._scheduler(backend), self._supervisor, self._poll_settings)
+            limiter = self._limiters.get(backend)
+            hub = StatusHub(
+                self._scheduler(backend),
+                self._supervisor,
+                self._poll_settings,
+                before_round=None if limiter is None else limiter.call,
+            )
             self._hubs[backend] = hub
         return hub
 
@@ -354,9 +395,164 @@ class AsyncRunner:
         backend = dryrun_info.scheduler
         if backend is None:
             raise ValueError("the dry run has no scheduler: make it with runner.dryrun(...)")
-        app_id = await self._scheduler(backend).schedule(dryrun_info)
+        scheduler = self._scheduler(backend)
+        app_id = await self._submit(backend, scheduler, dryrun_info)
         self._hub(backend).track(app_id, submitted=True)
         return make_app_handle(backend, self._name, app_id)
+
+    async def _submit(
+        self, backend: str, scheduler: Scheduler[Any], dryrun_info: AppDryRunInfo[Any]
+    ) -> str:
+        """The backend's ``schedule``, through the backend's limits, reported to launch_events."""
+        limiter = self._limiters.get(backend)
+        guard = _launch.submit_guard()
+        events = self._launch_events
+        if limiter is None and guard is None and not events.listened:
+            return await scheduler.schedule(dryrun_info)  # the plain path: no cost per launch
+        launch_id = events.new_id()
+        app_name = dryrun_info.app.name if dryrun_info.app is not None else ""
+
+        def emit(phase: LaunchPhase, **fields: Any) -> None:
+            if events.listened:
+                events.emit(
+                    LaunchEvent(
+                        launch_id, backend, app_name, phase, timestamp=time.time(), **fields
+                    )
+                )
+
+        handles: list[AppHandle] = []
+
+        def submitted(app_id: str) -> None:
+            handles.append(make_app_handle(backend, self._name, app_id))
+            if guard is not None:
+                guard.on_submitted(handles[0])
+            emit(LaunchPhase.SUBMITTED, handle=handles[0])
+
+        try:
+            async with (
+                limiter.submit(lambda n: emit(LaunchPhase.QUEUED, waiting=n))
+                if limiter is not None
+                else contextlib.nullcontext()
+            ):
+                emit(LaunchPhase.SENT)
+                if guard is None:
+                    app_id = await scheduler.schedule(dryrun_info)
+                    submitted(app_id)
+                    return app_id
+                # a launch block must learn the id of what it submitted, even if cancelled meanwhile
+                return await _launch.shielded(
+                    self._supervisor,
+                    scheduler.schedule(dryrun_info),
+                    name=f"submit:{backend}",
+                    on_result=submitted,
+                )
+        except asyncio.CancelledError:
+            if not handles:  # a guarded submit reports SUBMITTED, then the cancellation
+                emit(LaunchPhase.CANCELLED)
+            raise
+        except Exception as e:
+            emit(LaunchPhase.FAILED, error=f"{type(e).__name__}: {e}")
+            raise
+
+    async def _call(self, backend: str) -> None:
+        """Waits for the backend's call-rate limit, if it has one."""
+        limiter = self._limiters.get(backend)
+        if limiter is not None:
+            await limiter.call()
+
+    # -- embedding ------------------------------------------------------------------------------
+
+    def launched(
+        self,
+        app: AppDef | str,
+        scheduler: str,
+        cfg: Mapping[str, CfgVal] | None = None,
+        *,
+        component_args: Sequence[str] | Mapping[str, Any] | None = None,
+        cancel_on_exit: bool = True,
+        cancel_on_normal_exit: bool = False,
+        cleanup_timeout: float = _launch.DEFAULT_CLEANUP_TIMEOUT,
+        **run_kwargs: Any,
+    ) -> contextlib.AbstractAsyncContextManager[AppHandle]:
+        """Launches an app for the duration of an ``async with`` block, which gets its handle.
+
+        ``async with runner.launched(app, "slurm") as handle:`` — when the block is left by an
+        exception or because the enclosing task was cancelled, the app is cancelled and waited for
+        until it is terminal (shielded from further cancellation, at most ``cleanup_timeout``
+        seconds); when the block ends normally the app keeps running, unless
+        ``cancel_on_normal_exit``. A cancellation that arrives while the backend is being asked
+        waits for its answer, so that the app it made is cancelled too.
+
+        Args:
+            app: an ``AppDef``, or a component name (as ``run_component`` takes).
+            scheduler: the backend.
+            cfg: its run options.
+            component_args: the component's arguments (only with a component name).
+            cancel_on_exit: cancel the app when the block raises or is cancelled.
+            cancel_on_normal_exit: cancel it also when the block ends normally.
+            cleanup_timeout: how long leaving the block may wait for the app to end.
+            **run_kwargs: passed to ``run``/``run_component`` as they are.
+
+        Raises:
+            TimeoutError: on a normal exit with ``cancel_on_normal_exit``, the app was not terminal
+                after ``cleanup_timeout`` (on other exits this is logged: their exception wins).
+            ValueError: ``cleanup_timeout`` is not a finite number > 0.
+        """
+        return _launch.launched(
+            self,
+            app,
+            scheduler,
+            cfg,
+            component_args=component_args,
+            cancel_on_exit=cancel_on_exit,
+            cancel_on_normal_exit=cancel_on_normal_exit,
+            cleanup_timeout=cleanup_timeout,
+            **run_kwargs,
+        )
+
+    def launch_group(
+        self,
+        *,
+        gang: bool = False,
+        cancel_on_exit: bool = True,
+        cancel_on_normal_exit: bool = False,
+        cleanup_timeout: float = _launch.DEFAULT_CLEANUP_TIMEOUT,
+    ) -> contextlib.AbstractAsyncContextManager[_launch.LaunchGroup]:
+        """A block that owns the apps launched through it: ``async with runner.launch_group() as g``.
+
+        ``await g.launch(app_or_component, scheduler, cfg, component_args=...)`` submits an app
+        (from any task inside the block); ``await g.wait()`` waits for all of them. Leaving the
+        block by an exception or a cancellation cancels every app of the group, as ``launched``
+        does for one. With ``gang=True``, an app that ends without succeeding (FAILED, CANCELLED by
+        someone else, or lost) cancels the block and every other app, and the block raises
+        ``GangFailedError``; the gang is watched while the block runs.
+
+        Raises:
+            GangFailedError: in a gang, an app did not succeed (the others were cancelled).
+            TimeoutError: as for ``launched``.
+        """
+        return _launch.launch_group(
+            self,
+            gang=gang,
+            cancel_on_exit=cancel_on_exit,
+            cancel_on_normal_exit=cancel_on_normal_exit,
+            cleanup_timeout=cleanup_timeout,
+        )
+
+    def launch_events(self) -> LaunchEventStream:
+        """The ``LaunchEvent`` of every launch from now on (QUEUED, SENT, SUBMITTED, FAILED, CANCELLED).
+
+        A launch waiting for a submit slot has no app handle yet, so ``watch`` cannot report it;
+        this stream does. Use it as ``async with runner.launch_events() as events:``; it ends when
+        the runner closes.
+        """
+        self._check_open()
+        return self._launch_events.stream()
+
+    def limits(self, scheduler: str) -> Limits | None:
+        """The limits this runner applies to ``scheduler`` (None: none)."""
+        limiter = self._limiters.get(scheduler)
+        return None if limiter is None else limiter.limits
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -381,6 +577,7 @@ class AsyncRunner:
         """The app's current status, or None when its scheduler does not know it."""
         self._check_open()
         backend, app_id = self._split(app_handle)
+        await self._call(backend)
         response = await self._scheduler(backend).describe(app_id)
         self._hub(backend).record(app_id, response)
         return None if response is None else response.to_status()
@@ -538,6 +735,7 @@ class AsyncRunner:
         """Asks the scheduler to stop the app; returns without waiting for it to end. Idempotent."""
         self._check_open()
         backend, app_id = self._split(app_handle)
+        await self._call(backend)
         await self._scheduler(backend).cancel(app_id)
         self._hub(backend).refresh(app_id)
 
@@ -545,6 +743,7 @@ class AsyncRunner:
         """The app as its scheduler knows it (roles may be partial on some backends), or None."""
         self._check_open()
         backend, app_id = self._split(app_handle)
+        await self._call(backend)
         response = await self._scheduler(backend).describe(app_id)
         if response is None:
             return None
@@ -573,8 +772,10 @@ class AsyncRunner:
         self._check_open()
         backend, app_id = self._split(app_handle)
         scheduler = self._scheduler(backend)
+        await self._call(backend)
         if not await scheduler.exists(app_id):
             raise UnknownAppException(app_handle)
+        await self._call(backend)
         lines = scheduler.log_iter(app_id, role_name, k, regex, since, until, should_tail, streams)
         # one plain async-generator layer: cheaper per line than any hand-written __anext__
         try:
@@ -588,7 +789,9 @@ class AsyncRunner:
     async def list(self, scheduler: str) -> list[ListAppResponse]:
         """The apps ``scheduler`` knows, with their handles filled in."""
         self._check_open()
-        apps = await self._scheduler(scheduler).list()
+        backend = self._scheduler(scheduler)
+        await self._call(scheduler)
+        apps = await backend.list()
         return [
             ListAppResponse(
                 app_id=a.app_id,
@@ -612,11 +815,18 @@ class AsyncRunner:
 def get_runner(
     name: str | None = None,
     component_defaults: Mapping[str, Mapping[str, str]] | None = None,
+    *,
+    limits: Mapping[str, Limits | Mapping[str, object]] | None = None,
     **scheduler_params: Any,
 ) -> AsyncRunner:
     """An unopened AsyncRunner; use it as ``async with get_runner() as runner:``.
 
-    ``[component:NAME]`` sections of ``.torchxconfig`` supply component defaults unless given.
+    ``[component:NAME]`` sections of ``.torchxconfig`` supply component defaults unless given;
+    ``[limits:SCHEDULER]`` sections supply the limits of the schedulers ``limits`` does not name.
+
+    Raises:
+        ValueError: a bad ``[limits:SCHEDULER]`` section (names it, the key and the value).
+        UnknownSchedulerException: limits for a scheduler that does not exist.
     """
     if component_defaults is None:
         try:
@@ -625,4 +835,10 @@ def get_runner(
             component_defaults = load_sections(prefix="component")
         except ImportError:
             component_defaults = None
-    return AsyncRunner(name or DEFAULT_SESSION_NAME, component_defaults, **scheduler_params)
+    from asynctorchx.runner.limits import limits_from_config
+
+    merged: dict[str, Limits | Mapping[str, object]] = dict(limits_from_config())
+    merged.update(limits or {})
+    return AsyncRunner(
+        name or DEFAULT_SESSION_NAME, component_defaults, limits=merged, **scheduler_params
+    )

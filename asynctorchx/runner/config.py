@@ -18,6 +18,10 @@ Sections::
     [tracker:fsspec]            # a tracker's config string, passed to its factory in the job
     config = /shared/tracker.conf
 
+    [limits:slurm]              # launch limits of a backend (``asynctorchx.runner.limits``)
+    max_concurrent_submits = 8
+    max_calls_per_second = 5
+
 Where the files are read from, highest precedence first:
 
 1. the file named by the ``TORCHXCONFIG`` environment variable, alone (an empty value reads none);
@@ -71,7 +75,7 @@ CONFIG_FILE = ".torchxconfig"
 ENV_TORCHXCONFIG = "TORCHXCONFIG"
 CONFIG_PREFIX_DELIM = ":"
 NONE_VALUE = "None"
-KNOWN_PREFIXES = ("component", "cli", "torchx", "tracker")
+KNOWN_PREFIXES = ("component", "cli", "torchx", "tracker", "limits")
 TRACKER_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -228,7 +232,8 @@ def _check_sections(paths: Iterable[Path]) -> None:
                 ):
                     _warn(
                         f"{path}: section [{section}] is ignored: a prefixed section is "
-                        f"[component:NAME], [cli:COMMAND], [torchx:tracker] or [tracker:NAME]"
+                        f"[component:NAME], [cli:COMMAND], [torchx:tracker], [tracker:NAME] "
+                        f"or [limits:SCHEDULER]"
                     )
                 continue
             if schedulers is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import anyio
@@ -80,6 +80,7 @@ class StatusHub:
         scheduler: the backend to describe apps with.
         supervisor: the task supervisor (owned by the runner) that runs the hub's loop.
         settings: pacing of the rounds.
+        before_round: awaited before each status round (the backend's call-rate limit, if any).
     """
 
     def __init__(
@@ -87,9 +88,11 @@ class StatusHub:
         scheduler: Scheduler[object],
         supervisor: TaskSupervisor,
         settings: PollSettings | None = None,
+        before_round: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.settings = settings or PollSettings()
+        self._before_round = before_round
         self._supervisor = supervisor
         self._entries: dict[str, _Entry] = {}
         # the apps still followed, in the order they were first tracked (an ordered set)
@@ -230,6 +233,8 @@ class StatusHub:
             interval = s.min_interval if changed else min(interval * s.backoff, s.max_interval)
 
     async def _round(self, ids: list[str]) -> bool:
+        if self._before_round is not None:
+            await self._before_round()
         self.rounds += 1
         try:
             responses = await self.scheduler.describe_many(ids)
