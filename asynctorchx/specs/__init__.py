@@ -51,6 +51,7 @@ from asynctorchx.specs.named_resources import (
     UnknownNamedResourceException as UnknownNamedResourceException,
 )
 from asynctorchx.specs.named_resources import get_named_resource as get_named_resource
+from asynctorchx.specs.named_resources import get_named_resources as get_named_resources
 from asynctorchx.specs.named_resources import named_resource_names as named_resource_names
 from asynctorchx.specs.named_resources import resource as resource
 
