@@ -33,7 +33,8 @@ from __future__ import annotations
 import builtins
 import importlib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from enum import Enum
 from types import ModuleType
 from typing import Any
 
@@ -141,10 +142,45 @@ class _StandIns:
         nr = importlib.import_module("asynctorchx.specs.named_resources")
 
         values: dict[str, Any] = {name: getattr(specs, name) for name in _SPECS_NAMES}
+        values["RetryPolicy"] = self._enum(specs.RetryPolicy, "torchx.specs.RetryPolicy")
         values["GiB"] = nr.GiB
         values["named_resources"] = nr.NAMED_RESOURCES
         values["get_type_name"] = _type_name
         return values
+
+    def _enum(self, enum_cls: type[Enum], qualname: str) -> type:
+        """``enum_cls`` as seen by the file: a member it lacks (``HOT_SPARE``) is reported missing.
+
+        Calls, ``isinstance``, iteration and ``[name]`` go to ``enum_cls`` itself, so the values the
+        file gets are the real members.
+        """
+        record = self.missing
+
+        class StandIn(type):
+            def __getattr__(cls, name: str) -> Any:
+                try:
+                    return getattr(enum_cls, name)
+                except AttributeError:
+                    if name.startswith("__"):
+                        raise
+                    record.append(f"{qualname}.{name}")
+                    raise TorchXMissingAttribute(
+                        describe_missing(f"{qualname}.{name}"), name=name
+                    ) from None
+
+            def __instancecheck__(cls, obj: Any) -> bool:
+                return isinstance(obj, enum_cls)
+
+            def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+                return enum_cls(*args, **kwargs)
+
+            def __iter__(cls) -> Iterator[Any]:
+                return iter(enum_cls)
+
+            def __getitem__(cls, name: str) -> Any:
+                return enum_cls[name]
+
+        return StandIn(enum_cls.__name__, (), {"__doc__": enum_cls.__doc__})
 
     def _builders(self) -> Mapping[str, Any]:
         from asynctorchx.specs import builders

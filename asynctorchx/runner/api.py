@@ -282,7 +282,7 @@ class AsyncRunner:
         self, component: str, component_args: Sequence[str] | Mapping[str, Any]
     ) -> AppDef:
         from asynctorchx.components import get_component
-        from asynctorchx.specs.builders import materialize_appdef
+        from asynctorchx.specs.builders import call_component, materialize_appdef
 
         found = get_component(component)
         defaults = self._component_defaults.get(component) or self._component_defaults.get(
@@ -294,8 +294,8 @@ class AsyncRunner:
                 inspect.signature(found.fn).bind(**merged)
             except TypeError as e:  # a missing or unknown argument
                 raise InvalidComponentArgsException(component, str(e)) from None
-            return found.fn(**merged)
-        return materialize_appdef(found.fn, list(component_args), defaults)
+            return call_component(found.fn, found.name, **merged)
+        return materialize_appdef(found.fn, list(component_args), defaults, name=found.name)
 
     async def run(
         self,
