@@ -249,8 +249,8 @@ def test_dump_writes_a_template_apply_reads_back(homes: tuple[Path, Path]):
     dump(out, ["local_cwd"], run_opts={"local_cwd": opts()})
     text = out.getvalue()
     assert "[local_cwd]" in text and "max_workers = 4" in text
-    assert "queue = #FIXME (str) the queue" in text
-    (project / ".torchxconfig").write_text(text.replace("#FIXME (str) the queue", "default"))
+    assert "queue = #FIXME:(str) the queue" in text
+    (project / ".torchxconfig").write_text(text.replace("#FIXME:(str) the queue", "default"))
     cfg = apply("local_cwd", {}, run_opts=opts())
     assert cfg["max_workers"] == 4 and cfg["queue"] == "default" and cfg["extra_paths"] is None
     required = io.StringIO()
