@@ -25,7 +25,9 @@ from asynctorchx.specs import (
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
 
 
-def make_runner(push: bool = False, **kw: Any) -> tuple[AsyncRunner, list[FakeScheduler]]:
+def make_runner(
+    push: bool = False, poll_settings: PollSettings = FAST, **kw: Any
+) -> tuple[AsyncRunner, list[FakeScheduler]]:
     made: list[FakeScheduler] = []
 
     def factory(session_name: str, **params: Any) -> FakeScheduler:
@@ -33,7 +35,9 @@ def make_runner(push: bool = False, **kw: Any) -> tuple[AsyncRunner, list[FakeSc
         made.append(sched)
         return sched
 
-    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=FAST, **kw)
+    runner = AsyncRunner(
+        "test", scheduler_factories={"fake": factory}, poll_settings=poll_settings, **kw
+    )
     return runner, made
 
 
@@ -350,16 +354,9 @@ async def test_waiter_without_hint_keeps_the_default_cap() -> None:
 
 async def test_short_wait_interval_speeds_up_a_slow_hub() -> None:
     """With a 10 s default poll, wait(wait_interval=0.02) polls every 0.02 s while it waits."""
-    made: list[FakeScheduler] = []
-
-    def factory(session_name: str, **params: Any) -> FakeScheduler:
-        made.append(FakeScheduler(session_name))
-        return made[-1]
-
     slow = PollSettings(min_interval=10, max_interval=10, push_safety_interval=30)
-    async with AsyncRunner(
-        "test", scheduler_factories={"fake": factory}, poll_settings=slow
-    ) as runner:
+    runner, made = make_runner(poll_settings=slow)
+    async with runner:
         handle = await runner.run(app(), "fake")
         waiter = asyncio.create_task(runner.wait(handle, wait_interval=0.02))
         await until_hinted(runner, 0.02)
