@@ -47,6 +47,7 @@ from asynctorchx.specs.errors import ComponentValidationException as ComponentVa
 from asynctorchx.specs.errors import ConfigWarning as ConfigWarning
 from asynctorchx.specs.errors import InvalidComponentArgsException as InvalidComponentArgsException
 from asynctorchx.specs.named_resources import NAMED_RESOURCES as NAMED_RESOURCES
+from asynctorchx.specs.named_resources import GiB as GiB
 from asynctorchx.specs.named_resources import (
     UnknownNamedResourceException as UnknownNamedResourceException,
 )
