@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from asynctorchx.version import IMAGE as IMAGE
 from asynctorchx.version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from asynctorchx.runner import AsyncRunner as AsyncRunner
     from asynctorchx.runner import get_runner as get_runner
 
-__all__ = ["AppEvent", "AsyncRunner", "__version__", "get_runner"]
+__all__ = ["IMAGE", "AppEvent", "AsyncRunner", "__version__", "get_runner"]
 
 
 def __getattr__(name: str) -> Any:

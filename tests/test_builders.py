@@ -21,7 +21,11 @@ from asynctorchx.specs.builders import (
     to_dict,
     to_list,
 )
-from asynctorchx.specs.errors import ConfigWarning, InvalidComponentArgsException
+from asynctorchx.specs.errors import (
+    ComponentValidationException,
+    ConfigWarning,
+    InvalidComponentArgsException,
+)
 
 
 def _app(*args: str) -> AppDef:
@@ -276,13 +280,26 @@ def test_kwargs_component_is_rejected():
 
 
 def test_component_returning_something_else_is_rejected():
-    """materialize_appdef raises TypeError when the component does not return an AppDef."""
+    """materialize_appdef raises naming the component and the returned type and module."""
 
     def not_an_app(x: str = "a") -> AppDef:
         return "oops"  # type: ignore[return-value]
 
-    with pytest.raises(TypeError, match="must return an AppDef, got str"):
+    with pytest.raises(
+        ComponentValidationException,
+        match=r"'not_an_app' is not valid: it returned a str \(module builtins\), not an AppDef",
+    ):
         materialize_appdef(not_an_app, [])
+
+
+def test_component_returning_none_is_rejected():
+    """A component that returns None gets an error saying so (a missing return statement)."""
+
+    def forgot(x: str = "a") -> AppDef:  # type: ignore[empty-body]
+        pass
+
+    with pytest.raises(ComponentValidationException, match="it returned None, not an AppDef"):
+        materialize_appdef_from_kwargs(forgot, {})
 
 
 def test_annotated_short_flag():

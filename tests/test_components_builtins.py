@@ -26,8 +26,11 @@ MINIMAL_ARGS: dict[str, list[str]] = {
     "utils.python": ["--script", "main.py"],
     "utils.binary": ["--entrypoint", "/bin/true"],
     "utils.copy": ["--src", "/tmp/a", "--dst", "/tmp/b"],
+    "utils.booth": ["--x1", "1", "--x2", "2"],
     "dist.ddp": ["--script", "train.py"],
     "dist.spmd": ["--script", "train.py"],
+    "serve.torchserve": ["--model_path", "/m.mar", "--management_api", "http://ts:8081"],
+    "metrics.tensorboard": ["--logdir", "/logs"],
 }
 
 

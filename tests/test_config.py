@@ -249,10 +249,32 @@ def test_dump_writes_a_template_apply_reads_back(homes: tuple[Path, Path]):
     dump(out, ["local_cwd"], run_opts={"local_cwd": opts()})
     text = out.getvalue()
     assert "[local_cwd]" in text and "max_workers = 4" in text
-    assert "queue = #FIXME (str) the queue" in text
-    (project / ".torchxconfig").write_text(text.replace("#FIXME (str) the queue", "default"))
+    assert "queue = #FIXME:(str) the queue" in text
+    (project / ".torchxconfig").write_text(text.replace("#FIXME:(str) the queue", "default"))
     cfg = apply("local_cwd", {}, run_opts=opts())
     assert cfg["max_workers"] == 4 and cfg["queue"] == "default" and cfg["extra_paths"] is None
     required = io.StringIO()
     dump(required, ["local_cwd"], required_only=True, run_opts={"local_cwd": opts()})
     assert "max_workers" not in required.getvalue() and "queue" in required.getvalue()
+
+
+def test_fixme_placeholder_is_torchx_format_and_cut_at_60(homes: tuple[Path, Path]) -> None:
+    """A required option's placeholder is '#FIXME:(type) help', cut after 60 characters with '...'."""
+    from asynctorchx.runner.config import fixme_placeholder
+
+    assert fixme_placeholder(str, "the queue") == "#FIXME:(str) the queue"
+    long = fixme_placeholder(list[str], "x" * 100)
+    assert long == ("#FIXME:(List[str]) " + "x" * 100)[:60] + "..."
+
+
+def test_a_placeholder_left_in_the_config_is_an_error(homes: tuple[Path, Path]) -> None:
+    """A '#FIXME' value still in .torchxconfig fails naming the file, section and key."""
+    _, project = homes
+    out = io.StringIO()
+    dump(out, ["local_cwd"], required_only=True, run_opts={"local_cwd": opts()})
+    (project / ".torchxconfig").write_text(out.getvalue())
+    with pytest.raises(
+        InvalidRunConfigException,
+        match=r"\.torchxconfig \[local_cwd\]: run option 'queue' is still",
+    ):
+        apply("local_cwd", {}, run_opts=opts())

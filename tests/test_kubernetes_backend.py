@@ -620,3 +620,34 @@ async def test_disruption_is_a_restart_not_a_failure(
     status = await runner.wait(handle, timeout=20)
     assert status is not None and status.state == AppState.SUCCEEDED
     assert status.num_restarts == 1
+
+
+async def test_kueue_queue_holds_the_app_until_admitted(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """With queue, the Jobs wait suspended (PENDING, no pod) until Kueue unsuspends them; then run."""
+    handle = await runner.run(
+        AppDef("queued", roles=[role("trainer", replicas=2), role("reader")]),
+        scheduler="kubernetes",
+        cfg={"queue": "team-a"},
+    )
+    name = app_id_of(handle).split(":")[1]
+    jobs = [f"{name}-trainer", f"{name}-reader"]
+
+    def suspended(job: str) -> bool:
+        found = fake_k8s.store.find("jobs", NS, job)
+        conds = (found or {}).get("status", {}).get("conditions") or []
+        return any(c["type"] == "Suspended" and c["status"] == "True" for c in conds)
+
+    await until(fake_k8s, lambda: all(suspended(j) for j in jobs))
+    status = await runner.status(handle)
+    assert status is not None and status.state == AppState.PENDING
+    assert status.msg == "waiting for Kueue to admit it (queue team-a)"
+    assert fake_k8s.store.list("pods", NS) == []
+    for job in jobs:  # Kueue admits the workloads: it unsuspends their Jobs
+        labels = fake_k8s.store.get("jobs", NS, job)["metadata"]["labels"]
+        assert labels["kueue.x-k8s.io/queue-name"] == "team-a"
+        fake_k8s.store.patch("jobs", NS, job, {"spec": {"suspend": False}})
+    status = await runner.wait(handle, timeout=20)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    assert len(fake_k8s.store.list("pods", NS)) == 3

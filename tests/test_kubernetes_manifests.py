@@ -134,7 +134,8 @@ def test_every_option_validates_strictly(version: str) -> None:
         "tolerations": ["nvidia.com/gpu=present:NoSchedule", "dedicated:NoExecute", "spot"],
         "image_pull_secrets": ["regcred"],
         "image_pull_policy": "IfNotPresent",
-        "labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+        "labels": {"team": "vision"},
+        "queue": "team-a",
         "pod_overlay": json.dumps({"spec": {"schedulerName": "custom"}}),
         "rank0_localhost": False,
     }
@@ -147,7 +148,41 @@ def test_every_option_validates_strictly(version: str) -> None:
     assert req.jobs[1]["spec"]["template"]["spec"]["containers"][0]["securityContext"] == {
         "privileged": True
     }
-    assert req.service["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert req.service["metadata"]["labels"]["team"] == "vision"
+    assert all(j["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a" for j in req.jobs)
+
+
+@pytest.mark.parametrize("version", [OLDEST, NEWEST])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"queue": "team-a", "priority_class": "high-priority"},
+        {"labels": {"kueue.x-k8s.io/queue-name": "team-a"}, "priority_class": "high-priority"},
+    ],
+    ids=["queue", "queue-label"],
+)
+def test_kueue_queue_labels_and_suspends_the_jobs(cfg: dict[str, Any], version: str) -> None:
+    """queue (or its label): each Job is labelled for Kueue and created suspended; schema-valid."""
+    req = scheduler().submit_dryrun(two_role_app(), cfg).request
+    validate_all(req.manifests(), version)
+    assert lint(req.manifests()) == []
+    for job in req.jobs:
+        assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+        assert job["spec"]["suspend"] is True
+        assert job["spec"]["template"]["spec"]["priorityClassName"] == "high-priority"
+    if "queue" in cfg:  # only the Jobs are Kueue's: neither the pods nor the Service are labelled
+        assert "kueue.x-k8s.io/queue-name" not in req.service["metadata"]["labels"]
+        for job in req.jobs:
+            assert "kueue.x-k8s.io/queue-name" not in job["spec"]["template"]["metadata"]["labels"]
+    plain = scheduler().submit_dryrun(two_role_app(), {}).request
+    assert all("suspend" not in j["spec"] for j in plain.jobs)
+
+
+def test_kueue_queue_is_a_run_option_like_torchxs() -> None:
+    """The kubernetes backend has TorchX's queue run option (optional here: Kueue, not Volcano)."""
+    opt = scheduler().run_opts().get("queue")
+    assert opt is not None and opt.opt_type is str and not opt.is_required
+    assert "Kueue" in opt.help
 
 
 def test_dryrun_layout() -> None:
@@ -264,6 +299,12 @@ def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
         ({"node_selector": {"zone": "bad value!"}}, r"node_selector.*bad value!"),
         ({"pod_overlay": "{not json"}, r"pod_overlay"),
         ({"pod_overlay": '{"containers": []}'}, r"pod_overlay.*metadata.*spec"),
+        ({"queue": "Team_A"}, r"'queue'.*Kueue LocalQueue.*Team_A"),
+        ({"queue": "a" * 64}, r"'queue'.*Kueue LocalQueue"),
+        (
+            {"queue": "team-a", "labels": {"kueue.x-k8s.io/queue-name": "team-b"}},
+            r"'queue'.*same queue as labels' kueue\.x-k8s\.io/queue-name:team-b",
+        ),
     ],
 )
 def test_bad_run_options_fail_with_clear_errors(cfg: dict[str, Any], pattern: str) -> None:

@@ -66,6 +66,19 @@ def test_missing_status_is_pending_and_suspension_is_cancelled() -> None:
     assert job_state(job) == AppState.CANCELLED
 
 
+def test_a_job_queued_by_kueue_is_pending_while_suspended() -> None:
+    """A suspended Job with Kueue's queue label waits for admission: PENDING, with a message."""
+    svc, jobs = app_objects()
+    for job in jobs:
+        job["metadata"]["labels"][n.LABEL_KUEUE_QUEUE] = "team-a"
+        job["spec"]["suspend"] = True
+        job["status"] = {"conditions": [{"type": "Suspended", "status": "True"}]}
+    assert job_state(jobs[0]) == AppState.PENDING
+    described = describe_app(svc, jobs, [])
+    assert described.state == AppState.PENDING
+    assert described.msg == "waiting for Kueue to admit it (queue team-a)"
+
+
 def test_recorded_pods_map_to_replica_states() -> None:
     """The recorded pending pod is PENDING and not started; unknown phases are UNKNOWN."""
     pod = fixture("pod_pending_image_pull.yaml")

@@ -25,7 +25,9 @@ from asynctorchx.specs import (
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
 
 
-def make_runner(push: bool = False, **kw: Any) -> tuple[AsyncRunner, list[FakeScheduler]]:
+def make_runner(
+    push: bool = False, poll_settings: PollSettings = FAST, **kw: Any
+) -> tuple[AsyncRunner, list[FakeScheduler]]:
     made: list[FakeScheduler] = []
 
     def factory(session_name: str, **params: Any) -> FakeScheduler:
@@ -33,7 +35,9 @@ def make_runner(push: bool = False, **kw: Any) -> tuple[AsyncRunner, list[FakeSc
         made.append(sched)
         return sched
 
-    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=FAST, **kw)
+    runner = AsyncRunner(
+        "test", scheduler_factories={"fake": factory}, poll_settings=poll_settings, **kw
+    )
     return runner, made
 
 
@@ -290,3 +294,97 @@ async def test_closing_the_runner_ends_as_completed_and_watch() -> None:
     for task in tasks:
         with pytest.raises(RuntimeError, match="runner was closed"):
             await asyncio.wait_for(task, 5)
+
+
+# -- TorchX parity: stop, wait(wait_interval=), cfg_from_str(*strings) --------------------------
+
+
+async def test_stop_is_cancel() -> None:
+    """stop(), TorchX's older name, cancels the app like cancel()."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        await runner.stop(handle)
+        status = await runner.wait(handle, timeout=5)
+        assert status is not None and status.state == AppState.CANCELLED
+        assert made[0].apps["fake-0"].state == AppState.CANCELLED
+
+
+async def until_hinted(runner: AsyncRunner, expected: float) -> None:
+    """Waits (bounded) until the hub's polling cap is ``expected`` (the waits have registered)."""
+    with anyio.fail_after(5):
+        while runner.hub("fake").max_interval() != expected:
+            await asyncio.sleep(0.001)
+
+
+async def test_wait_interval_of_every_waiter_sets_the_polling_cap() -> None:
+    """A lone waiter's wait_interval becomes the polled backend's cap, even above the default."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        assert runner.hub("fake").max_interval() == FAST.max_interval
+        waiter = asyncio.create_task(runner.wait(handle, timeout=5, wait_interval=30))
+        await until_hinted(runner, 30)
+        second = asyncio.create_task(runner.wait(handle, timeout=5, wait_interval=7))
+        await until_hinted(runner, 7)  # the shortest hint wins
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        await runner.status(handle)  # feeds the hub: both waiters return without a 7 s poll
+        for task in (waiter, second):
+            status = await task
+            assert status is not None and status.state == AppState.SUCCEEDED
+        assert runner.hub("fake").max_interval() == FAST.max_interval
+
+
+async def test_waiter_without_hint_keeps_the_default_cap() -> None:
+    """A hint longer than the default does not slow polling for a waiter that gave none."""
+    runner, _ = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        plain = asyncio.create_task(runner.wait(handle, timeout=5))
+        hinted = asyncio.create_task(runner.wait(handle, timeout=5, wait_interval=30))
+        with anyio.fail_after(5):
+            while not runner.hub("fake")._hints:
+                await asyncio.sleep(0.001)
+        assert runner.hub("fake").max_interval() == FAST.max_interval
+        await runner.cancel(handle)
+        for task in (plain, hinted):
+            status = await task
+            assert status is not None and status.state == AppState.CANCELLED
+
+
+async def test_short_wait_interval_speeds_up_a_slow_hub() -> None:
+    """With a 10 s default poll, wait(wait_interval=0.02) polls every 0.02 s while it waits."""
+    slow = PollSettings(min_interval=10, max_interval=10, push_safety_interval=30)
+    runner, made = make_runner(poll_settings=slow)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        waiter = asyncio.create_task(runner.wait(handle, wait_interval=0.02))
+        await until_hinted(runner, 0.02)
+        rounds = len(made[0].describe_many_calls)
+        with anyio.fail_after(5):  # a 10 s cadence could not make 3 more rounds in time
+            while len(made[0].describe_many_calls) < rounds + 3:
+                await asyncio.sleep(0.005)
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(5):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "5", True])
+async def test_bad_wait_interval_is_rejected(bad: Any) -> None:
+    """wait_interval must be a positive finite number; the error names the value."""
+    runner, _ = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        with pytest.raises(ValueError, match="wait_interval must be a positive number"):
+            await runner.wait(handle, wait_interval=bad)
+
+
+async def test_cfg_from_str_takes_several_strings() -> None:
+    """cfg_from_str merges several 'k=v' strings, the last value of a key winning (TorchX's newest)."""
+    runner, _ = make_runner()
+    async with runner:
+        assert runner.cfg_from_str("fake") == {}
+        assert runner.cfg_from_str("fake", "speed=1", "speed=3") == {"speed": 3}
+        with pytest.raises(InvalidRunConfigException, match=r"'speed'.*Given: 'speed'"):
+            runner.cfg_from_str("fake", "speed=2", "speed")

@@ -405,7 +405,7 @@ async def test_bad_component_args_raise_and_launch_nothing(
         await runner.run_component(component, args, LOCAL)
     assert isinstance(caught.value, ValueError)  # the documented base class
     assert message in str(caught.value)
-    assert caught.value.component == component.split(".")[1]
+    assert caught.value.component == component  # the name it was asked by
     assert await runner.list(LOCAL) == []
     assert tree(root) == before
 

@@ -15,6 +15,7 @@ from asynctorchx.specs import (
     InvalidAppDefException,
     Resource,
     get_named_resource,
+    get_named_resources,
     named_resource_names,
     resource,
 )
@@ -104,8 +105,8 @@ def test_resource_validate_names_field_and_value() -> None:
 
 
 def test_resource_from_numbers_with_torchx_defaults() -> None:
-    """resource() without h builds from numbers, defaulting to 1 CPU, 0 GPU, 1024 MiB."""
-    assert resource() == Resource(cpu=1, gpu=0, memMB=1024)
+    """resource() without h builds from numbers, defaulting as TorchX to 2 CPUs, 0 GPU, 1024 MiB."""
+    assert resource() == Resource(cpu=2, gpu=0, memMB=1024)
     assert resource(cpu=4, gpu=2, memMB=8192) == Resource(cpu=4, gpu=2, memMB=8192)
 
 
@@ -123,7 +124,7 @@ def test_resource_h_wins_over_numbers() -> None:
         ("cpu.nano", 1, 0, 0.5),
         ("cpu.small", 1, 0, 2),
         ("cpu.medium", 2, 0, 4),
-        ("cpu.large", 4, 0, 16),
+        ("cpu.large", 2, 0, 8),
         ("gpu.small", 8, 1, 32),
         ("gpu.large", 32, 4, 128),
         ("gpu.xlarge", 64, 8, 256),
@@ -232,3 +233,152 @@ def test_entry_points_are_read_once_per_process(
     get_named_resource("aws.p4d.24xlarge")
     named_resource_names()
     assert calls == []
+
+
+# -- TorchX's names and values ---------------------------------------------------------------------
+
+_TORCHX_NAMED = """
+import json
+from torchx.specs import named_resources_aws as aws, named_resources_generic as generic
+from torchx.specs import named_resources
+names = [*generic.NAMED_RESOURCES, *aws.NAMED_RESOURCES, "NULL", "MISSING"]
+out = {}
+for n in names:
+    r = named_resources[n]
+    out[n] = [r.cpu, r.gpu, r.memMB, r.capabilities, r.devices]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def torchx_named() -> dict[str, list[object]]:
+    """Every named resource of TorchX 0.7 (generic, AWS, NULL/MISSING) with its values."""
+    from _torchx_env import json_from_torchx
+
+    found: dict[str, list[object]] = json_from_torchx(_TORCHX_NAMED)
+    return found
+
+
+_BUILTIN_NAMES = [
+    *named_resources_module.GENERIC_NAMED_RESOURCES,
+    *named_resources_module.AWS_NAMED_RESOURCES,
+    "NULL",
+    "MISSING",
+]
+
+
+def test_builtin_names_are_torchx_07s(torchx_named: dict[str, list[object]]) -> None:
+    """The builtin names are exactly TorchX 0.7's generic and AWS names (26 AWS instance types)."""
+    assert sorted(_BUILTIN_NAMES) == sorted(torchx_named)
+    assert len(named_resources_module.AWS_NAMED_RESOURCES) == 26
+    assert named_resource_names()[: len(_BUILTIN_NAMES)] == _BUILTIN_NAMES
+
+
+@pytest.mark.parametrize("name", _BUILTIN_NAMES)
+def test_named_resource_has_torchx_07s_values(
+    name: str, torchx_named: dict[str, list[object]]
+) -> None:
+    """Each builtin name gives TorchX 0.7's cpu, gpu, memMB, capabilities and devices."""
+    res = get_named_resource(name)
+    assert [res.cpu, res.gpu, res.memMB, res.capabilities, res.devices] == torchx_named[name]
+    assert get_named_resources(name) == res == NAMED_RESOURCES[name]
+
+
+def test_aws_resources_carry_instance_type_and_efa() -> None:
+    """AWS names carry the instance type capability, and EFA/Neuron devices where TorchX has them."""
+    from asynctorchx.specs.named_resources_aws import (
+        EFA_DEVICE,
+        K8S_ITYPE,
+        NEURON_DEVICE,
+        aws_p4d_24xlarge,  # type: ignore[attr-defined]
+        instance_type_from_resource,
+    )
+
+    p4d = get_named_resource("aws_p4d.24xlarge")
+    assert (p4d.cpu, p4d.gpu, p4d.memMB) == (96, 8, 1152 * 983)
+    assert p4d.capabilities == {K8S_ITYPE: "p4d.24xlarge"}
+    assert p4d.devices == {EFA_DEVICE: 4}
+    assert aws_p4d_24xlarge() == p4d
+    assert instance_type_from_resource(p4d) == "p4d.24xlarge"
+    assert get_named_resource("aws_trn1.32xlarge").devices == {EFA_DEVICE: 8, NEURON_DEVICE: 16}
+    with pytest.warns(UserWarning, match="instance type is unknown"):
+        assert instance_type_from_resource(Resource(cpu=1, gpu=0, memMB=1)) is None
+
+
+def test_null_and_missing_are_the_null_resource() -> None:
+    """'NULL' and 'MISSING' stand for NULL_RESOURCE (as in TorchX), as fresh objects."""
+    assert get_named_resource("NULL") == NULL_RESOURCE == get_named_resource("MISSING")
+    assert get_named_resource("NULL") is not NULL_RESOURCE
+
+
+# -- TorchX's entry-point group --------------------------------------------------------------------
+
+
+@pytest.fixture
+def torchx_plugin_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An installed distribution declaring names in both named-resource groups, some clashing."""
+    (tmp_path / "atx_tx_resources.py").write_text(
+        textwrap.dedent(
+            """
+            from asynctorchx.specs import Resource
+
+            def big():
+                return Resource(cpu=128, gpu=16, memMB=2_000_000, devices={"vpc.amazonaws.com/efa": 32})
+
+            def theirs():
+                return Resource(cpu=3, gpu=0, memMB=3)
+
+            def ours():
+                return Resource(cpu=5, gpu=0, memMB=5)
+            """
+        )
+    )
+    dist_info = tmp_path / "atx_tx_resources-1.0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: atx-tx-resources\nVersion: 1.0\n"
+    )
+    (dist_info / "entry_points.txt").write_text(
+        "[torchx.named_resources]\n"
+        "custom_big = atx_tx_resources:big\n"
+        "aws_p3.2xlarge = atx_tx_resources:theirs\n"
+        "shared = atx_tx_resources:theirs\n"
+        f"[{ENTRY_POINT_GROUP}]\n"
+        "shared = atx_tx_resources:ours\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _plugins.cache_clear()
+    yield tmp_path
+    _plugins.cache_clear()
+
+
+def test_torchx_group_names_are_found(torchx_plugin_dist: Path) -> None:
+    """A name registered in TorchX's torchx.named_resources group resolves like ours."""
+    res = get_named_resource("custom_big")
+    assert (res.cpu, res.gpu, res.memMB, res.devices) == (
+        128,
+        16,
+        2_000_000,
+        {"vpc.amazonaws.com/efa": 32},
+    )
+    assert "custom_big" in named_resource_names()
+
+
+def test_ours_win_clashes_with_a_warning(
+    torchx_plugin_dist: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a clash builtins beat both groups, asynctorchx's group beats TorchX's; each is warned."""
+    with caplog.at_level("WARNING", logger="asynctorchx.specs.named_resources"):
+        assert get_named_resource("aws_p3.2xlarge").cpu == 8
+        assert get_named_resource("shared").cpu == 5
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "aws_p3.2xlarge = atx_tx_resources:theirs (group 'torchx.named_resources')" in m
+        and "builtin" in m
+        for m in messages
+    ), messages
+    assert any(
+        "shared = atx_tx_resources:theirs (group 'torchx.named_resources')" in m
+        and f"(group '{ENTRY_POINT_GROUP}')" in m
+        for m in messages
+    ), messages

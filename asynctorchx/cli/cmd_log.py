@@ -38,8 +38,11 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     p.add_argument(
         "-f",
         "--follow",
+        "-t",
+        "--tail",
+        dest="follow",
         action="store_true",
-        help="keep printing new lines until the app ends",
+        help="keep printing new lines until the app ends (-t/--tail: TorchX's spelling)",
     )
     p.add_argument("--regex", default=None, help="only lines matching this regular expression")
     p.add_argument(

@@ -53,10 +53,12 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     p.add_argument(
         "-cfg",
         "--scheduler_args",
+        action="append",
         default=None,
         metavar="K=V,...",
         help="scheduler run options, e.g. partition=debug,time=10 (see 'asynctorchx runopts "
-        "SCHEDULER'); they override the [SCHEDULER] section of .torchxconfig",
+        "SCHEDULER'); they override the [SCHEDULER] section of .torchxconfig; may be repeated "
+        "(a key takes its last value)",
     )
     p.add_argument(
         "--dryrun",
@@ -90,35 +92,38 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         "component_args",
         nargs=argparse.REMAINDER,
         metavar="COMPONENT [ARGS...]",
-        help="the component and its arguments (default: [cli:run] component in .torchxconfig)",
+        help="the component and its arguments (default: [cli:run] component in .torchxconfig); "
+        "everything after the component's name is its own, whatever its spelling",
     )
     p.set_defaults(handler=execute, is_async=True, command="run")
 
 
-def parse_cfg(runner: AsyncRunner, scheduler: str, cfg_str: str | None) -> dict[str, CfgVal]:
-    """The typed cfg of ``-cfg``, with ``.torchxconfig``'s ``[SCHEDULER]`` values as defaults.
+def parse_cfg(
+    runner: AsyncRunner, scheduler: str, cfg_strs: str | list[str] | None
+) -> dict[str, CfgVal]:
+    """The typed cfg of ``-cfg`` (each given), with ``.torchxconfig``'s ``[SCHEDULER]`` values as
+    defaults.
 
     Raises:
         CliError: a key is not a run option of the scheduler.
-        InvalidRunConfigException: a value does not have its option's type.
+        InvalidRunConfigException: a string is not ``key=value`` pairs, or a value does not have
+            its option's type (names the string).
     """
     from asynctorchx.cli._config import apply_scheduler_defaults
     from asynctorchx.cli._errors import CliError
+    from asynctorchx.specs.api import _split_cfg
 
-    cfg: dict[str, CfgVal] = {}
+    literals = [cfg_strs] if isinstance(cfg_strs, str) else list(cfg_strs or [])
     opts = runner.scheduler_run_opts(scheduler)
-    if cfg_str:
-        from asynctorchx.specs.api import _split_cfg
-
-        unknown = [k for k in _split_cfg(cfg_str) if opts.get(k) is None]
-        if unknown:
-            known = ", ".join(k for k, _ in opts) or "none"
-            raise CliError(
-                f"-cfg: {', '.join(map(repr, unknown))} is not a run option of {scheduler} "
-                f"(its options: {known})",
-                f"'asynctorchx runopts {scheduler}' describes them",
-            )
-        cfg = runner.cfg_from_str(scheduler, cfg_str)
+    unknown = [k for literal in literals for k in _split_cfg(literal) if opts.get(k) is None]
+    if unknown:
+        known = ", ".join(k for k, _ in opts) or "none"
+        raise CliError(
+            f"-cfg: {', '.join(map(repr, dict.fromkeys(unknown)))} is not a run option of "
+            f"{scheduler} (its options: {known})",
+            f"'asynctorchx runopts {scheduler}' describes them",
+        )
+    cfg = runner.cfg_from_str(scheduler, *literals)
     return apply_scheduler_defaults(scheduler, cfg, opts)
 
 

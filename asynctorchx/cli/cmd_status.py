@@ -23,6 +23,12 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     )
     p.add_argument("handle", metavar="HANDLE", help="the app handle printed by 'asynctorchx run'")
     p.add_argument("--json", action="store_true", help="print the status as a JSON object")
+    p.add_argument(
+        "--roles",
+        default="",
+        metavar="ROLE,...",
+        help="only show these roles (comma-separated); an unknown role is an error",
+    )
     p.set_defaults(handler=execute, is_async=True, command="status")
 
 
@@ -39,15 +45,40 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         status = await runner.status(handle)
     if status is None:
         raise unknown_app(handle)
+    roles = _roles(args.roles, [r.role for r in status.roles], handle)
     if args.json:
-        print(json.dumps({"handle": handle, **status.to_json()}, indent=2))
+        out = {"handle": handle, **status.to_json()}
+        if roles is not None:
+            out["roles"] = [r for r in out["roles"] if r["role"] in roles]
+        print(json.dumps(out, indent=2))
         return 0
     style = out_styler()
     lines = [handle]
-    for line in status.format().splitlines():
+    for line in status.format(roles).splitlines():
         key, sep, value = line.partition("State: ")
         if sep and not key.strip():
             line = f"{key}{sep}{style.state(value)}"
         lines.append(line)
     print("\n".join(lines))
     return 0
+
+
+def _roles(spec: str, known: list[str], handle: str) -> list[str] | None:
+    """The roles of ``--roles`` (None: all).
+
+    Raises:
+        CliError: a role the app does not have (names it and lists the app's roles).
+    """
+    from asynctorchx.cli._errors import CliError
+
+    wanted = [r.strip() for r in spec.split(",") if r.strip()]
+    if not wanted:
+        return None
+    unknown = [r for r in wanted if r not in known]
+    if unknown:
+        raise CliError(
+            f"--roles: app {handle!r} has no role {', '.join(map(repr, unknown))} "
+            f"(its roles: {', '.join(known) or 'none reported'})",
+            "give roles of the app, comma-separated",
+        )
+    return wanted

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from asynctorchx.cli import (
     cmd_builtins,
     cmd_cancel,
+    cmd_configure,
     cmd_describe,
     cmd_list,
     cmd_log,
@@ -55,6 +56,10 @@ exit codes: 0 succeeded, 1 failed, 2 usage or spec error, 3 cancelled, 4 unknown
 class CliParser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line with a hint, exit code 2."""
 
+    command_parsers: Mapping[str, argparse.ArgumentParser] = {}
+    subcommands: argparse._SubParsersAction[Any] | None = None
+    common: argparse.ArgumentParser | None = None
+
     def error(self, message: str) -> NoReturn:
         """Prints a usage error as one line with a hint (no usage dump) and exits 2."""
         from asynctorchx.cli._output import print_error
@@ -63,8 +68,30 @@ class CliParser(argparse.ArgumentParser):
         raise SystemExit(ExitCode.USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of every command."""
+_BUILTIN_COMMANDS = (
+    cmd_run,
+    cmd_status,
+    cmd_describe,
+    cmd_log,
+    cmd_wait,
+    cmd_cancel,
+    cmd_list,
+    cmd_runopts,
+    cmd_builtins,
+    cmd_configure,
+    cmd_tracker,
+)
+
+# commands whose arguments after the first positional one (the component) are passed on verbatim
+_COMPONENT_COMMANDS = ("run",)
+
+_LOG_LEVEL_HELP = (
+    "Python logging level: DEBUG, INFO, WARNING (default, or $LOGLEVEL), ERROR or CRITICAL"
+)
+
+
+def build_parser() -> CliParser:
+    """The parser of every builtin command (``add_plugins`` adds the plugin commands)."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug",
@@ -72,28 +99,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="show tracebacks and debug logs",
     )
+    common.add_argument(
+        "--log_level", default=argparse.SUPPRESS, metavar="LEVEL", help=_LOG_LEVEL_HELP
+    )
     parser = CliParser(
         prog=PROG,
         description=_DESCRIPTION,
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--log_level", default=None, metavar="LEVEL", help=_LOG_LEVEL_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=CliParser)
-    for module in (
-        cmd_run,
-        cmd_status,
-        cmd_describe,
-        cmd_log,
-        cmd_wait,
-        cmd_cancel,
-        cmd_list,
-        cmd_runopts,
-        cmd_builtins,
-        cmd_tracker,
-    ):
+    for module in _BUILTIN_COMMANDS:
         module.register(sub, common)
+    parser.subcommands = sub
+    parser.common = common
+    parser.command_parsers = sub.choices
     return parser
+
+
+def add_plugins(parser: CliParser, command: str | None) -> None:
+    """Adds the plugin commands (entry-point group ``asynctorchx.cli.cmds``) to ``parser``.
+
+    Only ``command`` (the one being run, if it is a plugin's) is loaded; the others are listed.
+    """
+    from asynctorchx.cli import _plugins
+
+    assert parser.subcommands is not None and parser.common is not None
+    found = _plugins.entry_points(set(parser.command_parsers))
+    _plugins.register(parser.subcommands, parser.common, found, command)
 
 
 def _unrecognized(
@@ -119,12 +154,79 @@ def _version() -> str:
     return __version__
 
 
-def _setup_logging(debug: bool) -> None:
+def first_positional(parser: argparse.ArgumentParser, argv: Sequence[str]) -> int:
+    """The index in ``argv`` of the first argument that is not an option of ``parser`` or an
+    option's value (``len(argv)`` when there is none); a ``--`` counts as positional.
+
+    Long options may be abbreviated as argparse allows; an unknown or ambiguous option is taken
+    as a flag (argparse reports it when it parses the part before the index).
+    """
+    options = parser._option_string_actions
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--" or arg == "-" or not arg.startswith("-"):
+            return i
+        name, eq, _ = arg.partition("=")
+        action = options.get(name)
+        if action is None and name.startswith("--") and parser.allow_abbrev:
+            matches = {options[o] for o in options if o.startswith(name) and o.startswith("--")}
+            action = matches.pop() if len(matches) == 1 else None
+        if action is None and not name.startswith("--") and len(arg) > 2 and arg[:2] in options:
+            action, eq = options[arg[:2]], "="  # -sVALUE
+        takes = 0 if action is None or eq else action.nargs
+        if takes is None:
+            i += 2
+        elif isinstance(takes, int):
+            i += 1 + takes
+        else:
+            i += 1  # optional or variable numbers of values: none of the commands' options
+    return len(argv)
+
+
+def _split_argv(parser: CliParser, argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``argv`` cut where a component's own arguments begin (``None``: no such command).
+
+    ``asynctorchx run -s slurm utils.echo --d x`` gives ``["run", "-s", "slurm"]`` and
+    ``["utils.echo", "--d", "x"]``: argparse never sees the component's arguments, so none of them
+    is mistaken for (a prefix of) an option of ``run``, whatever its spelling.
+    """
+    at = first_positional(parser, argv)
+    if at == len(argv) or argv[at] not in _COMPONENT_COMMANDS:
+        return argv, None
+    command = parser.command_parsers[argv[at]]
+    cut = at + 1 + first_positional(command, argv[at + 1 :])
+    return argv[:cut], argv[cut:]
+
+
+def parse_log_level(value: str) -> int:
+    """A logging level from a name (any case) or a number.
+
+    Raises:
+        CliError: not a level.
+    """
+    import logging
+
+    from asynctorchx.cli._errors import CliError
+
+    text = value.strip()
+    if text.isdigit():
+        return int(text)
+    level = logging.getLevelName(text.upper())
+    if isinstance(level, int) and text:
+        return level
+    raise CliError(
+        f"--log_level {value!r} is not a logging level",
+        "give one of DEBUG, INFO, WARNING, ERROR, CRITICAL (or a number)",
+    )
+
+
+def _setup_logging(debug: bool, level: int) -> None:
     import logging
     import warnings
 
     logging.basicConfig(
-        level=logging.DEBUG if debug else logging.WARNING,
+        level=logging.DEBUG if debug else level,
         format=f"{PROG}: %(levelname)s: %(name)s: %(message)s"
         if debug
         else f"{PROG}: %(levelname)s: %(message)s",
@@ -164,8 +266,17 @@ async def _run_async(handler: AsyncHandler, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args, extras = parser.parse_known_args(argv)
+    at = first_positional(parser, argv)
+    command = argv[at] if at < len(argv) else None
+    if command not in parser.command_parsers:
+        # a plugin command, or none (usage, --help): only then are the entry points read
+        add_plugins(parser, command)
+    parse_argv, component_args = _split_argv(parser, argv)
+    args, extras = parser.parse_known_args(parse_argv)
+    if component_args is not None:
+        args.component_args = component_args
     if extras:
         _unrecognized(parser, args, extras)
     handler = getattr(args, "handler", None)
@@ -173,7 +284,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         parser.error("a command is required")
     debug = bool(getattr(args, "debug", False)) or os.environ.get("ASYNCTORCHX_DEBUG") == "1"
-    _setup_logging(debug)
+    try:
+        level_name = args.log_level or os.environ.get("LOGLEVEL") or "WARNING"
+        level = parse_log_level(level_name)
+    except Exception as exc:
+        from asynctorchx.cli._output import print_error
+
+        message, hint, code = classify(exc)
+        if not args.log_level:
+            message = message.replace("--log_level", "LOGLEVEL", 1)
+        print_error(PROG, message, hint)
+        return code
+    _setup_logging(debug, level)
     try:
         if getattr(args, "is_async", False):
             import asyncio

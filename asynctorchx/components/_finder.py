@@ -3,11 +3,17 @@
 * Builtins are the public functions returning ``AppDef`` of the modules of this package, named
   ``module.function`` (``utils.echo``, ``dist.ddp``). A module is imported only when one of its
   components is asked for (or when every component is listed).
-* Plugins come from the entry-point group ``asynctorchx.components``: an entry point
-  ``name = pkg.module`` contributes each component function of ``pkg.module`` as ``name.fn``; one
-  naming a function (``name = pkg.module:fn``) contributes it as ``name``. Plugins are merged with
-  the builtins and never hide one.
+* Plugins come from the entry-point groups ``asynctorchx.components`` and TorchX's
+  ``torchx.components``, read the same way: an entry point ``name = pkg.module`` contributes each
+  component function of ``pkg.module`` as ``name.fn`` (and, for a package, of each submodule as
+  ``name.sub.fn``); one naming a function (``name = pkg.module:fn``) contributes it as ``name``. As in
+  TorchX, a ``torchx.components`` entry named ``_...`` adds no prefix. Plugins are merged with the
+  builtins and never hide one (TorchX would hide every builtin as soon as the group exists); on a
+  name registered in both groups, ours wins. Every entry point skipped is warned about.
 * ``path/to/file.py:fn`` names the function ``fn`` of a file, which is linted before it is imported.
+  A file written for TorchX loads unchanged: with the ``torchx`` package installed its AppDef is
+  converted field by field (``asynctorchx.specs._torchx``); without it, its own ``import torchx...``
+  statements get stand-ins (``_torchx_shim``), for that file only.
 
 Components are linted too (from their source, when it is available): ``get_component`` raises
 ``ComponentValidationException`` for errors, and keeps warnings in ``Component.validation_errors``.
@@ -31,6 +37,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from asynctorchx.components._torchx_shim import (
+    describe_missing,
+    mentions_torchx,
+    scoped_builtins,
+    torchx_installed,
+)
+from asynctorchx.specs._torchx import TorchXUnsupportedError
 from asynctorchx.specs.api import AppDef
 from asynctorchx.specs.errors import ComponentNotFoundException, ComponentValidationException
 from asynctorchx.specs.file_linter import (
@@ -44,6 +57,7 @@ from asynctorchx.specs.file_linter import (
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "asynctorchx.components"
+TORCHX_ENTRY_POINT_GROUP = "torchx.components"
 _BUILTIN_PACKAGE = "asynctorchx.components"
 
 
@@ -77,10 +91,14 @@ def builtin_module_names() -> list[str]:
 
 
 def _returns_appdef(fn: Callable[..., Any]) -> bool:
+    """True when ``fn`` is annotated to return an AppDef (ours, or TorchX's for TorchX plugins)."""
     annotation = inspect.signature(fn).return_annotation
     if isinstance(annotation, str):
         return annotation.rpartition(".")[2] == "AppDef"
-    return annotation is AppDef
+    if annotation is AppDef:
+        return True
+    module = getattr(annotation, "__module__", "") or ""
+    return getattr(annotation, "__name__", "") == "AppDef" and module.split(".")[0] == "torchx"
 
 
 def _component_functions(module: ModuleType) -> dict[str, Callable[..., AppDef]]:
@@ -122,20 +140,23 @@ def _make(name: str, fn: Callable[..., AppDef], origin: str) -> Component:
 
 @cache
 def _entry_points() -> dict[str, EntryPoint]:
-    """The entry points of the group, by name (the first one wins when two share a name)."""
+    """The entry points of both groups by name: ours first, then TorchX's; the first name wins."""
     found: dict[str, EntryPoint] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in found:
-            logger.warning(
-                "ignoring entry point %s = %s in group %r: %r is already registered as %s",
-                ep.name,
-                ep.value,
-                ENTRY_POINT_GROUP,
-                ep.name,
-                found[ep.name].value,
-            )
-            continue
-        found[ep.name] = ep
+    for group in (ENTRY_POINT_GROUP, TORCHX_ENTRY_POINT_GROUP):
+        for ep in entry_points(group=group):
+            if ep.name in found:
+                logger.warning(
+                    "ignoring entry point %s = %s in group %r: %r is already registered as %s "
+                    "(group %r)",
+                    ep.name,
+                    ep.value,
+                    group,
+                    ep.name,
+                    found[ep.name].value,
+                    found[ep.name].group,
+                )
+                continue
+            found[ep.name] = ep
     return found
 
 
@@ -152,30 +173,47 @@ def _builtin_components(module_name: str) -> dict[str, Component]:
     }
 
 
+def _prefix(ep: EntryPoint) -> str:
+    """The name prefix of an entry point's components (TorchX's ``_N = module`` has none)."""
+    if ep.group == TORCHX_ENTRY_POINT_GROUP and ep.name.startswith("_"):
+        return ""
+    return ep.name
+
+
+def _module_candidates(module: ModuleType, prefix: str) -> dict[str, Callable[..., AppDef]]:
+    """The components of a module and, for a package, of its submodules (``prefix.sub.fn``)."""
+    candidates = {
+        ".".join(p for p in (prefix, n) if p): fn for n, fn in _component_functions(module).items()
+    }
+    if hasattr(module, "__path__"):
+        for info in pkgutil.walk_packages(module.__path__, prefix=f"{module.__name__}."):
+            sub = importlib.import_module(info.name)
+            rel = info.name[len(module.__name__) + 1 :]
+            for n, fn in _component_functions(sub).items():
+                candidates.setdefault(".".join(p for p in (prefix, rel, n) if p), fn)
+    return candidates
+
+
 def _plugin_components(ep: EntryPoint, reserved: set[str]) -> dict[str, Component]:
     """The components an entry point contributes, skipping names in ``reserved`` (the builtins)."""
     origin = f"entry point {ep.name} = {ep.value}"
+    if ep.group != ENTRY_POINT_GROUP:
+        origin += f" (group {ep.group!r})"
     try:
         obj = ep.load()
+        if isinstance(obj, ModuleType):
+            candidates = _module_candidates(obj, _prefix(ep))
+        elif inspect.isfunction(obj):
+            candidates = {ep.name: obj}
+        else:
+            logger.warning("skipping %s: it names %r, neither a module nor a function", origin, obj)
+            return {}
     except Exception as e:
         logger.warning(
-            "skipping components of %s (group %r): it failed to load: %s: %s",
+            "skipping components of %s: it failed to load: %s: %s",
             origin,
-            ENTRY_POINT_GROUP,
             type(e).__name__,
             e,
-        )
-        return {}
-    if isinstance(obj, ModuleType):
-        candidates = {f"{ep.name}.{n}": fn for n, fn in _component_functions(obj).items()}
-    elif inspect.isfunction(obj):
-        candidates = {ep.name: obj}
-    else:
-        logger.warning(
-            "skipping %s (group %r): it names %r, neither a module nor a function",
-            origin,
-            ENTRY_POINT_GROUP,
-            obj,
         )
         return {}
     out: dict[str, Component] = {}
@@ -232,14 +270,27 @@ def _load_file_component(name: str) -> Component:
     if spec is None or spec.loader is None:
         raise ComponentValidationException(name, reason=f"{str(path)!r} cannot be imported")
     module = importlib.util.module_from_spec(spec)
+    unsupported: list[str] = []
+    if mentions_torchx(source) and not torchx_installed():
+        # the file's own ``import torchx...`` get asynctorchx's stand-ins; nothing else does
+        module.__dict__["__builtins__"], unsupported = scoped_builtins()
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
     except Exception as e:
         sys.modules.pop(module_name, None)
-        raise ComponentValidationException(
-            name, reason=f"importing {str(path)!r} failed: {type(e).__name__}: {e}"
-        ) from e
+        if isinstance(e, TorchXUnsupportedError):
+            reason = str(e)
+        elif isinstance(e, ImportError) and unsupported:
+            reason = describe_missing(unsupported[-1])
+        else:
+            reason = f"importing {str(path)!r} failed: {type(e).__name__}: {e}"
+            if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "torchx":
+                reason += (
+                    " (only the component file's own imports of torchx are redirected to "
+                    "asynctorchx when torchx is not installed)"
+                )
+        raise ComponentValidationException(name, reason=reason) from e
     fn = getattr(module, fn_name, None)
     if not inspect.isfunction(fn):
         raise ComponentNotFoundException(name, f"{fn_name!r} in {str(path)!r} is not a function")
@@ -296,5 +347,7 @@ def get_component(name: str) -> Component:
         found = _plugin_components(ep, reserved).get(name)
         if found is not None:
             return _checked(found)
-    names = sorted(get_components())
-    raise ComponentNotFoundException(name, suggestions=_suggest(name, names))
+    every = get_components()
+    if name in every:  # e.g. TorchX's ``_N = package``: its components have no entry-point prefix
+        return _checked(every[name])
+    raise ComponentNotFoundException(name, suggestions=_suggest(name, sorted(every)))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 
+from asynctorchx.apps import source
 from asynctorchx.components import IMAGE
 from asynctorchx.specs import AppDef, Resource, Role, parse_mounts, resource
 
@@ -262,6 +263,50 @@ def copy(src: str, dst: str, image: str = IMAGE, mounts: list[str] | None = None
                 args=["-c", _COPY_PROGRAM, src, dst],
                 resource=Resource(cpu=1, gpu=0, memMB=1024),
                 mounts=parse_mounts(mounts) if mounts else [],
+            )
+        ],
+    )
+
+
+def booth(
+    x1: float,
+    x2: float,
+    trial_idx: int = 0,
+    tracker_base: str = "/tmp/torchx-util-booth",
+    image: str = IMAGE,
+) -> AppDef:
+    """Evaluates the Booth function, ``f(x1, x2) = (x1 + 2*x2 - 7)^2 + (2*x1 + x2 - 5)^2``.
+
+    The result is written, as TorchX's booth app writes it, as the JSON ``{"booth_eval": f}`` in the
+    file ``{tracker_base}/{trial_idx}``: a test objective for hyperparameter searches.
+
+    Args:
+        x1: x1
+        x2: x2
+        trial_idx: the trial's index (the result's key; ignore it outside a search)
+        tracker_base: where the results go (a directory, or an fsspec URL such as s3://bucket/dir)
+        image: the image to run in (it needs python)
+    """
+    return AppDef(
+        name="torchx-utils-booth",
+        roles=[
+            Role(
+                name="torchx-utils-booth",
+                image=image,
+                entrypoint="python",
+                args=[
+                    "-c",
+                    source("booth"),
+                    "--x1",
+                    str(x1),
+                    "--x2",
+                    str(x2),
+                    "--trial_idx",
+                    str(trial_idx),
+                    "--tracker_base",
+                    tracker_base,
+                ],
+                resource=Resource(cpu=1, gpu=0, memMB=1024),
             )
         ],
     )

@@ -276,9 +276,21 @@ class AsyncRunner:
         """
         return self._scheduler(scheduler).run_opts()
 
-    def cfg_from_str(self, scheduler: str, cfg_str: str) -> dict[str, CfgVal]:
-        """Parses ``"k=v,k2=v2"`` into a typed cfg for ``scheduler`` (see ``runopts.cfg_from_str``)."""
-        return self.scheduler_run_opts(scheduler).cfg_from_str(cfg_str)
+    def cfg_from_str(self, scheduler: str, *cfg_literal: str) -> dict[str, CfgVal]:
+        """Parses ``"k=v,k2=v2"`` strings into one typed cfg for ``scheduler``, as TorchX does.
+
+        Each string is parsed by ``runopts.cfg_from_str``; a key given in several strings takes the
+        value of the last one: ``cfg_from_str("slurm", "partition=a,time=10", "partition=b")``.
+
+        Raises:
+            InvalidRunConfigException: a string is not ``key=value`` pairs or a value has the
+                wrong type (names the string).
+        """
+        opts = self.scheduler_run_opts(scheduler)
+        cfg: dict[str, CfgVal] = {}
+        for literal in cfg_literal:
+            cfg.update(opts.cfg_from_str(literal))
+        return cfg
 
     # -- submitting -----------------------------------------------------------------------------
 
@@ -342,7 +354,7 @@ class AsyncRunner:
         self, component: str, component_args: Sequence[str] | Mapping[str, Any]
     ) -> AppDef:
         from asynctorchx.components import get_component
-        from asynctorchx.specs.builders import materialize_appdef
+        from asynctorchx.specs.builders import call_component, materialize_appdef
 
         found = get_component(component)
         defaults = self._component_defaults.get(component) or self._component_defaults.get(
@@ -354,8 +366,8 @@ class AsyncRunner:
                 inspect.signature(found.fn).bind(**merged)
             except TypeError as e:  # a missing or unknown argument
                 raise InvalidComponentArgsException(component, str(e)) from None
-            return found.fn(**merged)
-        return materialize_appdef(found.fn, list(component_args), defaults)
+            return call_component(found.fn, found.name, **merged)
+        return materialize_appdef(found.fn, list(component_args), defaults, name=found.name)
 
     async def run(
         self,
@@ -582,20 +594,46 @@ class AsyncRunner:
         self._hub(backend).record(app_id, response)
         return None if response is None else response.to_status()
 
-    async def wait(self, app_handle: AppHandle, timeout: float | None = None) -> AppStatus | None:  # noqa: ASYNC109
+    async def wait(
+        self,
+        app_handle: AppHandle,
+        timeout: float | None = None,  # noqa: ASYNC109
+        wait_interval: float | None = None,
+    ) -> AppStatus | None:
         """Waits until the app is terminal and returns its final status (None when unknown).
 
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
         leaves the app running.
 
+        Args:
+            app_handle: the app.
+            timeout: give up after this many seconds (None: wait as long as it takes).
+            wait_interval: TorchX's polling interval, as a hint for backends that are polled
+                (Slurm): while this wait lasts, their status is asked for at least every
+                ``wait_interval`` seconds, and, if every waiter of the backend gives one, no more
+                often than the shortest hint once nothing changes. Backends that push changes
+                (local, Docker, Kubernetes) need no polling and ignore it. Note that TorchX's
+                second positional parameter is ``wait_interval``; here it is ``timeout``.
+
         Raises:
             TimeoutError: the app was still running after ``timeout`` seconds.
+            ValueError: ``wait_interval`` is not a positive number.
         """
         self._check_open()
+        if wait_interval is not None and (
+            isinstance(wait_interval, bool)
+            or not isinstance(wait_interval, (int, float))
+            or not 0 < wait_interval < math.inf
+        ):
+            raise ValueError(
+                f"wait_interval must be a positive number of seconds, got {wait_interval!r}"
+            )
         backend, app_id = self._split(app_handle)
         hub = self._hub(backend)
         with anyio.fail_after(math.inf if timeout is None else timeout):
-            entry = await hub.wait_final(app_id)
+            entry = await hub.wait_final(
+                app_id, None if wait_interval is None else float(wait_interval)
+            )
         return entry.status
 
     async def wait_all(
@@ -738,6 +776,10 @@ class AsyncRunner:
         await self._call(backend)
         await self._scheduler(backend).cancel(app_id)
         self._hub(backend).refresh(app_id)
+
+    async def stop(self, app_handle: AppHandle) -> None:
+        """TorchX's older name for ``cancel`` (same behaviour)."""
+        await self.cancel(app_handle)
 
     async def describe(self, app_handle: AppHandle) -> AppDef | None:
         """The app as its scheduler knows it (roles may be partial on some backends), or None."""

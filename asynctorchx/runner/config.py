@@ -165,6 +165,13 @@ def _cast_value(key: str, value: str, opts: runopts, section: str, source: str) 
     opt = opts.get(key)
     if opt is None or value == NONE_VALUE:
         return None
+    if value.startswith(FIXME):
+        raise InvalidRunConfigException(
+            f"{source} [{section}]: run option {key!r} is still the placeholder {value!r} written "
+            "by 'asynctorchx configure': give it a value",
+            key,
+            {key: value},
+        )
     try:
         return _cast(key, value, opt.opt_type, value)
     except InvalidRunConfigException:
@@ -340,6 +347,19 @@ def _format_default(opt_type: Any, default: CfgVal) -> str:
     return str(default)
 
 
+FIXME = "#FIXME"
+_FIXME_MAX_LEN = 60
+
+
+def fixme_placeholder(opt_type: Any, help: str) -> str:
+    """The value ``dump`` gives a required run option, as TorchX writes it: ``#FIXME:(str) help``.
+
+    Cut after 60 characters (with ``...``), as TorchX does.
+    """
+    text = f"{FIXME}:({_type_name(opt_type)}) {help}"
+    return text if len(text) <= _FIXME_MAX_LEN else f"{text[:_FIXME_MAX_LEN]}..."
+
+
 def dump(
     f: TextIO,
     schedulers: Iterable[str] | None = None,
@@ -348,7 +368,8 @@ def dump(
 ) -> None:
     """Writes a config template with each scheduler's run options and their defaults.
 
-    Required options get a ``#FIXME`` placeholder naming their type and help.
+    Required options get a ``#FIXME:(type) help`` placeholder, optional ones (unless
+    ``required_only``) their default; the format is TorchX's ``torchx configure``'s.
 
     Args:
         f: where to write.
@@ -369,8 +390,7 @@ def dump(
         parser.add_section(name)
         for key, opt in opts:
             if opt.is_required:
-                placeholder = f"#FIXME ({_type_name(opt.opt_type)}) {opt.help}"
-                parser.set(name, key, placeholder[:100])
+                parser.set(name, key, fixme_placeholder(opt.opt_type, opt.help))
             elif not required_only:
                 parser.set(name, key, _format_default(opt.opt_type, opt.default))
     parser.write(f, space_around_delimiters=True)

@@ -105,6 +105,10 @@ class StatusHub:
         self._unsubscribe = scheduler.subscribe(self._on_push) if scheduler.pushes_changes else None
         self.rounds = 0
         self._closed = False
+        # the wait_interval hints of the waits in progress, and how many waits gave none
+        self._hints: list[float] = []
+        self._unhinted_waits = 0
+        self._interval = self.settings.min_interval
 
     # -- tracking -------------------------------------------------------------------------------
 
@@ -158,16 +162,52 @@ class StatusHub:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    async def wait_final(self, app_id: str) -> _Entry:
-        """Returns the entry once the app is terminal or known to be unknown."""
+    async def wait_final(self, app_id: str, poll_hint: float | None = None) -> _Entry:
+        """Returns the entry once the app is terminal or known to be unknown.
+
+        Args:
+            app_id: the app.
+            poll_hint: how often (seconds) this waiter wants a backend that is polled to be asked
+                while it waits (TorchX's ``wait_interval``); see ``max_interval``.
+        """
         entry = self.track(app_id)
-        while not entry.final:
-            self._check_open()
-            entry.changed.clear()
-            if entry.final:
-                break
-            await entry.changed.wait()
+        if entry.final:
+            return entry
+        if poll_hint is None:
+            self._unhinted_waits += 1
+        else:
+            self._hints.append(poll_hint)
+            if poll_hint < self._interval:
+                self._wake.set()  # the loop may be sleeping for longer than this waiter wants
+        try:
+            while not entry.final:
+                self._check_open()
+                entry.changed.clear()
+                if entry.final:
+                    break
+                await entry.changed.wait()
+        finally:
+            if poll_hint is None:
+                self._unhinted_waits -= 1
+            else:
+                self._hints.remove(poll_hint)
         return entry
+
+    def max_interval(self) -> float:
+        """The longest the loop waits between rounds of a polled backend, now.
+
+        ``PollSettings.max_interval`` unless waits in progress gave ``poll_hint`` s: then the
+        smallest hint (even below ``min_interval``), which may be longer than the default when every
+        waiter gave one (fewer round trips to a busy cluster) and is never longer than the default
+        otherwise (someone relies on it: a wait without a hint, ``as_completed`` or ``watch``).
+        """
+        s = self.settings
+        if not self._hints:
+            return s.max_interval
+        cap = min(self._hints)
+        if self._unhinted_waits or any(self._entries[i].listeners for i in self._live):
+            cap = min(cap, s.max_interval)
+        return cap
 
     def _check_open(self) -> None:
         if self._closed:
@@ -203,7 +243,7 @@ class StatusHub:
     async def _run(self) -> None:
         s = self.settings
         push = self.scheduler.pushes_changes
-        interval = s.min_interval
+        self._interval = s.min_interval
         last_full = 0.0
         while not self._closed:
             live = self._live_ids()
@@ -211,9 +251,9 @@ class StatusHub:
                 self._dirty.clear()
                 self._wake.clear()
                 await self._wake.wait()
-                interval = s.min_interval
+                self._interval = s.min_interval
                 continue
-            timeout = s.push_safety_interval if push else interval
+            timeout = s.push_safety_interval if push else min(self._interval, self.max_interval())
             if not self._dirty:
                 self._wake.clear()
                 # not asyncio.wait_for: on Python < 3.12 it can swallow a cancellation that arrives
@@ -230,7 +270,9 @@ class StatusHub:
             if not ids:
                 continue
             changed = await self._round(ids)
-            interval = s.min_interval if changed else min(interval * s.backoff, s.max_interval)
+            self._interval = (
+                s.min_interval if changed else min(self._interval * s.backoff, self.max_interval())
+            )
 
     async def _round(self, ids: list[str]) -> bool:
         if self._before_round is not None:

@@ -192,8 +192,18 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     def _run_opts(self) -> runopts:
         opts = runopts()
         opts.add("namespace", str, "namespace of the app's objects", default=self._namespace)
+        opts.add(
+            "queue",
+            str,
+            "Kueue LocalQueue to submit to: the Jobs are labelled kueue.x-k8s.io/queue-name and "
+            "created suspended until Kueue admits them (TorchX's queue is Volcano's)",
+        )
         opts.add("service_account", str, "service account the pods run as")
-        opts.add("priority_class", str, "PriorityClass of the pods")
+        opts.add(
+            "priority_class",
+            str,
+            "PriorityClass of the pods (with queue: also the workload's priority in Kueue)",
+        )
         opts.add("node_selector", dict[str, str], "node labels the pods must match (key:value,...)")
         opts.add(
             "tolerations",
@@ -205,7 +215,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         opts.add(
             "labels",
             dict[str, str],
-            "extra labels on every object, e.g. kueue.x-k8s.io/queue-name:team-a",
+            "extra labels on every object, e.g. team:vision",
         )
         opts.add(
             "pod_overlay",

@@ -47,10 +47,12 @@ from asynctorchx.specs.errors import ComponentValidationException as ComponentVa
 from asynctorchx.specs.errors import ConfigWarning as ConfigWarning
 from asynctorchx.specs.errors import InvalidComponentArgsException as InvalidComponentArgsException
 from asynctorchx.specs.named_resources import NAMED_RESOURCES as NAMED_RESOURCES
+from asynctorchx.specs.named_resources import GiB as GiB
 from asynctorchx.specs.named_resources import (
     UnknownNamedResourceException as UnknownNamedResourceException,
 )
 from asynctorchx.specs.named_resources import get_named_resource as get_named_resource
+from asynctorchx.specs.named_resources import get_named_resources as get_named_resources
 from asynctorchx.specs.named_resources import named_resource_names as named_resource_names
 from asynctorchx.specs.named_resources import resource as resource
 

@@ -33,7 +33,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 SchedulerBackend = str
 MISSING: str = "<MISSING>"
 NONE: str = "<NONE>"
-ALL: str = "<ALL>"
+ALL: str = "all"
 
 T = TypeVar("T")
 
@@ -733,8 +733,8 @@ class AppDryRunInfo(Generic[T]):
 class InvalidRunConfigException(Exception):
     """Raised when a scheduler cfg does not satisfy its runopts (a required key, a wrong type)."""
 
-    def __init__(self, invalid_reason: str, cfg_key: str, cfg: Mapping[str, CfgVal]) -> None:
-        given = dict(cfg) if cfg else "<EMPTY>"
+    def __init__(self, invalid_reason: str, cfg_key: str, cfg: Mapping[str, CfgVal] | str) -> None:
+        given: object = repr(cfg) if isinstance(cfg, str) else dict(cfg) if cfg else "<EMPTY>"
         super().__init__(f"{invalid_reason}. Given: {given}")
         self.cfg_key = cfg_key
 
@@ -916,10 +916,12 @@ def _split_cfg(cfg_str: str) -> dict[str, str]:
         return {}
     matches = list(_CFG_KEY.finditer(cfg_str))
     if not matches or matches[0].start() != 0:
+        head = cfg_str[: matches[0].start()] if matches else cfg_str
         raise InvalidRunConfigException(
-            f"cannot parse cfg string {cfg_str!r}: expected 'key=value' pairs delimited by ',' or ';'",
+            f"cannot parse cfg string {cfg_str!r}: {head.strip(',; ')!r} is not 'key=value' "
+            "(pairs are delimited by ',' or ';')",
             "",
-            {},
+            cfg_str,
         )
     out: dict[str, str] = {}
     for i, m in enumerate(matches):

@@ -32,7 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, NoReturn, Union, get_args, get_origin
 
 from asynctorchx.specs.api import AppDef
-from asynctorchx.specs.errors import ConfigWarning, InvalidComponentArgsException
+from asynctorchx.specs.errors import (
+    ComponentValidationException,
+    ConfigWarning,
+    InvalidComponentArgsException,
+)
 from asynctorchx.specs.file_linter import get_fn_docstring
 
 ComponentFn = Callable[..., AppDef]
@@ -538,7 +542,7 @@ def materialize_appdef_from_kwargs(
     Raises:
         InvalidComponentArgsException: an unknown keyword, a missing required argument or a
             default that does not decode (the message names the argument).
-        TypeError: the component does not return an ``AppDef``.
+        ComponentValidationException: the component does not return an ``AppDef``.
     """
     component = _component_name(cmpnt_fn, name)
     params = inspect.signature(cmpnt_fn).parameters
@@ -581,12 +585,7 @@ def materialize_appdef_from_kwargs(
             keywords[pname] = value
         else:
             positional.append(value)
-    app = cmpnt_fn(*positional, *var_args, **keywords)
-    if not isinstance(app, AppDef):
-        raise TypeError(
-            f"component {component!r} must return an AppDef, got {type(app).__name__}: {app!r}"
-        )
-    return app
+    return call_component(cmpnt_fn, component, *positional, *var_args, **keywords)
 
 
 def materialize_appdef(
@@ -608,14 +607,65 @@ def materialize_appdef(
 
     Raises:
         InvalidComponentArgsException: the arguments do not parse (names the argument).
-        TypeError: the component does not return an ``AppDef``.
+        ComponentValidationException: the component does not return an ``AppDef`` (see
+            ``call_component``).
         ValueError: the component rejected its arguments.
     """
     component = _component_name(cmpnt_fn, name)
     args = component_args_from_str(cmpnt_fn, cmpnt_args, cmpnt_defaults, config, name=component)
-    app = cmpnt_fn(*args.positional_args.values(), *args.var_args, **args.kwargs)
-    if not isinstance(app, AppDef):
-        raise TypeError(
-            f"component {component!r} must return an AppDef, got {type(app).__name__}: {app!r}"
+    return call_component(
+        cmpnt_fn, component, *args.positional_args.values(), *args.var_args, **args.kwargs
+    )
+
+
+def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs: Any) -> AppDef:
+    """Calls a component function and returns its ``AppDef``.
+
+    A ``torchx.specs.AppDef`` (from a component written for TorchX, with the ``torchx`` package
+    installed) is converted field by field into ours.
+
+    Raises:
+        ComponentValidationException: the function returned None or something that is not an
+            AppDef (the message names its type and module), its TorchX AppDef holds something with
+            no counterpart here, or it used a TorchX API asynctorchx does not provide.
+    """
+    from asynctorchx.specs._torchx import TorchXUnsupportedError
+
+    try:
+        app = fn(*args, **kwargs)
+    except TorchXUnsupportedError as e:
+        raise ComponentValidationException(component, reason=str(e)) from None
+    return as_appdef(app, component)
+
+
+def as_appdef(app: object, component: str) -> AppDef:
+    """``app`` as our ``AppDef``: ours as it is, a TorchX one converted; anything else raises.
+
+    Raises:
+        ComponentValidationException: ``app`` is None or not an AppDef, or a TorchX AppDef holding
+            something with no counterpart here.
+    """
+    if isinstance(app, AppDef):
+        return app
+    from asynctorchx.specs._torchx import (
+        TorchXConversionError,
+        appdef_from_torchx,
+        describe_type,
+        is_torchx_object,
+    )
+
+    if is_torchx_object(app, "AppDef"):
+        try:
+            return appdef_from_torchx(app)
+        except TorchXConversionError as e:
+            raise ComponentValidationException(
+                component, reason=f"its TorchX AppDef cannot be converted: {e}"
+            ) from None
+    if app is None:
+        raise ComponentValidationException(
+            component, reason="it returned None, not an AppDef (is a return statement missing?)"
         )
-    return app
+    raise ComponentValidationException(
+        component,
+        reason=f"it returned a {describe_type(app)}, not an AppDef of asynctorchx or TorchX",
+    )

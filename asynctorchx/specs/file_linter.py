@@ -25,6 +25,8 @@ from typing import Literal
 Severity = Literal["error", "warning"]
 
 SCALAR_TYPES = ("int", "float", "str", "bool")
+# ``object`` elements are passed as strings (TorchX's serve.torchserve takes ``Dict[str, object]``)
+_ELEMENT_TYPES = (*SCALAR_TYPES, "object")
 _LIST_NAMES = ("list", "List")
 _DICT_NAMES = ("dict", "Dict")
 _OPTIONAL_NAMES = ("Optional",)
@@ -263,12 +265,12 @@ class ArgTypeValidator(ComponentFunctionValidator):
             container = _dotted_name(node.value)
             params = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
             if container in _LIST_NAMES:
-                if len(params) != 1 or _dotted_name(params[0]) not in SCALAR_TYPES:
-                    return "list elements must be one of " + ", ".join(SCALAR_TYPES)
+                if len(params) != 1 or _dotted_name(params[0]) not in _ELEMENT_TYPES:
+                    return "list elements must be one of " + ", ".join(_ELEMENT_TYPES)
                 return None
             if container in _DICT_NAMES:
-                if len(params) != 2 or any(_dotted_name(p) not in SCALAR_TYPES for p in params):
-                    return "dict keys and values must be one of " + ", ".join(SCALAR_TYPES)
+                if len(params) != 2 or any(_dotted_name(p) not in _ELEMENT_TYPES for p in params):
+                    return "dict keys and values must be one of " + ", ".join(_ELEMENT_TYPES)
                 return None
             return f"container {container!r} is not supported (use list[T] or dict[K, V])"
         if scalar_only:

@@ -1,38 +1,62 @@
-"""Named resources: a short name (``cpu.small``, ``gpu.large``) standing for a ``Resource``.
+"""Named resources: a short name (``cpu.small``, ``aws_p3.2xlarge``) standing for a ``Resource``.
 
-The generic table below works on any scheduler. Packages add their own names (e.g. cloud instance
-types) through the entry-point group ``asynctorchx.named_resources``: each entry point's object is a
-callable taking no argument and returning a ``Resource``. Builtin names are never replaced.
-The entry points are read once per process (``_plugins.cache_clear()`` re-reads them).
+The builtin names are TorchX 0.7's: its generic set (``cpu.nano`` ... ``gpu.xlarge``, plus ``NULL``
+and ``MISSING`` for "no requirement") with the same numbers, and its AWS instance types
+(``asynctorchx.specs.named_resources_aws``). Packages add their own names through two entry-point
+groups, read the same way: ``asynctorchx.named_resources`` and TorchX's ``torchx.named_resources``
+(so resources registered for TorchX work unchanged). Each entry point's object is a callable taking
+no argument and returning a ``Resource`` (a TorchX ``Resource`` is converted field by field).
+
+On a clash the builtins win over both groups and ``asynctorchx.named_resources`` wins over
+``torchx.named_resources``; the losing entry point is ignored with a logged warning. The entry points
+are read once per process (``_plugins.cache_clear()`` re-reads them).
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from asynctorchx.specs.api import InvalidAppDefException, Resource
+from asynctorchx.specs.api import NULL_RESOURCE, InvalidAppDefException, Resource
+from asynctorchx.specs.named_resources_aws import NAMED_RESOURCES as AWS_NAMED_RESOURCES
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
+logger = logging.getLogger(__name__)
+
 GiB = 1024
 
 ENTRY_POINT_GROUP = "asynctorchx.named_resources"
+TORCHX_ENTRY_POINT_GROUP = "torchx.named_resources"
 
-_GENERIC: dict[str, Callable[[], Resource]] = {
+
+def _null() -> Resource:
+    return Resource(cpu=NULL_RESOURCE.cpu, gpu=NULL_RESOURCE.gpu, memMB=NULL_RESOURCE.memMB)
+
+
+GENERIC_NAMED_RESOURCES: Mapping[str, Callable[[], Resource]] = {
     "cpu.nano": lambda: Resource(cpu=1, gpu=0, memMB=512),
     "cpu.micro": lambda: Resource(cpu=1, gpu=0, memMB=1 * GiB),
     "cpu.small": lambda: Resource(cpu=1, gpu=0, memMB=2 * GiB),
     "cpu.medium": lambda: Resource(cpu=2, gpu=0, memMB=4 * GiB),
-    "cpu.large": lambda: Resource(cpu=4, gpu=0, memMB=16 * GiB),
+    "cpu.large": lambda: Resource(cpu=2, gpu=0, memMB=8 * GiB),
     "cpu.xlarge": lambda: Resource(cpu=8, gpu=0, memMB=32 * GiB),
     "gpu.small": lambda: Resource(cpu=8, gpu=1, memMB=32 * GiB),
     "gpu.medium": lambda: Resource(cpu=16, gpu=2, memMB=64 * GiB),
     "gpu.large": lambda: Resource(cpu=32, gpu=4, memMB=128 * GiB),
     "gpu.xlarge": lambda: Resource(cpu=64, gpu=8, memMB=256 * GiB),
+}
+"""TorchX's generic names: CPU/GPU/memory ratios of common hardware, not of a given instance type."""
+
+_BUILTIN: dict[str, Callable[[], Resource]] = {
+    **GENERIC_NAMED_RESOURCES,
+    **AWS_NAMED_RESOURCES,
+    "NULL": _null,
+    "MISSING": _null,
 }
 
 
@@ -46,17 +70,21 @@ class UnknownNamedResourceException(InvalidAppDefException, KeyError):
 def _plugin_factory(ep: EntryPoint) -> Callable[[], Resource]:
     def factory() -> Resource:
         try:
-            made = ep.load()()
+            made: Any = ep.load()()
         except Exception as e:
             raise InvalidAppDefException(
                 f"named resource {ep.name!r} (entry point {ep.value!r} in group "
-                f"{ENTRY_POINT_GROUP!r}) failed: {type(e).__name__}: {e}",
+                f"{ep.group!r}) failed: {type(e).__name__}: {e}",
                 field_name="resource",
             ) from e
         if not isinstance(made, Resource):
+            from asynctorchx.specs._torchx import is_torchx_object, resource_from_torchx
+
+            if is_torchx_object(made, "Resource"):
+                return resource_from_torchx(made)
             raise InvalidAppDefException(
-                f"named resource {ep.name!r} (entry point {ep.value!r}) must return a Resource, "
-                f"got {made!r}",
+                f"named resource {ep.name!r} (entry point {ep.value!r} in group {ep.group!r}) "
+                f"must return a Resource, got {made!r}",
                 field_name="resource",
             )
         return made
@@ -69,15 +97,31 @@ def _plugins() -> Mapping[str, Callable[[], Resource]]:
     from importlib.metadata import entry_points  # costly to import: only when a lookup needs it
 
     found: dict[str, Callable[[], Resource]] = {}
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _GENERIC and ep.name not in found:
+    origin: dict[str, str] = {}
+    for group in (ENTRY_POINT_GROUP, TORCHX_ENTRY_POINT_GROUP):
+        for ep in entry_points(group=group):
+            where = f"{ep.name} = {ep.value} (group {group!r})"
+            if ep.name in _BUILTIN:
+                logger.warning(
+                    "ignoring named resource %s: %r is a builtin named resource", where, ep.name
+                )
+                continue
+            if ep.name in found:
+                logger.warning(
+                    "ignoring named resource %s: %r is already registered by %s",
+                    where,
+                    ep.name,
+                    origin[ep.name],
+                )
+                continue
             found[ep.name] = _plugin_factory(ep)
+            origin[ep.name] = where
     return found
 
 
 def named_resource_names() -> list[str]:
     """Every known named resource, builtins first."""
-    return [*_GENERIC, *sorted(_plugins())]
+    return [*_BUILTIN, *sorted(_plugins())]
 
 
 def get_named_resource(name: str) -> Resource:
@@ -89,7 +133,7 @@ def get_named_resource(name: str) -> Resource:
         UnknownNamedResourceException: unknown name; the message suggests the closest known names.
         InvalidAppDefException: a plugin's factory failed or did not return a ``Resource``.
     """
-    factory = _GENERIC.get(name) or _plugins().get(name)
+    factory = _BUILTIN.get(name) or _plugins().get(name)
     if factory is None:
         known = named_resource_names()
         close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)
@@ -99,6 +143,11 @@ def get_named_resource(name: str) -> Resource:
             field_name="resource",
         )
     return factory()
+
+
+def get_named_resources(name: str) -> Resource:
+    """TorchX's name for ``get_named_resource``."""
+    return get_named_resource(name)
 
 
 class NamedResources(Mapping[str, Resource]):
@@ -115,7 +164,7 @@ class NamedResources(Mapping[str, Resource]):
         return get_named_resource(name)
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and (name in _GENERIC or name in _plugins())
+        return isinstance(name, str) and (name in _BUILTIN or name in _plugins())
 
     def __iter__(self) -> Iterator[str]:
         return iter(named_resource_names())
@@ -135,12 +184,13 @@ def resource(
 ) -> Resource:
     """A ``Resource`` from a named resource ``h`` or from explicit numbers.
 
-    ``h`` wins over the numbers when given. Unset numbers default to 1 CPU, 0 GPU and 1024 MiB.
+    ``h`` wins over the numbers when given. Unset numbers default to TorchX's: 2 CPUs, 0 GPU and
+    1024 MiB (an explicit 0 is kept, where TorchX would replace it by the default).
     """
     if h:
         return get_named_resource(h)
     return Resource(
-        cpu=1 if cpu is None else cpu,
+        cpu=2 if cpu is None else cpu,
         gpu=0 if gpu is None else gpu,
         memMB=1024 if memMB is None else memMB,
     )

@@ -9,7 +9,8 @@ It is small and deterministic, and does what the backend relies on a real cluste
   ``FailIndex``, ``Count``, on pod conditions or exit codes), ``backoffLimit``,
   ``backoffLimitPerIndex``/``maxFailedIndexes`` (recording ``job-index-failure-count`` and
   ``job-index-ignored-failure-count`` on replacement pods), ``podReplacementPolicy: Failed`` (a
-  replacement only once the old pod is terminal) and ``suspend``; writes the status fields and
+  replacement only once the old pod is terminal) and ``suspend`` (and resuming, as Kueue's admission
+  does: the ``Suspended`` condition turns False); writes the status fields and
   conditions (``FailureTarget``/``Failed``, ``SuccessCriteriaMet``/``Complete``, ``Suspended``) in the
   shapes recorded from real clusters (tests/fixtures/kubernetes);
 - **kubelet**: schedules each pod on ``fake-node``, starts it, expands ``$(VAR)`` references in env,
@@ -336,6 +337,10 @@ class FakeCluster:
             status["active"] = sum(1 for p in pods if active(p))
             self._write_status(job, status)
             return
+        if "Suspended" in conds:  # resumed (e.g. admitted by Kueue): the condition turns False
+            conds["Suspended"].update(
+                status="False", reason="JobResumed", message="Job resumed", lastTransitionTime=now
+            )
         status.setdefault("startTime", now)
         succeeded = _index_set(status.get("completedIndexes"))
         failed_indexes = _index_set(status.get("failedIndexes"))

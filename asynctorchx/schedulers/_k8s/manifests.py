@@ -11,6 +11,10 @@ Pure and synchronous: nothing here talks to a cluster. The layout:
   (``localhost`` on rank 0 itself), exported as ``TORCHX_RANK0_HOST``;
 - ``macros.replica_id`` becomes ``$(JOB_COMPLETION_INDEX)``, which Kubernetes expands in args and in
   env values (the variable is declared first so later env values can refer to it);
+- queueing: with the ``queue`` run option, each Job carries Kueue's ``kueue.x-k8s.io/queue-name``
+  label and is created suspended; Kueue unsuspends it once the LocalQueue admits it. Each role's
+  Job is a Kueue workload of its own (a multi-role app may be admitted role by role). The pods'
+  ``priority_class`` is also what Kueue orders the workloads of a queue by;
 - retries: ``RetryPolicy.REPLICA`` uses the Job's own per-index backoff (``backoffLimitPerIndex``,
   ``maxFailedIndexes: 0``); ``ROLE`` and ``APPLICATION`` use ``backoffLimit: 0`` and are restarted by
   the backend, which recreates Jobs with a higher attempt label. Every Job ignores pod disruptions
@@ -80,6 +84,7 @@ class KubernetesOptions:
     """The resolved run options of one submission (see ``KubernetesScheduler.run_opts``)."""
 
     namespace: str = "default"
+    queue: str | None = None
     service_account: str | None = None
     priority_class: str | None = None
     node_selector: Mapping[str, str] = field(default_factory=dict)
@@ -130,6 +135,18 @@ class KubernetesOptions:
                         f"label values of at most 63 [A-Za-z0-9_.-], got {v!r}",
                         cfg,
                     )
+        queue = text("queue")
+        labelled = labels.get(n.LABEL_KUEUE_QUEUE)
+        if queue is not None and not (n.is_label_value(queue) and n.is_dns1123_subdomain(queue)):
+            _bad_cfg("queue", queue, "the name of a Kueue LocalQueue (a DNS label)", cfg)
+        if queue is not None and labelled is not None and labelled != queue:
+            _bad_cfg(
+                "queue",
+                queue,
+                f"the same queue as labels' {n.LABEL_KUEUE_QUEUE}:{labelled} (give one of them)",
+                cfg,
+            )
+        queue = queue or labelled or None
         secrets = strings("image_pull_secrets")
         for secret in secrets:
             if not n.is_dns1123_subdomain(secret):
@@ -150,6 +167,7 @@ class KubernetesOptions:
                 )
         return KubernetesOptions(
             namespace=namespace,
+            queue=queue,
             service_account=text("service_account"),
             priority_class=text("priority_class"),
             node_selector=node_selector,
@@ -659,6 +677,13 @@ def build_request(
             rank0_host=rank0_host,
             is_rank0_role=i == 0,
         )
+        job_labels = dict(labels)
+        queued: dict[str, Any] = {}
+        if opts.queue:
+            # Kueue admits the Job by unsuspending it; pods and the Service are not labelled, so
+            # that Kueue's pod integration never takes the Job's pods for workloads of their own
+            job_labels[n.LABEL_KUEUE_QUEUE] = opts.queue
+            queued["suspend"] = True
         jobs.append(
             {
                 "apiVersion": "batch/v1",
@@ -666,13 +691,14 @@ def build_request(
                 "metadata": {
                     "name": n.job_name(name, dns),
                     "namespace": opts.namespace,
-                    "labels": dict(labels),
+                    "labels": job_labels,
                     "annotations": {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(i)},
                 },
                 "spec": {
                     "completionMode": "Indexed",
                     "completions": role.num_replicas,
                     "parallelism": role.num_replicas,
+                    **queued,
                     **_job_retry_spec(role),
                     "template": template,
                 },

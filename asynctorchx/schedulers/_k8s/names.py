@@ -30,6 +30,10 @@ LABEL_VERSION = f"{DOMAIN}/version"
 LABEL_APP_ATTEMPT = f"{DOMAIN}/app-attempt"
 LABEL_ROLE_ATTEMPT = f"{DOMAIN}/role-attempt"
 
+# Kueue (https://kueue.sigs.k8s.io): a Job with this label (a LocalQueue's name) is queued by Kueue,
+# which expects it created suspended and unsuspends it once the queue admits it.
+LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+
 # Annotations (free text): what cannot be a label value.
 ANN_APP_NAME = f"{DOMAIN}/app-name"
 ANN_SESSION = f"{DOMAIN}/session"

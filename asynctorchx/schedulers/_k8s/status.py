@@ -6,7 +6,8 @@ Rules:
   ``FailureTarget`` failed; but only once none of its pods is still pending or running (the pods are
   watched apart from the Jobs, so a Job's verdict can arrive before its pods' last states: until
   they agree the Job reads as RUNNING, and the final status always shows the replicas' exit codes);
-  a suspended or deleted Job was stopped; otherwise it is RUNNING once one of its pods runs (or an
+  a deleted Job was stopped, and so was a suspended one unless Kueue queues it (then it is PENDING:
+  Kueue suspends a Job until its queue admits it, and again when it is preempted); otherwise it is RUNNING once one of its pods runs (or an
   index completed) and PENDING before; a missing ``status`` means PENDING;
 - a replica is the newest pod of its completion index; pod phases map one to one and any phase the
   backend does not know (``Unknown``, or a new one) is UNKNOWN;
@@ -197,7 +198,11 @@ def job_state(job: Obj, pods: Sequence[Obj] = ()) -> AppState:
         return AppState.SUCCEEDED if settled else AppState.RUNNING
     if "Failed" in conds or "FailureTarget" in conds:
         return AppState.FAILED if settled else AppState.RUNNING
-    if meta(job).get("deletionTimestamp") or "Suspended" in conds:
+    if meta(job).get("deletionTimestamp"):
+        return AppState.CANCELLED
+    if is_queued(job) and _suspended(job):
+        return AppState.PENDING  # Kueue suspends it until admitted, and again when preempted
+    if "Suspended" in conds:
         return AppState.CANCELLED
     status = job.get("status") or {}
     if AppState.RUNNING in states or _int(status.get("succeeded")) > 0:
@@ -205,6 +210,15 @@ def job_state(job: Obj, pods: Sequence[Obj] = ()) -> AppState:
     if AppState.UNKNOWN in states:
         return AppState.UNKNOWN
     return AppState.PENDING
+
+
+def _suspended(job: Obj) -> bool:
+    return bool((job.get("spec") or {}).get("suspend")) or "Suspended" in _true_conditions(job)
+
+
+def is_queued(job: Obj) -> bool:
+    """True for a Job handed to Kueue (it carries a ``kueue.x-k8s.io/queue-name`` label)."""
+    return bool(labels_of(job).get(n.LABEL_KUEUE_QUEUE))
 
 
 def job_attempts(job: Obj) -> tuple[int, int]:
@@ -385,6 +399,12 @@ def describe_app(
         state = AppState.UNKNOWN
     else:
         state = AppState.PENDING
+    if state == AppState.PENDING:
+        waiting = sorted(
+            {labels_of(j)[n.LABEL_KUEUE_QUEUE] for j in jobs if is_queued(j) and _suspended(j)}
+        )
+        if waiting:
+            msg = f"waiting for Kueue to admit it (queue {', '.join(waiting)})"
     return DescribeAppResponse(
         app_id=app_id,
         state=state,
