@@ -12,6 +12,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import anyio
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -64,3 +66,24 @@ class TaskSupervisor:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def await_shielded(task: asyncio.Future[T]) -> T:
+    """Waits until ``task`` has finished, even if the caller is cancelled meanwhile.
+
+    Clean-up that must not be cut short runs as a task and is awaited through this. Both kinds of
+    cancellation are held off: an anyio cancel scope's (through a shield) and ``Task.cancel()``
+    (which an anyio shield alone lets through on asyncio). A cancellation that arrived meanwhile is
+    raised once the task has finished; otherwise the task's result is returned or its exception
+    raised.
+    """
+    cancelled: BaseException | None = None
+    with anyio.CancelScope(shield=True):
+        while not task.done():
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError as e:
+                cancelled = e
+    if cancelled is not None:
+        raise cancelled
+    return task.result()

@@ -388,3 +388,35 @@ async def test_cfg_from_str_takes_several_strings() -> None:
         assert runner.cfg_from_str("fake", "speed=1", "speed=3") == {"speed": 3}
         with pytest.raises(InvalidRunConfigException, match=r"'speed'.*Given: 'speed'"):
             runner.cfg_from_str("fake", "speed=2", "speed")
+
+
+async def test_close_finishes_when_its_caller_is_cancelled() -> None:
+    """A Task.cancel() of the task running close() does not cut the clean-up short: every scheduler
+    is still closed, then the cancellation reaches the caller."""
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    class SlowClose(FakeScheduler):
+        async def close(self) -> None:
+            entered.set()
+            await release.wait()
+            await super().close()
+
+    first, second = SlowClose("s"), FakeScheduler("s")
+    second.backend = "fake2"
+    runner = AsyncRunner(
+        name="s",
+        scheduler_factories={"fake": lambda *_a, **_k: first, "fake2": lambda *_a, **_k: second},
+    )
+    await runner.open()
+    await runner.run(app(), "fake")
+    await runner.run(app(), "fake2")
+    closer = asyncio.get_running_loop().create_task(runner.close())
+    with anyio.fail_after(5):
+        await entered.wait()
+    closer.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+        await closer
+    assert first.closed and second.closed

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.runner import _launch
 from asynctorchx.runner.hub import PollSettings, StatusHub, _Entry
 from asynctorchx.runner.limits import (
@@ -159,6 +159,7 @@ class AsyncRunner:
             if self._factory(backend) is None:
                 raise UnknownSchedulerException(backend, self._available())
         self._launch_events = LaunchEvents()
+        self._closing: asyncio.Task[None] | None = None  # close()'s clean-up, awaited by every call
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -187,23 +188,28 @@ class AsyncRunner:
     async def close(self) -> None:
         """Stops the status hubs and closes every scheduler (local apps this runner owns are stopped).
 
-        Idempotent. Cleanup runs shielded from cancellation so nothing is left half-closed.
+        Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
+        cancellation is raised afterwards), so nothing is left half-closed.
         """
-        if self._state is _Lifecycle.CLOSED:
-            return
-        self._state = _Lifecycle.CLOSED
-        for queue in self._readers:
-            queue.put_nowait(_CLOSED)
-        self._launch_events.close()
-        with anyio.CancelScope(shield=True):
-            for hub in self._hubs.values():
-                await hub.aclose()
-            await self._supervisor.aclose()
-            for scheduler in self._schedulers.values():
-                try:
-                    await scheduler.close()
-                except Exception:
-                    logger.exception("closing scheduler %s failed", scheduler.backend)
+        if self._closing is None:
+            self._state = _Lifecycle.CLOSED
+            for queue in self._readers:
+                queue.put_nowait(_CLOSED)
+            self._launch_events.close()
+            self._closing = asyncio.get_running_loop().create_task(
+                self._close(), name=f"runner:{self._name}:close"
+            )
+        await await_shielded(self._closing)
+
+    async def _close(self) -> None:
+        for hub in self._hubs.values():
+            await hub.aclose()
+        await self._supervisor.aclose()
+        for scheduler in self._schedulers.values():
+            try:
+                await scheduler.close()
+            except Exception:
+                logger.exception("closing scheduler %s failed", scheduler.backend)
 
     def _check_open(self) -> None:
         if self._state is _Lifecycle.UNOPENED:
