@@ -363,16 +363,18 @@ class AsyncRunner:
         """Waits until the app is terminal and returns its final status (None when unknown).
 
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
-        leaves the app running.
+        leaves the app running. The scheduler is consulted once whatever the timeout: an app that
+        is already terminal is returned even with ``timeout=0``.
 
         Raises:
             TimeoutError: the app was still running after ``timeout`` seconds.
+            ValueError: ``timeout`` is negative or not a number.
         """
         self._check_open()
+        _check_timeout(timeout)
         backend, app_id = self._split(app_handle)
         hub = self._hub(backend)
-        with anyio.fail_after(math.inf if timeout is None else timeout):
-            entry = await hub.wait_final(app_id)
+        entry = await hub.wait_final(app_id, timeout)
         return entry.status
 
     async def wait_all(
@@ -384,6 +386,7 @@ class AsyncRunner:
 
         Raises:
             TimeoutError: some app was still running after ``timeout`` seconds.
+            ValueError: ``timeout`` is negative or not a number.
         """
         results: dict[AppHandle, AppStatus | None] = {}
         async for handle, status in self.as_completed(app_handles, timeout=timeout):
@@ -397,23 +400,33 @@ class AsyncRunner:
     ) -> AsyncGenerator[tuple[AppHandle, AppStatus | None], None]:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
+        With a ``timeout``, each scheduler is consulted once whatever the timeout: apps that are
+        already terminal are yielded even with ``timeout=0``.
+
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
+            ValueError: ``timeout`` is negative or not a number.
         """
         self._check_open()
+        _check_timeout(timeout)
         handles = list(dict.fromkeys(app_handles))
         if not handles:
             return
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         done: asyncio.Queue[tuple[AppHandle, _Entry]] = asyncio.Queue()
-        entries: list[tuple[AppHandle, StatusHub, _Entry]] = []
+        # (handle, hub, entry, token): the entry is fresh once entry.consulted > token
+        entries: list[tuple[AppHandle, StatusHub, _Entry, int]] = []
         for handle in handles:
             backend, app_id = self._split(handle)
             hub = self._hub(backend)
-            entries.append((handle, hub, hub.track(app_id)))
+            if timeout is None:
+                entries.append((handle, hub, hub.track(app_id), 0))
+            else:
+                entries.append((handle, hub, *hub.consult(app_id)))
 
         pending = len(entries)
         listeners: list[tuple[_Entry, Any]] = []
-        for handle, _hub, entry in entries:
+        for handle, _hub, entry, _token in entries:
             if entry.final:
                 done.put_nowait((handle, entry))
                 continue
@@ -424,14 +437,30 @@ class AsyncRunner:
 
             entry.listeners.append(on_change)
             listeners.append((entry, on_change))
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
         seen: set[AppHandle] = set()
         self._readers.add(done)
         try:
             while pending:
                 remaining = deadline - time.monotonic()
-                with anyio.fail_after(max(remaining, 0) if remaining != math.inf else math.inf):
-                    handle, entry = await self._next_item(done, "waiting for apps")
+                item: tuple[AppHandle, _Entry] | None = None
+                if remaining > 0:
+                    with anyio.move_on_after(remaining):
+                        item = await self._next_item(done, "waiting for apps")
+                elif not done.empty():
+                    item = await self._next_item(done, "waiting for apps")
+                if item is None:
+                    # past the deadline: time out only on what a round begun after the call said
+                    stale = [
+                        (hub, entry, token)
+                        for handle, hub, entry, token in entries
+                        if handle not in seen and not entry.final and entry.consulted <= token
+                    ]
+                    if not stale and done.empty():
+                        raise TimeoutError(f"{pending} of {len(entries)} apps are not terminal")
+                    for hub, entry, token in stale:
+                        await hub.wait_consulted(entry, token)
+                    continue
+                handle, entry = item
                 if handle in seen:
                     continue
                 seen.add(handle)
@@ -581,6 +610,12 @@ class AsyncRunner:
 
     def __repr__(self) -> str:
         return f"<AsyncRunner name={self._name!r} {self._state.value}>"
+
+
+def _check_timeout(timeout: float | None) -> None:
+    """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
+    if timeout is not None and not timeout >= 0:  # also rejects NaN
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
 
 
 def get_runner(

@@ -1,0 +1,167 @@
+"""Faults found by trying to break the runner, the CLI and the log reader (issue 12, items 11-13).
+
+Each test reproduces one fault on the real local backend (real processes, real files) or, for the
+hub's pacing, on the in-memory scheduler, and pins what happens now.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from _fake_scheduler import FakeScheduler
+
+from asynctorchx import AsyncRunner
+from asynctorchx.runner import PollSettings
+from asynctorchx.specs import AppDef, AppState, Role
+
+LOCAL = "local_cwd"
+
+
+def sh_app(script: str, name: str = "app", **role_kw: Any) -> AppDef:
+    """A one-role app running ``sh -c script``."""
+    return AppDef(name, [Role("main", image=".", entrypoint="sh", args=["-c", script], **role_kw)])
+
+
+def session() -> str:
+    return f"rm-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+async def ended(root: Path) -> AsyncIterator[tuple[str, str]]:
+    """(session, handle) of a local app that succeeded, launched by a runner that is closed now."""
+    name = session()
+    async with AsyncRunner(name=name, local_root=str(root)) as runner:
+        handle = await runner.run(sh_app("echo done"), LOCAL)
+        status = await runner.wait(handle, timeout=30)
+        assert status is not None and status.state == AppState.SUCCEEDED
+    yield name, handle
+
+
+# -- 11. a terminal app is reported terminal whatever the timeout ---------------------------------
+
+
+@pytest.mark.parametrize("timeout", [0, 0.01])
+async def test_wait_with_zero_timeout_reports_an_ended_app_on_a_fresh_runner(
+    root: Path, ended: tuple[str, str], timeout: float
+) -> None:
+    """wait(h, timeout=0 or 0.01) on a fresh runner returns the final status of an app that ended."""
+    name, handle = ended
+    async with AsyncRunner(name=name, local_root=str(root)) as runner:
+        with anyio.fail_after(30):
+            status = await runner.wait(handle, timeout=timeout)
+    assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_wait_all_and_as_completed_with_zero_timeout_report_ended_apps(
+    root: Path, ended: tuple[str, str]
+) -> None:
+    """wait_all and as_completed with timeout=0 yield ended apps, then time out on a running one."""
+    name, handle = ended
+    async with AsyncRunner(name=name, local_root=str(root)) as runner:
+        with anyio.fail_after(30):
+            done = await runner.wait_all([handle], timeout=0)
+            assert done[handle] is not None and done[handle].state == AppState.SUCCEEDED
+            running = await runner.run(sh_app("sleep 30"), LOCAL)
+            seen = []
+            with pytest.raises(TimeoutError):
+                async for h, status in runner.as_completed([running, handle], timeout=0):
+                    seen.append((h, None if status is None else status.state))
+            assert seen == [(handle, AppState.SUCCEEDED)]
+            st = await runner.status(running)
+            assert st is not None and st.state == AppState.RUNNING
+            await runner.cancel(running)
+
+
+async def test_wait_with_a_deadline_asks_the_scheduler_instead_of_trusting_a_stale_state() -> None:
+    """wait(timeout=0) on an app the hub last saw RUNNING, slow polling, returns its new final state."""
+    made: list[FakeScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> FakeScheduler:
+        made.append(FakeScheduler(session_name, **params))
+        return made[-1]
+
+    slow = PollSettings(min_interval=60, max_interval=60)
+    async with AsyncRunner("t", scheduler_factories={"fake": factory}, poll_settings=slow) as r:
+        handle = await r.run(AppDef("a", [Role("w", image="i", entrypoint="true")]), "fake")
+        with anyio.fail_after(10):
+            await made[0].wait_described("fake-0")
+            made[0].set_state("fake-0", AppState.SUCCEEDED)  # the hub polls again in 60 s only
+            status = await r.wait(handle, timeout=0)
+        assert status is not None and status.state == AppState.SUCCEEDED
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+async def test_wait_rejects_a_negative_or_nan_timeout(root: Path, bad: float) -> None:
+    """wait/as_completed with a negative or NaN timeout raise ValueError naming the value."""
+    async with AsyncRunner(name=session(), local_root=str(root)) as runner:
+        with pytest.raises(ValueError, match=r"timeout must be .* got"):
+            await runner.wait(f"{LOCAL}://{runner.name}/x", timeout=bad)
+        with pytest.raises(ValueError, match=r"timeout must be .* got"):
+            await runner.wait_all([f"{LOCAL}://{runner.name}/x"], timeout=bad)
+
+
+def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "asynctorchx"
+    exe = [str(script)] if script.exists() else [sys.executable, "-m", "asynctorchx"]
+    env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root), "TORCHXCONFIG": ""}
+    return subprocess.run(
+        [*exe, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.parametrize("timeout", ["0", "0.01"])
+def test_cli_wait_with_zero_timeout_reports_an_ended_app(tmp_path: Path, timeout: str) -> None:
+    """`wait --timeout 0` on an app that ended prints its state, exits 0 and warns of nothing."""
+    root = tmp_path / "state"
+    run = _cli(root, "run", "utils.sh", "--", "true")
+    assert run.returncode == 0, run.stderr
+    handle = run.stdout.strip()
+    result = _cli(root, "wait", "--timeout", timeout, handle)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[1:] == [handle, "SUCCEEDED"]
+    assert result.stderr == ""
+
+
+def test_cli_wait_with_zero_timeout_on_a_running_app_exits_124(tmp_path: Path) -> None:
+    """`wait --timeout 0` on a running app prints RUNNING, says it still runs, exits 124."""
+    root = tmp_path / "state"
+    go = tmp_path / "go"
+    env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root), "TORCHXCONFIG": ""}
+    script = Path(sys.executable).parent / "asynctorchx"
+    exe = [str(script)] if script.exists() else [sys.executable, "-m", "asynctorchx"]
+    gate = f'while [ ! -e "{go}" ]; do sleep 0.01; done'
+    run = subprocess.Popen(
+        [*exe, "run", "utils.sh", "--", "sh", "-c", gate],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert run.stdout is not None
+        handle = run.stdout.readline().strip()
+        result = _cli(root, "wait", "--timeout", "0", handle)
+        assert result.returncode == 124, result.stderr
+        assert result.stdout.split()[1:] in ([handle, "RUNNING"], [handle, "PENDING"])
+        assert f"still running: {handle}" in result.stderr
+        assert "never awaited" not in result.stderr
+    finally:
+        go.touch()
+        try:
+            run.wait(timeout=30)
+        finally:
+            run.kill()
+            run.communicate()
