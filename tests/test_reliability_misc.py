@@ -118,7 +118,7 @@ def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     exe = [str(script)] if script.exists() else [sys.executable, "-m", "asynctorchx"]
     env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root), "TORCHXCONFIG": ""}
     return subprocess.run(
-        [*exe, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        [*exe, *args], env=env, capture_output=True, text=True, timeout=30, check=False
     )
 
 
@@ -165,3 +165,82 @@ def test_cli_wait_with_zero_timeout_on_a_running_app_exits_124(tmp_path: Path) -
         finally:
             run.kill()
             run.communicate()
+
+
+# -- 12. replica ranges are parsed in linear time, errors stay one line ---------------------------
+
+
+@pytest.fixture(scope="module")
+def four_replicas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """(state root, handle) of a finished local app whose role 'sh' has four replicas."""
+    root = tmp_path_factory.mktemp("ranges") / "state"
+    run = _cli(root, "run", "utils.sh", "--num_replicas", "4", "--", "sh", "-c", "echo $RANK")
+    assert run.returncode == 0, run.stderr
+    return root, run.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    ("ids", "named"),
+    [("0-99999999", "4-99999999"), ("0-20000", "4-20000"), ("1,7,2-3,9-12,40,50", "7, 9-12, 40")],
+)
+def test_log_with_a_huge_replica_range_fails_at_once_with_one_short_line(
+    four_replicas: tuple[Path, str], ids: str, named: str
+) -> None:
+    """`log H/role/0-99999999` on a 4-replica role exits 2 with one short line naming the bad ids."""
+    root, handle = four_replicas
+    result = _cli(root, "log", f"{handle}/sh/{ids}")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and len(lines[0]) < 400, result.stderr[:1000]
+    assert f"has no replica {named}" in lines[0] and "(its replicas: 0-3)" in lines[0]
+
+
+def test_log_with_overlapping_ranges_prints_each_replica_once_in_the_order_given(
+    four_replicas: tuple[Path, str],
+) -> None:
+    """`log H/sh/2,0-3,1-2,3` prints replicas 2, 0, 1, 3 once each, in that order."""
+    root, handle = four_replicas
+    result = _cli(root, "log", f"{handle}/sh/2,0-3,1-2,3" + ",0-3" * 5000)
+    assert result.returncode == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == [
+        "sh/2",
+        "sh/0",
+        "sh/1",
+        "sh/3",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"),
+    [
+        ("5-2", "replica range '5-2' .* is empty"),
+        ("x", "replica 'x' .* is not an id or a range"),
+        ("\u0663", "is not an id or a range"),  # a Unicode digit: isdigit() but not an id
+        ("0-" + "9" * 5000, r"\(5002 characters\) .* is beyond any replica count"),
+    ],
+    ids=["empty", "word", "unicode-digit", "5000-digits"],
+)
+def test_bad_replica_ids_are_one_short_usage_error(ids: str, error: str) -> None:
+    """An empty range, a non-id or a 5000-digit id is a one-line CliError of bounded length."""
+    from asynctorchx.cli._errors import CliError
+    from asynctorchx.cli.cmd_log import parse_target
+
+    with pytest.raises(CliError, match=error) as info:
+        parse_target(f"local_cwd://s/a/sh/{ids}")
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
+
+
+def test_replica_ids_take_each_id_once_however_much_ranges_overlap() -> None:
+    """replica_ids keeps the given order, drops repeats, and handles 10^5 overlapping ranges."""
+    from asynctorchx.cli.cmd_log import ReplicaRange, replica_ids
+
+    assert replica_ids([ReplicaRange(3, 3), ReplicaRange(0, 5), ReplicaRange(2, 4)], 6) == [
+        3,
+        0,
+        1,
+        2,
+        4,
+        5,
+    ]
+    many = [ReplicaRange(0, 9_999)] * 100_000
+    assert replica_ids(many, 10_000) == list(range(10_000))
