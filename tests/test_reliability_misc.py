@@ -6,6 +6,7 @@ hub's pacing, on the in-memory scheduler, and pins what happens now.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,8 +18,10 @@ from typing import Any
 import anyio
 import pytest
 from _fake_scheduler import FakeScheduler
+from _logs_env import run_child, spawn
 
 from asynctorchx import AsyncRunner
+from asynctorchx.logs import Stream, iter_log_lines, wake_readers
 from asynctorchx.runner import PollSettings
 from asynctorchx.specs import AppDef, AppState, Role
 
@@ -244,3 +247,202 @@ def test_replica_ids_take_each_id_once_however_much_ranges_overlap() -> None:
     ]
     many = [ReplicaRange(0, 9_999)] * 100_000
     assert replica_ids(many, 10_000) == list(range(10_000))
+
+
+# -- 13. a line is never split, and reading it back costs about twice its size at most ------------
+
+#: Lines of this many bytes are read back with a bounded memory cost (an exact multiple of 1 MiB).
+LONG = 128 << 20
+#: Reading a line of N bytes may hold it as bytes and as str at once while it is decoded: 2 N.
+BOUND = 2.5
+
+MEASURE_CHILD = r"""
+import json, resource, subprocess, sys
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE)
+size, head, tail = 0, b"", b""
+while chunk := proc.stdout.read(1 << 20):
+    if not head:
+        head = chunk[:200]
+    tail = (tail + chunk)[-200:]
+    size += len(chunk)
+code = proc.wait()
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps([code, size, peak, head.decode(), tail.decode()]))
+"""
+
+
+def _peak(root: Path, *argv: str) -> tuple[int, int, int, str, str]:
+    """(exit code, stdout bytes, peak RSS in bytes, first and last 200 bytes) of a fresh command."""
+    env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root), "TORCHXCONFIG": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE_CHILD, *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    ).stdout
+    code, size, rss_kib, head, tail = json.loads(out)
+    assert rss_kib > 0, "no peak RSS measured"
+    return code, size, rss_kib * 1024, head, tail
+
+
+@pytest.fixture(scope="module")
+def long_line_app(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """(root, handle of an app that printed one LONG-byte line, handle of one that printed 'x')."""
+    root = tmp_path_factory.mktemp("long") / "state"
+    handles = []
+    for size in (LONG, 1):
+        script = f"head -c {size} /dev/zero | tr '\\0' x; echo"
+        run = _cli(root, "run", "utils.sh", "--", "sh", "-c", script)
+        assert run.returncode == 0, run.stderr
+        handles.append(run.stdout.strip())
+    return root, handles[0], handles[1]
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_cli_log_of_a_128mib_line_prints_it_whole_within_2_5x_its_size(
+    long_line_app: tuple[Path, str, str], as_json: bool
+) -> None:
+    """`asynctorchx log` of a 128 MiB line prints it whole; its peak RSS grows < 2.5x the line."""
+    root, handle, small = long_line_app
+    script = Path(sys.executable).parent / "asynctorchx"
+    exe = [str(script)] if script.exists() else [sys.executable, "-m", "asynctorchx"]
+    flags = ["--json"] if as_json else []
+    _, _, baseline, _, _ = _peak(root, *exe, "log", *flags, small)
+    code, size, peak, head, tail = _peak(root, *exe, "log", *flags, handle)
+    assert code == 0
+    if as_json:
+        empty = json.dumps(
+            {"handle": handle, "role": "sh", "replica": 0, "stream": None, "line": ""}
+        )
+        assert head.startswith(empty[:-2] + "xxxx") and tail.endswith('xxxx"}\n')
+        assert size == len(empty) + LONG + 1
+    else:
+        assert head.startswith("sh/0 | xxxx") and tail.endswith("xxxx\n")
+        assert size == len("sh/0 | ") + LONG + 1
+    assert peak - baseline < BOUND * LONG, f"peak {peak >> 20} MiB, baseline {baseline >> 20} MiB"
+
+
+# VmHWM, not ru_maxrss: a child started with vfork inherits its parent's ru_maxrss at exec
+READ_CHILD = r"""
+import asyncio, pathlib, sys
+from asynctorchx.logs import iter_log_lines
+def peak():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+async def main():
+    before = peak()
+    sizes = []
+    async for line in iter_log_lines(pathlib.Path(sys.argv[1])):
+        sizes.append(len(line))
+        del line  # the consumer keeps nothing: what is measured is the reader's own cost
+    print(sizes, peak() - before)
+asyncio.run(main())
+"""
+
+
+def test_reading_two_128mib_progress_lines_costs_under_2_5x_a_line(tmp_path: Path) -> None:
+    """iter_log_lines of two 128 MiB lines full of \\r grows its process < 2.5x one line."""
+    progress = b"y" * ((1 << 20) - 1) + b"\r"
+    with open(tmp_path / "combined.log", "wb") as f:
+        for _ in range(2):
+            for _ in range(LONG >> 20):
+                f.write(progress)
+            f.write(b"\n")
+    out = subprocess.run(
+        [sys.executable, "-c", READ_CHILD, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    ).stdout.split()
+    assert out[:2] == [f"[{LONG + 1},", f"{LONG + 1}]"]
+    assert int(out[2]) < BOUND * LONG, f"grew {int(out[2]) >> 20} MiB"
+
+
+def _long_line_script() -> tuple[str, list[str]]:
+    """A child's code writing lines around the long-line threshold, and the lines it writes."""
+    big = 5 << 20
+    code = (
+        "import sys\n"
+        "w = sys.stdout.buffer.write\n"
+        "w(b'a\\n')\n"
+        f"for i in range({big} // 4096): w(b'x' * 4096); sys.stdout.flush()\n"
+        "w(b'\\nb\\n')\n"
+        f"w(('\\u00e9' * ({big} // 2 - 1) + '\\r').encode())\n"
+        "w(b'\\nmiddle\\n' + b'z' * (3 << 20) + b'\\n')\n"
+        "w(b'\\xff' * (3 << 20))\n"  # an unterminated last line of invalid UTF-8
+    )
+    lines = [
+        "a\n",
+        "x" * big + "\n",
+        "b\n",
+        "\u00e9" * (big // 2 - 1) + "\r\n",
+        "middle\n",
+        "z" * (3 << 20) + "\n",
+        "\ufffd" * (3 << 20),
+    ]
+    return code, lines
+
+
+async def test_lines_longer_than_the_read_block_come_back_whole(tmp_path: Path) -> None:
+    """Lines of 3-5 MiB (ASCII, non-ASCII with \\r, invalid UTF-8, unterminated) read back exactly."""
+    code, lines = _long_line_script()
+    await run_child(tmp_path, code)
+    with anyio.fail_after(30):
+        got = [line async for line in iter_log_lines(tmp_path)]
+        assert got == lines
+        windowed = [line async for line in iter_log_lines(tmp_path, since=0.0, until=2e9)]
+        assert windowed == lines
+        assert [line async for line in iter_log_lines(tmp_path, since=3e9)] == []
+        assert [line async for line in iter_log_lines(tmp_path, regex="^z")] == [lines[5]]
+
+
+async def test_a_follower_yields_long_lines_whole(tmp_path: Path) -> None:
+    """A follower yields the 3-5 MiB lines exactly, the unterminated last one once finished."""
+    from asynctorchx.logs import ReplicaLogWriter
+
+    code, lines = _long_line_script()
+    writer = ReplicaLogWriter(tmp_path)
+    done = False
+
+    async def finished() -> bool:
+        return done
+
+    got: list[str] = []
+    try:
+        with anyio.fail_after(30):
+            proc = await spawn(writer, code)
+            async with anyio.create_task_group() as tg:
+
+                async def read() -> None:
+                    async for line in iter_log_lines(
+                        tmp_path, Stream.STDOUT, follow=True, is_finished=finished
+                    ):
+                        got.append(line)
+
+                tg.start_soon(read)
+                await proc.wait()
+                await writer.wait_drained()
+                done = True
+                wake_readers(tmp_path)
+    finally:
+        writer.close()
+    assert got == lines
+
+
+def test_a_long_line_is_printed_exactly_as_a_short_one_would_be() -> None:
+    """LogPrinter writes a line longer than its slice size as the same text and JSON, unsplit."""
+    import io
+
+    from asynctorchx.cli._logs import _WRITE_SLICE, LogPrinter, app_replicas
+
+    replicas = app_replicas([("trainer", 1)])
+    line = ('q"\\\u00e9\x01\t' * (_WRITE_SLICE // 3)) + "end\n"
+    text, as_json = io.StringIO(), io.StringIO()
+    LogPrinter("h", replicas, text).write(replicas[0], "stderr", line)
+    LogPrinter("h", replicas, as_json, as_json=True).write(replicas[0], "stdout", line)
+    assert text.getvalue() == "trainer/0 ! " + line
+    record = {"handle": "h", "role": "trainer", "replica": 0, "stream": "stdout", "line": line[:-1]}
+    assert as_json.getvalue() == json.dumps(record, ensure_ascii=False) + "\n"
