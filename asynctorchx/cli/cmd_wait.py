@@ -112,8 +112,8 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     ended: set[str] = set()
 
     async def deadline(runner: AsyncRunner, group: list[str]) -> None:
-        # the runner's deadline consults the scheduler once before it gives up, so an app that
-        # ended long ago is reported ended even with --timeout 0
+        # the runner asks the scheduler once more when the deadline passes, so an app that ended
+        # long ago is reported ended even with --timeout 0
         try:
             async for handle, _ in runner.as_completed(group, timeout=args.timeout):
                 ended.add(handle)

@@ -363,8 +363,9 @@ class AsyncRunner:
         """Waits until the app is terminal and returns its final status (None when unknown).
 
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
-        leaves the app running. The scheduler is consulted once whatever the timeout: an app that
-        is already terminal is returned even with ``timeout=0``.
+        leaves the app running. When the deadline passes, the scheduler is asked once more before
+        ``TimeoutError`` is raised: an app that is already terminal is returned even with
+        ``timeout=0``.
 
         Raises:
             TimeoutError: the app was still running after ``timeout`` seconds.
@@ -400,8 +401,8 @@ class AsyncRunner:
     ) -> AsyncGenerator[tuple[AppHandle, AppStatus | None], None]:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
-        With a ``timeout``, each scheduler is consulted once whatever the timeout: apps that are
-        already terminal are yielded even with ``timeout=0``.
+        When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
+        raised: apps that are already terminal are yielded even with ``timeout=0``.
 
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
@@ -414,19 +415,15 @@ class AsyncRunner:
             return
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         done: asyncio.Queue[tuple[AppHandle, _Entry]] = asyncio.Queue()
-        # (handle, hub, entry, token): the entry is fresh once entry.consulted > token
-        entries: list[tuple[AppHandle, StatusHub, _Entry, int]] = []
+        entries: list[tuple[AppHandle, StatusHub, _Entry]] = []
         for handle in handles:
             backend, app_id = self._split(handle)
             hub = self._hub(backend)
-            if timeout is None:
-                entries.append((handle, hub, hub.track(app_id), 0))
-            else:
-                entries.append((handle, hub, *hub.consult(app_id)))
+            entries.append((handle, hub, hub.track(app_id)))
 
         pending = len(entries)
         listeners: list[tuple[_Entry, Any]] = []
-        for handle, _hub, entry, _token in entries:
+        for handle, _hub, entry in entries:
             if entry.final:
                 done.put_nowait((handle, entry))
                 continue
@@ -438,6 +435,7 @@ class AsyncRunner:
             entry.listeners.append(on_change)
             listeners.append((entry, on_change))
         seen: set[AppHandle] = set()
+        asked = False
         self._readers.add(done)
         try:
             while pending:
@@ -449,15 +447,17 @@ class AsyncRunner:
                 elif not done.empty():
                     item = await self._next_item(done, "waiting for apps")
                 if item is None:
-                    # past the deadline: time out only on what a round begun after the call said
-                    stale = [
-                        (hub, entry, token)
-                        for handle, hub, entry, token in entries
-                        if handle not in seen and not entry.final and entry.consulted <= token
-                    ]
-                    if not stale and done.empty():
+                    if asked:
                         raise TimeoutError(f"{pending} of {len(entries)} apps are not terminal")
-                    for hub, entry, token in stale:
+                    # the deadline passed: ask the schedulers once more before giving up, so that
+                    # an app that ended is reported ended whatever the timeout
+                    asked = True
+                    checks = [
+                        (hub, *hub.consult(entry.app_id))
+                        for handle, hub, entry in entries
+                        if handle not in seen and not entry.final
+                    ]
+                    for hub, entry, token in checks:
                         await hub.wait_consulted(entry, token)
                     continue
                 handle, entry = item

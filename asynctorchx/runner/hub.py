@@ -10,10 +10,11 @@ However many tasks wait on however many apps, the hub runs one ``describe_many``
 
 Waiters never call the backend themselves: they wait on the hub's per-app events.
 
-A wait with a deadline never times out on what the hub knew before the wait began: it asks for a
-round, and raises ``TimeoutError`` only once a round begun after the call has answered for the app
-(or failed) and the deadline has passed. So ``wait(h, timeout=0)`` on an app that ended long ago
-reports it ended, on a fresh runner too.
+A wait with a deadline never times out on what the hub happened to know: when the deadline passes
+with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
+after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
+on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
+its deadline costs no extra round.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ class StatusHub:
     # -- waiting --------------------------------------------------------------------------------
 
     def consult(self, app_id: str) -> tuple[_Entry, int]:
-        """Tracks ``app_id`` and asks the next round to describe it.
+        """Tracks ``app_id`` and asks the next round to describe it (a waiter's deadline passed).
 
         Returns:
             The entry and a token: once ``entry.consulted > token``, a round begun after this call
@@ -207,11 +208,12 @@ class StatusHub:
                 await entry.changed.wait()
             return entry
         deadline = time.monotonic() + timeout
-        entry, token = self.consult(app_id)
+        entry = self.track(app_id)
         while not entry.final:
             self._check_open()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                entry, token = self.consult(app_id)
                 await self.wait_consulted(entry, token)
                 if entry.final:
                     break
