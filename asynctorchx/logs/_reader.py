@@ -409,6 +409,20 @@ def _plan_blocking(
     return lo, hi
 
 
+async def _read_long(
+    cursor: _Cursor,
+    line: _LongLine,
+    lo: int,
+    hi: int,
+    search: Callable[[str], re.Match[str] | None] | None,
+) -> list[str]:
+    """The long line (read in a worker thread) if it touches ``[lo, hi)`` and matches ``search``."""
+    if not (line.start < hi and line.end > lo):
+        return []
+    lines = await cursor.run(cursor.read_long_blocking, line)
+    return lines if search is None else [text for text in lines if search(text)]
+
+
 def _forget(future: asyncio.Future[Any] | None) -> None:
     """Drops a worker call whose result is no longer wanted."""
     if future is not None and not future.cancel() and not future.cancelled():
@@ -448,13 +462,9 @@ async def _read_now(
                 segments.append(cursor.flush())  # the unterminated last line
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    if segment.start < hi and segment.end > lo:
-                        lines = await cursor.run(cursor.read_long_blocking, segment)
-                        for line in lines if search is None else filter(search, lines):
-                            yield line
-                        # hold no long line while the next one is read
-                        lines.clear()
-                        line = ""
+                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    while long_lines:  # popped: no long line is held while the next is read
+                        yield long_lines.pop(0)
                     continue
                 for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
                     for line in lines if search is None else filter(search, lines):
@@ -578,13 +588,9 @@ async def _follow(
                 lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    if segment.start < hi and segment.end > lo:
-                        lines = await cursor.run(cursor.read_long_blocking, segment)
-                        for line in lines if search is None else filter(search, lines):
-                            yield line
-                        # hold no long line while the next one is read
-                        lines.clear()
-                        line = ""
+                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    while long_lines:  # popped: no long line is held while the next is read
+                        yield long_lines.pop(0)
                     continue
                 for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
                     for line in lines if search is None else filter(search, lines):
