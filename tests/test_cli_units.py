@@ -26,7 +26,7 @@ from asynctorchx.cli._errors import (
 from asynctorchx.cli._interrupt import Interrupted, Interrupts
 from asynctorchx.cli._logs import LogPrinter, app_replicas
 from asynctorchx.cli._output import Styler, colour_enabled
-from asynctorchx.cli.cmd_log import LogTarget, parse_target
+from asynctorchx.cli.cmd_log import LogTarget, ReplicaRange, parse_target
 from asynctorchx.specs.api import AppState, MalformedAppHandleException, UnknownAppException
 
 
@@ -69,7 +69,8 @@ def test_log_target_splits_handle_role_and_replicas() -> None:
     h = "local_cwd://sess/app-1"
     assert parse_target(h) == LogTarget(h, None, None)
     assert parse_target(f"{h}/trainer") == LogTarget(h, "trainer", None)
-    assert parse_target(f"{h}/trainer/0,2-3") == LogTarget(h, "trainer", [0, 2, 3])
+    ranges = [ReplicaRange(0, 0), ReplicaRange(2, 3)]
+    assert parse_target(f"{h}/trainer/0,2-3") == LogTarget(h, "trainer", ranges)
     assert parse_target("local_cwd:///app") == LogTarget("local_cwd:///app", None, None)
 
 

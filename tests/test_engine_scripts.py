@@ -1,18 +1,24 @@
-"""The engine scripts' pid-file checks (scripts/engines/lib/slurm_common.sh).
+"""The engine scripts' helpers (scripts/engines/lib/slurm_common.sh): pid files and the MariaDB user.
 
 A CI run starts with /run as the last run left it: the pid files of daemons that are gone name pids
 that other processes may have now. The scripts must tell their daemon from such a stranger, or they
 never start the daemon (and would stop the stranger in its place).
+
+The accounting database's user must end up with the configured password and grants whatever MariaDB
+held before; ``converge_db_user`` is run against the MariaDB of ``scripts/engines/slurm.sh`` with a
+throwaway user and database of the test's own (the cluster's ``slurm`` user is never touched).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import engine_missing
 
 COMMON = Path(__file__).resolve().parent.parent / "scripts" / "engines" / "lib" / "slurm_common.sh"
 
@@ -86,3 +92,101 @@ def test_stop_pidfile_stops_the_daemon_it_names(tmp_path: Path) -> None:
     finally:
         daemon.kill()
         daemon.wait()
+
+
+# -- converge_db_user -------------------------------------------------------------------------------
+
+PASSWORD = "configured-pw"
+
+
+def _sql(statements: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Runs SQL through MariaDB's socket (as root, or as ``MYSQL_USER``/``MYSQL_PWD`` from ``env``)."""
+    user = ["-u", env.pop("MYSQL_USER")] if "MYSQL_USER" in env else []
+    return subprocess.run(
+        ["mariadb", "--protocol=socket", *user, "-N", "-B", "-e", statements],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+        env={"PATH": "/usr/bin:/bin:/usr/sbin", **env},
+    )
+
+
+@pytest.fixture
+def throwaway_db() -> Iterator[tuple[str, str]]:
+    """(database, user) names of the test's own, dropped afterwards; needs the slurm.sh MariaDB."""
+    try:
+        ping = _sql("SELECT 1")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        engine_missing(f"MariaDB (run `bash scripts/engines/slurm.sh`): {e}")
+    if ping.returncode != 0:
+        engine_missing(f"MariaDB (run `bash scripts/engines/slurm.sh`): {ping.stderr.strip()}")
+    name = f"atx_test_{uuid.uuid4().hex[:10]}"
+    try:
+        yield name, name
+    finally:
+        _sql(f"DROP USER IF EXISTS '{name}'@'localhost'; DROP DATABASE IF EXISTS `{name}`;")
+
+
+def _logs_in(db: str, user: str, password: str) -> bool:
+    result = _sql(
+        f"CREATE TABLE IF NOT EXISTS `{db}`.t (i INT); SELECT 1",
+        MYSQL_USER=user,
+        MYSQL_PWD=password,
+    )
+    return result.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        pytest.param("", id="nothing"),
+        pytest.param(
+            "CREATE USER '{u}'@'localhost' IDENTIFIED BY 'another-pw'", id="another-password"
+        ),
+        pytest.param(
+            "CREATE DATABASE `{d}`; CREATE USER '{u}'@'localhost' IDENTIFIED BY '" + PASSWORD + "'",
+            id="no-grants",
+        ),
+        pytest.param(
+            "CREATE USER '{u}'@'localhost' IDENTIFIED VIA unix_socket ACCOUNT LOCK",
+            id="socket-auth-and-locked",
+        ),
+        pytest.param(
+            "CREATE USER '{u}'@'localhost' IDENTIFIED BY 'old' PASSWORD EXPIRE",
+            id="expired-password",
+        ),
+    ],
+)
+def test_converge_db_user_leaves_the_configured_user_whatever_was_there(
+    throwaway_db: tuple[str, str], before: str
+) -> None:
+    """After converge_db_user, the user logs in with the configured password and owns the database,
+    whether it was missing, had another password or plugin, was locked, expired or had no grants."""
+    db, user = throwaway_db
+    if before:
+        setup = _sql(before.format(u=user, d=db))
+        assert setup.returncode == 0, setup.stderr
+    assert not _logs_in(db, user, PASSWORD)
+    for _ in range(2):  # and again: nothing changes, nothing fails
+        result = _bash(f"converge_db_user {db} {user} {PASSWORD}")
+        assert result.returncode == 0, result.stderr
+        assert _logs_in(db, user, PASSWORD)
+    assert not _logs_in(db, user, "another-pw")
+    grants = _sql(f"SHOW GRANTS FOR '{user}'@'localhost'").stdout
+    assert f"GRANT ALL PRIVILEGES ON `{db}`.* TO `{user}`@`localhost`" in grants
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ("'bad name' user pw", "names must be"),
+        ('db user "it\'s"', "without quotes or backslashes"),
+        ("db user ''", "must be non-empty"),
+    ],
+)
+def test_converge_db_user_refuses_what_it_cannot_quote(args: str, error: str) -> None:
+    """Names or passwords that cannot go into the SQL verbatim are refused before MariaDB is asked."""
+    result = _bash(f"converge_db_user {args}")
+    assert result.returncode != 0
+    assert error in result.stderr

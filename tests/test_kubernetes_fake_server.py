@@ -364,8 +364,9 @@ async def test_pod_logs_follow_timestamps_and_since_time(
 ) -> None:
     """Logs are refused while the container waits, then stream with nanosecond timestamps and sinceTime."""
     release = asyncio.Event()
+    start = asyncio.Event()  # the container waits to start until the refused request was made
     fake_k8s.cluster.script = lambda ctx: PodScript(
-        lines=["one\n", "two\n"], start_delay=0.2, hold=release
+        lines=["one\n", "two\n"], start=start, hold=release
     )
     await submit(kube_api, AppDef("logs", roles=[Role("w", image="i", entrypoint="e")]))
     await until(
@@ -379,6 +380,7 @@ async def test_pod_logs_follow_timestamps_and_since_time(
     assert (
         info.value.status == 400 and "is waiting to start: ContainerCreating" in info.value.message
     )
+    start.set()
     await until(
         fake_k8s, lambda: fake_k8s.store.list("pods", NS)[0]["status"]["phase"] == "Running"
     )

@@ -192,10 +192,44 @@ async def test_logs_per_replica_with_tail_and_regex(
         )
     ]
     assert only_2 == ["r0 line 2\n"]
-    assert [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0)] == ["r0 oops\n"]  # stderr
+    stderr = [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0, streams=Stream.STDERR)]
+    assert stderr == ["r0 oops\n"]
     # another scheduler object (another process, another cwd) finds the logs through Slurm
     fresh = SlurmScheduler("other", accounting=slurm_scheduler.accounting)
     assert [ln async for ln in fresh.log_iter(app_id, "w", 1, streams=Stream.STDOUT)] == tailed
+
+
+# The replica writes a line, then waits until it is in its combined.log before it writes the next
+# one on the other stream: the order of the lines across the two streams is then known.
+_HANDSHAKE = """
+log="slurm-$SLURM_JOB_ID/w/0/combined.log"
+say() {
+    if [ "$1" = out ]; then echo "$2"; else echo "$2" >&2; fi
+    for i in $(seq 1000); do grep -qx "$2" "$log" && return; sleep 0.01; done
+    exit 9
+}
+say out o1; say err e1; say out o2; say err e2
+"""
+
+
+@pytest.mark.timeout(90)
+async def test_default_log_is_everything_the_replica_wrote_in_order(
+    slurm_scheduler: SlurmScheduler, job_dir: Path
+) -> None:
+    """Without streams, log_iter gives stdout and stderr interleaved in write order, tailed or not;
+    a replica that wrote only to stdout is not empty."""
+    app = AppDef("both", [sh("w", _HANDSHAKE), sh("quiet", "echo only out")])
+    app_id = await slurm_scheduler.submit(app, {"job_dir": str(job_dir)})
+    await wait_for_state(slurm_scheduler, app_id, {AppState.RUNNING, AppState.SUCCEEDED})
+    tailed = [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0, should_tail=True)]
+    resp = await wait_for_state(slurm_scheduler, app_id)
+    assert resp.state == AppState.SUCCEEDED, resp.msg
+    assert tailed == ["o1\n", "e1\n", "o2\n", "e2\n"]
+    assert [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0)] == tailed
+    out = [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0, streams=Stream.STDOUT)]
+    err = [ln async for ln in slurm_scheduler.log_iter(app_id, "w", 0, streams=Stream.STDERR)]
+    assert (out, err) == (["o1\n", "o2\n"], ["e1\n", "e2\n"])
+    assert [ln async for ln in slurm_scheduler.log_iter(app_id, "quiet", 0)] == ["only out\n"]
 
 
 @pytest.mark.timeout(60)

@@ -361,11 +361,11 @@ async def test_list_merges_squeue_and_sacct_with_handles() -> None:
 # -- logs --------------------------------------------------------------------------------------
 
 
-async def test_log_iter_rejects_combined_stream() -> None:
-    """Slurm writes no combined stream: asking for it is a ValueError naming the supported ones."""
+async def test_log_iter_rejects_an_unknown_stream() -> None:
+    """An unknown stream is a ValueError naming the supported ones."""
     sched = SlurmScheduler("s", runner=FakeSlurm(_recorded("squeue-final.json")))
-    with pytest.raises(ValueError, match=r"STDOUT or Stream\.STDERR"):
-        async for _ in sched.log_iter(APPS["single"]["app_id"], "solo", streams=Stream.COMBINED):
+    with pytest.raises(ValueError, match=r"unsupported log stream 'both' \(supported: stdout"):
+        async for _ in sched.log_iter(APPS["single"]["app_id"], "solo", streams="both"):  # type: ignore[arg-type]
             pass
 
 
@@ -384,24 +384,42 @@ async def test_log_iter_unknown_app_and_role() -> None:
 
 
 async def test_log_iter_reads_replica_files_with_regex(tmp_path: Path) -> None:
-    """log_iter reads the replica's stdout.log/stderr.log under the job's recorded workdir."""
+    """log_iter reads combined.log by default, stdout.log/stderr.log on request, under the workdir."""
     app_id = APPS["success_2x2"]["app_id"]
     d = tmp_path / f"slurm-{app_id}" / "reader" / "1"
     d.mkdir(parents=True)
     (d / "stdout.log").write_bytes(b"one\ntwo \xff\nthree")
     (d / "stderr.log").write_text("warn\n")
+    (d / "combined.log").write_text("one\nwarn\ntwo\n")
     sched = SlurmScheduler(
         "s", runner=FakeSlurm(_recorded("squeue-final.json", tmp_path)), accounting=False
     )
     lines = [ln async for ln in sched.log_iter(app_id, "reader", 1, streams=Stream.STDOUT)]
     assert lines == ["one\n", "two \ufffd\n", "three"]
-    assert [ln async for ln in sched.log_iter(app_id, "reader", 1)] == ["warn\n"]  # default: stderr
+    assert [ln async for ln in sched.log_iter(app_id, "reader", 1, streams="stderr")] == ["warn\n"]
+    assert [ln async for ln in sched.log_iter(app_id, "reader", 1)] == ["one\n", "warn\n", "two\n"]
     assert [
         ln async for ln in sched.log_iter(app_id, "reader", 1, regex="^t", streams=Stream.STDOUT)
     ] == [
         "two \ufffd\n",
         "three",
     ]
+
+
+async def test_log_iter_of_a_job_without_combined_log_reads_stdout_then_stderr(
+    tmp_path: Path,
+) -> None:
+    """A replica of a job older than combined.log is read as its stdout.log, then its stderr.log."""
+    app_id = APPS["success_2x2"]["app_id"]
+    d = tmp_path / f"slurm-{app_id}" / "reader" / "0"
+    d.mkdir(parents=True)
+    (d / "stdout.log").write_text("out\n")
+    (d / "stderr.log").write_text("err\n")
+    sched = SlurmScheduler(
+        "s", runner=FakeSlurm(_recorded("squeue-final.json", tmp_path)), accounting=False
+    )
+    assert [ln async for ln in sched.log_iter(app_id, "reader", 0)] == ["out\n", "err\n"]
+    assert [ln async for ln in sched.log_iter(app_id, "reader", 0, regex="err")] == ["err\n"]
 
 
 @pytest.mark.timeout(30)

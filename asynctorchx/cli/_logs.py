@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from asynctorchx.runner.api import AsyncRunner
     from asynctorchx.schedulers.api import Stream
 
+#: Lines longer than this (in characters) are printed slice by slice rather than copied whole.
+_WRITE_SLICE = 1 << 20
+
 STDOUT_MARK = "|"
 STDERR_MARK = "!"
 
@@ -85,19 +88,38 @@ class LogPrinter:
         return f"{self.style(replica.label, colour)}{pad} {mark} "
 
     def write(self, replica: Replica, stream: str | None, line: str) -> None:
-        """Writes one log line (its trailing newline, if any, is replaced by exactly one)."""
-        text = line[:-1] if line.endswith("\n") else line
+        """Writes one log line (its trailing newline, if any, is replaced by exactly one).
+
+        A line longer than ``_WRITE_SLICE`` characters is written in slices, so that printing it
+        costs no copy of it (the line is never split in the output: nothing else is written
+        between its slices).
+        """
+        end = len(line) - 1 if line.endswith("\n") else len(line)
         if self.as_json:
             record = {
                 "handle": self.handle,
                 "role": replica.role,
                 "replica": replica.index,
                 "stream": stream,
-                "line": text,
+                "line": line[:end] if end <= _WRITE_SLICE else "",
             }
-            self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if end <= _WRITE_SLICE:
+                self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            else:
+                # the same text as json.dumps(record): "line" is the last key, its value is escaped
+                # slice by slice (JSON escapes each character on its own)
+                self.out.write(json.dumps(record, ensure_ascii=False)[:-2])
+                for i in range(0, end, _WRITE_SLICE):
+                    piece = line[i : min(i + _WRITE_SLICE, end)]
+                    self.out.write(json.dumps(piece, ensure_ascii=False)[1:-1])
+                self.out.write('"}\n')
+        elif end <= _WRITE_SLICE:
+            self.out.write(f"{self.prefix(replica, stream)}{line[:end]}\n")
         else:
-            self.out.write(f"{self.prefix(replica, stream)}{text}\n")
+            self.out.write(self.prefix(replica, stream))
+            for i in range(0, end, _WRITE_SLICE):
+                self.out.write(line[i : min(i + _WRITE_SLICE, end)])
+            self.out.write("\n")
         self.lines += 1
         if self.flush:
             self.out.flush()
@@ -140,6 +162,7 @@ async def print_replica(
         async for line in _lines(runner, handle, replica, query, stream):
             emitted[0] += 1
             printer.write(replica, stream.value, line)
+            del line  # hold no line while the next one (maybe a huge one) is read
 
     try:
         await run_all([one(Stream.STDOUT), one(Stream.STDERR)])
@@ -160,6 +183,7 @@ async def _print_stream(
     name = None if stream is None or stream.value == "combined" else stream.value
     async for line in _lines(runner, handle, replica, query, stream):
         printer.write(replica, name, line)
+        del line  # hold no line while the next one (maybe a huge one) is read
 
 
 def _lines(

@@ -69,47 +69,84 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     p.set_defaults(handler=execute, is_async=True, command="log")
 
 
+class ReplicaRange(NamedTuple):
+    """Replica ids ``first`` to ``last`` (inclusive), as written in a log target."""
+
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return str(self.first) if self.first == self.last else f"{self.first}-{self.last}"
+
+
 class LogTarget(NamedTuple):
-    """What ``HANDLE[/ROLE[/REPLICA,...]]`` names."""
+    """What ``HANDLE[/ROLE[/REPLICA,...]]`` names; ``replicas`` keeps the ids and ranges as given."""
 
     handle: str
     role: str | None
-    replicas: list[int] | None
+    replicas: list[ReplicaRange] | None
 
 
 _TARGET = re.compile(
     r"(?P<handle>[^:/\s]+://[^/\s]*/[^/\s]+)"
     r"(?:/(?P<role>[^/\s]+)(?:/(?P<replicas>[^/\s]*))?)?/?"
 )
+_REPLICA = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")
+#: Longer ids exceed any replica count (and Python's int parsing limit is 4300 digits).
+_MAX_ID_DIGITS = 18
+
+#: How much of a user's text an error message quotes: errors stay one short line.
+_QUOTE_LIMIT = 60
+
+
+def _quote(text: str) -> str:
+    """``repr(text)``, cut to a readable length (the rest is counted, not printed)."""
+    if len(text) <= _QUOTE_LIMIT:
+        return repr(text)
+    return f"{text[:_QUOTE_LIMIT]!r}... ({len(text)} characters)"
 
 
 def parse_target(identifier: str) -> LogTarget:
     """Splits ``HANDLE[/ROLE[/REPLICA,...]]``; replicas are ids or ranges: ``0,2,4-6``.
 
+    Linear in the length of ``identifier``: ranges stay ranges until ``select`` bounds them by the
+    role's real replica count.
+
     Raises:
-        CliError: the identifier does not have that form.
+        CliError: the identifier does not have that form, or a range is empty (``5-2``).
     """
     from asynctorchx.cli._errors import CliError
 
     m = _TARGET.fullmatch(identifier.strip())
     if m is None:
         raise CliError(
-            f"{identifier!r} is not HANDLE[/ROLE[/REPLICA,...]]",
+            f"{_quote(identifier)} is not HANDLE[/ROLE[/REPLICA,...]]",
             "a handle looks like local_cwd://SESSION/APP_ID, as printed by 'asynctorchx run'",
         )
-    replicas: list[int] | None = None
+    replicas: list[ReplicaRange] | None = None
     spec = m["replicas"]
     if spec:
         replicas = []
         for part in spec.split(","):
-            lo, dash, hi = part.strip().partition("-")
-            if not lo.isdigit() or (dash and not hi.isdigit()):
+            r = _REPLICA.fullmatch(part)
+            if r is None:
                 raise CliError(
-                    f"replica {part!r} in {identifier!r} is not an id or a range",
+                    f"replica {_quote(part)} in {_quote(identifier)} is not an id or a range",
                     "give replica ids as 0,2 or 0-3",
                 )
-            ids = range(int(lo), int(hi) + 1) if dash else [int(lo)]
-            replicas.extend(i for i in ids if i not in replicas)
+            if max(len(r[1]), len(r[2] or "")) > _MAX_ID_DIGITS:
+                raise CliError(
+                    f"replica {_quote(part)} in {_quote(identifier)} is beyond any replica count",
+                    "give replica ids as 0,2 or 0-3",
+                )
+            first = int(r[1])
+            last = first if r[2] is None else int(r[2])
+            if last < first:
+                raise CliError(
+                    f"replica range {_quote(part)} in {_quote(identifier)} is empty",
+                    "give a range as FIRST-LAST with FIRST <= LAST, e.g. 0-3",
+                )
+            replicas.append(ReplicaRange(first, last))
     return LogTarget(m["handle"], m["role"], replicas)
 
 
@@ -130,6 +167,35 @@ async def app_roles(runner: AsyncRunner, handle: str) -> list[tuple[str, int]]:
     return [(r.role, max((x.id for x in r.replicas), default=-1) + 1) for r in status.roles]
 
 
+def replica_ids(ranges: list[ReplicaRange], count: int) -> list[int]:
+    """The ids of ``ranges`` in the order given, each once; every id must be below ``count``.
+
+    Near-linear in ``count`` plus the number of ranges, however much the ranges overlap: a
+    "next id not yet taken" table (with path halving) skips what earlier ranges took.
+    """
+    following = list(range(count + 1))  # following[i]: the smallest id >= i not yet taken
+
+    def find(i: int) -> int:
+        while following[i] != i:
+            following[i] = following[following[i]]
+            i = following[i]
+        return i
+
+    ids: list[int] = []
+    for r in ranges:
+        i = find(r.first)
+        while i <= r.last:
+            ids.append(i)
+            following[i] = i + 1
+            i = find(i + 1)
+    return ids
+
+
+def _describe_ranges(ranges: list[ReplicaRange], limit: int = 3) -> str:
+    shown = ", ".join(str(r) for r in ranges[:limit])
+    return shown if len(ranges) <= limit else f"{shown} and {len(ranges) - limit} more"
+
+
 def select(
     target: LogTarget, replicas: list[Replica], roles: list[tuple[str, int]]
 ) -> list[Replica]:
@@ -145,7 +211,7 @@ def select(
     counts = dict(roles)
     if target.role not in counts:
         raise CliError(
-            f"app {target.handle!r} has no role {target.role!r} "
+            f"app {target.handle!r} has no role {_quote(target.role)} "
             f"(roles: {', '.join(counts) or 'none'})",
             f"'asynctorchx describe {target.handle}' shows the roles",
         )
@@ -153,16 +219,16 @@ def select(
     if target.replicas is None:
         return of_role
     n = counts[target.role]
-    bad = [k for k in target.replicas if not 0 <= k < n]
+    bad = [ReplicaRange(max(r.first, n), r.last) for r in target.replicas if not 0 <= r.last < n]
     if bad:
-        ids = "0" if n == 1 else f"0-{n - 1}"
+        ids = "none" if n == 0 else "0" if n == 1 else f"0-{n - 1}"
         raise CliError(
             f"role {target.role!r} of app {target.handle!r} has no replica "
-            f"{', '.join(map(str, bad))} (its replicas: {ids})",
+            f"{_describe_ranges(bad)} (its replicas: {ids})",
             f"'asynctorchx status {target.handle}' shows the replicas",
         )
     by_index = {r.index: r for r in of_role}
-    return [by_index[k] for k in target.replicas]
+    return [by_index[k] for k in replica_ids(target.replicas, n)]
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:

@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     p.set_defaults(handler=execute, is_async=True, command="wait")
 
 
+class _Expired(Exception):
+    """Raised when ``--timeout`` expired with apps still running."""
+
+
 def _format_event(event: AppEvent, width: int, as_json: bool) -> str:
     import json
     import time
@@ -75,8 +79,8 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     from asynctorchx.runner.api import AsyncRunner
     from asynctorchx.specs.api import AppState
 
-    if args.timeout is not None and args.timeout < 0:
-        raise CliError(f"--timeout {args.timeout:g} is negative", "give a number of seconds >= 0")
+    if args.timeout is not None and not args.timeout >= 0:  # also rejects nan
+        raise CliError(f"--timeout {args.timeout:g} is not >= 0", "give a number of seconds >= 0")
     groups: dict[str, tuple[AsyncRunner, list[str]]] = {}
     handles: list[str] = []
     for raw in dict.fromkeys(args.handles):
@@ -96,21 +100,38 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         async for event in runner.watch(group):
             queue.put_nowait(event)
 
+    def show(event: AppEvent) -> None:
+        print(_format_event(event, width, args.json), flush=True)
+        if event.is_terminal:
+            final[event.handle] = event.state
+
     async def report() -> None:
         while len(final) < len(handles):
-            event = await queue.get()
-            print(_format_event(event, width, args.json), flush=True)
-            if event.is_terminal:
-                final[event.handle] = event.state
+            show(await queue.get())
+
+    ended: set[str] = set()
+
+    async def deadline(runner: AsyncRunner, group: list[str]) -> None:
+        # the runner asks the scheduler once more when the deadline passes, so an app that ended
+        # long ago is reported ended even with --timeout 0
+        try:
+            async for handle, _ in runner.as_completed(group, timeout=args.timeout):
+                ended.add(handle)
+        except TimeoutError:
+            raise _Expired from None
 
     async with AsyncExitStack() as stack:
         for runner, _ in groups.values():
             await stack.enter_async_context(runner)
-        work = run_all([*(pump(r, g) for r, g in groups.values()), report()])
+        jobs = [*(pump(r, g) for r, g in groups.values()), report()]
+        if args.timeout is not None:
+            jobs += [deadline(r, g) for r, g in groups.values()]
         try:
-            await asyncio.wait_for(work, args.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
-            running = [h for h in handles if h not in final]
+            await run_all(jobs)
+        except _Expired:
+            while not queue.empty():
+                show(queue.get_nowait())
+            running = [h for h in handles if h not in ended]
             info(
                 f"asynctorchx wait: timed out after {args.timeout:g}s; still running: "
                 + ", ".join(running)

@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
@@ -22,6 +23,9 @@ T = TypeVar("T")
 
 _READ_BLOCK = 1 << 21
 _SPLIT_BLOCK = 1 << 18
+# A partial line longer than this is not held while its end is searched for: only its offset is
+# kept, and the line is read back in one piece once its end is found (see _LongLine).
+_LONG_LINE = _READ_BLOCK
 _FINISH_CHECK_MAX = 1.0
 _FINISH_CHECK_MIN = 0.025
 _FALLBACK_POLL = 0.25
@@ -36,7 +40,20 @@ Segment = tuple[bytes, int, int, int]
 """``(buffer, start, end, file offset of buffer[start])``: complete lines held in ``buffer[start:end]``."""
 
 
-def decode_lines(data: bytes | memoryview) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class _LongLine:
+    """One line of the file, ``[start, end)``, too long to have been held while its end was sought.
+
+    It is read back from the file in one piece (``_Cursor.read_long_blocking``), so a line of N bytes
+    costs N bytes of buffer plus its decoded ``str`` while it is decoded, then the ``str`` alone:
+    never the chunks it was read in plus their concatenation.
+    """
+
+    start: int
+    end: int
+
+
+def decode_lines(data: bytes | bytearray | memoryview) -> list[str]:
     """Decodes ``data`` (invalid UTF-8 replaced) and splits it on ``\\n`` only, keeping the ``\\n``.
 
     ``\\r`` stays inside lines; a final unterminated line is kept as is.
@@ -45,12 +62,23 @@ def decode_lines(data: bytes | memoryview) -> list[str]:
     if not any(c in text for c in _OTHER_BREAKS) and (
         text.isascii() or not any(c in text for c in _OTHER_BREAKS_NON_ASCII)
     ):
-        return text.splitlines(True)
-    parts = text.split("\n")
-    last = parts.pop()
-    lines = [p + "\n" for p in parts]
-    if last:
-        lines.append(last)
+        return text.splitlines(True)  # a text of one line is returned as is, not copied
+    if len(text) <= _SPLIT_BLOCK:
+        parts = text.split("\n")
+        last = parts.pop()
+        lines = [p + "\n" for p in parts]
+        if last:
+            lines.append(last)
+        return lines
+    # a long line (e.g. a progress line full of \r): slices, so that a text of one line is not
+    # copied twice (split, then + "\n")
+    lines = []
+    start = 0
+    while (end := text.find("\n", start) + 1) > 0:
+        lines.append(text[start:end])
+        start = end
+    if start < len(text):
+        lines.append(text[start:])
     return lines
 
 
@@ -100,6 +128,8 @@ class _Cursor:
         self.pos = 0
         self.pending: list[bytes] = []
         self.pending_len = 0
+        # the partial line outgrew _LONG_LINE: its bytes are no longer held in ``pending``
+        self.spilled = False
         self.size = 0
         self.mtime_ns = 0
         self._lock = threading.Lock()
@@ -170,8 +200,7 @@ class _Cursor:
                 "%s shrank to %d bytes; reading it from the start", self.path, st.st_size
             )
             self.pos = 0
-            self.pending = []
-            self.pending_len = 0
+            self._forget_pending()
         self.size = st.st_size
         self.mtime_ns = st.st_mtime_ns
         return True
@@ -192,6 +221,20 @@ class _Cursor:
         """Up to ``size`` bytes at ``offset``."""
         return os.pread(self.fd, size, offset) if size > 0 else b""
 
+    def read_long_blocking(self, line: _LongLine) -> list[str]:
+        """The decoded line(s) of ``line``: its bytes are read into one buffer, decoded, released."""
+        buf = bytearray(line.end - line.start)
+        view = memoryview(buf)
+        got = 0
+        while got < len(buf):  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(self.fd, [view[got:]], line.start + got)
+            if n == 0:  # the file shrank meanwhile
+                break
+            got += n
+        view.release()
+        del buf[got:]
+        return decode_lines(buf)
+
     def poll_blocking(self, limit: int) -> bytes:
         """Refreshes, then reads up to ``limit`` bytes past ``pos`` (b"" when none or no file yet)."""
         if not self.refresh_blocking():
@@ -202,37 +245,60 @@ class _Cursor:
             else b""
         )
 
-    def take(self, data: bytes) -> list[Segment]:
+    def take(self, data: bytes) -> list[Segment | _LongLine]:
         """Accounts for ``data`` read at ``pos``; returns the complete lines it finishes."""
         base = self.pos
         self.pos += len(data)
         cut = data.rfind(b"\n") + 1
         if cut == 0:
             if data:
-                self.pending.append(data)
-                self.pending_len += len(data)
+                self._hold(data)
             return []
-        segments: list[Segment] = []
+        segments: list[Segment | _LongLine] = []
         start = 0
-        if self.pending:
+        if self.pending_len:
             first = data.find(b"\n") + 1
-            line = b"".join([*self.pending, data[:first]])
-            segments.append((line, 0, len(line), base - self.pending_len))
+            line_start = base - self.pending_len
+            if self.spilled:
+                segments.append(_LongLine(line_start, base + first))
+            else:
+                line = b"".join([*self.pending, data[:first]])
+                segments.append((line, 0, len(line), line_start))
             start = first
         if start < cut:
             segments.append((data, start, cut, base + start))
-        rest = data[cut:]
-        self.pending = [rest] if rest else []
-        self.pending_len = len(rest)
+        self._forget_pending()
+        if cut < len(data):
+            self._hold(data[cut:])
         return segments
 
-    def flush(self) -> Segment:
-        """The buffered unterminated last line (then forgets it)."""
-        base = self.pending_start
-        line = b"".join(self.pending)
+    def _hold(self, data: bytes) -> None:
+        """Adds ``data`` to the partial line (only its length, once the line is too long to hold)."""
+        self.pending_len += len(data)
+        if self.spilled:
+            return
+        if self.pending_len > _LONG_LINE:
+            self.pending = []
+            self.spilled = True
+        else:
+            self.pending.append(data)
+
+    def _forget_pending(self) -> None:
         self.pending = []
         self.pending_len = 0
-        return line, 0, len(line), base
+        self.spilled = False
+
+    def flush(self) -> Segment | _LongLine:
+        """The buffered unterminated last line (then forgets it)."""
+        base = self.pending_start
+        item: Segment | _LongLine
+        if self.spilled:
+            item = _LongLine(base, self.pos)
+        else:
+            line = b"".join(self.pending)
+            item = (line, 0, len(line), base)
+        self._forget_pending()
+        return item
 
 
 def _check_stream(stream: Stream | str) -> Stream:
@@ -343,6 +409,20 @@ def _plan_blocking(
     return lo, hi
 
 
+async def _read_long(
+    cursor: _Cursor,
+    line: _LongLine,
+    lo: int,
+    hi: int,
+    search: Callable[[str], re.Match[str] | None] | None,
+) -> list[str]:
+    """The long line (read in a worker thread) if it touches ``[lo, hi)`` and matches ``search``."""
+    if not (line.start < hi and line.end > lo):
+        return []
+    lines = await cursor.run(cursor.read_long_blocking, line)
+    return lines if search is None else [text for text in lines if search(text)]
+
+
 def _forget(future: asyncio.Future[Any] | None) -> None:
     """Drops a worker call whose result is no longer wanted."""
     if future is not None and not future.cancel() and not future.cancelled():
@@ -378,14 +458,17 @@ async def _read_now(
                 future = cursor.run(
                     cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
                 )
+            elif cursor.pending_len:
+                segments.append(cursor.flush())  # the unterminated last line
             for segment in segments:
+                if isinstance(segment, _LongLine):
+                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    while long_lines:  # popped: no long line is held while the next is read
+                        yield long_lines.pop(0)
+                    continue
                 for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
                     for line in lines if search is None else filter(search, lines):
                         yield line
-        last = cursor.flush()
-        for lines in _batches(_narrow(last, lo, hi) if windowed else last):
-            for line in lines if search is None else filter(search, lines):
-                yield line
     finally:
         _forget(future)
         cursor.close()
@@ -504,6 +587,11 @@ async def _follow(
             if windowed:
                 lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
             for segment in segments:
+                if isinstance(segment, _LongLine):
+                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    while long_lines:  # popped: no long line is held while the next is read
+                        yield long_lines.pop(0)
+                    continue
                 for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
                     for line in lines if search is None else filter(search, lines):
                         yield line

@@ -609,7 +609,9 @@ class AsyncRunner:
         """Waits until the app is terminal and returns its final status (None when unknown).
 
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
-        leaves the app running.
+        leaves the app running. When the deadline passes, the scheduler is asked once more before
+        ``TimeoutError`` is raised: an app that is already terminal is returned even with
+        ``timeout=0``.
 
         Args:
             app_handle: the app.
@@ -623,9 +625,11 @@ class AsyncRunner:
 
         Raises:
             TimeoutError: the app was still running after ``timeout`` seconds.
-            ValueError: ``wait_interval`` is not a positive number.
+            ValueError: ``timeout`` is negative or not a number, or ``wait_interval`` is not a
+                positive number.
         """
         self._check_open()
+        _check_timeout(timeout)
         if wait_interval is not None and (
             isinstance(wait_interval, bool)
             or not isinstance(wait_interval, (int, float))
@@ -636,10 +640,9 @@ class AsyncRunner:
             )
         backend, app_id = self._split(app_handle)
         hub = self._hub(backend)
-        with anyio.fail_after(math.inf if timeout is None else timeout):
-            entry = await hub.wait_final(
-                app_id, None if wait_interval is None else float(wait_interval)
-            )
+        entry = await hub.wait_final(
+            app_id, timeout, None if wait_interval is None else float(wait_interval)
+        )
         return entry.status
 
     async def wait_all(
@@ -651,6 +654,7 @@ class AsyncRunner:
 
         Raises:
             TimeoutError: some app was still running after ``timeout`` seconds.
+            ValueError: ``timeout`` is negative or not a number.
         """
         results: dict[AppHandle, AppStatus | None] = {}
         async for handle, status in self.as_completed(app_handles, timeout=timeout):
@@ -664,13 +668,19 @@ class AsyncRunner:
     ) -> AsyncGenerator[tuple[AppHandle, AppStatus | None], None]:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
+        When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
+        raised: apps that are already terminal are yielded even with ``timeout=0``.
+
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
+            ValueError: ``timeout`` is negative or not a number.
         """
         self._check_open()
+        _check_timeout(timeout)
         handles = list(dict.fromkeys(app_handles))
         if not handles:
             return
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         done: asyncio.Queue[tuple[AppHandle, _Entry]] = asyncio.Queue()
         entries: list[tuple[AppHandle, StatusHub, _Entry]] = []
         for handle in handles:
@@ -691,14 +701,33 @@ class AsyncRunner:
 
             entry.listeners.append(on_change)
             listeners.append((entry, on_change))
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
         seen: set[AppHandle] = set()
+        asked = False
         self._readers.add(done)
         try:
             while pending:
                 remaining = deadline - time.monotonic()
-                with anyio.fail_after(max(remaining, 0) if remaining != math.inf else math.inf):
-                    handle, entry = await self._next_item(done, "waiting for apps")
+                item: tuple[AppHandle, _Entry] | None = None
+                if remaining > 0:
+                    with anyio.move_on_after(remaining):
+                        item = await self._next_item(done, "waiting for apps")
+                elif not done.empty():
+                    item = await self._next_item(done, "waiting for apps")
+                if item is None:
+                    if asked:
+                        raise TimeoutError(f"{pending} of {len(entries)} apps are not terminal")
+                    # the deadline passed: ask the schedulers once more before giving up, so that
+                    # an app that ended is reported ended whatever the timeout
+                    asked = True
+                    checks = [
+                        (hub, *hub.consult(entry.app_id))
+                        for handle, hub, entry in entries
+                        if handle not in seen and not entry.final
+                    ]
+                    for hub, entry, token in checks:
+                        await hub.wait_consulted(entry, token)
+                    continue
+                handle, entry = item
                 if handle in seen:
                     continue
                 seen.add(handle)
@@ -829,6 +858,7 @@ class AsyncRunner:
         try:
             async for line in lines:
                 yield line
+                del line  # not held while the next one is read: a huge line costs one copy, not two
         finally:
             aclose = getattr(lines, "aclose", None)
             if aclose is not None:
@@ -858,6 +888,12 @@ class AsyncRunner:
 
     def __repr__(self) -> str:
         return f"<AsyncRunner name={self._name!r} {self._state.value}>"
+
+
+def _check_timeout(timeout: float | None) -> None:
+    """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
+    if timeout is not None and not timeout >= 0:  # also rejects NaN
+        raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
 
 
 def get_runner(

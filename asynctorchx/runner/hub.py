@@ -9,12 +9,19 @@ However many tasks wait on however many apps, the hub runs one ``describe_many``
   app arrived, growing while nothing changes.
 
 Waiters never call the backend themselves: they wait on the hub's per-app events.
+
+A wait with a deadline never times out on what the hub happened to know: when the deadline passes
+with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
+after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
+on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
+its deadline costs no extra round.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,6 +67,10 @@ class _Entry:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     version: int = 0
     listeners: list[Callable[[_Entry], None]] = field(default_factory=list)
+    # the number (``StatusHub.rounds``) of the last round that included this app, answered or failed
+    consulted: int = 0
+    # set after each such round; created only for an app someone waits on with a deadline
+    answered: asyncio.Event | None = None
 
     @property
     def status(self) -> AppStatus | None:
@@ -162,17 +173,50 @@ class StatusHub:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    async def wait_final(self, app_id: str, poll_hint: float | None = None) -> _Entry:
+    def consult(self, app_id: str) -> tuple[_Entry, int]:
+        """Tracks ``app_id`` and asks the next round to describe it (a waiter's deadline passed).
+
+        Returns:
+            The entry and a token: once ``entry.consulted > token``, a round begun after this call
+            has answered for the app (see ``wait_consulted``).
+        """
+        entry = self.track(app_id)
+        if not entry.final:
+            self._mark_dirty(app_id)
+        return entry, self.rounds
+
+    async def wait_consulted(self, entry: _Entry, token: int) -> None:
+        """Returns once ``entry`` is final or a round numbered above ``token`` has answered for it."""
+        while not entry.final and entry.consulted <= token:
+            self._check_open()
+            if entry.answered is None:
+                entry.answered = asyncio.Event()
+            entry.answered.clear()
+            await entry.answered.wait()
+
+    async def wait_final(
+        self,
+        app_id: str,
+        timeout: float | None = None,  # noqa: ASYNC109
+        poll_hint: float | None = None,
+    ) -> _Entry:
         """Returns the entry once the app is terminal or known to be unknown.
 
         Args:
             app_id: the app.
+            timeout: seconds to wait (None: no limit). When they have passed, the hub asks for one
+                more round before giving up: an app that is already terminal is returned even with
+                ``timeout=0``.
             poll_hint: how often (seconds) this waiter wants a backend that is polled to be asked
                 while it waits (TorchX's ``wait_interval``); see ``max_interval``.
+
+        Raises:
+            TimeoutError: the deadline passed and a round begun after it found the app not terminal.
         """
         entry = self.track(app_id)
         if entry.final:
             return entry
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         if poll_hint is None:
             self._unhinted_waits += 1
         else:
@@ -182,15 +226,24 @@ class StatusHub:
         try:
             while not entry.final:
                 self._check_open()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    entry, token = self.consult(app_id)
+                    await self.wait_consulted(entry, token)
+                    if entry.final:
+                        break
+                    raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
                 entry.changed.clear()
                 if entry.final:
                     break
-                await entry.changed.wait()
+                with anyio.move_on_after(remaining):
+                    await entry.changed.wait()
         finally:
             if poll_hint is None:
                 self._unhinted_waits -= 1
             else:
                 self._hints.remove(poll_hint)
+        return entry
         return entry
 
     def max_interval(self) -> float:
@@ -278,19 +331,31 @@ class StatusHub:
         if self._before_round is not None:
             await self._before_round()
         self.rounds += 1
+        number = self.rounds
         try:
             responses = await self.scheduler.describe_many(ids)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
+            self._answered(ids, number)
             return False
         changed = False
         for app_id in ids:
             entry = self._entries.get(app_id)
             if entry is not None and not entry.final:
                 changed |= self._apply(entry, responses.get(app_id))
+        self._answered(ids, number)
         return changed
+
+    def _answered(self, ids: list[str], number: int) -> None:
+        """Marks the apps of round ``number`` as consulted and wakes whoever waits on that."""
+        for app_id in ids:
+            entry = self._entries.get(app_id)
+            if entry is not None:
+                entry.consulted = number
+                if entry.answered is not None:
+                    entry.answered.set()
 
     def _apply(self, entry: _Entry, response: DescribeAppResponse | None) -> bool:
         if response is None:
@@ -321,6 +386,8 @@ class StatusHub:
         if changed:
             entry.version += 1
             entry.changed.set()
+            if entry.answered is not None:
+                entry.answered.set()
             for listener in list(entry.listeners):
                 listener(entry)
         return changed
@@ -336,6 +403,8 @@ class StatusHub:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         for entry in self._entries.values():
             entry.changed.set()
+            if entry.answered is not None:
+                entry.answered.set()
 
 
 def states_of(entries: Iterable[_Entry]) -> dict[str, AppState | None]:

@@ -12,11 +12,15 @@ records). Finished apps are remembered and cost nothing afterwards. Without acco
 reported unknown, never as succeeded. Each replica's exit code is also written by a small wrapper to
 ``slurm-{app_id}/{role}/{replica}/exit_code``, which wins over accounting's step records.
 
-Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log`` and ``stderr.log`` under the
-job directory (the ``job_dir`` run option, default: the current directory at submit time), which is
-recorded by Slurm, so ``log_iter`` finds them from any directory. Slurm writes no combined stream and no
-timestamps: ``streams`` is STDOUT or STDERR (default STDERR, as TorchX), and ``since``/``until`` can
-only use the files' modification times.
+Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log`` and
+``combined.log`` (both streams, in the order they were read from the replica's pipes; see
+``_slurm/script.py``) under the job directory (the ``job_dir`` run option, default: the current
+directory at submit time), which is recorded by Slurm, so ``log_iter`` finds them from any directory.
+``log_iter`` reads ``combined.log`` unless ``streams`` asks for one stream (TorchX reads stderr by
+default; everything the replica wrote is what the local and Docker backends give). The files carry no
+timestamps: ``since``/``until`` can only use a file's modification time, so a file is read whole when
+its last write is inside the window and not at all otherwise. An app submitted before the job wrote
+``combined.log`` is read as its ``stdout.log`` then its ``stderr.log``.
 
 Retries: the batch script requeues the job (``scontrol requeue``) after a failure while
 ``SLURM_RESTART_COUNT`` is below the smallest ``max_retries`` of the app's roles; a requeued job waits
@@ -53,6 +57,7 @@ from asynctorchx.schedulers._slurm.parse import (
     parse_squeue_json,
 )
 from asynctorchx.schedulers._slurm.script import (
+    COMBINED_FILE,
     EXIT_CODE_FILE,
     SlurmBatchRequest,
     SlurmReplicaRequest,
@@ -437,15 +442,16 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         should_tail: bool = False,
         streams: Stream | None = None,
     ) -> AsyncIterator[str]:
-        """The lines of replica ``k`` of ``role_name``: its ``stdout.log`` or ``stderr.log``.
+        """The lines of replica ``k`` of ``role_name``: everything it wrote, or one of its streams.
 
-        ``streams`` is STDOUT or STDERR (default STDERR); Slurm writes no combined stream. The files
-        carry no timestamps, so ``since``/``until`` compare with the file's modification time.
-        While following, ``squeue`` is asked at most every ``state_check_interval`` seconds (less
-        when a status round of the runner already described the app).
+        ``streams`` is COMBINED (the default: stdout and stderr in the order they were read from the
+        replica's pipes), STDOUT or STDERR. The files carry no timestamps, so ``since``/``until``
+        compare with the file's modification time: the whole file is inside the window or none of
+        it. While following, ``squeue`` is asked at most every ``state_check_interval`` seconds
+        (less when a status round of the runner already described the app).
 
         Raises:
-            ValueError: ``streams`` is COMBINED or unknown; a bad regex; ``since`` after ``until``.
+            ValueError: ``streams`` is unknown; a bad regex; ``since`` after ``until``.
             UnknownAppException: Slurm does not know the app (or its working directory).
             UnknownRoleException: no such role or replica.
         """
@@ -480,20 +486,26 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         async def is_finished() -> bool:
             return await self._is_finished(app_id)
 
-        lines = iter_log_lines(
-            directory,
-            stream,
-            regex=pattern,
-            since=since_ts,
-            until=until_ts,
-            follow=should_tail,
-            is_finished=is_finished,
-        )
-        try:
-            async for line in lines:
-                yield line
-        finally:
-            await lines.aclose()
+        streams_read = [stream]
+        if stream == Stream.COMBINED and await anyio.to_thread.run_sync(
+            _predates_combined, directory
+        ):
+            streams_read = [Stream.STDOUT, Stream.STDERR]
+        for one in streams_read:
+            lines = iter_log_lines(
+                directory,
+                one,
+                regex=pattern,
+                since=since_ts,
+                until=until_ts,
+                follow=should_tail,
+                is_finished=is_finished,
+            )
+            try:
+                async for line in lines:
+                    yield line
+            finally:
+                await lines.aclose()
 
     async def _is_finished(self, app_id: str) -> bool:
         seen = self._seen.get(app_id)
@@ -512,17 +524,24 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
 def _check_stream(streams: Stream | str | None) -> Stream:
     if streams is None:
-        return Stream.STDERR
+        return Stream.COMBINED
     try:
-        stream = Stream(streams)
+        return Stream(streams)
     except ValueError:
-        stream = None
-    if stream not in (Stream.STDOUT, Stream.STDERR):
-        raise ValueError(
-            f"the slurm scheduler does not support the log stream {streams!r}: "
-            "Slurm writes stdout and stderr to separate files (use Stream.STDOUT or Stream.STDERR)"
-        )
-    return stream
+        known = ", ".join(s.value for s in Stream)
+        raise ValueError(f"unsupported log stream {streams!r} (supported: {known})") from None
+
+
+def _predates_combined(directory: Path) -> bool:
+    """True for the log directory of a job submitted before jobs wrote ``combined.log``.
+
+    The batch script creates ``combined.log`` before ``srun`` starts the replicas (and so before
+    Slurm creates ``stdout.log``): a directory with ``stdout.log`` or ``stderr.log`` but no
+    ``combined.log`` belongs to an older job.
+    """
+    if (directory / COMBINED_FILE).exists():
+        return False
+    return (directory / "stdout.log").exists() or (directory / "stderr.log").exists()
 
 
 def _by_app(records: Iterable[SlurmJob], *, keep_runs: bool = False) -> dict[str, list[SlurmJob]]:

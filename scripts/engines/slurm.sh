@@ -63,12 +63,8 @@ if ! db_ok >/dev/null 2>&1; then
     </dev/null >>/var/log/asynctorchx-mariadb.log 2>&1 &
   wait_for "$WAIT_SECONDS" MariaDB db_ok
 fi
-mariadb --protocol=socket <<SQL
-CREATE DATABASE IF NOT EXISTS ${DB_NAME};
-CREATE USER IF NOT EXISTS '${DB_USER}'@'localhost' IDENTIFIED BY '${DB_PASS}';
-GRANT ALL ON ${DB_NAME}.* TO '${DB_USER}'@'localhost';
-FLUSH PRIVILEGES;
-SQL
+# Converges whatever MariaDB holds (a user of an earlier install with another password, lost grants).
+converge_db_user "$DB_NAME" "$DB_USER" "$DB_PASS"
 
 install -d -m 0755 "$CONF_DIR" "$LOG_DIR" "$RUN_DIR" /var/lib/slurm
 install -d -m 0700 "$STATE_DIR"
@@ -137,8 +133,13 @@ EOF
   slurm_conf_common
 } | write_if_changed "$CONF_DIR/slurm.conf" 0644 && slurm_changed=1 || true
 
-# slurmdbd first: slurmctld registers with it, and sacctmgr needs slurm.conf.
+# slurmdbd first: slurmctld registers with it, and sacctmgr needs slurm.conf. A slurmdbd that runs
+# but does not answer (e.g. it lost its database connection while the password was wrong) restarts.
+dbd_answers() { timeout 15 sacctmgr -n show cluster >/dev/null 2>&1; }
 if ((dbd_changed)); then
+  stop_pidfile "$RUN_DIR/slurmdbd.pid" slurmdbd slurmdbd
+elif pid_alive "$RUN_DIR/slurmdbd.pid" slurmdbd && ! dbd_answers; then
+  log "slurmdbd does not answer: restarting it"
   stop_pidfile "$RUN_DIR/slurmdbd.pid" slurmdbd slurmdbd
 fi
 if ! pid_alive "$RUN_DIR/slurmdbd.pid" slurmdbd; then

@@ -92,6 +92,9 @@ class PodScript:
         exit_code: the container's exit code.
         line_interval: seconds between lines.
         start_delay: seconds the pod stays Pending (ContainerCreating) before it runs.
+        start: when set, the pod also stays Pending until this event is set (a test's go signal,
+            where ``start_delay`` would only make it likely).
+        gates: line ``i`` is written only once ``gates[i]`` is set (the pod keeps running).
         hold: when set, the container keeps running after its lines until this event is set
             (or the pod is deleted).
         message: the termination message (what the container wrote to /dev/termination-log).
@@ -101,6 +104,8 @@ class PodScript:
     exit_code: int = 0
     line_interval: float = 0.001
     start_delay: float = 0.002
+    start: asyncio.Event | None = None
+    gates: dict[int, asyncio.Event] = field(default_factory=dict)
     hold: asyncio.Event | None = None
     message: str = ""
 
@@ -609,6 +614,8 @@ class FakeCluster:
         try:
             if await _wait_or(stop, script.start_delay):
                 return
+            if script.start is not None and not await _first(script.start, stop):
+                return
             started = now_rfc3339()
 
             def running(p: dict[str, Any]) -> None:
@@ -631,18 +638,15 @@ class FakeCluster:
 
             if self._update_pod(ns, name, running) is None:
                 return
-            for line in script.lines:
+            for i, line in enumerate(script.lines):
+                gate = script.gates.get(i)
+                if gate is not None and not await _first(gate, stop):
+                    return
                 log.append(line)
                 if await _wait_or(stop, script.line_interval):
                     return
-            if script.hold is not None:
-                hold = asyncio.ensure_future(script.hold.wait())
-                stopped = asyncio.ensure_future(stop.wait())
-                await asyncio.wait({hold, stopped}, return_when=asyncio.FIRST_COMPLETED)
-                hold.cancel()
-                stopped.cancel()
-                if stop.is_set():
-                    return
+            if script.hold is not None and not await _first(script.hold, stop):
+                return
             exit_code, message = script.exit_code, script.message
         finally:
             self._stops.pop((ns, name), None)
@@ -736,6 +740,17 @@ class FakeCluster:
             raise ValueError(f"pod {ns}/{name} is not running")
         self._stop_reasons[(ns, name)] = "disrupted"
         stop.set()
+
+
+async def _first(wanted: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Waits until ``wanted`` or ``stop`` is set; True when ``wanted`` was (and ``stop`` was not)."""
+    waits = [asyncio.ensure_future(wanted.wait()), asyncio.ensure_future(stop.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return not stop.is_set()
 
 
 async def _wait_or(event: asyncio.Event, delay: float) -> bool:

@@ -16,7 +16,8 @@ stream, as the real server sends it. Created objects are validated against the o
 reject for an unknown or mistyped field is rejected here too.
 
 Test hooks: ``drop_watches`` (end or cut every open watch), ``compact`` (forget the history: the next
-resume gets 410), ``drop_log_streams``, ``requests`` (every request received).
+resume gets 410), ``drop_log_streams``, ``requests`` (every request received), ``sent_versions``
+(the resourceVersions a watch request was sent, events and bookmarks, in order).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class FakeKubeApiServer:
         self._watch_queues: set[asyncio.Queue[Event | str]] = set()
         self._log_drops: set[asyncio.Event] = set()
         self._activity: list[Callable[[], None]] = []
+        # id(watch request) -> the resourceVersions of what was written on it (see sent_versions)
+        self._sent: dict[int, list[str]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -176,6 +179,12 @@ class FakeKubeApiServer:
             out.append(r)
         return out
 
+    def sent_versions(self, request: Request) -> list[str]:
+        """The ``metadata.resourceVersion`` of every event and bookmark written on the watch that
+        ``request`` (one of ``requests``) opened, in order: a client that read the stream to its
+        end resumes from the last one (or from the request's own version when there is none)."""
+        return list(self._sent.get(id(request), []))
+
     def drop_watches(self, abrupt: bool = False) -> int:
         """Ends every open watch (cleanly, or by cutting the connection); returns how many."""
         for q in list(self._watch_queues):
@@ -197,7 +206,8 @@ class FakeKubeApiServer:
         return len(self._watch_queues)
 
     def subscribe_activity(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Calls ``callback()`` after each request and each watch or log stream opening or closing."""
+        """Calls ``callback()`` after each request, each watch or log stream opening or closing, and
+        each event or bookmark written on a watch."""
         self._activity.append(callback)
         return lambda: self._activity.remove(callback) if callback in self._activity else None
 
@@ -217,7 +227,8 @@ class FakeKubeApiServer:
                     body = json.loads(raw)
                 except ValueError:
                     return _status(ApiError(400, "BadRequest", "the request body is not JSON"))
-        self.store.requests.append(Request(request.method, request.path, query, body))
+        received = Request(request.method, request.path, query, body)
+        self.store.requests.append(received)
         self._active()
         m = _PATH.fullmatch(request.path)
         if (
@@ -242,7 +253,8 @@ class FakeKubeApiServer:
             if name is None:
                 if request.method == "GET":
                     if _parse_bool(query.get("watch")):
-                        return await self._watch(request, resource, ns, query)
+                        sent = self._sent.setdefault(id(received), [])
+                        return await self._watch(request, resource, ns, query, sent)
                     return self._list(resource, ns, query)
                 if request.method == "POST":
                     if not isinstance(body, dict):
@@ -281,7 +293,12 @@ class FakeKubeApiServer:
         )
 
     async def _watch(
-        self, request: web.Request, resource: str, ns: str, query: dict[str, str]
+        self,
+        request: web.Request,
+        resource: str,
+        ns: str,
+        query: dict[str, str],
+        sent: list[str],
     ) -> web.StreamResponse:
         reqs = parse_selector(query.get("labelSelector", ""))
         timeout = float(query.get("timeoutSeconds", "1800"))
@@ -308,6 +325,7 @@ class FakeKubeApiServer:
                     resource, ns, query.get("labelSelector", ""), deep=False
                 ):
                     await resp.write(_line({"type": "ADDED", "object": obj}))
+                    sent.append(obj["metadata"]["resourceVersion"])
             else:
                 try:
                     backlog = self.store.events_since(int(rv_param))
@@ -316,7 +334,7 @@ class FakeKubeApiServer:
                     return await _finish(resp)
                 for ev in backlog:
                     if ev.resource == resource and ev.namespace == ns:
-                        await _send(resp, ev, reqs)
+                        await _send(resp, ev, reqs, sent)
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
             while True:
@@ -327,7 +345,10 @@ class FakeKubeApiServer:
                 try:
                     item = await asyncio.wait_for(queue.get(), wait)
                 except asyncio.TimeoutError:
-                    if bookmarks and loop.time() < deadline:
+                    # no bookmark once drop_watches queued the end: a bookmark written after the
+                    # test's compact() would carry a version newer than the compaction
+                    if bookmarks and loop.time() < deadline and queue.empty():
+                        version = str(self.store.rv)
                         await resp.write(
                             _line(
                                 {
@@ -335,11 +356,13 @@ class FakeKubeApiServer:
                                     "object": {
                                         "kind": kind,
                                         "apiVersion": RESOURCES[resource][0],
-                                        "metadata": {"resourceVersion": str(self.store.rv)},
+                                        "metadata": {"resourceVersion": version},
                                     },
                                 }
                             )
                         )
+                        sent.append(version)
+                        self._active()
                     continue
                 if item == "END":
                     break
@@ -348,7 +371,8 @@ class FakeKubeApiServer:
                         request.transport.abort()
                     return resp
                 assert isinstance(item, Event)
-                await _send(resp, item, reqs)
+                await _send(resp, item, reqs, sent)
+                self._active()
         except (ConnectionResetError, asyncio.CancelledError):
             return resp
         finally:
@@ -445,7 +469,7 @@ def _parse_time_ns(value: str) -> int | None:
     return int(dt.timestamp()) * 1_000_000_000 + dt.microsecond * 1000
 
 
-async def _send(resp: web.StreamResponse, ev: Event, reqs: list[Any]) -> None:
+async def _send(resp: web.StreamResponse, ev: Event, reqs: list[Any], sent: list[str]) -> None:
     new_match = matches(ev.obj, reqs)
     if ev.type == "MODIFIED" and ev.old is not None:
         old_match = matches(ev.old, reqs)
@@ -462,6 +486,7 @@ async def _send(resp: web.StreamResponse, ev: Event, reqs: list[Any]) -> None:
     else:
         return
     await resp.write(_line({"type": type_, "object": ev.obj}))
+    sent.append(str(ev.obj["metadata"]["resourceVersion"]))
 
 
 def _line(obj: Any) -> bytes:

@@ -41,10 +41,13 @@ async def k8s_scheduler(fake_k8s: FakeKubeApiServer) -> AsyncIterator[Kubernetes
 
 
 async def until(
-    srv: FakeKubeApiServer, predicate: Callable[[], bool], timeout: float = 5.0
+    srv: FakeKubeApiServer, predicate: Callable[[], bool], timeout: float = 30.0
 ) -> None:
     """Returns once ``predicate()`` holds, re-checking it after every change in the fake's store and
     every request, watch or log stream the fake server sees.
+
+    ``timeout`` only guards against a hang (the condition never coming): nothing a test checks
+    depends on how fast it comes, so it is far beyond what a loaded machine needs.
 
     Raises:
         TimeoutError: it did not hold within ``timeout`` seconds.

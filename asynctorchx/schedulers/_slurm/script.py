@@ -3,9 +3,21 @@
 Every replica of every role becomes one component (het group) of a heterogeneous job, in role order,
 so rank 0 (replica 0 of the first role) is het group 0. Each component is named ``{role}-{replica}``
 and asks for the replica's resources; one ``srun`` starts all components at once. Each replica writes
-``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log`` and ``exit_code`` under the job
-directory (appending across requeues, so no attempt's output is lost); the batch script's own output
-goes to ``slurm-{app_id}.out``.
+``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log``, ``combined.log`` and ``exit_code``
+under the job directory (appending across requeues, so no attempt's output is lost); the batch
+script's own output goes to ``slurm-{app_id}.out``.
+
+The combined log: a small POSIX ``sh`` wrapper (``REPLICA_WRAPPER``) starts the replica with its
+stdout and stderr on two pipes, each read by a ``tee`` that appends to the stream's own file and to
+``combined.log``. So ``combined.log`` holds both streams in the order the two ``tee`` processes read
+them: each stream's bytes in order, the two streams interleaved as their chunks arrived (a line
+written at once and shorter than 4 KiB, an atomic pipe write, is not cut by the other stream unless
+the pipe backs up past a ``tee``'s 8 KiB reads). The ``tee``s ignore
+SIGTERM (``scancel``), so what a replica prints while it stops is kept; once the replica exits the
+wrapper waits for them (at most 5 s, in case a daemon it left keeps the pipes open), then writes
+``exit_code``: when that file exists, the logs are complete. Where the node cannot make the pipes
+(no ``mktemp``/``mkfifo``), the replica writes straight to ``stdout.log``/``stderr.log`` and
+``combined.log`` says so in its first line.
 """
 
 from __future__ import annotations
@@ -43,11 +55,35 @@ def log_dir(app_id: str, role: str, replica_id: int) -> str:
 
 #: The file in a replica's log directory where its exit code is written.
 EXIT_CODE_FILE = "exit_code"
+#: The file in a replica's log directory holding its stdout and stderr together.
+COMBINED_FILE = "combined.log"
 
+#: The batch script's shell variable holding ``REPLICA_WRAPPER`` (expanded into each srun group).
+_WRAPPER_VAR = "asynctorchx_replica"
 
-# Runs a replica's command and writes its exit status to the file named by $0. A replica stopped by a
-# signal (scancel, --kill-on-bad-exit) writes nothing: its shell dies with it.
-_EXIT_WRAPPER = '"$@"; code=$?; echo "$code" >"$0"; exit "$code"'
+# Runs one replica (see the module docstring): ``sh -c REPLICA_WRAPPER LOG_DIR COMMAND ARGS...``.
+# Its exit status goes to LOG_DIR/exit_code once its output is written; a replica stopped by a
+# signal (scancel, --kill-on-bad-exit) writes none: the wrapper dies with it. Only double quotes
+# inside: the batch script holds it in single quotes.
+REPLICA_WRAPPER = """d=$0
+if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" 2>/dev/null; then
+    [ -n "$t" ] && rm -rf "$t"
+    echo "asynctorchx: could not make pipes on this node: see stdout.log and stderr.log" >>"$d/combined.log"
+    "$@"; code=$?; echo "$code" >"$d/exit_code"; exit "$code"
+fi
+(trap "" TERM INT HUP; exec tee -a "$d/stdout.log" <"$t/o" >>"$d/combined.log") & o=$!
+(trap "" TERM INT HUP; exec tee -a "$d/stderr.log" <"$t/e" >>"$d/combined.log") & e=$!
+exec 3>"$t/o" 4>"$t/e"
+rm -rf "$t"
+"$@" >&3 2>&4 3>&- 4>&-
+code=$?
+exec 3>&- 4>&-
+(sleep 5; kill -9 $o $e) 2>/dev/null & w=$!
+wait $o $e 2>/dev/null
+kill $w 2>/dev/null
+echo "$code" >"$d/exit_code"
+exit "$code"
+"""
 
 
 def shell_word(arg: str) -> str:
@@ -96,8 +132,8 @@ class SlurmReplicaRequest:
     def srun_group(self) -> str:
         """This component's part of the ``srun`` command line (shell-quoted)."""
         words = [shell_word(a) for a in _opts_to_args(self.srun_opts)]
-        exit_file = f"{log_dir(_APP_ID, self.role, self.replica_id)}/{EXIT_CODE_FILE}"
-        words += ["sh", "-c", shell_word(_EXIT_WRAPPER), shell_word(exit_file)]
+        directory = log_dir(_APP_ID, self.role, self.replica_id)
+        words += ["sh", "-c", f'"${_WRAPPER_VAR}"', shell_word(directory)]
         if self.env:
             words += ["env", "--"]
             words += [shell_word(f"{k}={v}") for k, v in self.env.items()]
@@ -130,6 +166,10 @@ class SlurmBatchRequest:
         header = "#SBATCH hetjob\n".join(f"{r.sbatch_line()}\n" for r in self.replicas)
         srun = " :\\\n    ".join(r.srun_group() for r in self.replicas)
         dirs = " ".join(shell_word(log_dir(_APP_ID, r.role, r.replica_id)) for r in self.replicas)
+        combined = " ".join(
+            shell_word(f"{log_dir(_APP_ID, r.role, r.replica_id)}/{COMBINED_FILE}")
+            for r in self.replicas
+        )
         replicas = " ".join(shlex.quote(f"{r.role}/{r.replica_id}") for r in self.replicas)
         cmd = " ".join(shlex.quote(a) for a in self.cmd)
         return f"""#!/bin/bash
@@ -147,7 +187,9 @@ export TORCHX_JOB_ID={shell_word(f"slurm://{self.session_name}/{_APP_ID}")}
 {RANK0_ENV}="$(scontrol show hostnames "${{SLURM_JOB_NODELIST_HET_GROUP_0:-$SLURM_JOB_NODELIST}}" | head -n 1)"
 export {RANK0_ENV}
 mkdir -p {dirs}
+touch {combined}
 rm -f slurm-"$SLURM_JOB_ID"/*/*/{EXIT_CODE_FILE}
+{_WRAPPER_VAR}='{REPLICA_WRAPPER}'
 
 set +e
 srun {srun}

@@ -75,6 +75,29 @@ write_if_changed() {
   return 0
 }
 
+# converge_db_user DATABASE USER PASSWORD : makes MariaDB (reached through its socket as root) hold
+# DATABASE and USER@localhost with exactly PASSWORD, unlocked and not expiring, with every privilege
+# on DATABASE, whatever it held before: no such user, the user with another password or another
+# authentication plugin (e.g. left by an earlier install), locked, or without its grants. Then checks
+# that USER logs in to DATABASE with PASSWORD, as slurmdbd will; dies with the reason otherwise.
+converge_db_user() {
+  local db=$1 user=$2 pass=$3
+  [[ $db =~ ^[A-Za-z0-9_]+$ && $user =~ ^[A-Za-z0-9_]+$ ]] \
+    || die "converge_db_user: database and user names must be [A-Za-z0-9_]+, got '$db' and '$user'"
+  [[ -n $pass && $pass != *[\'\\]* ]] \
+    || die "converge_db_user: the password must be non-empty, without quotes or backslashes"
+  mariadb --protocol=socket <<SQL || die "could not set up MariaDB database ${db} and user ${user}"
+CREATE DATABASE IF NOT EXISTS \`${db}\`;
+CREATE USER IF NOT EXISTS '${user}'@'localhost' IDENTIFIED BY '${pass}';
+ALTER USER '${user}'@'localhost' IDENTIFIED BY '${pass}' PASSWORD EXPIRE NEVER ACCOUNT UNLOCK;
+GRANT ALL PRIVILEGES ON \`${db}\`.* TO '${user}'@'localhost';
+FLUSH PRIVILEGES;
+SQL
+  local err
+  err=$(MYSQL_PWD=$pass mariadb --protocol=socket -u "$user" -N -B -e 'SELECT 1' "$db" 2>&1 >/dev/null) \
+    || die "MariaDB user ${user} cannot use ${db} with the configured password: ${err}"
+}
+
 # install_packages PACKAGE... : apt-installs the packages not installed yet.
 install_packages() {
   local p missing=()
