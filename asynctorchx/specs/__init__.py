@@ -53,6 +53,8 @@ from asynctorchx.specs.named_resources import (
 from asynctorchx.specs.named_resources import get_named_resource as get_named_resource
 from asynctorchx.specs.named_resources import named_resource_names as named_resource_names
 from asynctorchx.specs.named_resources import resource as resource
+from asynctorchx.specs.workspace import InvalidWorkspaceException as InvalidWorkspaceException
+from asynctorchx.specs.workspace import Workspace as Workspace
 
 named_resources = NAMED_RESOURCES
 
