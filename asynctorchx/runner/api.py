@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -43,6 +43,13 @@ from asynctorchx.specs.api import (
     runopts,
 )
 from asynctorchx.specs.errors import InvalidComponentArgsException
+from asynctorchx.specs.workspace import Workspace
+
+if TYPE_CHECKING:
+    from asynctorchx.schedulers.workspace import WorkspaceProgress
+
+#: What ``workspace=`` takes: a path, a ``file://`` URL, ``"dir:subdir,..."``, a mapping, a Workspace.
+WorkspaceArg = Workspace | str | Mapping[str, str] | None
 
 logger = logging.getLogger(__name__)
 
@@ -244,17 +251,37 @@ class AsyncRunner:
         app: AppDef,
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
     ) -> AppDryRunInfo[Any]:
         """What ``run`` would submit, without submitting it (pure; ``app`` is not modified).
+
+        With a ``workspace`` (a directory, a ``file://`` URL, ``"dir_a:sub_a,dir_b:sub_b"``, or a
+        ``Workspace``; ``None`` or ``""`` for none) the dry run holds the workspace plan, shown
+        first when printed: what would be built, pushed or copied (the base image, the recipe,
+        the number and size of the files, the content hash, the target image or directory).
+        Nothing is built, pushed or copied; the workspace's files are read and hashed, which
+        blocks: ``run`` does that in a worker thread.
 
         Raises:
             UnknownSchedulerException: no such scheduler (the message lists the available ones).
             InvalidAppDefException: a bad field in the app.
             InvalidRunConfigException: a bad cfg value (names the run option and its type).
+            InvalidWorkspaceException: the workspace cannot be used (names it and why).
+            WorkspaceNotSupportedException: the scheduler ships no workspace.
         """
-        del workspace  # images are built by the backends that support workspaces; none here yet
-        return self._scheduler(scheduler).submit_dryrun(app, cfg or {})
+        ws = Workspace.of(workspace)
+        sched = self._scheduler(scheduler)
+        if ws is None:
+            return sched.submit_dryrun(app, cfg or {})
+        return sched.submit_dryrun(app, cfg or {}, ws)
+
+    async def _dryrun_async(
+        self, app: AppDef, scheduler: str, cfg: Mapping[str, CfgVal] | None, workspace: WorkspaceArg
+    ) -> AppDryRunInfo[Any]:
+        ws = Workspace.of(workspace)
+        if ws is None:
+            return self.dryrun(app, scheduler, cfg)
+        return await self._scheduler(scheduler).submit_dryrun_async(app, cfg or {}, ws)
 
     def dryrun_component(
         self,
@@ -262,7 +289,7 @@ class AsyncRunner:
         component_args: Sequence[str] | Mapping[str, Any],
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
     ) -> AppDryRunInfo[Any]:
         """``dryrun`` of the app a component builds from its arguments.
 
@@ -302,11 +329,23 @@ class AsyncRunner:
         app: AppDef,
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
+        *,
+        progress: WorkspaceProgress | None = None,
     ) -> AppHandle:
-        """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app)."""
+        """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app).
+
+        Args:
+            workspace: local code to ship with the app (see ``dryrun``); it goes into the first
+                role's image (a Docker image on local_docker and kubernetes, a snapshot directory
+                on local_dir, the job's directory on slurm) or, on local_cwd, is the directory the
+                replicas run in. It is read and hashed off the event loop.
+            progress: called on the event loop with each ``WorkspaceEvent`` (build output, push
+                progress, copies) while the workspace is shipped; it must not block.
+        """
         self._check_open()
-        return await self.schedule(self.dryrun(app, scheduler, cfg, workspace))
+        info = await self._dryrun_async(app, scheduler, cfg, workspace)
+        return await self.schedule(info, progress=progress)
 
     async def run_component(
         self,
@@ -314,21 +353,32 @@ class AsyncRunner:
         component_args: Sequence[str] | Mapping[str, Any],
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
+        *,
+        progress: WorkspaceProgress | None = None,
     ) -> AppHandle:
-        """Builds the app of a component and submits it; returns its handle."""
+        """Builds the app of a component and submits it; returns its handle (see ``run``)."""
         self._check_open()
-        return await self.schedule(
-            self.dryrun_component(component, component_args, scheduler, cfg, workspace)
-        )
+        app = self._materialize(component, component_args)
+        info = await self._dryrun_async(app, scheduler, cfg, workspace)
+        return await self.schedule(info, progress=progress)
 
-    async def schedule(self, dryrun_info: AppDryRunInfo[Any]) -> AppHandle:
-        """Submits a dry run made by this runner (or a scheduler of the same backend)."""
+    async def schedule(
+        self, dryrun_info: AppDryRunInfo[Any], *, progress: WorkspaceProgress | None = None
+    ) -> AppHandle:
+        """Submits a dry run made by this runner (or a scheduler of the same backend).
+
+        A dry run made with a workspace is shipped first (built, pushed or copied, unless the
+        content-addressed result exists already); ``progress`` receives its events (see ``run``).
+        """
+        from asynctorchx.schedulers.workspace import reporting
+
         self._check_open()
         backend = dryrun_info.scheduler
         if backend is None:
             raise ValueError("the dry run has no scheduler: make it with runner.dryrun(...)")
-        app_id = await self._scheduler(backend).schedule(dryrun_info)
+        with reporting(progress):
+            app_id = await self._scheduler(backend).schedule(dryrun_info)
         self._hub(backend).track(app_id, submitted=True)
         return make_app_handle(backend, self._name, app_id)
 
