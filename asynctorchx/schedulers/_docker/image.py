@@ -46,12 +46,9 @@ from asynctorchx.schedulers.workspace import (
 )
 from asynctorchx.specs.api import AppDef
 from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
-from asynctorchx.version import __version__
 
 LOCAL_REPOSITORY = "asynctorchx/workspace"
 LABEL_WORKSPACE_HASH = "asynctorchx.io/workspace-hash"
-LABEL_WORKSPACE_BASE = "asynctorchx.io/workspace-base"
-LABEL_VERSION = "asynctorchx.io/version"
 
 _CHUNK = 256 * 1024
 _REMEMBERED_PUSHES = 10_000
@@ -189,11 +186,8 @@ async def _build(
                 tag=tag,
                 dockerfile=TORCHX_DOCKERFILE,
                 build_args=_build_args(plan),
-                labels={
-                    LABEL_WORKSPACE_HASH: plan.content_hash or "",
-                    LABEL_WORKSPACE_BASE: plan.base_image or "",
-                    LABEL_VERSION: __version__,
-                },
+                # one label: the classic builder adds a step (a container) per label
+                labels={LABEL_WORKSPACE_HASH: plan.content_hash or ""},
                 on_output=lambda line: rep(WorkspaceEvent("build", tag, line)),
             )
         finally:
