@@ -325,7 +325,8 @@ def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result
     return h.hexdigest(), st
 
 
-def _check_project(path: str) -> None:
+def check_directory(path: str) -> None:
+    """Raises InvalidWorkspaceException unless ``path`` is an existing, readable directory."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -401,7 +402,7 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
     for project, dest in workspace.projects.items():
-        _check_project(project)
+        check_directory(project)
         rules = IgnoreRules.load(project, ignore_file)
         if dest:
             parts = dest.split("/")
@@ -634,11 +635,14 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     return counts
 
 
-def snapshot(scan: WorkspaceScan, store: str, name: str) -> tuple[str, bool]:
+def snapshot(
+    scan: WorkspaceScan, store: str, name: str, *, read_only: bool = False
+) -> tuple[str, bool]:
     """The directory ``store/name`` holding a copy of the scanned contents, made if missing.
 
     Made in a temporary directory and renamed into place, so a concurrent maker (another process)
-    never sees a partial snapshot and exactly one copy wins.
+    never sees a partial snapshot and exactly one copy wins. With ``read_only`` its files lose
+    their write permission bits (so that a user's program cannot rewrite a shared snapshot).
 
     Returns:
         ``(path, made)``: made is False when the snapshot already existed.
@@ -651,6 +655,11 @@ def snapshot(scan: WorkspaceScan, store: str, name: str) -> tuple[str, bool]:
     os.mkdir(tmp)
     try:
         copy_scan(scan, tmp)
+        if read_only:
+            for entry in scan.entries:
+                if entry.kind == "file":
+                    target = os.path.join(tmp, *entry.path.split("/"))
+                    os.chmod(target, entry.mode & ~0o222)
         try:
             os.rename(tmp, final)
         except OSError as e:
