@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from _workspace_env import drop_file_capabilities
 
 from asynctorchx.schedulers.workspace import (
     DOCKERIGNORE,
@@ -295,17 +296,6 @@ def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path)
     (tmp_path / "f.py").write_text("x")
     with pytest.raises(InvalidWorkspaceException, match=r"'.*/f\.py' is not a directory"):
         scan_workspace(_ws(tmp_path / "f.py"), TORCHXIGNORE)
-
-
-def drop_file_capabilities() -> None:
-    """In a child before exec: root loses the right to read files whose mode forbids it
-    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so a mode-000 file is unreadable as for anyone."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
 
 
 def test_an_unreadable_file_is_rejected_naming_it(tmp_path: Path) -> None:

@@ -383,9 +383,11 @@ class DockerEngine:
     ) -> str:
         """Builds an image from a tar build context streamed from ``context``; returns its id.
 
-        The context is sent as it is produced (never held in memory as a whole). The base image
-        is not pulled when present (``pull=0``); intermediate containers are removed even when a
-        step fails, and the engine tags the image only once every step succeeded.
+        The context is sent as it is produced (never held in memory as a whole); if producing it
+        fails, the upload is cut off, so the engine fails the build, and that failure is raised.
+        The base image is not pulled when present (``pull=0``); intermediate containers are
+        removed even when a step fails, and the engine tags the image only once every step
+        succeeded.
 
         Raises:
             WorkspaceBuildError: a step failed (the message and ``log_tail`` hold the last lines).
@@ -407,12 +409,22 @@ class DockerEngine:
         }
         tail: list[str] = []
         image_id: str | None = None
+        failed: list[BaseException] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in context:
+                    yield chunk
+            except BaseException as e:
+                failed.append(e)
+                raise
+
         try:
             async with client._query(
                 "build",
                 "POST",
                 params=params,
-                data=context,
+                data=body(),
                 headers={"Content-Type": "application/x-tar"},
                 timeout=aiohttp.ClientTimeout(),
             ) as resp:
@@ -440,6 +452,8 @@ class DockerEngine:
         except WorkspaceBuildError:
             raise
         except Exception as e:
+            if failed:
+                raise failed[0] from None
             if not is_docker_error(e) and not isinstance(e, OSError | aiohttp.ClientError):
                 raise
             raise engine_error(f"building image {tag}", e) from None
