@@ -415,3 +415,169 @@ def test_link_tree_links_files_and_recreates_directories(tmp_path: Path) -> None
     assert link_tree(str(src), str(tmp_path / "dst")) == 2
     assert (tmp_path / "dst/d/b").stat().st_ino == (src / "d/b").stat().st_ino
     assert os.readlink(tmp_path / "dst/l") == "a"
+
+
+# -- engine helpers: repositories and registry credentials -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "app",
+        "team/app",
+        "registry.example.com/team/app",
+        "127.0.0.1:5000/a/b-c",
+        "localhost/x__y.z",
+    ],
+)
+def test_valid_image_repositories_are_accepted(name: str) -> None:
+    """Repository names as the distribution grammar has them, with or without a registry."""
+    from asynctorchx.schedulers._docker.engine import check_repository
+
+    assert check_repository(name) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "hint"),
+    [
+        ("team/App", ""),
+        ("reg.io/app:v1", "without a tag or digest"),
+        ("app@sha256:00", "without a tag or digest"),
+        ("reg.io//app", ""),
+        ("", ""),
+        ("reg.io/app/", ""),
+    ],
+)
+def test_invalid_image_repositories_are_rejected_naming_the_value(name: str, hint: str) -> None:
+    """A bad repository is a ValueError naming image_repo and the value (and a tag, if given one)."""
+    from asynctorchx.schedulers._docker.engine import check_repository
+
+    with pytest.raises(ValueError, match=r"image_repo must be an image repository") as err:
+        check_repository(name)
+    assert repr(name) in str(err.value) and hint in str(err.value)
+
+
+def test_the_registry_of_a_repository_is_its_first_component_when_it_looks_like_a_host() -> None:
+    """'host.tld/...', 'host:port/...' and 'localhost/...' name a registry; others are Docker Hub."""
+    from asynctorchx.schedulers._docker.engine import registry_of
+
+    assert registry_of("127.0.0.1:5000/a/b") == "127.0.0.1:5000"
+    assert registry_of("ghcr.io/org/app") == "ghcr.io"
+    assert registry_of("localhost/app") == "localhost"
+    assert registry_of("team/app") == "docker.io" and registry_of("app") == "docker.io"
+
+
+async def test_registry_credentials_come_from_the_docker_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'auths' entries (base64 auth, username/password, identity token) are found by registry
+    host, with or without a scheme; an unknown registry gets an anonymous push (None)."""
+    import base64
+    import json
+
+    from asynctorchx.schedulers._docker.engine import DOCKER_HUB_AUTH_KEY, registry_auth
+
+    config = {
+        "auths": {
+            "https://reg.example.com/v1/": {"auth": base64.b64encode(b"ann:pw1").decode()},
+            "other.io": {"username": "bob", "password": "pw2"},
+            "tok.io": {"identitytoken": "tkn"},
+            DOCKER_HUB_AUTH_KEY: {"auth": base64.b64encode(b"hub:pw3").decode()},
+        }
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    assert await registry_auth("reg.example.com") == {
+        "username": "ann",
+        "password": "pw1",
+        "serveraddress": "reg.example.com",
+    }
+    assert (await registry_auth("other.io") or {}).get("password") == "pw2"
+    assert await registry_auth("tok.io") == {"identitytoken": "tkn", "serveraddress": "tok.io"}
+    assert (await registry_auth("docker.io") or {}).get("serveraddress") == DOCKER_HUB_AUTH_KEY
+    assert await registry_auth("unknown.io") is None
+
+
+async def test_registry_credentials_from_a_credential_helper(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """credHelpers/credsStore run docker-credential-NAME get with the registry on stdin."""
+    import json
+
+    from asynctorchx.schedulers._docker.engine import registry_auth
+
+    helper = tmp_path / "bin" / "docker-credential-fake"
+    helper.parent.mkdir()
+    helper.write_text(
+        "#!/bin/sh\nread server\n"
+        'if [ "$server" = "reg.example.com" ]; then\n'
+        '  echo \'{"ServerURL": "reg.example.com", "Username": "helped", "Secret": "s"}\'\n'
+        "else echo 'credentials not found in native keychain'; exit 1; fi\n"
+    )
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{helper.parent}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "config.json").write_text(
+        json.dumps({"credHelpers": {"reg.example.com": "fake"}, "credsStore": "fake"})
+    )
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    assert await registry_auth("reg.example.com") == {
+        "username": "helped",
+        "password": "s",
+        "serveraddress": "reg.example.com",
+    }
+    assert await registry_auth("elsewhere.io") is None
+
+
+async def test_a_broken_docker_config_is_an_error_that_quotes_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config file that is not JSON fails with its path and the kind of error, not its text."""
+    from asynctorchx.schedulers._docker.engine import DockerSchedulerError, registry_auth
+
+    (tmp_path / "config.json").write_text('{"auths": {"r.io": {"auth": "c2VjcmV0"}}')
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    with pytest.raises(DockerSchedulerError, match="cannot be read") as err:
+        await registry_auth("r.io")
+    assert "c2VjcmV0" not in str(err.value)
+
+
+# -- single flight ----------------------------------------------------------------------------------
+
+
+async def test_single_flight_runs_one_job_per_key_and_every_caller_hears_its_events() -> None:
+    """Ten callers of one key share one run and its result; each caller's callback gets the
+    events; a failure reaches every caller; a later call runs again."""
+    import asyncio
+
+    from asynctorchx._tasks import TaskSupervisor
+    from asynctorchx.schedulers.workspace import SingleFlight, WorkspaceEvent
+
+    supervisor = TaskSupervisor("test")
+    flights = SingleFlight(supervisor)
+    release = asyncio.Event()
+    runs = 0
+
+    async def job(report: object) -> str:
+        nonlocal runs
+        runs += 1
+        await release.wait()
+        report(WorkspaceEvent("build", "t", "done", final=True))  # type: ignore[operator]
+        return "image"
+
+    heard: list[list[WorkspaceEvent]] = [[] for _ in range(10)]
+    tasks = [asyncio.ensure_future(flights.run("k", job, heard[i].append)) for i in range(10)]
+    await asyncio.sleep(0)
+    assert flights.in_flight("k")
+    release.set()
+    assert await asyncio.gather(*tasks) == ["image"] * 10
+    assert runs == 1 and all(len(h) == 1 and h[0].final for h in heard)
+
+    async def failing(report: object) -> str:
+        raise RuntimeError("no")
+
+    results = await asyncio.gather(
+        *(flights.run("f", failing) for _ in range(3)), return_exceptions=True
+    )
+    assert [str(r) for r in results] == ["no"] * 3
+    assert await flights.run("k", job) == "image" and runs == 2
+    await supervisor.aclose()
