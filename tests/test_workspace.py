@@ -357,8 +357,14 @@ def test_the_tar_holds_exactly_the_scanned_files_with_their_modes(tmp_path: Path
         assert tf.extractfile("d/data").read() == b"\1\2\3"  # type: ignore[union-attr]
 
 
-def test_a_file_changed_after_the_scan_fails_the_tar(tmp_path: Path) -> None:
-    """Bytes that no longer hash as scanned stop the tar with WorkspaceChangedError."""
+@pytest.mark.parametrize("trust_recent", [False, True], ids=["racy-rehashed", "stat-checked"])
+def test_a_file_changed_after_the_scan_fails_the_tar(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trust_recent: bool
+) -> None:
+    """A file rewritten after the scan stops the tar with WorkspaceChangedError, whether it is
+    hashed again (changed just before the scan) or vouched for by its stat."""
+    if trust_recent:
+        monkeypatch.setattr("asynctorchx.schedulers.workspace._RACY_SECONDS", -1.0)
     root = _tree(tmp_path / "ws", {"a": "same size"})
     scan = scan_workspace(_ws(root), DOCKERIGNORE)
     (root / "a").write_text("SAME SIZE")
