@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -36,6 +38,19 @@ def drop_file_capabilities() -> None:
     for cap in (1, 2):
         if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+def run_as_unprivileged_reader(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Runs ``python -c code`` unable to read files whose mode forbids it, even as root."""
+    preexec = drop_file_capabilities if os.getuid() == 0 else None
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        preexec_fn=preexec,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
 
 
 def make_workspace(root: Path, files: Mapping[str, str | bytes], *, nonce: bool = True) -> Path:

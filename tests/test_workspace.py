@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import tarfile
 import threading
 from pathlib import Path
 
 import pytest
-from _workspace_env import drop_file_capabilities
+from _workspace_env import make_workspace, run_as_unprivileged_reader
 
 from asynctorchx.schedulers.workspace import (
     DOCKERIGNORE,
@@ -159,14 +157,7 @@ def test_a_byte_order_mark_on_the_first_line_is_ignored() -> None:
 
 
 def _tree(root: Path, files: dict[str, str | bytes]) -> Path:
-    for rel, content in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(content, str):
-            p.write_text(content)
-        else:
-            p.write_bytes(content)
-    return root
+    return make_workspace(root, files, nonce=False)
 
 
 def _ws(path: Path) -> Workspace:
@@ -308,15 +299,7 @@ def test_an_unreadable_file_is_rejected_naming_it(tmp_path: Path) -> None:
         f"try:\n    scan_workspace(Workspace({{{str(root)!r}: ''}}), '.torchxignore')\n"
         "except InvalidWorkspaceException as e:\n    print(e)\n"
     )
-    preexec = drop_file_capabilities if os.getuid() == 0 else None
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        preexec_fn=preexec,
-        timeout=30,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    out = run_as_unprivileged_reader(code)
     assert (
         f"workspace file '{root / 'secret.py'}' cannot be read: Permission denied" in out.stdout
     ), out

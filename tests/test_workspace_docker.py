@@ -14,10 +14,8 @@ import asyncio
 import io
 import json
 import os
-import subprocess
-import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,8 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     python_image,
 )
 from _workspace_env import (  # noqa: F401 - pytest fixtures
-    drop_file_capabilities,
     make_workspace,
+    run_as_unprivileged_reader,
     workspace_image_ids,
     workspace_images,
 )
@@ -353,16 +351,8 @@ async def main():
 
 asyncio.run(main())
 """
-    preexec: Callable[[], None] | None = drop_file_capabilities if os.getuid() == 0 else None
     before = asyncio.run(workspace_image_ids())
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        preexec_fn=preexec,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    out = run_as_unprivileged_reader(code)
     assert (
         f"ERROR workspace file '{ws / 'secret.py'}' cannot be read: Permission denied" in out.stdout
     ), out

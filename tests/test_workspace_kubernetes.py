@@ -78,6 +78,19 @@ def job_images(srv: FakeKubeApiServer) -> list[str]:
     ]
 
 
+async def run_app(
+    runner: AsyncRunner, image: str, repo: str, ws: Path, events: list[WorkspaceEvent]
+) -> None:
+    """Runs the trainer app on kubernetes with ``ws`` pushed to ``repo``; events go to ``events``."""
+    await runner.run(
+        trainer(image),
+        "kubernetes",
+        {"image_repo": repo},
+        workspace=str(ws),
+        progress=events.append,
+    )
+
+
 def created(srv: FakeKubeApiServer) -> list[str]:
     """The paths of every POST the API server received (objects it was asked to create)."""
     return [r.path for r in srv.requests if r.method == "POST"]
@@ -128,13 +141,7 @@ async def test_schedule_pushes_the_image_which_pulls_back_from_a_clean_store(
     ws = make_workspace(tmp_path / "ws", {"train.py": "print('hi')\n"})
     repo, path = repository(registry)
     events: list[WorkspaceEvent] = []
-    await runner.run(
-        trainer(python_image),
-        "kubernetes",
-        {"image_repo": repo},
-        workspace=str(ws),
-        progress=events.append,
-    )
+    await run_app(runner, python_image, repo, ws, events)
     [target] = job_images(fake_k8s)
     tag = target.rsplit(":", 1)[1]
     assert target == f"{repo}:{tag}" and registry_tags(registry, path) == [tag]
@@ -226,13 +233,7 @@ async def test_a_registry_that_refuses_the_push_fails_the_submit_and_keeps_no_se
     repo = f"{refusing_registry}/team/app"
     events: list[WorkspaceEvent] = []
     with pytest.raises(WorkspaceBuildError, match=rf"pushing image {repo}:\w+ failed") as err:
-        await runner.run(
-            trainer(python_image),
-            "kubernetes",
-            {"image_repo": repo},
-            workspace=str(ws),
-            progress=events.append,
-        )
+        await run_app(runner, python_image, repo, ws, events)
     assert created(fake_k8s) == []
     target = str(err.value).split()[2]
     engine = DockerEngine()
@@ -243,6 +244,7 @@ async def test_a_registry_that_refuses_the_push_fails_the_submit_and_keeps_no_se
     finally:
         await engine.close()
     everything = str(err.value) + " ".join(err.value.log_tail) + caplog.text
+    assert any(e.stage == "push" for e in events)
     everything += " ".join(e.message for e in events)
     assert secret not in everything and auth not in everything
 

@@ -301,7 +301,13 @@ class LocalScheduler(Scheduler[LocalRequest]):
         )
         return opts
 
-    def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[LocalRequest]:
+    def _submit_dryrun(
+        self,
+        app: AppDef,
+        cfg: Mapping[str, CfgVal],
+        app_id: str | None = None,
+        workdirs: Mapping[str, str] | None = None,
+    ) -> AppDryRunInfo[LocalRequest]:
         request = build_request(
             app,
             cfg,
@@ -310,6 +316,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             log_root=self._root,
             gpu_count=self._gpu_count,
             parent_path=os.environ.get("PATH", os.defpath),
+            app_id=app_id,
+            workdirs=workdirs,
         )
         return AppDryRunInfo(request, format_request)
 
@@ -327,18 +335,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
     ) -> AppDryRunInfo[LocalRequest]:
         app_id = make_unique(app.name)
         dirs = local_workspace.workdirs(self.backend, plan, self._root, self.session_name, app_id)
-        request = build_request(
-            app,
-            cfg,
-            backend=self.backend,
-            session=self.session_name,
-            log_root=self._root,
-            gpu_count=self._gpu_count,
-            parent_path=os.environ.get("PATH", os.defpath),
-            app_id=app_id,
-            workdirs=dirs,
-        )
-        return AppDryRunInfo(request, format_request)
+        return self._submit_dryrun(app, cfg, app_id, dirs)
 
     async def _ship_workspace(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> None:
         from asynctorchx.schedulers.workspace import current_progress

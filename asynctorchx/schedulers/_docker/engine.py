@@ -395,8 +395,6 @@ class DockerEngine:
         """
         from asynctorchx.schedulers.workspace import WorkspaceBuildError
 
-        aiohttp = _import_aiohttp()
-        client = await self.client()
         self.builds += 1
         params = {
             "t": tag,
@@ -407,8 +405,6 @@ class DockerEngine:
             "buildargs": json.dumps(dict(build_args or {})),
             "labels": json.dumps(dict(labels or {})),
         }
-        tail: list[str] = []
-        image_id: str | None = None
         failed: list[BaseException] = []
 
         async def body() -> AsyncIterator[bytes]:
@@ -419,13 +415,61 @@ class DockerEngine:
                 failed.append(e)
                 raise
 
+        def lines(obj: Mapping[str, Any]) -> list[str]:
+            text = obj.get("stream")
+            if not isinstance(text, str):
+                return []
+            return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+        aux, tail = await self._progress_stream(
+            f"building image {tag}",
+            "build",
+            params=params,
+            headers={"Content-Type": "application/x-tar"},
+            data=body(),
+            lines=lines,
+            on_line=on_output,
+            failed=failed,
+        )
+        found = await self.image_id(tag)
+        if found is None:
+            raise WorkspaceBuildError(
+                f"building image {tag} failed: the engine finished without tagging it", tail
+            )
+        ids = [str(a["ID"]) for a in aux if a.get("ID")]
+        return ids[-1] if ids else found
+
+    async def _progress_stream(
+        self,
+        what: str,
+        path: str,
+        *,
+        params: Mapping[str, str],
+        headers: Mapping[str, str],
+        lines: Callable[[Mapping[str, Any]], list[str]],
+        on_line: Callable[[str], None] | None,
+        data: Any = None,
+        failed: list[BaseException] | None = None,
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """POSTs to an endpoint that answers with a stream of JSON progress (build, push).
+
+        Each object's ``lines(obj)`` go to ``on_line``; an error object ends the stream with
+        WorkspaceBuildError (``what`` failed: the error, and the last lines). Returns the ``aux``
+        objects and the last lines. When the request body failed (``failed``), that is raised.
+        """
+        from asynctorchx.schedulers.workspace import WorkspaceBuildError
+
+        aiohttp = _import_aiohttp()
+        client = await self.client()
+        tail: list[str] = []
+        aux: list[dict[str, Any]] = []
         try:
             async with client._query(
-                "build",
+                path,
                 "POST",
-                params=params,
-                data=body(),
-                headers={"Content-Type": "application/x-tar"},
+                params=dict(params),
+                data=data,
+                headers=dict(headers),
                 timeout=aiohttp.ClientTimeout(),
             ) as resp:
                 try:
@@ -434,19 +478,15 @@ class DockerEngine:
                         if error is not None:
                             tail.append(error)
                             raise WorkspaceBuildError(
-                                f"building image {tag} failed: {error}", tail[-_TAIL_LINES:]
+                                f"{what} failed: {error}", tail[-_TAIL_LINES:]
                             )
-                        aux = obj.get("aux")
-                        if isinstance(aux, dict) and aux.get("ID"):
-                            image_id = str(aux["ID"])
-                        text = obj.get("stream")
-                        if isinstance(text, str):
-                            for line in text.splitlines():
-                                if line.strip():
-                                    tail.append(line.rstrip())
-                                    del tail[:-_TAIL_LINES]
-                                    if on_output is not None:
-                                        on_output(line.rstrip())
+                        if isinstance(obj.get("aux"), dict):
+                            aux.append(obj["aux"])
+                        for line in lines(obj):
+                            tail.append(line)
+                            del tail[:-_TAIL_LINES]
+                            if on_line is not None:
+                                on_line(line)
                 finally:
                     resp.close()
         except WorkspaceBuildError:
@@ -456,13 +496,8 @@ class DockerEngine:
                 raise failed[0] from None
             if not is_docker_error(e) and not isinstance(e, OSError | aiohttp.ClientError):
                 raise
-            raise engine_error(f"building image {tag}", e) from None
-        found = await self.image_id(tag)
-        if found is None:
-            raise WorkspaceBuildError(
-                f"building image {tag} failed: the engine finished without tagging it", tail
-            )
-        return image_id or found
+            raise engine_error(what, e) from None
+        return aux, tail
 
     async def tag(self, image: str, repository: str, tag: str) -> None:
         """Tags ``image`` as ``repository:tag``."""
@@ -488,51 +523,25 @@ class DockerEngine:
             WorkspaceBuildError: the registry refused the push or could not be reached.
             DockerSchedulerError: the engine refused the request.
         """
-        from asynctorchx.schedulers.workspace import WorkspaceBuildError
-
-        aiohttp = _import_aiohttp()
-        client = await self.client()
         self.pushes += 1
-        name = f"{repository}:{tag}"
-        digest: str | None = None
-        tail: list[str] = []
-        try:
-            async with client._query(
-                f"images/{repository}/push",
-                "POST",
-                params={"tag": tag},
-                headers={"X-Registry-Auth": _auth_header(auth)},
-                timeout=aiohttp.ClientTimeout(),
-            ) as resp:
-                try:
-                    async for obj in _json_lines(resp):
-                        error = _error_text(obj)
-                        if error is not None:
-                            tail.append(error)
-                            raise WorkspaceBuildError(
-                                f"pushing image {name} failed: {error}", tail[-_TAIL_LINES:]
-                            )
-                        aux = obj.get("aux")
-                        if isinstance(aux, dict) and aux.get("Digest"):
-                            digest = str(aux["Digest"])
-                        status = obj.get("status")
-                        if isinstance(status, str) and status:
-                            layer = obj.get("id")
-                            progress = obj.get("progress") or ""
-                            line = f"{layer}: {status} {progress}".strip() if layer else status
-                            tail.append(line)
-                            del tail[:-_TAIL_LINES]
-                            if on_progress is not None:
-                                on_progress(line)
-                finally:
-                    resp.close()
-        except WorkspaceBuildError:
-            raise
-        except Exception as e:
-            if not is_docker_error(e) and not isinstance(e, OSError | aiohttp.ClientError):
-                raise
-            raise engine_error(f"pushing image {name}", e) from None
-        return digest
+
+        def lines(obj: Mapping[str, Any]) -> list[str]:
+            status = obj.get("status")
+            if not isinstance(status, str) or not status:
+                return []
+            layer, progress = obj.get("id"), obj.get("progress") or ""
+            return [f"{layer}: {status} {progress}".strip() if layer else status]
+
+        aux, _ = await self._progress_stream(
+            f"pushing image {repository}:{tag}",
+            f"images/{repository}/push",
+            params={"tag": tag},
+            headers={"X-Registry-Auth": _auth_header(auth)},
+            lines=lines,
+            on_line=on_progress,
+        )
+        digests = [str(a["Digest"]) for a in aux if a.get("Digest")]
+        return digests[-1] if digests else None
 
     async def remove_image(self, ref: str, *, force: bool = False) -> bool:
         """Removes image ``ref`` (a tag of an image with other tags is only untagged).
