@@ -21,7 +21,6 @@ import os
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit
 
 __all__ = ["InvalidWorkspaceException", "Workspace"]
 
@@ -154,6 +153,8 @@ def _local_path(local: object) -> str:
     if "\0" in text:
         raise InvalidWorkspaceException(f"workspace directory {text!r} contains a NUL character")
     if "://" in text:
+        from urllib.parse import unquote, urlsplit
+
         url = urlsplit(text)
         if url.scheme != "file" or url.netloc not in ("", "localhost"):
             raise InvalidWorkspaceException(
