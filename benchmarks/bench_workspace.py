@@ -30,8 +30,8 @@ Scenarios:
   (copies; reflinks where the file system has them), the next ones only link a directory to it;
   plus the snapshot's copy and the per-app links measured alone.
 
-Everything made here (containers, images, registry tags stay: the registry has a data directory of
-its own) is removed afterwards.
+Everything made here (containers, images, the base image's registry tag) is removed afterwards;
+what was pushed stays in the registry, which has a data directory of its own.
 """
 
 from __future__ import annotations
@@ -460,6 +460,12 @@ async def main() -> int:
             local["on_reflink_fs"] = bench_reflink(Path(args.reflink_dir), args.files, args.mb)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        # the registry name was only a second tag of the base image: untag it
+        subprocess.run(
+            ["docker", "rmi", f"{REGISTRY}/asynctorchx-bench/python:3.11"],
+            capture_output=True,
+            check=False,
+        )
     result: dict[str, Any] = {
         "benchmark": "workspace",
         "host": {"python": platform.python_version(), "cpus": os.cpu_count()},
