@@ -11,7 +11,7 @@ if [ ! -x .venv-torchx/bin/python ] || ! .venv-torchx/bin/python -c 'import torc
   python3 -m venv .venv-torchx
   "${PIP[@]}" 'torchx==0.7.0'
 fi
-if ! .venv-torchx/bin/python -c 'import anyio, aiofiles' 2>/dev/null; then
-  "${PIP[@]}" 'anyio>=4.3' 'aiofiles>=23.2'
+if ! .venv-torchx/bin/python -c 'import anyio, aiofiles, pathspec' 2>/dev/null; then
+  "${PIP[@]}" 'anyio>=4.3' 'aiofiles>=23.2' 'pathspec>=1.1'
 fi
 .venv-torchx/bin/python -c 'import torchx, anyio; print("torchx", torchx.__version__)'

@@ -143,7 +143,7 @@ def test_dryrun_has_no_side_effects_and_leaves_the_app_unchanged() -> None:
     app = AppDef("a", [role])
     scheduler = _scheduler()
     info = scheduler.submit_dryrun(app, {})
-    assert scheduler._client is None
+    assert not scheduler.engine.started
     assert role.args == [macros.replica_id]
     assert info.app is app and info.scheduler == "local_docker"
     assert str(info).startswith("{") and info.request.app_id in str(info)

@@ -1,4 +1,6 @@
-"""The engine scripts' helpers (scripts/engines/lib/slurm_common.sh): pid files and the MariaDB user.
+# ruff: noqa: F811 - the fixtures imported from _docker_env/_workspace_env are redefined as parameters
+"""The engine scripts' helpers (scripts/engines/lib/slurm_common.sh: pid files, the MariaDB user) and
+the registry's script.
 
 A CI run starts with /run as the last run left it: the pid files of daemons that are gone name pids
 that other processes may have now. The scripts must tell their daemon from such a stranger, or they
@@ -18,6 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _docker_env import docker_engine  # noqa: F401 - the registry fixture's dependency
+from _workspace_env import registry  # noqa: F401 - pytest fixture
 from conftest import engine_missing
 
 COMMON = Path(__file__).resolve().parent.parent / "scripts" / "engines" / "lib" / "slurm_common.sh"
@@ -190,3 +194,46 @@ def test_converge_db_user_refuses_what_it_cannot_quote(args: str, error: str) ->
     result = _bash(f"converge_db_user {args}")
     assert result.returncode != 0
     assert error in result.stderr
+
+
+# -- scripts/engines/registry.sh ---------------------------------------------------------------------
+
+REGISTRY_SH = COMMON.parent.parent / "registry.sh"
+
+
+def test_the_registry_script_refuses_an_address_off_this_host() -> None:
+    """ASYNCTORCHX_REGISTRY=0.0.0.0:PORT is refused before anything is installed or started."""
+    import os
+
+    if os.getuid() != 0:
+        pytest.skip("the script runs as root only")
+    result = subprocess.run(
+        ["bash", str(REGISTRY_SH)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ASYNCTORCHX_REGISTRY": "0.0.0.0:5999"},
+        check=False,
+    )
+    assert result.returncode == 1
+    assert "must be 127.0.0.1:PORT" in result.stderr
+
+
+def test_the_registry_listens_on_127_0_0_1_only_and_a_rerun_keeps_it(registry: str) -> None:
+    """Every listening socket on the registry's port is bound to 127.0.0.1; running the script
+    again leaves the same daemon running."""
+    import os
+
+    port = int(registry.rsplit(":", 1)[1])
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    listening.append(local.rsplit(":", 1)[0])
+    assert listening == ["0100007F"]
+    pid = Path("/run/asynctorchx-registry.pid").read_text().strip()
+    result = subprocess.run(["bash", str(REGISTRY_SH)], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert Path("/run/asynctorchx-registry.pid").read_text().strip() == pid
+    assert os.path.exists(f"/proc/{pid}")

@@ -101,6 +101,20 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "fix the component's arguments; 'asynctorchx run --dryrun ...' shows the app it builds",
     ),
+    "InvalidWorkspaceException": (
+        ExitCode.USAGE,
+        "a workspace is a directory (or DIR:SUBDIR,...); 'asynctorchx run --dryrun --workspace "
+        "DIR ...' shows what would be shipped",
+    ),
+    "WorkspaceNotSupportedException": (
+        ExitCode.USAGE,
+        "run without --workspace (or --workspace '' to override [cli:run] workspace)",
+    ),
+    "WorkspaceBuildError": (
+        1,
+        "the last lines of the output are above; fix the workspace's Dockerfile.torchx, or the "
+        "registry, and run again",
+    ),
     "UnknownRunError": (
         ExitCode.UNKNOWN,
         "'asynctorchx tracker list runs' lists the runs the tracker knows",

@@ -14,7 +14,7 @@ from asynctorchx.cli._help import HelpFormatter
 if TYPE_CHECKING:
     from asynctorchx.cli._interrupt import Interrupts
     from asynctorchx.runner.api import AsyncRunner
-    from asynctorchx.specs.api import AppStatus, CfgVal
+    from asynctorchx.specs.api import AppDryRunInfo, AppStatus, CfgVal
 
 _EPILOG = """\
 Local apps (local_cwd, local_dir) are child processes of this command: it stays until the app ends
@@ -27,6 +27,7 @@ examples:
   asynctorchx run --log utils.sh --num_replicas 2 -- sh -c 'echo hi; date'
   asynctorchx run -s local_docker --wait dist.ddp -j 1x2 --script train.py
   asynctorchx run --dryrun -s slurm -cfg partition=debug,time=10 utils.echo
+  asynctorchx run -s local_docker --workspace . dist.ddp -j 1x2 --script train.py
   asynctorchx run utils.echo --help            the component's arguments
 """
 
@@ -76,8 +77,17 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     p.add_argument(
         "--workspace",
         default=None,
-        metavar="PATH",
-        help="a workspace to build into the image, for schedulers that support it",
+        metavar="DIR",
+        help="local code to ship with the app (a directory, or DIR:SUBDIR,DIR2:SUBDIR2): built "
+        "into the first role's image (local_docker, kubernetes with -cfg image_repo=...), copied "
+        "into the job directory (slurm, with -cfg job_dir=...), snapshot (local_dir), or run in "
+        "(local_cwd); default: [cli:run] workspace in .torchxconfig; '' for none. With --dryrun, "
+        "the plan is shown and nothing is built",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="do not show the workspace's build, push or copy progress on stderr",
     )
     p.add_argument(
         "--parent_run_id",
@@ -159,26 +169,21 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     args.scheduler = args.scheduler or default_scheduler()
     scheduler: str = args.scheduler
     component, component_args = _split_component(args)
-    workspace = args.workspace or run_defaults().get("workspace") or None
+    workspace = args.workspace if args.workspace is not None else run_defaults().get("workspace")
     style = err_styler()
     async with runner_for_session(None) as runner:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)
         try:
-            dryrun = runner.dryrun_component(
-                component,
-                component_args,
-                scheduler,
-                cfg,
-                workspace,
-                parent_run_id=args.parent_run_id,
+            dryrun = await _dryrun(
+                runner, component, component_args, scheduler, cfg, workspace, args.parent_run_id
             )
         except SystemExit as e:  # the component's --help
             return e.code if isinstance(e.code, int) else 0
         if args.dryrun:
-            info(f"dry run of {component} on {scheduler}: nothing is launched")
+            info(f"dry run of {component} on {scheduler}: nothing is launched or built")
             print(dryrun)
             return 0
-        handle = await runner.schedule(dryrun)
+        handle = await _schedule(runner, dryrun, quiet=args.quiet)
         print(handle, flush=True)
         outlives = apps_outlive_cli(scheduler)
         if outlives and not (args.wait or args.log):
@@ -214,6 +219,55 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     _report(handle, status)
     sys.stderr.flush()
     return exit_code_for_state(None if status is None else status.state)
+
+
+async def _dryrun(
+    runner: AsyncRunner,
+    component: str,
+    component_args: list[str],
+    scheduler: str,
+    cfg: dict[str, CfgVal],
+    workspace: str | None,
+    parent_run_id: str | None,
+) -> AppDryRunInfo[Any]:
+    """The dry run; with a workspace, made in a worker thread (it reads and hashes the files)."""
+    if not workspace:
+        return runner.dryrun_component(
+            component, component_args, scheduler, cfg, parent_run_id=parent_run_id
+        )
+    import functools
+
+    import anyio.to_thread
+
+    return await anyio.to_thread.run_sync(
+        functools.partial(
+            runner.dryrun_component,
+            component,
+            component_args,
+            scheduler,
+            cfg,
+            workspace,
+            parent_run_id=parent_run_id,
+        )
+    )
+
+
+async def _schedule(runner: AsyncRunner, dryrun: AppDryRunInfo[Any], *, quiet: bool) -> str:
+    """Submits the dry run, showing the workspace's progress (and a failed build's last lines)."""
+    if dryrun.workspace is None:
+        return await runner.schedule(dryrun)
+    from asynctorchx.cli._workspace import ProgressPrinter, print_log_tail
+    from asynctorchx.schedulers.workspace import WorkspaceBuildError
+
+    printer = ProgressPrinter.for_stderr(quiet)
+    try:
+        return await runner.schedule(dryrun, progress=printer)
+    except WorkspaceBuildError as e:
+        printer.close()
+        print_log_tail(e.log_tail)
+        raise
+    finally:
+        printer.close()
 
 
 async def _follow(

@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -56,7 +56,14 @@ from asynctorchx.specs.api import (
     runopts,
 )
 from asynctorchx.specs.errors import InvalidComponentArgsException
+from asynctorchx.specs.workspace import Workspace
 from asynctorchx.tracker.api import TrackerSetting
+
+if TYPE_CHECKING:
+    from asynctorchx.schedulers.workspace import WorkspaceProgress
+
+#: What ``workspace=`` takes: a path, a ``file://`` URL, ``"dir:subdir,..."``, a mapping, a Workspace.
+WorkspaceArg = Workspace | str | Mapping[str, str] | None
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +312,7 @@ class AsyncRunner:
         app: AppDef,
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
         parent_run_id: str | None = None,
     ) -> AppDryRunInfo[Any]:
         """What ``run`` would submit, without submitting it (pure; ``app`` is not modified).
@@ -314,14 +321,40 @@ class AsyncRunner:
         from ``parent_run_id`` or the launcher's environment, ``TORCHX_TRACKERS`` and the trackers'
         configs from ``.torchxconfig``, read once per runner): see ``asynctorchx.tracker``.
 
+        With a ``workspace`` (a directory, a ``file://`` URL, ``"dir_a:sub_a,dir_b:sub_b"``, or a
+        ``Workspace``; ``None`` or ``""`` for none) the dry run holds the workspace plan, shown
+        first when printed: what would be built, pushed or copied (the base image, the recipe,
+        the number and size of the files, the content hash, the target image or directory).
+        Nothing is built, pushed or copied; the workspace's files are read and hashed, which
+        blocks: ``run`` does that in a worker thread.
+
         Raises:
             UnknownSchedulerException: no such scheduler (the message lists the available ones).
             InvalidAppDefException: a bad field in the app.
             InvalidRunConfigException: a bad cfg value (names the run option and its type).
+            InvalidWorkspaceException: the workspace cannot be used (names it and why).
+            WorkspaceNotSupportedException: the scheduler ships no workspace.
         """
-        del workspace  # images are built by the backends that support workspaces; none here yet
+        ws = Workspace.of(workspace)
         sched = self._scheduler(scheduler)
-        return sched.submit_dryrun(self._with_tracking(app, scheduler, parent_run_id), cfg or {})
+        tracked = self._with_tracking(app, scheduler, parent_run_id)
+        if ws is None:
+            return sched.submit_dryrun(tracked, cfg or {})
+        return sched.submit_dryrun(tracked, cfg or {}, ws)
+
+    async def _dryrun_async(
+        self,
+        app: AppDef,
+        scheduler: str,
+        cfg: Mapping[str, CfgVal] | None,
+        workspace: WorkspaceArg,
+        parent_run_id: str | None,
+    ) -> AppDryRunInfo[Any]:
+        ws = Workspace.of(workspace)
+        if ws is None:
+            return self.dryrun(app, scheduler, cfg, None, parent_run_id)
+        tracked = self._with_tracking(app, scheduler, parent_run_id)
+        return await self._scheduler(scheduler).submit_dryrun_async(tracked, cfg or {}, ws)
 
     def _with_tracking(self, app: AppDef, scheduler: str, parent_run_id: str | None) -> AppDef:
         from asynctorchx.tracker._launch import tracking_env, with_env
@@ -339,7 +372,7 @@ class AsyncRunner:
         component_args: Sequence[str] | Mapping[str, Any],
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
         parent_run_id: str | None = None,
     ) -> AppDryRunInfo[Any]:
         """``dryrun`` of the app a component builds from its arguments.
@@ -380,15 +413,25 @@ class AsyncRunner:
         app: AppDef,
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
         parent_run_id: str | None = None,
+        *,
+        progress: WorkspaceProgress | None = None,
     ) -> AppHandle:
         """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app).
 
-        ``parent_run_id`` groups runs for tracking (``TORCHX_PARENT_RUN_ID`` in every role).
+        Args:
+            workspace: local code to ship with the app (see ``dryrun``); it goes into the first
+                role's image (a Docker image on local_docker and kubernetes, a snapshot directory
+                on local_dir, the job's directory on slurm) or, on local_cwd, is the directory the
+                replicas run in. It is read and hashed off the event loop.
+            parent_run_id: groups runs for tracking (``TORCHX_PARENT_RUN_ID`` in every role).
+            progress: called on the event loop with each ``WorkspaceEvent`` (build output, push
+                progress, copies) while the workspace is shipped; it must not block.
         """
         self._check_open()
-        return await self.schedule(self.dryrun(app, scheduler, cfg, workspace, parent_run_id))
+        info = await self._dryrun_async(app, scheduler, cfg, workspace, parent_run_id)
+        return await self.schedule(info, progress=progress)
 
     async def run_component(
         self,
@@ -396,25 +439,34 @@ class AsyncRunner:
         component_args: Sequence[str] | Mapping[str, Any],
         scheduler: str,
         cfg: Mapping[str, CfgVal] | None = None,
-        workspace: str | None = None,
+        workspace: WorkspaceArg = None,
         parent_run_id: str | None = None,
+        *,
+        progress: WorkspaceProgress | None = None,
     ) -> AppHandle:
-        """Builds the app of a component and submits it; returns its handle."""
+        """Builds the app of a component and submits it; returns its handle (see ``run``)."""
         self._check_open()
-        return await self.schedule(
-            self.dryrun_component(
-                component, component_args, scheduler, cfg, workspace, parent_run_id
-            )
-        )
+        app = self._materialize(component, component_args)
+        info = await self._dryrun_async(app, scheduler, cfg, workspace, parent_run_id)
+        return await self.schedule(info, progress=progress)
 
-    async def schedule(self, dryrun_info: AppDryRunInfo[Any]) -> AppHandle:
-        """Submits a dry run made by this runner (or a scheduler of the same backend)."""
+    async def schedule(
+        self, dryrun_info: AppDryRunInfo[Any], *, progress: WorkspaceProgress | None = None
+    ) -> AppHandle:
+        """Submits a dry run made by this runner (or a scheduler of the same backend).
+
+        A dry run made with a workspace is shipped first (built, pushed or copied, unless the
+        content-addressed result exists already); ``progress`` receives its events (see ``run``).
+        """
+        from asynctorchx.schedulers.workspace import reporting
+
         self._check_open()
         backend = dryrun_info.scheduler
         if backend is None:
             raise ValueError("the dry run has no scheduler: make it with runner.dryrun(...)")
         scheduler = self._scheduler(backend)
-        app_id = await self._submit(backend, scheduler, dryrun_info)
+        with reporting(progress):
+            app_id = await self._submit(backend, scheduler, dryrun_info)
         self._hub(backend).track(app_id, submitted=True)
         return make_app_handle(backend, self._name, app_id)
 

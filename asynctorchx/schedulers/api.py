@@ -4,6 +4,12 @@ A backend turns an ``AppDef`` into a request (``submit_dryrun``, pure and synchr
 (``schedule``), and answers ``describe``/``list``/``cancel``/``log_iter`` for the apps it knows. All I/O is
 ``async``; nothing here blocks the event loop.
 
+A backend that ships workspaces sets ``supports_workspace = True``, implements ``plan_workspace``
+(what it will build, push or copy: pure apart from reading the workspace's files, and for images
+the base image's id) and carries the plan out at the start of ``schedule`` (``dryrun_info.workspace``),
+sending progress to ``asynctorchx.schedulers.workspace.current_progress()``. The others raise
+``WorkspaceNotSupportedException`` when given a workspace, instead of dropping it.
+
 A backend that learns of changes without polling (child-process exits, Docker events, a Kubernetes
 watch) sets ``pushes_changes = True`` and calls ``self._notify(app_id)`` whenever an app may have
 changed; the runner's StatusHub subscribes with ``subscribe`` and re-describes just those apps.
@@ -18,9 +24,10 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
-from typing import ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import anyio
+import anyio.to_thread
 
 from asynctorchx.specs.api import (
     NONE,
@@ -35,6 +42,10 @@ from asynctorchx.specs.api import (
     runopts,
     validate_app,
 )
+from asynctorchx.specs.workspace import Workspace
+
+if TYPE_CHECKING:
+    from asynctorchx.schedulers.workspace import WorkspacePlan
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +121,10 @@ class UnknownRoleException(ValueError):
     """Raised when an app has no role of the given name, or the replica index is out of range."""
 
 
+class WorkspaceNotSupportedException(ValueError):
+    """Raised when a workspace is given to a scheduler that cannot ship one (the message names it)."""
+
+
 class Scheduler(abc.ABC, Generic[T]):
     """An async scheduler backend. ``T`` is the type of its dry-run request.
 
@@ -120,6 +135,8 @@ class Scheduler(abc.ABC, Generic[T]):
 
     #: True when the backend calls ``_notify`` on changes, so the runner need not poll it often.
     pushes_changes: ClassVar[bool] = False
+    #: True when the backend can ship a workspace (see ``plan_workspace``).
+    supports_workspace: ClassVar[bool] = False
 
     def __init__(self, backend: str, session_name: str) -> None:
         self.backend = backend
@@ -136,25 +153,102 @@ class Scheduler(abc.ABC, Generic[T]):
     def _run_opts(self) -> runopts:
         return runopts()
 
-    def submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[T]:
+    def submit_dryrun(
+        self,
+        app: AppDef,
+        cfg: Mapping[str, CfgVal],
+        workspace: Workspace | str | None = None,
+    ) -> AppDryRunInfo[T]:
         """Builds the request that ``schedule`` would submit. Pure: nothing is created or started.
 
-        ``app`` is validated, ``cfg`` resolved against ``run_opts()``; neither is modified.
+        ``app`` is validated, ``cfg`` resolved against ``run_opts()``; neither is modified. With a
+        ``workspace`` the dry run also holds the workspace plan (``info.workspace``): the
+        workspace's files are read and hashed here (this blocks; async code uses
+        ``submit_dryrun_async``), but nothing is built, pushed or copied.
 
         Raises:
             InvalidAppDefException: a field of the app is bad (names the role, field and value).
             InvalidRunConfigException: the cfg does not satisfy the run options.
+            InvalidWorkspaceException: the workspace cannot be used (names it and why).
+            WorkspaceNotSupportedException: this backend ships no workspace.
         """
         validate_app(app)
         resolved = self.run_opts().resolve(cfg)
+        ws = Workspace.of(workspace)
+        plan = None if ws is None else self.plan_workspace(app, resolved, ws)
+        return self._finish_dryrun(app, resolved, plan)
+
+    async def submit_dryrun_async(
+        self,
+        app: AppDef,
+        cfg: Mapping[str, CfgVal],
+        workspace: Workspace | str | None = None,
+    ) -> AppDryRunInfo[T]:
+        """``submit_dryrun`` that reads the workspace (if any) off the event loop."""
+        validate_app(app)
+        resolved = self.run_opts().resolve(cfg)
+        ws = Workspace.of(workspace)
+        plan = None if ws is None else await self.plan_workspace_async(app, resolved, ws)
+        return self._finish_dryrun(app, resolved, plan)
+
+    def _finish_dryrun(
+        self, app: AppDef, resolved: Mapping[str, CfgVal], plan: WorkspacePlan | None
+    ) -> AppDryRunInfo[T]:
         own = copy_app(app)
-        info = self._submit_dryrun(own, resolved)
+        if plan is None:
+            info = self._submit_dryrun(own, resolved)
+        else:
+            info = self._submit_dryrun_workspace(own, resolved, plan)
         for role in own.roles:
             info = role.pre_proc(self.backend, info)
-        info._app = app
+        if plan is None:
+            info._app = app
+        else:
+            shown = copy_app(app)
+            self._apply_workspace(shown, plan)
+            info._app = shown
         info._cfg = resolved
         info._scheduler = self.backend
+        info._workspace = plan
         return info
+
+    def plan_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """What this backend will do with ``workspace`` for ``app`` (called by ``submit_dryrun``).
+
+        Reads the workspace (it blocks) but creates nothing. Backends that ship workspaces
+        override it (and set ``supports_workspace``).
+
+        Raises:
+            WorkspaceNotSupportedException: this backend ships no workspace.
+        """
+        raise WorkspaceNotSupportedException(
+            f"the {self.backend} scheduler does not support workspaces (got workspace "
+            f"{str(workspace)!r}); run without one, or use a scheduler that ships them"
+        )
+
+    async def plan_workspace_async(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """``plan_workspace`` run in a worker thread, so the event loop never waits on the disk."""
+        if not self.supports_workspace:
+            return self.plan_workspace(app, cfg, workspace)
+        return await anyio.to_thread.run_sync(self.plan_workspace, app, cfg, workspace)
+
+    def _apply_workspace(self, app: AppDef, plan: WorkspacePlan) -> None:
+        """Points the roles that get the workspace at its target (their image)."""
+        for role in app.roles:
+            if role.name in plan.roles:
+                role.image = plan.target
+
+    def _submit_dryrun_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], plan: WorkspacePlan
+    ) -> AppDryRunInfo[T]:
+        """The request for an app whose roles run from a workspace (default: the roles' images
+        become the plan's target, then ``_submit_dryrun``)."""
+        self._apply_workspace(app, plan)
+        return self._submit_dryrun(app, cfg)
 
     @abc.abstractmethod
     def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[T]:
@@ -169,9 +263,13 @@ class Scheduler(abc.ABC, Generic[T]):
         A failed submit raises and leaves nothing running.
         """
 
-    async def submit(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> str:
-        """``schedule(submit_dryrun(app, cfg))``."""
-        return await self.schedule(self.submit_dryrun(app, cfg))
+    async def submit(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace | str | None = None
+    ) -> str:
+        """``schedule(submit_dryrun(app, cfg, workspace))``."""
+        if workspace is None:
+            return await self.schedule(self.submit_dryrun(app, cfg))
+        return await self.schedule(await self.submit_dryrun_async(app, cfg, workspace))
 
     @abc.abstractmethod
     async def describe(self, app_id: str) -> DescribeAppResponse | None:

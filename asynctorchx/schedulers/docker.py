@@ -45,8 +45,19 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.schedulers._docker.engine import (
+    DockerEngine,
+    DockerEngineUnavailableError,
+    DockerSchedulerError,
+)
+from asynctorchx.schedulers._docker.engine import engine_error as _engine_error
+from asynctorchx.schedulers._docker.engine import is_docker_error as _is_docker_error
+from asynctorchx.schedulers._docker.engine import message_of as _message_of
+from asynctorchx.schedulers._docker.engine import status_of as _status_of
+from asynctorchx.schedulers._docker.image import ensure_image, plan_image
 from asynctorchx.schedulers._docker.logs import (
     FrameDecoder,
     LineAssembler,
@@ -86,6 +97,7 @@ from asynctorchx.schedulers.api import (
     compile_log_regex,
     role_replica_counts,
 )
+from asynctorchx.schedulers.workspace import SingleFlight, WorkspacePlan, current_progress
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -97,6 +109,7 @@ from asynctorchx.specs.api import (
     make_unique,
     runopts,
 )
+from asynctorchx.specs.workspace import Workspace
 from asynctorchx.version import __version__
 
 if TYPE_CHECKING:
@@ -124,52 +137,6 @@ _DIED_MEMORY = 60.0
 _SNAPSHOT_MAX_AGE = 30.0
 
 
-class DockerSchedulerError(RuntimeError):
-    """Raised when the Docker engine refuses or fails a request of the ``local_docker`` backend.
-
-    The message says what was being done (which role, replica, image, volume or network) and why.
-    """
-
-
-class DockerEngineUnavailableError(DockerSchedulerError):
-    """Raised when the Docker engine cannot be reached (daemon not running, wrong DOCKER_HOST)."""
-
-
-def _import_aiodocker() -> ModuleType:
-    try:
-        import aiodocker
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the local_docker scheduler needs aiodocker: pip install 'asynctorchx[docker]'"
-        ) from e
-    return aiodocker
-
-
-def _status_of(err: BaseException) -> int | None:
-    status = getattr(err, "status", None)
-    return status if isinstance(status, int) else None
-
-
-def _message_of(err: BaseException) -> str:
-    message = getattr(err, "message", None)
-    return str(message if message is not None else err).strip()
-
-
-def _engine_error(what: str, err: BaseException) -> DockerSchedulerError:
-    """A clear error for a failed Docker request; ``what`` says what was being done."""
-    if _status_of(err) == 900 or isinstance(err, OSError):
-        return DockerEngineUnavailableError(
-            f"{what}: cannot reach the Docker engine ({_message_of(err)}); is dockerd running "
-            "and DOCKER_HOST right?"
-        )
-    return DockerSchedulerError(f"{what}: {_message_of(err)}")
-
-
-def _is_docker_error(err: BaseException) -> bool:
-    """True for aiodocker's ``DockerError`` family (and fakes shaped like it)."""
-    return _status_of(err) is not None and hasattr(err, "message")
-
-
 class DockerScheduler(Scheduler[DockerJob]):
     """Runs apps as Docker containers on one Docker engine.
 
@@ -183,6 +150,7 @@ class DockerScheduler(Scheduler[DockerJob]):
     """
 
     pushes_changes = True
+    supports_workspace = True
 
     def __init__(
         self,
@@ -193,11 +161,10 @@ class DockerScheduler(Scheduler[DockerJob]):
         watch_events: bool = True,
     ) -> None:
         super().__init__("local_docker", session_name)
-        self._client: Any = client
-        self._owns_client = client is None
-        self._docker_host = docker_host
+        self._engine = DockerEngine(client, docker_host=docker_host)
         self._watch_events = watch_events
         self._tasks = TaskSupervisor(f"local_docker:{session_name}")
+        self._flights = SingleFlight(self._tasks)
         self._watch_task: asyncio.Task[None] | None = None
         self._events_ready: asyncio.Event | None = None
         self._app_waiters: dict[str, set[asyncio.Event]] = {}
@@ -263,15 +230,38 @@ class DockerScheduler(Scheduler[DockerJob]):
         )
         return AppDryRunInfo(job, str)
 
+    # -- workspaces -------------------------------------------------------------------------------
+
+    def plan_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """The workspace image of the first role (see ``asynctorchx.schedulers._docker.image``).
+
+        Reads and hashes the workspace and asks the engine for the base image's id; builds
+        nothing.
+        """
+        base_id = self._engine.image_id_blocking(app.roles[0].image)
+        return plan_image(self.backend, app, workspace, base_id)
+
+    async def plan_workspace_async(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """``plan_workspace`` with the engine asked from the event loop, the files read in a
+        worker thread."""
+        base_id = await self._engine.image_id(app.roles[0].image)
+        return await anyio.to_thread.run_sync(plan_image, self.backend, app, workspace, base_id)
+
     # -- the client and the event stream --------------------------------------------------------
 
     async def _docker(self) -> Any:
         if self._closed:
             raise RuntimeError("the local_docker scheduler is closed")
-        if self._client is None:
-            aiodocker = _import_aiodocker()
-            self._client = aiodocker.Docker(url=self._docker_host)
-        return self._client
+        return await self._engine.client()
+
+    @property
+    def engine(self) -> DockerEngine:
+        """The Docker engine this scheduler drives."""
+        return self._engine
 
     def subscribe(self, callback: Callable[[str], None]) -> Callable[[], None]:
         """Registers ``callback(app_id)``; starts following Docker's event stream if needed."""
@@ -435,13 +425,20 @@ class DockerScheduler(Scheduler[DockerJob]):
     async def schedule(self, dryrun_info: AppDryRunInfo[DockerJob]) -> str:
         """Creates the app's network and containers, then starts them; returns the app id.
 
+        A dry run made with a workspace first gets its image built (unless its tag exists).
+
         Raises:
+            WorkspaceBuildError: the workspace image did not build (nothing was created).
             DockerSchedulerError: an image cannot be had, a volume or network does not exist, or
                 Docker refused a container. Whatever was created for the app is removed first.
             DockerEngineUnavailableError: the engine cannot be reached.
         """
         job = dryrun_info.request
         client = await self._docker()
+        if dryrun_info.workspace is not None:
+            await ensure_image(
+                self._engine, dryrun_info.workspace, self._flights, current_progress()
+            )
         await self._preflight(client, job)
         await self._events_connected()
         try:
@@ -1153,9 +1150,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         if pending:
             await asyncio.wait(pending, timeout=_CLOSE_GRACE)
         await self._tasks.aclose()
-        if self._owns_client and self._client is not None:
-            client, self._client = self._client, None
-            await client.close()
+        await self._engine.close()
 
 
 class _Cursor:

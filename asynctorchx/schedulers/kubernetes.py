@@ -21,6 +21,11 @@ Retries:
 - likewise, when a role fails for good, the scheduler that submitted the app suspends the app's other
   Jobs, so their pods stop (TorchX's "a failed replica stops the app").
 
+Workspaces: the first role's image plus the workspace is built by the local Docker engine (as on
+``local_docker``, see ``asynctorchx.schedulers._docker.image``), pushed to the ``image_repo`` run
+option as ``{image_repo}:{content hash}`` with the Docker client's registry credentials, and the
+manifests name that image; all of it before anything is created on the API server.
+
 ``cancel`` deletes the Service with ``propagationPolicy: Foreground`` (the API's default for Jobs would
 orphan their pods): the app reads CANCELLED while its pods terminate, and this scheduler keeps
 reporting CANCELLED after the objects are gone. ``log_iter`` reads the newest pod of a replica with
@@ -38,13 +43,15 @@ from __future__ import annotations
 import asyncio
 import builtins
 import copy
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
+import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._k8s import names as n
@@ -90,11 +97,13 @@ from asynctorchx.schedulers.api import (
     check_time_window,
     compile_log_regex,
 )
+from asynctorchx.schedulers.workspace import SingleFlight, WorkspacePlan, current_progress
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
     AppState,
     CfgVal,
+    InvalidRunConfigException,
     MalformedAppHandleException,
     RetryPolicy,
     UnknownAppException,
@@ -102,6 +111,10 @@ from asynctorchx.specs.api import (
     make_app_handle,
     runopts,
 )
+from asynctorchx.specs.workspace import Workspace
+
+if TYPE_CHECKING:
+    from asynctorchx.schedulers._docker.engine import DockerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +163,12 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         watch_timeout: seconds after which the API server ends (and the scheduler resumes) a watch.
         request_timeout: total timeout of each non-streaming API call, in seconds.
         restart_timeout: how long a restart waits for the failed Jobs to be deleted, in seconds.
+        docker_host: the Docker engine that builds workspace images (default: aiodocker's
+            resolution, ``DOCKER_HOST`` then the local socket).
     """
 
     pushes_changes: ClassVar[bool] = True
+    supports_workspace: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -166,6 +182,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         watch_timeout: int = 300,
         request_timeout: float = 30.0,
         restart_timeout: float = 300.0,
+        docker_host: str | None = None,
     ) -> None:
         super().__init__("kubernetes", session_name)
         self._namespace = namespace or "default"
@@ -186,6 +203,10 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         # app id -> the finished Jobs whose pods were listed afresh (see _list_pods)
         self._pods_confirmed: dict[str, tuple[tuple[str, str], ...]] = {}
         self._namespaces_used: set[str] = {self._namespace}
+        self._docker_host = docker_host
+        self._engine: DockerEngine | None = None
+        self._flights = SingleFlight(self._supervisor)
+        self._pushed: set[str] = set()
 
     # -- options and dry runs -------------------------------------------------------------------
 
@@ -223,6 +244,12 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             'a JSON object merged into every pod template, e.g. {"spec": {"hostNetwork": true}}',
         )
         opts.add(
+            "image_repo",
+            str,
+            "the repository workspace images are pushed to, as {image_repo}:{content hash} (e.g. "
+            "registry.example.com/team/app); the cluster must be able to pull from it",
+        )
+        opts.add(
             "rank0_localhost",
             bool,
             "replica 0 of the first role sees TORCHX_RANK0_HOST=localhost (its command runs under "
@@ -234,8 +261,70 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     def _submit_dryrun(
         self, app: AppDef, cfg: Mapping[str, CfgVal]
     ) -> AppDryRunInfo[KubernetesRequest]:
+        _image_repo(cfg)
         request = build_request(app, KubernetesOptions.from_cfg(cfg), self.session_name)
         return AppDryRunInfo(request, str)
+
+    # -- workspaces -------------------------------------------------------------------------------
+
+    def _docker_engine(self) -> DockerEngine:
+        from asynctorchx.schedulers._docker.engine import DockerEngine
+
+        if self._engine is None:
+            self._engine = DockerEngine(docker_host=self._docker_host)
+        return self._engine
+
+    def _workspace_repo(self, cfg: Mapping[str, CfgVal], workspace: Workspace) -> str:
+        repo = _image_repo(cfg)
+        if repo is None:
+            raise InvalidRunConfigException(
+                f"a workspace ({workspace}) is built into a local image that the cluster cannot "
+                "pull: set the image_repo run option to a repository it pulls from (e.g. -cfg "
+                "image_repo=registry.example.com/team/app); the image is pushed there first",
+                "image_repo",
+                cfg,
+            )
+        return repo
+
+    def plan_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """The workspace image of the first role, to be pushed to ``{image_repo}:{hash}``.
+
+        Reads and hashes the workspace and asks the Docker engine for the base image's id;
+        builds and pushes nothing.
+
+        Raises:
+            InvalidRunConfigException: ``image_repo`` is not set, or not a repository name.
+        """
+        from asynctorchx.schedulers._docker.image import plan_image
+
+        repo = self._workspace_repo(cfg, workspace)
+        base_id = self._docker_engine().image_id_blocking(app.roles[0].image)
+        return plan_image(self.backend, app, workspace, base_id, push_repository=repo)
+
+    async def plan_workspace_async(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """``plan_workspace`` with the engine asked from the event loop, the files read in a
+        worker thread."""
+        from asynctorchx.schedulers._docker.image import plan_image
+
+        repo = self._workspace_repo(cfg, workspace)
+        base_id = await self._docker_engine().image_id(app.roles[0].image)
+        return await anyio.to_thread.run_sync(
+            functools.partial(
+                plan_image, self.backend, app, workspace, base_id, push_repository=repo
+            )
+        )
+
+    async def _ship_workspace(self, plan: WorkspacePlan) -> None:
+        from asynctorchx.schedulers._docker.image import ensure_image, ensure_pushed
+
+        engine = self._docker_engine()
+        progress = current_progress()
+        await ensure_image(engine, plan, self._flights, progress)
+        await ensure_pushed(engine, plan, self._flights, progress, self._pushed)
 
     # -- the client and the watches -------------------------------------------------------------
 
@@ -306,10 +395,16 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     async def schedule(self, dryrun_info: AppDryRunInfo[KubernetesRequest]) -> str:
         """Creates the Service, then the Jobs it owns. On any failure, deletes what was created.
 
+        A dry run made with a workspace first gets its image built and pushed (nothing is created
+        on the API server when either fails).
+
         Raises:
+            WorkspaceBuildError: the workspace image did not build or push.
             KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden).
         """
         request = dryrun_info.request
+        if dryrun_info.workspace is not None:
+            await self._ship_workspace(dryrun_info.workspace)
         api = await self._client()
         ns = request.namespace
         service = await api.create("services", ns, request.service)
@@ -812,6 +907,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         if self._api is not None:
             await self._api.close()
             self._api = None
+        if self._engine is not None:
+            await self._engine.close()
         await super().close()
 
     # -- instrumentation ----------------------------------------------------------------------------
@@ -824,6 +921,18 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             out["relists"] += inf.relists
             out["watches"] += inf.watches
         return out
+
+
+def _image_repo(cfg: Mapping[str, CfgVal]) -> str | None:
+    from asynctorchx.schedulers._docker.engine import check_repository
+
+    value = cfg.get("image_repo")
+    if value is None or value == "":
+        return None
+    try:
+        return check_repository(str(value))
+    except ValueError as e:
+        raise InvalidRunConfigException(str(e), "image_repo", cfg) from None
 
 
 def create_scheduler(session_name: str, **kwargs: Any) -> KubernetesScheduler:
@@ -843,5 +952,6 @@ def create_scheduler(session_name: str, **kwargs: Any) -> KubernetesScheduler:
         "watch_timeout",
         "request_timeout",
         "restart_timeout",
+        "docker_host",
     }
     return KubernetesScheduler(session_name, **{k: v for k, v in kwargs.items() if k in known})

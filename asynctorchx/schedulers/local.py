@@ -26,6 +26,9 @@ fails with no retries left fails the app, and its other replicas are stopped.
 The state root is ``local_root=`` (scheduler argument), else ``$ASYNCTORCHX_LOCAL_ROOT``, else
 ``{temp dir}/asynctorchx-{uid}``; records live in ``{state root}/.apps`` and logs in the state root
 unless the ``log_dir`` run option puts them elsewhere.
+
+Workspaces (``_local/workspace.py``): on ``local_cwd`` the workspace directory is every replica's
+working directory; on ``local_dir`` the first role runs from a snapshot taken at submit time.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs import ReplicaLogWriter, iter_log_lines
 from asynctorchx.schedulers._local import watchdog as watchdog_script
+from asynctorchx.schedulers._local import workspace as local_workspace
 from asynctorchx.schedulers._local.guard import Reaper, RecordWriter, Watchdog, start_escalator
 from asynctorchx.schedulers._local.procs import (
     LaunchError,
@@ -100,8 +104,13 @@ from asynctorchx.specs.api import (
     UnknownAppException,
     is_terminal,
     make_app_handle,
+    make_unique,
     runopts,
 )
+
+if TYPE_CHECKING:
+    from asynctorchx.schedulers.workspace import WorkspacePlan
+    from asynctorchx.specs.workspace import Workspace
 
 __all__ = [
     "LaunchError",
@@ -211,6 +220,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
     """
 
     pushes_changes = True
+    supports_workspace = True
 
     def __init__(
         self,
@@ -291,7 +301,13 @@ class LocalScheduler(Scheduler[LocalRequest]):
         )
         return opts
 
-    def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[LocalRequest]:
+    def _submit_dryrun(
+        self,
+        app: AppDef,
+        cfg: Mapping[str, CfgVal],
+        app_id: str | None = None,
+        workdirs: Mapping[str, str] | None = None,
+    ) -> AppDryRunInfo[LocalRequest]:
         request = build_request(
             app,
             cfg,
@@ -300,8 +316,33 @@ class LocalScheduler(Scheduler[LocalRequest]):
             log_root=self._root,
             gpu_count=self._gpu_count,
             parent_path=os.environ.get("PATH", os.defpath),
+            app_id=app_id,
+            workdirs=workdirs,
         )
         return AppDryRunInfo(request, format_request)
+
+    # -- workspaces (asynctorchx.schedulers._local.workspace) -------------------------------------
+
+    def plan_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """local_cwd: the workspace is the replicas' working directory; local_dir: the first role
+        runs from a snapshot made at submit time (reads and hashes the workspace here)."""
+        return local_workspace.plan_local(self.backend, app, workspace, self._root)
+
+    def _submit_dryrun_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], plan: WorkspacePlan
+    ) -> AppDryRunInfo[LocalRequest]:
+        app_id = make_unique(app.name)
+        dirs = local_workspace.workdirs(self.backend, plan, self._root, self.session_name, app_id)
+        return self._submit_dryrun(app, cfg, app_id, dirs)
+
+    async def _ship_workspace(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> None:
+        from asynctorchx.schedulers.workspace import current_progress
+
+        plan = dryrun_info.workspace
+        role = next(r for r in dryrun_info.request.roles if r.name == plan.roles[0])
+        await local_workspace.ship(plan, role.replicas[0].cwd, current_progress())
 
     # -- submitting -------------------------------------------------------------------------------
 
@@ -327,6 +368,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             async with self._prepare_lock:
                 if self._stdin_fd < 0:
                     await self._prepare()
+        if dryrun_info.workspace is not None:
+            await self._ship_workspace(dryrun_info)
         appdef = dryrun_info.app or AppDef(request.app_name)
         app = _App(
             request=request,
@@ -517,6 +560,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
 
     def _remove_app_files(self, app_id: str, app_dir: str) -> None:
         shutil.rmtree(app_dir, ignore_errors=True)
+        local_workspace.remove_workdir(self._root, self.session_name, app_id)
         self._store.remove(app_id)
 
     @staticmethod

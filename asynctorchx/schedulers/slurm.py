@@ -22,6 +22,9 @@ timestamps: ``since``/``until`` can only use a file's modification time, so a fi
 its last write is inside the window and not at all otherwise. An app submitted before the job wrote
 ``combined.log`` is read as its ``stdout.log`` then its ``stderr.log``.
 
+Workspaces (``_slurm/workspace.py``): the workspace is copied into the job directory (``job_dir``,
+which must be new or empty), where every role runs.
+
 Retries: the batch script requeues the job (``scontrol requeue``) after a failure while
 ``SLURM_RESTART_COUNT`` is below the smallest ``max_retries`` of the app's roles; a requeued job waits
 Slurm's ``cred_expire`` (120 s by default) before it may start again. Every retry restarts the whole app,
@@ -46,6 +49,7 @@ import anyio
 import anyio.to_thread
 
 from asynctorchx.logs import iter_log_lines
+from asynctorchx.schedulers._slurm import workspace as slurm_workspace
 from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
 from asynctorchx.schedulers._slurm.parse import (
     SACCT_FIELDS,
@@ -75,6 +79,7 @@ from asynctorchx.schedulers.api import (
     role_replica_counts,
     to_timestamp,
 )
+from asynctorchx.schedulers.workspace import WorkspacePlan, current_progress
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -86,6 +91,7 @@ from asynctorchx.specs.api import (
     make_app_handle,
     runopts,
 )
+from asynctorchx.specs.workspace import Workspace
 
 __all__ = [
     "SLURM_STATES",
@@ -157,6 +163,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
     """
 
     pushes_changes = False
+    supports_workspace = True
 
     def __init__(
         self,
@@ -224,6 +231,13 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         request = build_request(app, cfg, directory, self.session_name)
         return AppDryRunInfo(request, repr)
 
+    def plan_workspace(
+        self, app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace
+    ) -> WorkspacePlan:
+        """The copy of the workspace into ``job_dir`` (which must be set, and new or empty);
+        reads and hashes the workspace, copies nothing."""
+        return slurm_workspace.plan_slurm(app, cfg, workspace)
+
     # -- commands ------------------------------------------------------------------------------
 
     async def _run(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
@@ -239,12 +253,26 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
     async def schedule(self, dryrun_info: AppDryRunInfo[SlurmBatchRequest]) -> str:
         """Submits the batch script with ``sbatch``; returns the job id.
 
+        A dry run made with a workspace first gets the workspace copied into the job directory
+        (removed again if sbatch rejects the job).
+
         Raises:
             SlurmSubmitError: sbatch rejected the job (nothing was queued); carries sbatch's message.
             SlurmNotFoundError: sbatch is not installed.
             OSError: the job directory cannot be created.
+            InvalidWorkspaceException: the job directory holds files, or the workspace changed.
         """
         req = dryrun_info.request
+        if dryrun_info.workspace is None:
+            return await self._submit(req)
+        shipped = await slurm_workspace.ship(dryrun_info.workspace, current_progress())
+        try:
+            return await self._submit(req)
+        except BaseException:
+            await shipped.undo()
+            raise
+
+    async def _submit(self, req: SlurmBatchRequest) -> str:
         await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
         submit = asyncio.ensure_future(self._run(req.cmd, stdin=req.materialize()))
         try:

@@ -55,6 +55,8 @@ from asynctorchx.specs.named_resources import get_named_resource as get_named_re
 from asynctorchx.specs.named_resources import get_named_resources as get_named_resources
 from asynctorchx.specs.named_resources import named_resource_names as named_resource_names
 from asynctorchx.specs.named_resources import resource as resource
+from asynctorchx.specs.workspace import InvalidWorkspaceException as InvalidWorkspaceException
+from asynctorchx.specs.workspace import Workspace as Workspace
 
 named_resources = NAMED_RESOURCES
 

@@ -708,6 +708,7 @@ class AppDryRunInfo(Generic[T]):
         self._app: AppDef | None = None
         self._cfg: Mapping[str, CfgVal] | None = None
         self._scheduler: SchedulerBackend | None = None
+        self._workspace: Any = None
 
     @property
     def app(self) -> AppDef | None:
@@ -724,8 +725,17 @@ class AppDryRunInfo(Generic[T]):
         """The name of the scheduler that made this dry run."""
         return self._scheduler
 
+    @property
+    def workspace(self) -> Any:
+        """The workspace plan (``asynctorchx.schedulers.workspace.WorkspacePlan``) of a dry run
+        made with a workspace: what ``schedule`` builds, pushes or copies first; else None."""
+        return self._workspace
+
     def __repr__(self) -> str:
-        return self._fmt(self.request)
+        text = self._fmt(self.request)
+        if self._workspace is not None:
+            text = f"{self._workspace}\n\n{text}"
+        return text
 
     __str__ = __repr__
 

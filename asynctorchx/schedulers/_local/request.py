@@ -203,6 +203,17 @@ def cuda_slices(app: AppDef, device_count: int) -> dict[tuple[str, int], str] | 
     return slices
 
 
+def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_id: str) -> str:
+    """The log directory of an app: ``{log_dir or log_root}/{session}/{app_id}``."""
+    log_dir = cfg.get("log_dir")
+    base = (
+        os.path.abspath(os.path.expanduser(log_dir))
+        if isinstance(log_dir, str) and log_dir
+        else str(log_root)
+    )
+    return os.path.join(base, session or "default", app_id)
+
+
 def build_request(
     app: AppDef,
     cfg: Mapping[str, CfgVal],
@@ -212,6 +223,8 @@ def build_request(
     log_root: Path,
     gpu_count: int | None,
     parent_path: str | None,
+    app_id: str | None = None,
+    workdirs: Mapping[str, str] | None = None,
 ) -> LocalRequest:
     """Builds the launch request of a validated app with a resolved cfg.
 
@@ -224,15 +237,12 @@ def build_request(
         log_root: where app directories go when ``cfg["log_dir"]`` is not set.
         gpu_count: GPUs on this host (detected when None and needed).
         parent_path: the launcher's PATH, which the replicas' PATH extends.
+        app_id: the app's id (a new unique one when None).
+        workdirs: ``{role: directory}`` for roles that run from a workspace instead of their
+            image (the directory may not exist yet: ``schedule`` makes it).
     """
-    app_id = make_unique(app.name)
-    log_dir = cfg.get("log_dir")
-    base = (
-        os.path.abspath(os.path.expanduser(log_dir))
-        if isinstance(log_dir, str) and log_dir
-        else str(log_root)
-    )
-    app_dir = os.path.join(base, session or "default", app_id)
+    app_id = app_id or make_unique(app.name)
+    app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
     handle = make_app_handle(backend, session, app_id)
     prepend_cwd = bool(cfg.get("prepend_cwd"))
     grace = cfg.get("cancel_grace_period")
@@ -247,7 +257,7 @@ def build_request(
 
     roles: list[RoleRequest] = []
     for role in app.roles:
-        img_root = resolve_image(backend, role)
+        img_root = (workdirs or {}).get(role.name) or resolve_image(backend, role)
         replicas: list[ReplicaRequest] = []
         for i in range(role.num_replicas):
             values = macros.Values(

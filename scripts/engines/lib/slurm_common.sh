@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Shared by scripts/engines/slurm.sh and slurm_noacct.sh (sourced, not run: scripts/test.sh runs only
-# scripts/engines/*.sh). Each caller sets SCRIPT_NAME and WAIT_SECONDS before sourcing this file.
+# Shared by scripts/engines/slurm.sh, slurm_noacct.sh and registry.sh (sourced, not run:
+# scripts/test.sh runs only scripts/engines/*.sh). Each caller sets SCRIPT_NAME and WAIT_SECONDS before sourcing this file.
 # Nothing here uses systemd.
 
 log() { printf '%s: %s\n' "$SCRIPT_NAME" "$*" >&2; }

@@ -1,0 +1,591 @@
+"""The Docker Engine API as asynctorchx uses it: one aiodocker client, engine errors made clear.
+
+``DockerEngine`` owns the client (created on first use, closed with the engine unless it was given)
+and turns the engine's status codes into ``DockerSchedulerError`` (or
+``DockerEngineUnavailableError`` when the engine cannot be reached) with a message that says what
+was being done. The image calls the workspaces need live here (inspect, build, tag, push, remove),
+shared by the ``local_docker`` and ``kubernetes`` backends; the container calls of ``local_docker``
+are to follow.
+
+Registry credentials for a push come from the Docker client's config file (``$DOCKER_CONFIG`` or
+``~/.docker/config.json``), as ``docker push`` finds them: a credential helper (``credHelpers``,
+``credsStore``) or the base64 ``auth`` of ``auths``. They go to the engine in the
+``X-Registry-Auth`` header only; they are never logged or put in a message.
+
+aiodocker is imported on first use (``pip install 'asynctorchx[docker]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import json
+import logging
+import os
+import re
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from types import ModuleType
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The Docker Hub's key in ``auths`` (what ``docker login`` writes for it).
+DOCKER_HUB_AUTH_KEY = "https://index.docker.io/v1/"
+
+_TAIL_LINES = 20
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = (
+    r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+    r"(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*(?::[0-9]+)?"
+)
+_REPOSITORY_RE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
+_DOMAIN_RE = re.compile(_DOMAIN)
+
+
+class DockerSchedulerError(RuntimeError):
+    """Raised when the Docker engine refuses or fails a request of a backend.
+
+    The message says what was being done (which role, replica, image, volume or network) and why.
+    """
+
+
+class DockerEngineUnavailableError(DockerSchedulerError):
+    """Raised when the Docker engine cannot be reached (daemon not running, wrong DOCKER_HOST)."""
+
+
+def import_aiodocker() -> ModuleType:
+    """aiodocker, or an ImportError that says which extra to install."""
+    try:
+        import aiodocker
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "the Docker engine is driven with aiodocker: pip install 'asynctorchx[docker]'"
+        ) from e
+    return aiodocker
+
+
+def status_of(err: BaseException) -> int | None:
+    """The HTTP status of an aiodocker error (900: the engine could not be reached), else None."""
+    status = getattr(err, "status", None)
+    return status if isinstance(status, int) else None
+
+
+def message_of(err: BaseException) -> str:
+    """The engine's message of an aiodocker error (or the error's text)."""
+    message = getattr(err, "message", None)
+    return str(message if message is not None else err).strip()
+
+
+def engine_error(what: str, err: BaseException) -> DockerSchedulerError:
+    """A clear error for a failed Docker request; ``what`` says what was being done."""
+    if status_of(err) == 900 or isinstance(err, OSError):
+        return DockerEngineUnavailableError(
+            f"{what}: cannot reach the Docker engine ({message_of(err)}); is dockerd running "
+            "and DOCKER_HOST right?"
+        )
+    return DockerSchedulerError(f"{what}: {message_of(err)}")
+
+
+def is_docker_error(err: BaseException) -> bool:
+    """True for aiodocker's ``DockerError`` family (and fakes shaped like it)."""
+    return status_of(err) is not None and hasattr(err, "message")
+
+
+def check_repository(name: str, field: str = "image_repo") -> str:
+    """``name`` if it is a valid image repository (``[registry[:port]/]path``, no tag or digest).
+
+    Raises:
+        ValueError: it is not (the message names ``field`` and the value).
+    """
+    if not isinstance(name, str) or not _REPOSITORY_RE.fullmatch(name) or len(name) > 255:
+        tagged = isinstance(name, str) and ("@" in name or ":" in name.rsplit("/", 1)[-1])
+        hint = " without a tag or digest" if tagged else ""
+        raise ValueError(
+            f"{field} must be an image repository{hint} such as registry.example.com:5000/team/app "
+            f"(lowercase path components), got {name!r}"
+        )
+    return name
+
+
+def registry_of(repository: str) -> str:
+    """The registry host of a repository name (``docker.io`` when it names none)."""
+    first, sep, _ = repository.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost" or first != first.lower()):
+        return first
+    return "docker.io"
+
+
+def _auth_key(key: str) -> str:
+    text = key.strip()
+    for prefix in ("https://", "http://"):
+        if text.startswith(prefix):
+            text = text[len(prefix) :]
+    return text.split("/", 1)[0]
+
+
+def docker_config_file() -> str:
+    """The Docker client's config file: ``$DOCKER_CONFIG/config.json`` or ``~/.docker/config.json``."""
+    directory = os.environ.get("DOCKER_CONFIG") or os.path.join(os.path.expanduser("~"), ".docker")
+    return os.path.join(directory, "config.json")
+
+
+def _read_docker_config(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        # never quote the file: it holds credentials
+        raise DockerSchedulerError(
+            f"the Docker config file {path!r} cannot be read ({type(e).__name__})"
+        ) from None
+    return data if isinstance(data, dict) else {}
+
+
+async def registry_auth(registry: str, config_file: str | None = None) -> dict[str, str] | None:
+    """The credentials ``docker push`` would use for ``registry``, or None for an anonymous push.
+
+    Raises:
+        DockerSchedulerError: the config file or the credential helper fails (the message holds
+            no secret).
+    """
+    import anyio.to_thread
+
+    path = config_file or docker_config_file()
+    config = await anyio.to_thread.run_sync(_read_docker_config, path)
+    server = DOCKER_HUB_AUTH_KEY if registry == "docker.io" else registry
+    helpers = config.get("credHelpers") or {}
+    helper = helpers.get(registry) if isinstance(helpers, dict) else None
+    if not helper and registry == "docker.io" and isinstance(helpers, dict):
+        helper = helpers.get(DOCKER_HUB_AUTH_KEY)
+    helper = helper or config.get("credsStore")
+    if isinstance(helper, str) and helper:
+        return await _from_helper(helper, server, registry)
+    auths = config.get("auths") or {}
+    if not isinstance(auths, dict):
+        return None
+    entry = None
+    for key, value in auths.items():
+        if (
+            key == server
+            or _auth_key(key) == registry
+            or (registry == "docker.io" and _auth_key(key) in ("index.docker.io", "docker.io"))
+        ):
+            entry = value
+            break
+    if not isinstance(entry, dict):
+        return None
+    if entry.get("identitytoken"):
+        return {"identitytoken": str(entry["identitytoken"]), "serveraddress": server}
+    username, password = entry.get("username"), entry.get("password")
+    if entry.get("auth"):
+        try:
+            username, _, password = base64.b64decode(str(entry["auth"])).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            raise DockerSchedulerError(
+                f"the auth of registry {registry!r} in {path!r} is not base64 'user:password'"
+            ) from None
+    if not username:
+        return None
+    return {"username": str(username), "password": str(password or ""), "serveraddress": server}
+
+
+async def _from_helper(helper: str, server: str, registry: str) -> dict[str, str] | None:
+    program = f"docker-credential-{helper}"
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            program,
+            "get",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+    except OSError as e:
+        raise DockerSchedulerError(
+            f"the Docker credential helper {program!r} for registry {registry!r} cannot run: "
+            f"{e.strerror or e}"
+        ) from None
+    out, err = await proc.communicate(server.encode())
+    if proc.returncode != 0:
+        if b"credentials not found" in (out + err).lower():
+            return None
+        raise DockerSchedulerError(
+            f"the Docker credential helper {program!r} failed for registry {registry!r} "
+            f"(exit {proc.returncode})"
+        )
+    try:
+        creds = json.loads(out)
+        username, secret = str(creds["Username"]), str(creds["Secret"])
+    except (ValueError, KeyError, TypeError):
+        raise DockerSchedulerError(
+            f"the Docker credential helper {program!r} answered something that is not credentials"
+        ) from None
+    if username == "<token>":
+        return {"identitytoken": secret, "serveraddress": server}
+    return {"username": username, "password": secret, "serveraddress": server}
+
+
+def _auth_header(auth: Mapping[str, str] | None) -> str:
+    return base64.urlsafe_b64encode(json.dumps(dict(auth or {})).encode()).decode()
+
+
+async def _json_lines(resp: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a streamed engine response (one per line)."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            obj = _decode(line)
+            if obj is not None:
+                yield obj
+    obj = _decode(buf)
+    if obj is not None:
+        yield obj
+
+
+def _decode(line: bytes) -> dict[str, Any] | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return {"stream": line.decode("utf-8", "replace")}
+    return obj if isinstance(obj, dict) else None
+
+
+def _error_text(obj: Mapping[str, Any]) -> str | None:
+    detail = obj.get("errorDetail")
+    if isinstance(detail, dict) and detail.get("message"):
+        return str(detail["message"]).strip()
+    if obj.get("error"):
+        return str(obj["error"]).strip()
+    return None
+
+
+class DockerEngine:
+    """One Docker engine, reached through one aiodocker client.
+
+    Args:
+        client: an ``aiodocker.Docker`` (or a fake with its interface) to use; it is not closed by
+            ``close``. By default one is created on first use and closed by ``close``.
+        docker_host: the engine's address when no client is given (default: aiodocker's
+            resolution: ``DOCKER_HOST``, then the local socket).
+    """
+
+    def __init__(self, client: Any = None, *, docker_host: str | None = None) -> None:
+        self._client = client
+        self._owns_client = client is None
+        self._docker_host = docker_host
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: builds started by this engine (instrumentation for tests and benchmarks)
+        self.builds = 0
+        #: pushes started by this engine
+        self.pushes = 0
+
+    @property
+    def docker_host(self) -> str | None:
+        """The engine's address this wrapper was given, if any."""
+        return self._docker_host
+
+    @property
+    def started(self) -> bool:
+        """True once the client exists (a dry run never starts it)."""
+        return self._client is not None and self._loop is not None
+
+    async def client(self) -> Any:
+        """The aiodocker client, created on first use.
+
+        Raises:
+            RuntimeError: the engine wrapper is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the Docker engine client is closed")
+        if self._client is None:
+            aiodocker = import_aiodocker()
+            self._client = aiodocker.Docker(url=self._docker_host)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._client
+
+    async def close(self) -> None:
+        """Closes the client if this wrapper created it. Idempotent."""
+        self._closed = True
+        if self._owns_client and self._client is not None:
+            client, self._client = self._client, None
+            await client.close()
+
+    # -- images -----------------------------------------------------------------------------------
+
+    async def inspect_image(self, ref: str) -> dict[str, Any] | None:
+        """The engine's ``inspect`` of image ``ref``, or None when it has no such image.
+
+        Raises:
+            DockerSchedulerError: the engine failed the request.
+        """
+        client = await self.client()
+        try:
+            info = await client.images.inspect(ref)
+        except Exception as e:
+            if status_of(e) == 404:
+                return None
+            if not is_docker_error(e) and not isinstance(e, OSError):
+                raise
+            raise engine_error(f"inspecting image {ref!r}", e) from None
+        return dict(info)
+
+    async def image_id(self, ref: str) -> str | None:
+        """The id (``sha256:...``) of image ``ref``, or None when the engine has no such image."""
+        info = await self.inspect_image(ref)
+        return None if info is None else str(info.get("Id") or "") or None
+
+    def image_id_blocking(self, ref: str) -> str | None:
+        """``image_id`` for synchronous code (a dry run).
+
+        From a worker thread of the event loop this engine's client runs on, the question goes to
+        that loop; otherwise it is asked from a private event loop in a helper thread, with a
+        client of its own (impossible with a client that was given: then DockerSchedulerError).
+        """
+        loop = self._loop
+        if loop is not None and loop.is_running() and not _in_loop_thread(loop):
+            return asyncio.run_coroutine_threadsafe(self.image_id(ref), loop).result()
+        if not self._owns_client:
+            raise DockerSchedulerError(
+                f"cannot ask the given Docker client for image {ref!r} from synchronous code: "
+                "use the async dry run (submit_dryrun_async, or the runner's run)"
+            )
+        host = self._docker_host
+
+        async def ask() -> str | None:
+            engine = DockerEngine(docker_host=host)
+            try:
+                return await engine.image_id(ref)
+            finally:
+                await engine.close()
+
+        return run_blocking(ask)
+
+    async def build(
+        self,
+        context: AsyncIterable[bytes],
+        *,
+        tag: str,
+        dockerfile: str,
+        build_args: Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        on_output: Callable[[str], None] | None = None,
+    ) -> str:
+        """Builds an image from a tar build context streamed from ``context``; returns its id.
+
+        The context is sent as it is produced (never held in memory as a whole); if producing it
+        fails, the upload is cut off, so the engine fails the build, and that failure is raised.
+        The base image is not pulled when present (``pull=0``); intermediate containers are
+        removed even when a step fails, and the engine tags the image only once every step
+        succeeded.
+
+        Raises:
+            WorkspaceBuildError: a step failed (the message and ``log_tail`` hold the last lines).
+            DockerSchedulerError: the engine refused the request.
+        """
+        from asynctorchx.schedulers.workspace import WorkspaceBuildError
+
+        self.builds += 1
+        params = {
+            "t": tag,
+            "dockerfile": dockerfile,
+            "rm": "1",
+            "forcerm": "1",
+            "pull": "0",
+            "buildargs": json.dumps(dict(build_args or {})),
+            "labels": json.dumps(dict(labels or {})),
+        }
+        failed: list[BaseException] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in context:
+                    yield chunk
+            except BaseException as e:
+                failed.append(e)
+                raise
+
+        def lines(obj: Mapping[str, Any]) -> list[str]:
+            text = obj.get("stream")
+            if not isinstance(text, str):
+                return []
+            return [line.rstrip() for line in text.splitlines() if line.strip()]
+
+        aux, tail = await self._progress_stream(
+            f"building image {tag}",
+            "build",
+            params=params,
+            headers={"Content-Type": "application/x-tar"},
+            data=body(),
+            lines=lines,
+            on_line=on_output,
+            failed=failed,
+        )
+        found = await self.image_id(tag)
+        if found is None:
+            raise WorkspaceBuildError(
+                f"building image {tag} failed: the engine finished without tagging it", tail
+            )
+        ids = [str(a["ID"]) for a in aux if a.get("ID")]
+        return ids[-1] if ids else found
+
+    async def _progress_stream(
+        self,
+        what: str,
+        path: str,
+        *,
+        params: Mapping[str, str],
+        headers: Mapping[str, str],
+        lines: Callable[[Mapping[str, Any]], list[str]],
+        on_line: Callable[[str], None] | None,
+        data: Any = None,
+        failed: list[BaseException] | None = None,
+    ) -> tuple[list[dict[str, Any]], list[str]]:
+        """POSTs to an endpoint that answers with a stream of JSON progress (build, push).
+
+        Each object's ``lines(obj)`` go to ``on_line``; an error object ends the stream with
+        WorkspaceBuildError (``what`` failed: the error, and the last lines). Returns the ``aux``
+        objects and the last lines. When the request body failed (``failed``), that is raised.
+        """
+        from asynctorchx.schedulers.workspace import WorkspaceBuildError
+
+        aiohttp = _import_aiohttp()
+        client = await self.client()
+        tail: list[str] = []
+        aux: list[dict[str, Any]] = []
+        try:
+            async with client._query(
+                path,
+                "POST",
+                params=dict(params),
+                data=data,
+                headers=dict(headers),
+                timeout=aiohttp.ClientTimeout(),
+            ) as resp:
+                try:
+                    async for obj in _json_lines(resp):
+                        error = _error_text(obj)
+                        if error is not None:
+                            tail.append(error)
+                            raise WorkspaceBuildError(
+                                f"{what} failed: {error}", tail[-_TAIL_LINES:]
+                            )
+                        if isinstance(obj.get("aux"), dict):
+                            aux.append(obj["aux"])
+                        for line in lines(obj):
+                            tail.append(line)
+                            del tail[:-_TAIL_LINES]
+                            if on_line is not None:
+                                on_line(line)
+                finally:
+                    resp.close()
+        except WorkspaceBuildError:
+            raise
+        except Exception as e:
+            if failed:
+                raise failed[0] from None
+            if not is_docker_error(e) and not isinstance(e, OSError | aiohttp.ClientError):
+                raise
+            raise engine_error(what, e) from None
+        return aux, tail
+
+    async def tag(self, image: str, repository: str, tag: str) -> None:
+        """Tags ``image`` as ``repository:tag``."""
+        client = await self.client()
+        try:
+            await client.images.tag(image, repository, tag=tag)
+        except Exception as e:
+            if not is_docker_error(e):
+                raise
+            raise engine_error(f"tagging image {image} as {repository}:{tag}", e) from None
+
+    async def push(
+        self,
+        repository: str,
+        tag: str,
+        *,
+        auth: Mapping[str, str] | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> str | None:
+        """Pushes ``repository:tag`` to its registry; returns the pushed manifest's digest.
+
+        Raises:
+            WorkspaceBuildError: the registry refused the push or could not be reached.
+            DockerSchedulerError: the engine refused the request.
+        """
+        self.pushes += 1
+
+        def lines(obj: Mapping[str, Any]) -> list[str]:
+            status = obj.get("status")
+            if not isinstance(status, str) or not status:
+                return []
+            layer, progress = obj.get("id"), obj.get("progress") or ""
+            return [f"{layer}: {status} {progress}".strip() if layer else status]
+
+        aux, _ = await self._progress_stream(
+            f"pushing image {repository}:{tag}",
+            f"images/{repository}/push",
+            params={"tag": tag},
+            headers={"X-Registry-Auth": _auth_header(auth)},
+            lines=lines,
+            on_line=on_progress,
+        )
+        digests = [str(a["Digest"]) for a in aux if a.get("Digest")]
+        return digests[-1] if digests else None
+
+    async def remove_image(self, ref: str, *, force: bool = False) -> bool:
+        """Removes image ``ref`` (a tag of an image with other tags is only untagged).
+
+        Returns:
+            False when the engine had no such image.
+        """
+        client = await self.client()
+        try:
+            await client.images.delete(ref, force=force)
+        except Exception as e:
+            if status_of(e) == 404:
+                return False
+            if not is_docker_error(e):
+                raise
+            raise engine_error(f"removing image {ref}", e) from None
+        return True
+
+
+def run_blocking(fn: Callable[[], Awaitable[T]]) -> T:
+    """Runs the coroutine ``fn()`` to completion in a private event loop of a helper thread.
+
+    For synchronous code that must ask an async client something, whether or not the calling
+    thread runs an event loop of its own.
+    """
+
+    def in_thread() -> T:
+        async def main() -> T:
+            return await fn()
+
+        return asyncio.run(main())
+
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="asynctorchx-blocking") as ex:
+        return ex.submit(in_thread).result()
+
+
+def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _import_aiohttp() -> ModuleType:
+    import aiohttp
+
+    return aiohttp

@@ -1,0 +1,151 @@
+"""Workspaces on the local backends.
+
+- ``local_cwd``: the workspace directory is the working directory (and ``img_root``) of every
+  role's replicas, in place, as ``local_cwd`` otherwise runs them in the current directory: nothing
+  is copied, so the replicas see edits as they are made. It must be one directory.
+- ``local_dir``: the first role runs from a snapshot of the workspace taken at submit time (minus
+  what ``.torchxignore`` excludes), so editing the code while a sweep runs does not change the
+  trials already launched. Snapshots are content addressed and shared:
+  ``{state root}/workspaces/snapshots/{hash}`` is made once per content (a reflink of each file
+  where the file system offers them, else a copy; made in a temporary directory and renamed, so
+  concurrent submits are safe) and never changes afterwards: its files are read-only. Each app
+  then runs in a directory of its own, ``{state root}/workspaces/apps/{session}/{app_id}``, of
+  hard links to the snapshot: what an app writes there stays its own, and a sweep of a thousand
+  trials of one workspace costs one copy and a thousand directories of links, not a thousand
+  copies. A replica must not rewrite a workspace file in place (replacing it, as editors and
+  ``os.replace`` do, is fine): the file is shared with the other apps of that snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import anyio.to_thread
+
+from asynctorchx.schedulers.workspace import (
+    TORCHXIGNORE,
+    WorkspaceEvent,
+    WorkspacePlan,
+    WorkspaceProgress,
+    check_directory,
+    format_bytes,
+    link_tree,
+    report,
+    scan_workspace,
+    snapshot,
+)
+from asynctorchx.specs.api import AppDef
+from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
+
+STORE_DIR = "workspaces"
+
+
+def snapshots_dir(root: Path) -> str:
+    """Where the content-addressed snapshots live."""
+    return os.path.join(root, STORE_DIR, "snapshots")
+
+
+def app_workdir(root: Path, session: str, app_id: str) -> str:
+    """The directory a ``local_dir`` app runs in (hard links to its snapshot)."""
+    return os.path.join(root, STORE_DIR, "apps", session or "default", app_id)
+
+
+def plan_local(backend: str, app: AppDef, workspace: Workspace, root: Path) -> WorkspacePlan:
+    """What ``backend`` does with ``workspace`` (reads and hashes it for ``local_dir``).
+
+    Raises:
+        InvalidWorkspaceException: the workspace is missing, not a directory, unreadable, or (on
+            ``local_cwd``) not one directory.
+    """
+    if backend == "local_cwd":
+        path = workspace.root
+        if path is None:
+            raise InvalidWorkspaceException(
+                f"local_cwd runs the replicas in the workspace directory itself, so the workspace "
+                f"must be one directory, got {str(workspace)!r} (local_dir assembles several into "
+                "a snapshot)"
+            )
+        check_directory(path)
+        return WorkspacePlan(
+            backend=backend,
+            workspace=workspace,
+            action="run in place (nothing is copied; the replicas see edits as they are made)",
+            roles=tuple(r.name for r in app.roles),
+            target=path,
+        )
+    scan = scan_workspace(workspace, TORCHXIGNORE)
+    return WorkspacePlan(
+        backend=backend,
+        workspace=workspace,
+        action="snapshot",
+        roles=(app.roles[0].name,),
+        target=os.path.join(snapshots_dir(root), scan.digest),
+        content_hash=scan.digest,
+        scan=scan,
+        details=(("each app runs in", f"hard links to it under {root}/{STORE_DIR}/apps/"),),
+    )
+
+
+def workdirs(
+    backend: str, plan: WorkspacePlan, root: Path, session: str, app_id: str
+) -> dict[str, str]:
+    """``{role: working directory}`` of the roles that run from the workspace."""
+    if backend == "local_cwd":
+        return dict.fromkeys(plan.roles, plan.target)
+    return {plan.roles[0]: app_workdir(root, session, app_id)}
+
+
+async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | None) -> None:
+    """Makes ``workdir`` for a submit: checks the in-place workspace (``local_cwd``), or makes the
+    snapshot if missing and links the app's directory to it (``local_dir``), off the event loop.
+
+    Raises:
+        InvalidWorkspaceException: the workspace is gone, or a file changed since the dry run
+            read it (nothing is left behind).
+    """
+    scan = plan.scan
+    if scan is None:
+        await anyio.to_thread.run_sync(check_directory, plan.target)
+        return
+    assert plan.content_hash is not None
+    report(
+        progress,
+        WorkspaceEvent(
+            "snapshot",
+            plan.target,
+            f"snapshot of {plan.workspace} ({scan.files} files, {format_bytes(scan.total_bytes)})",
+        ),
+    )
+    started = time.monotonic()
+
+    def make() -> bool:
+        _, made = snapshot(scan, snapshots_dir_of(plan), plan.content_hash or "", read_only=True)
+        os.makedirs(os.path.dirname(workdir), exist_ok=True)
+        try:
+            link_tree(plan.target, workdir)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return made
+
+    made = await anyio.to_thread.run_sync(make)
+    took = time.monotonic() - started
+    message = (
+        f"made {plan.target} in {took:.2f}s"
+        if made
+        else f"{plan.target} exists: linked in {took:.2f}s"
+    )
+    report(progress, WorkspaceEvent("snapshot", plan.target, message, final=True, cached=not made))
+
+
+def snapshots_dir_of(plan: WorkspacePlan) -> str:
+    """The snapshot store a ``local_dir`` plan's target lives in."""
+    return os.path.dirname(plan.target)
+
+
+def remove_workdir(root: Path, session: str, app_id: str) -> None:
+    """Removes the directory a ``local_dir`` app ran in, if any (after a failed start)."""
+    shutil.rmtree(app_workdir(root, session, app_id), ignore_errors=True)

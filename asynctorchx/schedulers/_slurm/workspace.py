@@ -1,0 +1,197 @@
+"""Workspaces on Slurm: the workspace is copied into the job's directory, where every role runs.
+
+The ``job_dir`` run option must name a directory that does not exist yet or is empty (the job's
+own files, ``slurm-{job id}*``, go there too): a directory that already holds files, another
+app's or anything else, is refused, so that no app's copy is ever overwritten. Without
+``job_dir`` a workspace is refused as well (the current directory, Slurm's default, is usually
+the workspace itself). Two submits racing for one directory are told apart by a claim file,
+``.asynctorchx-workspace``, created exclusively before the copy; it stays, naming the workspace and
+its content hash. The copy honours ``.torchxignore``, checks every file against the hash the dry
+run took, and is made off the event loop; if the submit fails, the copy is removed again.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+
+import anyio
+import anyio.to_thread
+
+from asynctorchx.schedulers.workspace import (
+    TORCHXIGNORE,
+    WorkspaceEvent,
+    WorkspacePlan,
+    WorkspaceProgress,
+    copy_scan,
+    format_bytes,
+    report,
+    scan_workspace,
+)
+from asynctorchx.specs.api import AppDef, CfgVal, InvalidRunConfigException
+from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
+
+CLAIM_FILE = ".asynctorchx-workspace"
+_SHOWN = 3
+
+
+def job_dir_of(cfg: Mapping[str, CfgVal], workspace: Workspace) -> str:
+    """The absolute ``job_dir`` a workspace is copied into.
+
+    Raises:
+        InvalidRunConfigException: ``job_dir`` is not set.
+    """
+    value = cfg.get("job_dir")
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRunConfigException(
+            f"a workspace ({workspace}) is copied into the job's directory: set the job_dir run "
+            "option to a new (or empty) directory on a file system the compute nodes see, e.g. "
+            "-cfg job_dir=/shared/runs/run-1",
+            "job_dir",
+            cfg,
+        )
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def check_job_dir(job_dir: str) -> None:
+    """Raises InvalidWorkspaceException when ``job_dir`` holds files (or is not a directory)."""
+    try:
+        names = sorted(os.listdir(job_dir))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise InvalidWorkspaceException(
+            f"job_dir {job_dir!r} is a file: a workspace is copied into a new or empty directory"
+        ) from None
+    except OSError as e:
+        raise InvalidWorkspaceException(
+            f"job_dir {job_dir!r} cannot be read: {e.strerror or e}"
+        ) from None
+    if names:
+        shown = ", ".join(names[:_SHOWN]) + (", ..." if len(names) > _SHOWN else "")
+        raise InvalidWorkspaceException(
+            f"job_dir {job_dir!r} already holds files ({shown}): a workspace is copied into a new "
+            "or empty directory, so that no other app's files are overwritten; choose another "
+            "job_dir"
+        )
+
+
+def plan_slurm(app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace) -> WorkspacePlan:
+    """The copy of ``workspace`` into the job directory (reads and hashes the workspace).
+
+    Raises:
+        InvalidRunConfigException: no ``job_dir``.
+        InvalidWorkspaceException: ``job_dir`` holds files; the workspace cannot be read.
+    """
+    job_dir = job_dir_of(cfg, workspace)
+    check_job_dir(job_dir)
+    scan = scan_workspace(workspace, TORCHXIGNORE)
+    return WorkspacePlan(
+        backend="slurm",
+        workspace=workspace,
+        action="copy into the job directory",
+        roles=(app.roles[0].name,),
+        target=job_dir,
+        content_hash=scan.digest,
+        scan=scan,
+        details=(("every role runs in", job_dir),),
+    )
+
+
+def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
+    """Claims ``job_dir`` for this submit; returns True when it created the directory."""
+    created = False
+    try:
+        os.makedirs(os.path.dirname(job_dir), exist_ok=True)
+        os.mkdir(job_dir)
+        created = True
+    except FileExistsError:
+        pass
+    claim = os.path.join(job_dir, CLAIM_FILE)
+    try:
+        fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        raise InvalidWorkspaceException(
+            f"job_dir {job_dir!r} was just claimed by another submit; choose another job_dir"
+        ) from None
+    except NotADirectoryError:
+        raise InvalidWorkspaceException(
+            f"job_dir {job_dir!r} is a file: a workspace is copied into a new or empty directory"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        json.dump({"workspace": str(plan.workspace), "content_hash": plan.content_hash}, f)
+    others = [n for n in os.listdir(job_dir) if n != CLAIM_FILE]
+    if others:
+        os.unlink(claim)
+        check_job_dir(job_dir)  # raises, naming what is there
+    return created
+
+
+def _release(job_dir: str, created: bool) -> None:
+    if created:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        return
+    for name in os.listdir(job_dir):
+        path = os.path.join(job_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError as e:
+                if e.errno != errno.ENOENT:
+                    raise
+
+
+class Shipped:
+    """A copy made for a submit, removed again by ``undo`` when the submit fails."""
+
+    def __init__(self, job_dir: str, created: bool) -> None:
+        self.job_dir = job_dir
+        self.created = created
+
+    async def undo(self) -> None:
+        """Removes the copy (and the job directory, if the submit created it)."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_release, self.job_dir, self.created)
+
+
+async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipped:
+    """Claims the job directory and copies the workspace into it, off the event loop.
+
+    Raises:
+        InvalidWorkspaceException: the directory holds files (or was claimed by a racing submit),
+            or a workspace file changed since the dry run read it (nothing is left behind).
+        OSError: the directory cannot be written.
+    """
+    scan = plan.scan
+    assert scan is not None
+    job_dir = plan.target
+    report(
+        progress,
+        WorkspaceEvent(
+            "copy",
+            job_dir,
+            f"copying {plan.workspace} into {job_dir} ({scan.files} files, "
+            f"{format_bytes(scan.total_bytes)})",
+        ),
+    )
+    started = time.monotonic()
+
+    def copy() -> bool:
+        created = _claim(job_dir, plan)
+        try:
+            copy_scan(scan, job_dir)
+        except BaseException:
+            _release(job_dir, created)
+            raise
+        return created
+
+    created = await anyio.to_thread.run_sync(copy)
+    took = time.monotonic() - started
+    report(progress, WorkspaceEvent("copy", job_dir, f"copied in {took:.2f}s", final=True))
+    return Shipped(job_dir, created)

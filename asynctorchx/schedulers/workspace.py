@@ -1,0 +1,946 @@
+"""Shipping a workspace: the file-system half of workspaces, shared by every backend.
+
+``asynctorchx.specs.workspace.Workspace`` says which directories make a workspace; this module reads
+them. No backend walks, hashes, tars or copies a workspace by itself:
+
+- ``scan_workspace`` walks each project, applies its ignore file (``.dockerignore`` for images,
+  ``.torchxignore`` for directory copies) and hashes every included file. The ``WorkspaceScan`` it
+  returns is what a dry run shows (files, bytes, content hash) and what content-addressed names
+  (image tags, snapshot directories) are made from.
+- ``write_tar`` streams the scanned files as a tar (a Docker build context); ``copy_scan`` copies
+  them into a directory (reflinks where the file system offers them). Both check that every file
+  still has the bytes it was hashed with, so a name never stands for content it does not hold.
+- ``WorkspacePlan`` is what a backend will do with a workspace (the dry run prints it);
+  ``WorkspaceEvent`` a step of doing it, for the progress callback (``reporting``).
+- ``SingleFlight`` runs one build per key however many submits ask for it at once.
+
+Ignore files use the ``.dockerignore`` syntax, matched as the Docker CLI does: one pattern per line,
+``#`` at the start of a line for a comment, ``!`` to re-include, ``*``/``?``/``[...]`` within a path
+component, ``**`` across components. Patterns are anchored at the project's root (``*.pyc`` matches
+only top-level files; ``**/*.pyc`` matches at any depth) and a pattern that matches a directory
+excludes everything below it. Matching is done by ``pathspec``'s gitignore patterns, anchored and
+with trailing slashes dropped, which gives Docker's rules; the differences are in edge cases only:
+``**`` inside a component (``a**b``) does not cross ``/`` here (Docker's does), and an unclosed
+``[`` is a literal here (Docker rejects the file). As in the Docker CLI, an excluded directory is
+not entered unless a ``!`` pattern starts with its path, so ``!**/keep`` does not re-include a file
+inside an excluded directory, but ``!build/keep`` does.
+
+The functions here block (they read and hash files): async code calls them through
+``anyio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import posixpath
+import shutil
+import stat
+import tarfile
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Generic, TypeVar
+
+from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
+
+__all__ = [
+    "DEFAULT_DOCKERFILE",
+    "DOCKERIGNORE",
+    "TORCHXIGNORE",
+    "TORCHX_DOCKERFILE",
+    "IgnoreRules",
+    "SingleFlight",
+    "WorkspaceBuildError",
+    "WorkspaceChangedError",
+    "WorkspaceEntry",
+    "WorkspaceEvent",
+    "WorkspacePlan",
+    "WorkspaceScan",
+    "copy_scan",
+    "report",
+    "reporting",
+    "scan_workspace",
+    "write_tar",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DOCKERIGNORE = ".dockerignore"
+TORCHXIGNORE = ".torchxignore"
+TORCHX_DOCKERFILE = "Dockerfile.torchx"
+
+#: The recipe of a workspace image when the workspace has no ``Dockerfile.torchx`` (TorchX's).
+DEFAULT_DOCKERFILE = b"ARG IMAGE\nFROM $IMAGE\n\nCOPY . .\n"
+
+_HASH_VERSION = b"asynctorchx-workspace-v1"
+_CHUNK = 1 << 20
+# A file changed less than this long before it was hashed may change again without its timestamps
+# moving (they tick coarsely): its stat is not trusted to stand for its bytes (git's "racy" rule).
+_RACY_SECONDS = 2.0
+_HASH_CACHE_SIZE = 200_000
+# Smaller files are copied even where reflinks work: measured on XFS, a clone of a 50 kB file
+# costs more than copying it (a transaction per clone), while a 200 MB file clones in no time.
+_CLONE_MIN_BYTES = 256 * 1024
+
+
+class WorkspaceBuildError(RuntimeError):
+    """Raised when a workspace image cannot be built or pushed (a failing ``Dockerfile.torchx``, a
+    registry that refuses the push). Nothing was launched.
+
+    Attributes:
+        log_tail: the last lines of the build's (or push's) output, for a CLI to show.
+    """
+
+    def __init__(self, message: str, log_tail: Sequence[str] = ()) -> None:
+        self.log_tail = list(log_tail)
+        super().__init__(message)
+
+
+class WorkspaceChangedError(InvalidWorkspaceException):
+    """Raised when a workspace file changed between being hashed and being shipped (submit again)."""
+
+
+# -- ignore rules -----------------------------------------------------------------------------------
+
+
+class IgnoreRules:
+    """The patterns of one ignore file (dockerignore syntax; see the module docstring).
+
+    Args:
+        lines: the file's lines.
+        source: where they come from (for error messages).
+    """
+
+    def __init__(self, lines: Sequence[str] = (), source: str = "") -> None:
+        from pathspec.patterns.gitignore.basic import GitIgnoreBasicPattern
+
+        self.source = source
+        self._patterns: list[tuple[str, bool, Any]] = []
+        for number, raw in enumerate(lines, 1):
+            line = raw.lstrip("\ufeff") if number == 1 else raw
+            if line.startswith("#"):
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            include = text.startswith("!")
+            if include:
+                text = text[1:].strip()
+            text = posixpath.normpath(text) if text else text
+            if len(text) > 1 and text.startswith("/"):
+                text = text.lstrip("/")
+            if text in ("", ".", "/"):
+                continue
+            try:
+                pattern = GitIgnoreBasicPattern("/" + text)
+            except ValueError as e:  # pathspec's GitIgnorePatternError
+                raise InvalidWorkspaceException(
+                    f"{source or 'ignore file'} line {number}: bad pattern {raw.strip()!r} ({e})"
+                ) from None
+            if pattern.regex is None:
+                continue
+            self._patterns.append((text, include, pattern.regex))
+
+    @classmethod
+    def load(cls, directory: str, name: str) -> IgnoreRules:
+        """The rules of ``directory/name`` (no rules when the file does not exist).
+
+        Raises:
+            InvalidWorkspaceException: the file cannot be read or holds a bad pattern.
+        """
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8", errors="surrogateescape") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return cls((), path)
+        except OSError as e:
+            raise InvalidWorkspaceException(
+                f"ignore file {path!r} cannot be read: {e.strerror or e}"
+            ) from None
+        return cls(lines, path)
+
+    def __bool__(self) -> bool:
+        return bool(self._patterns)
+
+    def excluded(self, rel: str) -> bool:
+        """True when ``rel`` (a path relative to the project, ``/``-separated) is excluded.
+
+        The last pattern that matches the path or one of its parent directories decides.
+        """
+        for _, include, regex in reversed(self._patterns):
+            if regex.match(rel):
+                return not include
+        return False
+
+    def may_include_below(self, rel_dir: str) -> bool:
+        """True when a ``!`` pattern starts with ``rel_dir/`` (the Docker CLI then enters the
+        excluded directory to look for files it re-includes)."""
+        prefix = rel_dir + "/"
+        return any(
+            include and (text + "/").startswith(prefix) for text, include, _ in self._patterns
+        )
+
+
+# -- scanning ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceEntry:
+    """One thing a workspace ships.
+
+    Args:
+        path: where it goes, relative to the target root (``/``-separated).
+        source: the absolute path it is read from.
+        kind: ``"file"``, ``"dir"`` or ``"symlink"``.
+        mode: its permission bits.
+        size: its size in bytes (files; 0 otherwise).
+        digest: the sha256 of a file's bytes, or a symlink's target; ``""`` for directories.
+        link: a symlink's target.
+        mtime: its modification time (seconds), kept in tar members and copies.
+        stat_key: (device, inode, size, mtime_ns, ctime_ns) when it was hashed.
+        racy: it changed too recently before it was hashed for its stat to vouch for its bytes.
+    """
+
+    path: str
+    source: str
+    kind: str
+    mode: int
+    size: int = 0
+    digest: str = ""
+    link: str = ""
+    mtime: float = 0.0
+    stat_key: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
+    racy: bool = False
+
+
+@dataclass(frozen=True)
+class WorkspaceScan:
+    """The included contents of a workspace, hashed.
+
+    Args:
+        workspace: the workspace.
+        ignore_file: the ignore file honoured (``.dockerignore`` or ``.torchxignore``).
+        entries: what is shipped, sorted by path.
+        digest: the sha256 of every entry's path, kind, mode and bytes (hex).
+    """
+
+    workspace: Workspace
+    ignore_file: str
+    entries: tuple[WorkspaceEntry, ...]
+    digest: str
+
+    @property
+    def files(self) -> int:
+        """How many regular files are shipped."""
+        return sum(1 for e in self.entries if e.kind == "file")
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every shipped file, in bytes."""
+        return sum(e.size for e in self.entries)
+
+    def get(self, path: str) -> WorkspaceEntry | None:
+        """The entry shipped at ``path``, if any."""
+        for e in self.entries:
+            if e.path == path:
+                return e
+        return None
+
+
+class _HashCache:
+    """sha256 of files by path, trusted while the file's (device, inode, size, mtime, ctime) stay."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[str, tuple[tuple[int, int, int, int, int], str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str, key: tuple[int, int, int, int, int]) -> str | None:
+        with self._lock:
+            hit = self._items.get(path)
+            if hit is None or hit[0] != key:
+                return None
+            self._items.move_to_end(path)
+            return hit[1]
+
+    def put(self, path: str, key: tuple[int, int, int, int, int], digest: str) -> None:
+        with self._lock:
+            self._items[path] = (key, digest)
+            self._items.move_to_end(path)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+_hash_cache = _HashCache(_HASH_CACHE_SIZE)
+_scan_locks: dict[tuple[Any, ...], threading.Lock] = {}
+_scan_locks_guard = threading.Lock()
+
+
+def clear_hash_cache() -> None:
+    """Forgets every remembered file hash (the next scan reads every file again)."""
+    _hash_cache.clear()
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _unreadable(path: str, e: OSError, what: str = "file") -> InvalidWorkspaceException:
+    return InvalidWorkspaceException(f"workspace {what} {path!r} cannot be read: {e.strerror or e}")
+
+
+def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
+    """The sha256 of a file's bytes, and its stat (taken from the open file)."""
+    h = hashlib.sha256()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != expected.st_ino:
+            raise WorkspaceChangedError(f"workspace file {path!r} changed while it was read")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    finally:
+        os.close(fd)
+    return h.hexdigest(), st
+
+
+def check_directory(path: str) -> None:
+    """Raises InvalidWorkspaceException unless ``path`` is an existing, readable directory."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise InvalidWorkspaceException(f"workspace directory {path!r} does not exist") from None
+    except OSError as e:
+        raise _unreadable(path, e, "directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidWorkspaceException(
+            f"workspace {path!r} is not a directory (a workspace is a directory of files)"
+        )
+
+
+def _walk(
+    root: str, rules: IgnoreRules, keep: frozenset[str]
+) -> Iterator[tuple[str, str, os.stat_result]]:
+    """``(relative path, absolute path, lstat)`` of everything included under ``root``."""
+    stack = [""]
+    while stack:
+        rel_dir = stack.pop()
+        abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        try:
+            with os.scandir(abs_dir) as it:
+                items = sorted((e.name, e.path, e.stat(follow_symlinks=False)) for e in it)
+        except OSError as e:
+            raise _unreadable(abs_dir, e, "directory") from None
+        below: list[str] = []
+        for name, path, st in items:
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            if stat.S_ISDIR(st.st_mode):
+                if rules.excluded(rel):
+                    if rules.may_include_below(rel):
+                        below.append(rel)
+                    continue
+                yield rel, path, st
+                below.append(rel)
+            elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                if rel in keep or not rules.excluded(rel):
+                    yield rel, path, st
+            else:
+                logger.debug("workspace: skipping %s (not a file, directory or symlink)", path)
+        stack.extend(reversed(below))
+
+
+def scan_workspace(
+    workspace: Workspace, ignore_file: str, *, keep: Sequence[str] = ()
+) -> WorkspaceScan:
+    """Walks and hashes the included contents of every project of ``workspace``.
+
+    Args:
+        workspace: the workspace.
+        ignore_file: the name of the ignore file each project may have at its root.
+        keep: paths (relative to a project) included even when the ignore file excludes them
+            (``Dockerfile.torchx``, which the Docker CLI always sends, as TorchX does).
+
+    Raises:
+        InvalidWorkspaceException: a directory is missing, is a file, or cannot be read; a file
+            cannot be read; an ignore file holds a bad pattern; two projects put different files
+            at the same path.
+    """
+    lock_key = (workspace.key(), ignore_file, tuple(keep))
+    with _scan_locks_guard:
+        lock = _scan_locks.setdefault(lock_key, threading.Lock())
+        if len(_scan_locks) > 1024:
+            for k in [k for k, v in _scan_locks.items() if not v.locked() and k != lock_key]:
+                del _scan_locks[k]
+    # Scans of one workspace take turns: the second of two concurrent submits then finds every
+    # hash remembered instead of reading the whole workspace a second time.
+    with lock:
+        return _scan(workspace, ignore_file, frozenset(keep))
+
+
+def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> WorkspaceScan:
+    entries: dict[str, WorkspaceEntry] = {}
+    now = time.time()
+    for project, dest in workspace.projects.items():
+        check_directory(project)
+        rules = IgnoreRules.load(project, ignore_file)
+        if dest:
+            parts = dest.split("/")
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                entries.setdefault(
+                    d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
+                )
+        for rel, path, st in _walk(project, rules, keep):
+            target = f"{dest}/{rel}" if dest else rel
+            entry = _entry(target, path, st, now)
+            prior = entries.get(target)
+            if prior is not None and (prior.kind != "dir" or entry.kind != "dir"):
+                raise InvalidWorkspaceException(
+                    f"workspace projects collide: {prior.source!r} and {path!r} both go to "
+                    f"{target!r}"
+                )
+            entries.setdefault(target, entry)
+    ordered = tuple(entries[k] for k in sorted(entries))
+    h = hashlib.sha256(_HASH_VERSION + b"\0")
+    for e in ordered:
+        h.update(
+            f"{e.kind}\0{e.path}\0{e.mode:o}\0{e.size}\0{e.digest}\n".encode(
+                "utf-8", "surrogateescape"
+            )
+        )
+    return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
+
+
+def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceEntry:
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        return WorkspaceEntry(target, path, "dir", mode, mtime=st.st_mtime)
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            link = os.readlink(path)
+        except OSError as e:
+            raise _unreadable(path, e, "symlink") from None
+        digest = hashlib.sha256(link.encode("utf-8", "surrogateescape")).hexdigest()
+        return WorkspaceEntry(target, path, "symlink", mode, 0, digest, link, st.st_mtime)
+    key = _stat_key(st)
+    racy = now - max(st.st_mtime, st.st_ctime) < _RACY_SECONDS
+    cached = None if racy else _hash_cache.get(path, key)
+    if cached is not None:
+        digest = cached
+    else:
+        digest, st2 = _hash_file(path, st)
+        if _stat_key(st2) != key:
+            raise WorkspaceChangedError(f"workspace file {path!r} changed while it was read")
+        if not racy:
+            _hash_cache.put(path, key, digest)
+    return WorkspaceEntry(
+        target, path, "file", mode, st.st_size, digest, "", st.st_mtime, key, racy
+    )
+
+
+def image_key(scan: WorkspaceScan, *, base: str, recipe: bytes, build_args: dict[str, str]) -> str:
+    """The content hash of a workspace image: the base image's identity, the recipe, the build
+    arguments and every shipped file (sha256, hex)."""
+    h = hashlib.sha256(_HASH_VERSION + b"\0image\0")
+    h.update(base.encode() + b"\0")
+    h.update(hashlib.sha256(recipe).hexdigest().encode() + b"\0")
+    for k in sorted(build_args):
+        h.update(f"{k}={build_args[k]}\0".encode("utf-8", "surrogateescape"))
+    h.update(scan.digest.encode())
+    return h.hexdigest()
+
+
+# -- shipping: checked reads, tar streams, directory copies -----------------------------------------
+
+
+def _check_unchanged(entry: WorkspaceEntry) -> None:
+    """Raises WorkspaceChangedError unless ``entry``'s file still has the stat it was hashed with."""
+    try:
+        st = os.lstat(entry.source)
+    except OSError as e:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} changed after it was hashed ({e.strerror or e}); "
+            "submit again"
+        ) from None
+    if _stat_key(st) != entry.stat_key:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} changed after it was hashed; submit again"
+        )
+
+
+class _CheckedReader:
+    """Reads a workspace file, raising WorkspaceChangedError unless it still has the bytes scanned.
+
+    A file whose timestamps vouch for it (not changed just before the scan) must keep the stat it
+    had then, from open to the last byte: any write since would have moved its mtime or ctime. A
+    file changed just before the scan is hashed again instead.
+    """
+
+    def __init__(self, entry: WorkspaceEntry) -> None:
+        self._entry = entry
+        try:
+            self._f: BinaryIO = open(entry.source, "rb")  # noqa: SIM115 - closed by close()
+        except OSError as e:
+            raise WorkspaceChangedError(
+                f"workspace file {entry.source!r} cannot be read any more ({e.strerror or e})"
+            ) from None
+        self._hash = hashlib.sha256() if entry.racy else None
+        self._left = entry.size
+        if not entry.racy and not self._same_stat():
+            self._f.close()
+            raise WorkspaceChangedError(
+                f"workspace file {entry.source!r} changed after it was hashed; submit again"
+            )
+
+    def _same_stat(self) -> bool:
+        return _stat_key(os.fstat(self._f.fileno())) == self._entry.stat_key
+
+    @property
+    def remaining(self) -> int:
+        """Bytes left to read."""
+        return self._left
+
+    def read(self, n: int) -> bytes:
+        """The next ``min(n, remaining)`` bytes; after the last, the whole file is checked."""
+        n = min(n, self._left)
+        data = self._f.read(n)
+        if self._hash is not None:
+            self._hash.update(data)
+        self._left -= len(data)
+        if len(data) < n or (self._left == 0 and not self._final_check()):
+            raise WorkspaceChangedError(
+                f"workspace file {self._entry.source!r} changed after it was hashed; submit again"
+            )
+        return data
+
+    def _final_check(self) -> bool:
+        if self._f.read(1):
+            return False
+        if self._hash is None:
+            return self._same_stat()
+        return self._hash.hexdigest() == self._entry.digest
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _tar_member(entry: WorkspaceEntry) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(entry.path)
+    info.mode = entry.mode
+    info.mtime = int(entry.mtime)
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    if entry.kind == "dir":
+        info.type = tarfile.DIRTYPE
+    elif entry.kind == "symlink":
+        info.type = tarfile.SYMTYPE
+        info.linkname = entry.link
+    else:
+        info.size = entry.size
+    return info
+
+
+def _header(info: tarfile.TarInfo) -> bytes:
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = None) -> None:
+    """Writes the scanned contents (and ``extra`` files, ``{path: bytes}``) as a tar to ``out``.
+
+    Every file is read again and must hash as it did when scanned. Headers come from
+    ``tarfile`` (PAX, for long names); file bytes go to ``out.write`` in 1 MB pieces as read,
+    so that a worker thread writing a large workspace spends its time in reads and hashing, which
+    release the GIL, not in Python code an event loop would wait on.
+
+    Raises:
+        WorkspaceChangedError: a file changed since the scan.
+    """
+    for entry in scan.entries:
+        out.write(_header(_tar_member(entry)))
+        if entry.kind != "file":
+            continue
+        reader = _CheckedReader(entry)
+        try:
+            if entry.size == 0:
+                reader.read(0)
+            while reader.remaining:
+                out.write(reader.read(_CHUNK))
+        finally:
+            reader.close()
+        if entry.size % tarfile.BLOCKSIZE:
+            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - entry.size % tarfile.BLOCKSIZE))
+    for path, data in (extra or {}).items():
+        info = tarfile.TarInfo(path)
+        info.size = len(data)
+        info.mode = 0o644
+        info.mtime = int(time.time())
+        out.write(_header(info) + data)
+        if len(data) % tarfile.BLOCKSIZE:
+            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+    out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+
+
+def _clone_or_copy(src: str, dst: str, use_clone: list[bool]) -> None:
+    """Copies ``src`` to a new file ``dst``: a reflink (FICLONE) while the file system takes them."""
+    if use_clone[0]:
+        with open(src, "rb") as fsrc, open(dst, "xb") as fdst:
+            try:
+                fcntl.ioctl(fdst.fileno(), _FICLONE, fsrc.fileno())
+                return
+            except OSError as e:
+                if e.errno not in (
+                    errno.EOPNOTSUPP,
+                    errno.ENOTTY,
+                    errno.EXDEV,
+                    errno.EINVAL,
+                    errno.ENOSYS,
+                ):
+                    raise
+                use_clone[0] = False
+        os.unlink(dst)
+    shutil.copyfile(src, dst)
+
+
+_FICLONE = 0x40049409
+
+
+def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str, int]:
+    """Copies the scanned contents into the existing directory ``dest``.
+
+    Each file of at least 256 kB is cloned (FICLONE, sharing blocks until either side is
+    written) when ``clone`` and the file system allows, else copied; a clone or copy does not
+    change when the source is edited in place later (hard links would). A file's stat must not have moved since the scan, and a
+    file changed just before the scan (its timestamps cannot vouch for it) is hashed again.
+
+    Returns:
+        ``{"cloned": n, "copied": n}``.
+
+    Raises:
+        WorkspaceChangedError: a file changed since the scan.
+        OSError: ``dest`` cannot be written.
+    """
+    use_clone = [clone]
+    counts = {"cloned": 0, "copied": 0}
+    dirs: list[WorkspaceEntry] = []
+    for entry in scan.entries:
+        target = os.path.join(dest, *entry.path.split("/"))
+        if entry.kind == "dir":
+            os.makedirs(target, exist_ok=True)
+            dirs.append(entry)
+        elif entry.kind == "symlink":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(entry.link, target)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            if entry.size >= _CLONE_MIN_BYTES:
+                _clone_or_copy(entry.source, target, use_clone)
+                counts["cloned" if use_clone[0] else "copied"] += 1
+            else:
+                shutil.copyfile(entry.source, target)
+                counts["copied"] += 1
+            _check_unchanged(entry)
+            if entry.racy:
+                digest, _ = _hash_file(target, os.stat(target))
+                if digest != entry.digest:
+                    raise WorkspaceChangedError(
+                        f"workspace file {entry.source!r} changed after it was hashed; submit again"
+                    )
+            os.chmod(target, entry.mode)
+            os.utime(target, (entry.mtime, entry.mtime))
+    for entry in reversed(dirs):
+        target = os.path.join(dest, *entry.path.split("/"))
+        os.chmod(target, entry.mode | stat.S_IWUSR | stat.S_IXUSR)
+    return counts
+
+
+def snapshot(
+    scan: WorkspaceScan, store: str, name: str, *, read_only: bool = False
+) -> tuple[str, bool]:
+    """The directory ``store/name`` holding a copy of the scanned contents, made if missing.
+
+    Made in a temporary directory and renamed into place, so a concurrent maker (another process)
+    never sees a partial snapshot and exactly one copy wins. With ``read_only`` its files lose
+    their write permission bits (so that a user's program cannot rewrite a shared snapshot).
+
+    Returns:
+        ``(path, made)``: made is False when the snapshot already existed.
+    """
+    final = os.path.join(store, name)
+    if os.path.isdir(final):
+        return final, False
+    os.makedirs(store, exist_ok=True)
+    tmp = os.path.join(store, f".tmp-{name[:16]}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    try:
+        copy_scan(scan, tmp)
+        if read_only:
+            for entry in scan.entries:
+                if entry.kind == "file":
+                    target = os.path.join(tmp, *entry.path.split("/"))
+                    os.chmod(target, entry.mode & ~0o222)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final, False
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, True
+
+
+def link_tree(src: str, dest: str) -> int:
+    """Recreates the directories of ``src`` under the new directory ``dest`` and hard-links its
+    files there (symlinks are copied as symlinks). Returns the number of files linked."""
+    count = 0
+    os.mkdir(dest)
+    for dirpath, dirnames, filenames in os.walk(src):
+        rel = os.path.relpath(dirpath, src)
+        here = dest if rel == "." else os.path.join(dest, rel)
+        for d in dirnames:
+            p = os.path.join(dirpath, d)
+            if os.path.islink(p):
+                os.symlink(os.readlink(p), os.path.join(here, d))
+            else:
+                os.mkdir(os.path.join(here, d))
+        for f in filenames:
+            p = os.path.join(dirpath, f)
+            if os.path.islink(p):
+                os.symlink(os.readlink(p), os.path.join(here, f))
+            else:
+                os.link(p, os.path.join(here, f))
+                count += 1
+    return count
+
+
+# -- plans and progress -----------------------------------------------------------------------------
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes, readable (``12.3 MB``)."""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class WorkspacePlan:
+    """What a backend will do with a workspace; a dry run shows it and ``schedule`` carries it out.
+
+    Args:
+        backend: the scheduler.
+        workspace: the workspace.
+        action: what is done, e.g. ``"build image"``, ``"build and push image"``, ``"snapshot"``,
+            ``"copy"``, ``"run in place"``.
+        roles: the roles that get the workspace.
+        target: the image name or directory the roles run from.
+        content_hash: the content hash that names the target (None when nothing is hashed).
+        scan: the scanned contents (None when the workspace is used in place).
+        base_image: the image the workspace goes on top of.
+        base_image_id: its id, or None when it is not present locally (the build pulls it).
+        recipe: the Dockerfile the image is built with.
+        recipe_source: where the recipe comes from.
+        push_to: the registry reference the image is pushed to.
+        details: more ``(name, value)`` lines for the dry run.
+    """
+
+    backend: str
+    workspace: Workspace
+    action: str
+    roles: tuple[str, ...]
+    target: str
+    content_hash: str | None = None
+    scan: WorkspaceScan | None = field(default=None, repr=False, compare=False)
+    base_image: str | None = None
+    base_image_id: str | None = None
+    recipe: str | None = None
+    recipe_source: str | None = None
+    push_to: str | None = None
+    details: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def files(self) -> int | None:
+        """How many files are shipped (None when the workspace is used in place)."""
+        return None if self.scan is None else self.scan.files
+
+    @property
+    def total_bytes(self) -> int | None:
+        """Their total size in bytes (None when the workspace is used in place)."""
+        return None if self.scan is None else self.scan.total_bytes
+
+    def __str__(self) -> str:
+        lines = [
+            f"workspace: {self.workspace}",
+            f"  {self.action} for role(s) {', '.join(self.roles)}",
+        ]
+        if self.scan is not None:
+            lines.append(
+                f"  files: {self.scan.files} ({format_bytes(self.scan.total_bytes)}), "
+                f"ignore file: {self.scan.ignore_file}"
+            )
+        if self.content_hash:
+            lines.append(f"  content hash: {self.content_hash}")
+        if self.base_image is not None:
+            base_id = self.base_image_id or "not present locally: the build pulls it"
+            lines.append(f"  base image: {self.base_image} ({base_id})")
+        if self.recipe is not None:
+            lines.append(f"  recipe ({self.recipe_source}):")
+            lines.extend(f"    {line}" for line in self.recipe.rstrip("\n").splitlines())
+        lines.append(f"  target: {self.target}")
+        if self.push_to:
+            lines.append(f"  pushed to: {self.push_to}")
+        lines.extend(f"  {k}: {v}" for k, v in self.details)
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkspaceEvent:
+    """One step of shipping a workspace, as the progress callback receives it.
+
+    Args:
+        stage: ``"build"``, ``"push"``, ``"snapshot"`` or ``"copy"``.
+        target: the image or directory being made.
+        message: one line of output (a build step, a layer's push progress), without a newline.
+        final: True on the stage's last event.
+        cached: True when the stage had nothing to do (the image or snapshot existed).
+    """
+
+    stage: str
+    target: str
+    message: str
+    final: bool = False
+    cached: bool = False
+
+
+WorkspaceProgress = Callable[[WorkspaceEvent], None]
+
+_progress: contextvars.ContextVar[WorkspaceProgress | None] = contextvars.ContextVar(
+    "asynctorchx_workspace_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting(callback: WorkspaceProgress | None) -> Iterator[None]:
+    """Sends the workspace events of submits made inside the block (in this task) to ``callback``.
+
+    ``AsyncRunner.run(..., progress=)`` uses it; a direct user of ``Scheduler.schedule`` can too.
+    """
+    token = _progress.set(callback)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
+
+
+def current_progress() -> WorkspaceProgress | None:
+    """The callback ``reporting`` installed for the current task, if any."""
+    return _progress.get()
+
+
+def report(callback: WorkspaceProgress | None, event: WorkspaceEvent) -> None:
+    """Calls ``callback(event)``; a failing callback is logged, never fails the submit."""
+    if callback is None:
+        return
+    try:
+        callback(event)
+    except Exception:
+        logger.exception("workspace progress callback failed")
+
+
+class _Flight(Generic[T]):
+    def __init__(self) -> None:
+        self.future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.listeners: list[WorkspaceProgress] = []
+
+    def broadcast(self, event: WorkspaceEvent) -> None:
+        for listener in list(self.listeners):
+            report(listener, event)
+
+
+class SingleFlight:
+    """Runs one job per key at a time: callers asking for a key already in flight wait for the
+    same result, and every caller's progress callback receives the job's events.
+
+    The job runs as a task of ``supervisor`` (a caller that gives up does not stop it for the
+    others; closing the supervisor does).
+    """
+
+    def __init__(self, supervisor: TaskSupervisor) -> None:
+        self._supervisor = supervisor
+        self._flights: dict[Hashable, _Flight[Any]] = {}
+        self.started = 0
+
+    def in_flight(self, key: Hashable) -> bool:
+        """True while a job for ``key`` runs."""
+        return key in self._flights
+
+    async def run(
+        self,
+        key: Hashable,
+        job: Callable[[WorkspaceProgress], Awaitable[T]],
+        progress: WorkspaceProgress | None = None,
+    ) -> T:
+        """The result of ``job(report)`` for ``key``, started unless one is in flight."""
+        flight: _Flight[T] | None = self._flights.get(key)
+        if flight is None:
+            flight = _Flight()
+            self._flights[key] = flight
+            self.started += 1
+            self._supervisor.spawn(self._fly(key, flight, job), name=f"single-flight:{key}")
+        if progress is not None:
+            flight.listeners.append(progress)
+        try:
+            return await asyncio.shield(flight.future)
+        finally:
+            if progress is not None and progress in flight.listeners:
+                flight.listeners.remove(progress)
+
+    async def _fly(
+        self, key: Hashable, flight: _Flight[T], job: Callable[[WorkspaceProgress], Awaitable[T]]
+    ) -> None:
+        try:
+            result = await job(flight.broadcast)
+        except BaseException as e:
+            if not flight.future.done():
+                if isinstance(e, asyncio.CancelledError):
+                    flight.future.set_exception(
+                        RuntimeError("the build was cancelled (the scheduler closed)")
+                    )
+                else:
+                    flight.future.set_exception(e)
+                flight.future.exception()  # marked retrieved: every waiter may have gone
+            if not isinstance(e, Exception):
+                raise
+        else:
+            flight.future.set_result(result)
+        finally:
+            self._flights.pop(key, None)
