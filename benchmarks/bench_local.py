@@ -20,6 +20,11 @@ Scenarios (targets from issue 3, on a 2-core machine):
   and are waited on, over the window where they all sleep (target <= 0.5 % of a core).
 - ``concurrent``: 1000 apps running at the same time in one event loop (each blocks on a lock this
   process holds until all are submitted), each waited on with ``runner.wait``.
+- ``mass_exit``: one app of N replicas (500, 1000, 2000) that all block on a lock this process holds,
+  then exit together when it is released; reports the longest event-loop stall (how late a 1 ms
+  timer chain ran) from the release until the app is terminal (target <= 50 ms at 2000, issue 12),
+  and the same for the start of the app (``start_stall_ms``: the replicas start in one synchronous
+  burst, so this one is expected to grow with N).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from asynctorchx import AsyncRunner
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role, is_terminal
@@ -50,6 +57,7 @@ TARGETS = {
     "idle_cpu.cpu_percent": ("<=", 0.5),
     "concurrent.succeeded": ("==", 1000),
     "concurrent.running_at_once": ("==", 1000),
+    "mass_exit.2000.stall_ms": ("<=", 50.0),
 }
 
 
@@ -289,6 +297,100 @@ async def concurrent(root: Path, n: int) -> dict[str, Any]:
     }
 
 
+class StallMeter:
+    """The longest event-loop stall while running: a timer due every millisecond notes how late it fires."""
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.worst = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.worst = 0.0
+        loop = asyncio.get_running_loop()
+        self._arm(loop, loop.time())
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        due = now + self.period
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        self.worst = max(self.worst, now - due)
+        self._arm(loop, now)
+
+    def stop(self) -> float:
+        """Stops measuring; returns the longest stall in ms."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        return self.worst * 1000
+
+
+async def mass_exit(root: Path, sizes: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in sizes:
+        lock_path = root / f"mass-{n}.lock"
+        gate = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        meter = StallMeter()
+        try:
+            async with LocalScheduler("bench-mass", local_root=root) as s:
+                role = Role(
+                    "main",
+                    image=".",
+                    entrypoint="flock",
+                    args=["-s", str(lock_path), "true"],
+                    num_replicas=n,
+                )
+                info = s.submit_dryrun(AppDef("mass", [role]), {})
+                app_id = info.request.app_id
+                done = asyncio.Event()
+
+                def on_change(
+                    a: str, s: LocalScheduler = s, app_id: str = app_id, done: asyncio.Event = done
+                ) -> None:
+                    # O(1): a describe per notification would add its own O(N) to what is measured
+                    live = s._apps.get(a)
+                    if a == app_id and (live is None or is_terminal(live.state)):
+                        done.set()
+
+                unsubscribe = s.subscribe(on_change)
+                meter.start()
+                t0 = time.perf_counter()
+                await s.schedule(info)
+                submit_s = time.perf_counter() - t0
+                start_stall = meter.stop()
+                with anyio.fail_after(300):
+                    while True:
+                        desc = await s.describe(app_id)
+                        assert desc is not None
+                        reps = desc.roles_statuses[0].replicas
+                        if all(r.state == AppState.RUNNING for r in reps):
+                            break
+                        await asyncio.sleep(0.2)
+                await asyncio.sleep(0.5)  # let the record writes of the start settle
+                meter.start()
+                t1 = time.perf_counter()
+                fcntl.flock(gate, fcntl.LOCK_UN)
+                await asyncio.wait_for(done.wait(), 300)
+                terminal_s = time.perf_counter() - t1
+                stall = meter.stop()
+                unsubscribe()
+                desc = await s.describe(app_id)
+                out[str(n)] = {
+                    "stall_ms": stall,
+                    "release_to_terminal_s": terminal_s,
+                    "state": desc.state.name if desc else None,
+                    "submit_s": submit_s,
+                    "start_stall_ms": start_stall,
+                }
+        finally:
+            meter.stop()
+            os.close(gate)
+    return out
+
+
 def dig(results: dict[str, Any], path: str) -> Any:
     value: Any = results
     for part in path.split("."):
@@ -318,6 +420,7 @@ async def main() -> None:
         "wake": lambda: wake(root, 10 if q else 30),
         "idle_cpu": lambda: idle_cpu(root, 20 if q else 100, 5 if q else 20),
         "concurrent": lambda: concurrent(root, 100 if q else 1000),
+        "mass_exit": lambda: mass_exit(root, [100, 200] if q else [500, 1000, 2000]),
     }
     results: dict[str, Any] = {}
     try:
