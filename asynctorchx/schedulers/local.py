@@ -155,11 +155,15 @@ CLOSE_MAX_GRACE = 30.0
 #: Finished apps kept in memory (older ones are read back from their records).
 FINISHED_CACHE = 4096
 #: File descriptors a running replica holds in the launching process: two pipes, a pidfd, three
-#: log files and the timing index.
+#: log files and the timing index (the last four opened before the others).
 FDS_PER_REPLICA = 7
-#: Descriptors kept free for everything else (spawning, reading records, the event loop).
+_FDS_FILES = 4
+#: Descriptors an app's launch needs for a moment besides (a spawn's pipe write ends, records).
+FDS_PER_LAUNCH = 4
+#: Descriptors kept free for everything else in the process (the event loop, worker threads).
 FD_SPARE = 32
 _STREAMS = {s.value: s for s in Stream}
+_CHUNK = 256  # exits handled between two yields to the event loop
 _fd_reserved = 0  # descriptors promised to launches in progress (every scheduler of the process)
 
 # an app this object launched: its record and its roles as submitted
@@ -203,6 +207,7 @@ class _Replica:
     term_sent: bool = False  # its group got the one SIGTERM of the current stop
     term_at: float = 0.0
     exit_pending: bool = False  # exited; the exit is not processed yet
+    reaping: bool = False  # exited; being reaped in a worker thread
     leftovers: bool = False  # something it started outlived its main process
     stop_waiter: _Countdown | None = None
     lost_before: dict[str, int] = field(default_factory=dict)  # log bytes lost by closed writers
@@ -288,6 +293,72 @@ class _App:
             self.n_succeeded += 1
 
 
+class _ExitReaper:
+    """Reaps replicas whose main process exited, in batches in a worker thread, and hands each
+    result to ``on_reaped`` on the event loop.
+
+    Reaping also SIGKILLs what is left of the replica's process group (while its leader is still a
+    zombie, so the group id cannot have been reused) and of its cgroup.
+    """
+
+    MAX_BATCH = 512
+
+    def __init__(
+        self,
+        supervisor: TaskSupervisor,
+        on_reaped: Callable[[_App, _Replica, int | None, bool], None],
+    ) -> None:
+        self._supervisor = supervisor
+        self._on_reaped = on_reaped
+        self._queue: list[tuple[_App, _Replica]] = []
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, app: _App, rep: _Replica) -> None:
+        self._queue.append((app, rep))
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._idle = asyncio.Event()
+        assert self._idle is not None
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None:
+            self._task = self._supervisor.spawn(self._run(), "exit-reaper")
+
+    async def idle(self) -> None:
+        """Waits until every exit queued so far was handed over."""
+        if self._idle is not None and self._task is not None and not self._task.done():
+            await self._idle.wait()
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._idle is not None
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._queue[: self.MAX_BATCH]
+            del self._queue[: self.MAX_BATCH]
+            jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
+            results = await anyio.to_thread.run_sync(_reap_batch, jobs)
+            for (app, rep), (code, leftovers) in zip(batch, results, strict=True):
+                self._on_reaped(app, rep, code, leftovers)
+
+
+def _reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None, bool]]:
+    out: list[tuple[int | None, bool]] = []
+    for pid, pidfd, cgroup in jobs:
+        code = reap(pid, pidfd)  # SIGKILLs what is left of its process group first
+        leftovers = False
+        if code is not None and cgroup is not None and contain.populated(cgroup):
+            contain.kill(cgroup)
+            leftovers = True
+        out.append((code, leftovers))
+    return out
+
+
 class LocalScheduler(Scheduler[LocalRequest]):
     """Runs apps as local child processes; see the module docstring.
 
@@ -340,6 +411,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         self._session_dirs: set[str] = set()
         self._prepare_lock = asyncio.Lock()
         self._notify_pending: dict[str, None] = {}
+        self._exits = _ExitReaper(self._supervisor, self._on_reaped)
         self._records_watch: Watch | None = None
 
     @property
@@ -414,7 +486,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             raise RuntimeError(f"{self!r} is closed")
 
     async def schedule(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> str:
-        """Starts every replica of the app and returns its id once its record is written.
+        """Starts every replica of the app and returns its id (its record, written before the first
+        replica started, is on disk).
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
@@ -455,6 +528,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
             reserved = _reserve_fds(app_id, len(app.replicas))
             try:
                 self._make_app_dir(app)
+                opened = _FDS_FILES * len(app.replicas)  # counted as open from now on
+                _release_fds(opened)
+                reserved -= opened
                 try:
                     await self._start_app(app)
                 except BaseException as e:
@@ -574,26 +650,40 @@ class LocalScheduler(Scheduler[LocalRequest]):
         return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss)
 
     async def _start_app(self, app: _App) -> None:
-        """Registers the app with the watchdog, starts its replicas and writes its first record."""
+        """Writes the app's first record (PENDING), registers it with the watchdog, then starts its
+        replicas: if the launcher dies at any point, the watchdog knows everything that runs and
+        has a record to finish."""
         app_id = app.app_id
         app.cgroup = self._contain.app_dir(app_id)
-        if app.cgroup is not None:
-            dirs = [app.cgroup]
-            dirs += [self._contain.replica_dir(app.cgroup, r.index, 1) or "" for r in app.replicas]
-            try:
-                await self._contain.prepare(dirs)
-            except OSError as e:
-                logger.warning("cannot create the cgroups of app %s (%s); using markers", app_id, e)
-                self._contain.remove_later(app.cgroup)
-                app.cgroup = None
-        self._check_open()
         self._apps[app_id] = app
         self._watchdog.ensure_started()
         self._watchdog.send_now(protocol.app_line(app_id, app.request.grace_period, app.cgroup))
-        self._start(app, app.replicas)
-        app.state = AppState.RUNNING
+        cgroups, record = await asyncio.gather(
+            self._prepare_cgroups(app),
+            self._writer.write(app_id, self._snapshot(app).to_json()),
+            return_exceptions=True,
+        )
+        for outcome in (cgroups, record):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        self._check_open()
+        if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
+            self._start(app, app.replicas)
+            app.state = AppState.RUNNING
         app.task = self._supervisor.spawn(self._supervise(app), f"app:{app_id}")
-        await self._writer.write(app_id, self._snapshot(app).to_json())
+        self._changed(app)
+
+    async def _prepare_cgroups(self, app: _App) -> None:
+        if app.cgroup is None:
+            return
+        dirs = [app.cgroup]
+        dirs += [self._contain.replica_dir(app.cgroup, r.index, 1) or "" for r in app.replicas]
+        try:
+            await self._contain.prepare(dirs)
+        except OSError as e:
+            logger.warning("cannot create the cgroups of app %s (%s); using markers", app.app_id, e)
+            self._contain.remove_later(app.cgroup)
+            app.cgroup = None
 
     def _start(self, app: _App, replicas: Iterable[_Replica]) -> None:
         """Starts ``replicas`` (sync: a few hundred microseconds each). Raises LaunchError.
@@ -659,25 +749,34 @@ class LocalScheduler(Scheduler[LocalRequest]):
             loop.add_reader(pidfd, self._on_exit, app, rep)
 
     def _on_exit(self, app: _App, rep: _Replica) -> None:
-        code = reap(rep.pid or 0, rep.pidfd)  # also SIGKILLs what is left of its process group
-        if code is None:
+        # the pidfd is readable: the main process exited. Reaping it (waitid, which contends with
+        # every other exit for the kernel's task list) is done in a worker thread, in batches
+        asyncio.get_running_loop().remove_reader(rep.pidfd)
+        rep.reaping = True
+        self._exits.add(app, rep)
+
+    def _on_reaped(self, app: _App, rep: _Replica, code: int | None, leftovers: bool) -> None:
+        """Applies the reaping of ``rep`` (on the event loop, after ``_on_exit``)."""
+        rep.reaping = False
+        if rep.pidfd < 0:
             return
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(rep.pidfd)
+        if code is None:  # a spurious wake-up: it has not exited
+            asyncio.get_running_loop().add_reader(rep.pidfd, self._on_exit, app, rep)
+            return
         os.close(rep.pidfd)
         rep.pidfd = -1
         rep.exit_code = code
         rep.ended_at = time.time()
-        if rep.cgroup is not None:
-            rep.leftovers = self._contain.has_leftovers(rep.cgroup)  # SIGKILLed if any
-        else:
-            rep.leftovers = True  # only a marker sweep can tell
+        # in marker mode only a sweep can tell whether something it started is left
+        rep.leftovers = leftovers or rep.cgroup is None
         self._watchdog.send_later(protocol.exit_line(app.app_id, rep.pid or 0))
         app.n_running -= 1
         waiter = rep.stop_waiter
         if waiter is not None:
             rep.stop_waiter = None
             waiter.one_exited()
+        if is_terminal(app.state):  # recorded already (its task was stopped)
+            return
         rep.exit_pending = True
         app.exited.append(rep)
         app.wake.set()
@@ -699,6 +798,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
+        while any(r.reaping for r in app.replicas):
+            await self._exits.idle()
         started = app.running()
         loop = asyncio.get_running_loop()
         for rep in started:
@@ -780,12 +881,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
                         app.set_state(rep, AppState.SUCCEEDED if ok else AppState.CANCELLED)
                 self._request_stop(app, "cancelled by another process", signalled=signalled)
                 continue
-            for rep in batch:
+            for i, rep in enumerate(batch):
+                if i and i % _CHUNK == 0:
+                    await asyncio.sleep(0)  # let the loop breathe between chunks of a big batch
                 if not rep.exit_pending:  # a restart's stop took it over
                     continue
                 rep.exit_pending = False
                 if rep.exit_code == 0:
                     app.set_state(rep, AppState.SUCCEEDED)
+                    if rep.writer is not None:
+                        rep.writer.close()  # now rather than all at once when the app ends
                     if app.n_succeeded == len(app.replicas):
                         await self._finish(app, AppState.SUCCEEDED)
                         return
@@ -986,16 +1091,17 @@ class LocalScheduler(Scheduler[LocalRequest]):
         loop = asyncio.get_running_loop()
         for rep in app.replicas:
             if rep.running:
-                loop.remove_reader(rep.pidfd)
                 self._contain.kill(rep.cgroup, rep.pid or 0)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitid(os.P_PIDFD, rep.pidfd, os.WEXITED)
-                os.close(rep.pidfd)
-                rep.pidfd = -1
+                if not rep.reaping:  # otherwise the exit reaper has it and closes its pidfd
+                    loop.remove_reader(rep.pidfd)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitid(os.P_PIDFD, rep.pidfd, os.WEXITED)
+                    os.close(rep.pidfd)
+                    rep.pidfd = -1
+                    app.n_running -= 1
                 rep.exit_code = -signal.SIGKILL
                 app.set_state(rep, AppState.CANCELLED)
                 rep.ended_at = time.time()
-                app.n_running -= 1
             if rep.writer is not None:
                 rep.writer.close()
         if app.cancel_reason is None:
@@ -1372,6 +1478,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
             for app_id in self._writer.failing:
                 self._watchdog.send_later(protocol.forget_line(app_id))
             await self._watchdog.aclose()
+        await self._exits.idle()
         await self._supervisor.aclose()
         await self._contain.aclose()
         await self._reaper.aclose()
@@ -1455,19 +1562,19 @@ def _reserve_fds(app_id: str, replicas: int) -> int:
     """Promises the descriptors an app of ``replicas`` replicas needs, or raises LaunchError when
     they do not fit under RLIMIT_NOFILE with what is open and promised already."""
     global _fd_reserved
-    need = FDS_PER_REPLICA * replicas + FD_SPARE
+    need = FDS_PER_REPLICA * replicas + FDS_PER_LAUNCH
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ValueError, OSError):
         return 0
     if soft == resource.RLIM_INFINITY:
         return 0
-    free = soft - contain.open_fds() - _fd_reserved
+    free = soft - FD_SPARE - contain.open_fds() - _fd_reserved
     if need > free:
         raise LaunchError(
             f"not enough file descriptors to start app {app_id!r}: its {replicas} replicas need "
-            f"about {need} in this process ({FDS_PER_REPLICA} each for their output pipes, pidfd "
-            f"and log files), and only {max(free, 0)} of its limit of {soft} are free "
+            f"{need} in this process ({FDS_PER_REPLICA} each for their output pipes, pidfd and "
+            f"log files), and only {max(free, 0)} of its limit of {soft} are free "
             "(RLIMIT_NOFILE: raise it with `ulimit -n`, or run fewer replicas at once)"
         )
     _fd_reserved += need

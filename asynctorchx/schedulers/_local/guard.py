@@ -457,14 +457,6 @@ class Containment:
         return cgroup
 
     @staticmethod
-    def has_leftovers(cgroup: str) -> bool:
-        """True when processes (not zombies) remain in ``cgroup``; SIGKILLs them if so."""
-        if contain.populated(cgroup):
-            contain.kill(cgroup)
-            return True
-        return False
-
-    @staticmethod
     def kill(cgroup: str | None, pgid: int) -> None:
         """SIGKILLs the whole replica: its cgroup (if it has one) and its process group."""
         if cgroup is not None:
