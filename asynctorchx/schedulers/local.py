@@ -486,8 +486,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             raise RuntimeError(f"{self!r} is closed")
 
     async def schedule(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> str:
-        """Starts every replica of the app and returns its id (its record, written before the first
-        replica started, is on disk).
+        """Starts every replica of the app and returns its id once its record says RUNNING (a first
+        record, PENDING, is written before the first replica starts).
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
@@ -671,7 +671,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
             self._start(app, app.replicas)
             app.state = AppState.RUNNING
         app.task = self._supervisor.spawn(self._supervise(app), f"app:{app_id}")
-        self._changed(app)
+        await self._writer.write(app_id, lambda: self._snapshot(app).to_json())
 
     async def _prepare_cgroups(self, app: _App) -> None:
         if app.cgroup is None:
