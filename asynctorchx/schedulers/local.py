@@ -1479,8 +1479,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 self._watchdog.send_later(protocol.forget_line(app_id))
             await self._watchdog.aclose()
         await self._exits.idle()
+        await self._contain.aclose()  # before its background tasks are cancelled
         await self._supervisor.aclose()
-        await self._contain.aclose()
         await self._reaper.aclose()
         if self._stdin_fd >= 0:
             os.close(self._stdin_fd)

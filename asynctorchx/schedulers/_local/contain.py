@@ -58,13 +58,24 @@ def _unescape_mount(path: str) -> str:
     return "".join(out)
 
 
-def own_cgroup_dir() -> str | None:
-    """This process's cgroup v2 directory, or None when there is no cgroup v2 hierarchy to use."""
+def own_cgroup_path() -> str | None:
+    """This process's cgroup v2 path (``/proc/self/cgroup``, relative to its cgroup namespace)."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
             rel = next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
-        if rel is None or rel.endswith(" (deleted)"):
-            return None
+    except OSError:
+        return None
+    if rel is None or rel.endswith(" (deleted)"):
+        return None
+    return rel
+
+
+def own_cgroup_dir() -> str | None:
+    """This process's cgroup v2 directory, or None when there is no cgroup v2 hierarchy to use."""
+    rel = own_cgroup_path()
+    if rel is None:
+        return None
+    try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             mounts = f.read().splitlines()
     except OSError:

@@ -377,6 +377,7 @@ class Containment:
     def __init__(self, supervisor: TaskSupervisor) -> None:
         self.base: str | None = None
         self._parent: str | None = None
+        self._own_path: str | None = None
         self._probed = False
         self._warm_until = 0.0
         self._remover = Batcher(supervisor, "cgroup-removal", self._remove_all)
@@ -400,6 +401,7 @@ class Containment:
         self._probed = True
         self.base = contain.make_base()
         self._parent = os.path.dirname(self.base) if self.base else None
+        self._own_path = contain.own_cgroup_path()
         logger.debug(
             "local containment: %s", f"cgroup v2 under {self.base}" if self.base else "marker"
         )
@@ -425,13 +427,14 @@ class Containment:
 
     def _prepare(self, dirs: list[str]) -> None:
         for d in dirs:
-            try:
-                os.mkdir(d)
-            except FileExistsError:
-                pass
-        if time.monotonic() >= self._warm_until and self._parent is not None:
-            # a no-op move of this process into its own cgroup pays the grace-period wait of the
-            # migration lock here, rather than in the first move on the event loop
+            os.makedirs(d, exist_ok=True)
+        # a no-op move of this process into the cgroup it is in pays the grace-period wait of the
+        # migration lock here, rather than in the first move on the event loop
+        if (
+            time.monotonic() >= self._warm_until
+            and self._parent is not None
+            and contain.own_cgroup_path() == self._own_path
+        ):
             with contextlib.suppress(OSError):
                 contain.move(self._parent, os.getpid())
         self._warm_until = time.monotonic() + 0.002
