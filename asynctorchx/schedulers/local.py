@@ -311,9 +311,26 @@ class _ExitReaper:
         self._supervisor = supervisor
         self._on_reaped = on_reaped
         self._queue: list[tuple[_App, _Replica]] = []
+        self._inline = 0
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+
+    #: Exits reaped on the event loop per iteration before the rest goes to the worker thread.
+    INLINE = 4
+
+    def busy(self) -> bool:
+        """True when this exit should be reaped in the worker thread: one is busy already, or this
+        loop iteration reaped ``INLINE`` exits inline."""
+        if self._queue or (self._idle is not None and not self._idle.is_set()):
+            return True
+        if self._inline == 0:
+            asyncio.get_running_loop().call_soon(self._reset_inline)
+        self._inline += 1
+        return self._inline > self.INLINE
+
+    def _reset_inline(self) -> None:
+        self._inline = 0
 
     def add(self, app: _App, rep: _Replica) -> None:
         self._queue.append((app, rep))
@@ -658,15 +675,14 @@ class LocalScheduler(Scheduler[LocalRequest]):
         self._apps[app_id] = app
         self._watchdog.ensure_started()
         self._watchdog.send_now(protocol.app_line(app_id, app.request.grace_period, app.cgroup))
-        cgroups, record = await asyncio.gather(
-            self._prepare_cgroups(app),
-            self._writer.write(app_id, self._snapshot(app).to_json()),
-            return_exceptions=True,
-        )
-        for outcome in (cgroups, record):
-            if isinstance(outcome, BaseException):
-                raise outcome
+        await self._prepare_cgroups(app)
         self._check_open()
+        # written here rather than by the batching writer: a few system calls, like the log files
+        # (a worker thread would mostly wait for the GIL), and the record must exist before any
+        # replica does
+        errors = self._store.write_many({app_id: self._snapshot(app).to_json()})
+        if app_id in errors:
+            raise errors[app_id]
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             self._start(app, app.replicas)
             app.state = AppState.RUNNING
@@ -749,11 +765,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
             loop.add_reader(pidfd, self._on_exit, app, rep)
 
     def _on_exit(self, app: _App, rep: _Replica) -> None:
-        # the pidfd is readable: the main process exited. Reaping it (waitid, which contends with
-        # every other exit for the kernel's task list) is done in a worker thread, in batches
+        # the pidfd is readable: the main process exited. A few exits per loop iteration are
+        # reaped here; when many come at once, reaping (waitid, which then contends with every
+        # other exit for the kernel's task list) goes to a worker thread, in batches
         asyncio.get_running_loop().remove_reader(rep.pidfd)
         rep.reaping = True
-        self._exits.add(app, rep)
+        if self._exits.busy():
+            self._exits.add(app, rep)
+            return
+        ((code, leftovers),) = _reap_batch([(rep.pid or 0, rep.pidfd, rep.cgroup)])
+        self._on_reaped(app, rep, code, leftovers)
 
     def _on_reaped(self, app: _App, rep: _Replica, code: int | None, leftovers: bool) -> None:
         """Applies the reaping of ``rep`` (on the event loop, after ``_on_exit``)."""

@@ -375,11 +375,13 @@ class Containment:
     """
 
     def __init__(self, supervisor: TaskSupervisor) -> None:
+        self._supervisor = supervisor
         self.base: str | None = None
         self._parent: str | None = None
         self._own_path: str | None = None
         self._probed = False
         self._warm_until = 0.0
+        self._warming: asyncio.Future[None] | None = None
         self._remover = Batcher(supervisor, "cgroup-removal", self._remove_all)
         self._sweeper = Batcher(supervisor, "marker-sweep", self._sweep_all)
         self._epoll: select.epoll | None = None
@@ -415,29 +417,55 @@ class Containment:
         """The cgroup of attempt ``attempt`` (from 1) of the replica at ``index``."""
         return None if app_dir is None else os.path.join(app_dir, f"{index}.{attempt}")
 
+    #: How long after a migration the next one counts as fast (the lock stays in its fast state
+    #: for about a grace period after its last writer).
+    WARM_FOR = 0.003
+    #: Apps with more cgroups than this create them in a worker thread.
+    SYNC_DIRS = 16
+
+    @property
+    def warm(self) -> bool:
+        """True when a migration happened just now (the next one will not wait)."""
+        return time.monotonic() < self._warm_until
+
     async def prepare(self, dirs: list[str]) -> None:
-        """Creates ``dirs`` (parents first) and readies the kernel for fast moves (worker thread).
+        """Creates ``dirs`` (parents first) and readies the kernel for fast moves: a handful of
+        directories on the event loop when the migration lock is warm, else in a worker thread
+        (one warm-up at a time, shared by the launches waiting for it).
 
         Raises:
             OSError: a directory could not be created.
         """
         if self.base is None:
             return
-        await anyio.to_thread.run_sync(self._prepare, dirs)
+        if len(dirs) <= self.SYNC_DIRS:
+            if not self.warm:
+                if self._warming is None or self._warming.done():
+                    self._warming = self._supervisor.spawn(self._warm_async(), "cgroup-warm-up")
+                await asyncio.shield(self._warming)
+            self._make_dirs(dirs)
+        else:
+            await anyio.to_thread.run_sync(self._prepare, dirs)
 
-    def _prepare(self, dirs: list[str]) -> None:
+    async def _warm_async(self) -> None:
+        await anyio.to_thread.run_sync(self._warm)
+
+    @staticmethod
+    def _make_dirs(dirs: list[str]) -> None:
         for d in dirs:
             os.makedirs(d, exist_ok=True)
+
+    def _prepare(self, dirs: list[str]) -> None:
+        self._make_dirs(dirs)
+        self._warm()
+
+    def _warm(self) -> None:
         # a no-op move of this process into the cgroup it is in pays the grace-period wait of the
         # migration lock here, rather than in the first move on the event loop
-        if (
-            time.monotonic() >= self._warm_until
-            and self._parent is not None
-            and contain.own_cgroup_path() == self._own_path
-        ):
+        if self._parent is not None and contain.own_cgroup_path() == self._own_path:
             with contextlib.suppress(OSError):
                 contain.move(self._parent, os.getpid())
-        self._warm_until = time.monotonic() + 0.002
+        self._warm_until = time.monotonic() + self.WARM_FOR
 
     def adopt(self, cgroup: str | None, pid: int) -> str | None:
         """Moves a just-spawned replica into ``cgroup``; returns where it is confined (None: marker
@@ -456,7 +484,7 @@ class Containment:
         self.moves += 1
         if took > 0.001:
             self.slow_moves += 1
-        self._warm_until = time.monotonic() + 0.002
+        self._warm_until = time.monotonic() + self.WARM_FOR
         return cgroup
 
     @staticmethod
