@@ -693,7 +693,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
         if app.cgroup is None:
             return
         dirs = [app.cgroup]
-        dirs += [self._contain.replica_dir(app.cgroup, r.index, 1) or "" for r in app.replicas]
+        n = len(app.replicas)
+        dirs += [self._contain.replica_dir(app.cgroup, r.index, 1, n) or "" for r in app.replicas]
         try:
             await self._contain.prepare(dirs)
         except OSError as e:
@@ -723,7 +724,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 except OSError as e:
                     what = f"the logs of {rep.label} ({req.log_dir})"
                     raise self._launch_error(app, e, what) from None
-            cgroup = self._contain.replica_dir(app.cgroup, rep.index, rep.attempts + 1)
+            cgroup = self._contain.replica_dir(
+                app.cgroup, rep.index, rep.attempts + 1, len(app.replicas)
+            )
             try:
                 spawned = spawn(
                     rep.executable, [req.entrypoint, *req.args], env, req.cwd, self._stdin_fd
@@ -972,7 +975,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
         files = [r.req.error_file for r in targets]
         await anyio.to_thread.run_sync(_remove_files, files)
         if app.cgroup is not None:
-            dirs = [self._contain.replica_dir(app.cgroup, r.index, r.attempts + 1) for r in targets]
+            n = len(app.replicas)
+            dirs = [
+                self._contain.replica_dir(app.cgroup, r.index, r.attempts + 1, n) for r in targets
+            ]
             try:
                 await self._contain.prepare([d for d in dirs if d is not None])
             except OSError as e:

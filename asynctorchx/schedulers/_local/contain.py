@@ -163,20 +163,26 @@ def move(cgroup: str, pid: int) -> None:
     write_file(os.path.join(cgroup, "cgroup.procs"), b"%d" % pid)
 
 
+def _children_of_task(pid: int, tid: int | str) -> list[int]:
+    try:
+        fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        return [int(x) for x in os.read(fd, 1 << 16).split()]
+    except (OSError, ValueError):
+        return []
+    finally:
+        os.close(fd)
+
+
 def children(pid: int) -> list[int]:
     """The children of ``pid`` (every thread's), from ``/proc``."""
-    out: list[int] = []
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                out.extend(int(x) for x in f.read().split())
-        except (OSError, ValueError):
-            pass
-    return out
+        return []
+    return [child for tid in tids for child in _children_of_task(pid, tid)]
 
 
 def adopt(cgroup: str, pid: int) -> None:
@@ -188,7 +194,8 @@ def adopt(cgroup: str, pid: int) -> None:
     """
     move(cgroup, pid)
     seen = {pid}
-    todo = children(pid)
+    # a process that has just exec'd has one thread (its task id is its pid)
+    todo = _children_of_task(pid, pid)
     while todo:
         child = todo.pop()
         if child in seen:

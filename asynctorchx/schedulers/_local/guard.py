@@ -365,10 +365,10 @@ class Containment:
     """Where a scheduler's replicas are confined (``contain.py``), and the asynchronous parts of it.
 
     ``probe`` (blocking, once) picks cgroup mode or marker mode. In cgroup mode every app gets
-    ``{base}/{app_id}`` and every replica attempt ``{app}/{index}.{attempt}``; they are created in a
-    worker thread (``prepare``) just before the replicas are spawned, while the moves are done on
-    the event loop right after each spawn (``adopt``). Emptied cgroups are removed in batches in a
-    worker thread.
+    ``{base}/{app_id}`` and every replica attempt ``{app}/{index}.{attempt}`` (``replica_dir``);
+    they are created just before the replicas are spawned (``prepare``), while the moves are done
+    on the event loop right after each spawn (``adopt``). Emptied cgroups are removed in batches in
+    a worker thread.
 
     Args:
         supervisor: owns the background tasks (removals, marker sweeps).
@@ -413,9 +413,16 @@ class Containment:
         return None if self.base is None else os.path.join(self.base, app_id)
 
     @staticmethod
-    def replica_dir(app_dir: str | None, index: int, attempt: int) -> str | None:
-        """The cgroup of attempt ``attempt`` (from 1) of the replica at ``index``."""
-        return None if app_dir is None else os.path.join(app_dir, f"{index}.{attempt}")
+    def replica_dir(app_dir: str | None, index: int, attempt: int, replicas: int) -> str | None:
+        """The cgroup of attempt ``attempt`` (from 1) of the replica at ``index`` of an app of
+        ``replicas`` replicas: ``{app}/{index}.{attempt}``, except the first attempt of a
+        single-replica app, which runs in the app's cgroup itself (one directory less to create
+        and remove for the most common app)."""
+        if app_dir is None:
+            return None
+        if replicas == 1 and attempt == 1:
+            return app_dir
+        return os.path.join(app_dir, f"{index}.{attempt}")
 
     #: How long after a migration the next one counts as fast (the lock stays in its fast state
     #: for about a grace period after its last writer).
