@@ -182,8 +182,10 @@ async def read_json_line(proc: subprocess.Popen[str], timeout: float = 30) -> di
 def sigkill(proc: subprocess.Popen[str]) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
 
 
 async def terminal_record(root: Path, app_id: str, timeout: float) -> dict[str, Any]:
@@ -269,6 +271,65 @@ async def test_a_dead_watchdog_is_replaced_and_still_stops_everything(
     await until(lambda: not token_procs(token), 30, "every replica to be gone")
     doc = await terminal_record(root, info["app_id"], 30)
     assert doc["state"] == "FAILED" and f"launcher (pid {proc.pid}) died" in doc["msg"]
+
+
+STUCK_WATCHDOG_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from asynctorchx.schedulers._local import guard
+    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    guard._PIPE_SIZE = 4096  # one page: a few hundred registrations fill it
+    guard.SEND_TIMEOUT = 0.5
+
+    async def main(root, token):
+        s = LocalScheduler("doomed", local_root=root)
+        env = {"ATX_TOKEN": token}
+        first = await s.submit(AppDef("first", [Role("main", image="x", entrypoint="sleep",
+                                                     args=["1000"], env=env)]), {})
+        print(json.dumps({"watchdog": s._watchdog.pid}), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        big = Role("main", image="x", entrypoint="sleep", args=["1000"], env=env, num_replicas=300)
+        second = await s.submit(AppDef("second", [big]), {})
+        print(json.dumps({"watchdog": s._watchdog.pid, "apps": [first, second]}), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+async def test_a_stuck_watchdog_with_a_full_pipe_is_replaced_without_losing_a_line(
+    root: Path, token: str
+) -> None:
+    """When the watchdog stops reading and its pipe fills up, the launcher waits boundedly, replaces
+    it and registers everything again: a later SIGKILL of the launcher leaves no survivor."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUCK_WATCHDOG_LAUNCHER, str(root), token],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stuck = 0
+    try:
+        stuck = (await read_json_line(proc))["watchdog"]
+        os.kill(stuck, signal.SIGSTOP)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        info = await read_json_line(proc, timeout=60)
+        assert info["watchdog"] != stuck
+        assert len(token_procs(token)) == 301
+    finally:
+        sigkill(proc)
+        if stuck:
+            with contextlib.suppress(OSError):
+                os.kill(stuck, signal.SIGKILL)
+    await until(lambda: not token_procs(token), 30, "every replica to be gone")
+    for app_id in info["apps"]:
+        assert (await terminal_record(root, app_id, 30))["state"] == "FAILED"
 
 
 SUBREAPER = textwrap.dedent(
