@@ -441,15 +441,14 @@ class RecordStore:
                 protocol.drop_lock_files(records_dir, app_id)
                 return False
             data = "".join(f"{g}\n" for g in groups).encode()
-            fd = os.open(
-                protocol.cancel_path(records_dir, app_id),
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                0o600,
-            )
+            # complete when it appears (the launcher may read it the moment it does)
+            tmp = os.path.join(records_dir, f".{app_id}.cancel.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 os.write(fd, data)
             finally:
                 os.close(fd)
+            os.replace(tmp, protocol.cancel_path(records_dir, app_id))
         return True
 
     def cancel_requested(self, app_id: str) -> set[int] | None:
