@@ -164,6 +164,7 @@ FDS_PER_LAUNCH = 4
 FD_SPARE = 32
 _STREAMS = {s.value: s for s in Stream}
 _CHUNK = 256  # exits handled between two yields to the event loop
+_START_CHUNK = 16  # replicas started between two yields to the event loop
 _fd_reserved = 0  # descriptors promised to launches in progress (every scheduler of the process)
 
 # an app this object launched: its record and its roles as submitted
@@ -684,7 +685,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         if app_id in errors:
             raise errors[app_id]
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
-            self._start(app, app.replicas)
+            await self._start(app, app.replicas)
             app.state = AppState.RUNNING
         app.task = self._supervisor.spawn(self._supervise(app), f"app:{app_id}")
         await self._writer.write(app_id, lambda: self._snapshot(app).to_json())
@@ -702,15 +703,22 @@ class LocalScheduler(Scheduler[LocalRequest]):
             self._contain.remove_later(app.cgroup)
             app.cgroup = None
 
-    def _start(self, app: _App, replicas: Iterable[_Replica]) -> None:
-        """Starts ``replicas`` (sync: a few hundred microseconds each). Raises LaunchError.
+    async def _start(self, app: _App, replicas: Iterable[_Replica]) -> None:
+        """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.
 
-        Each one is confined and registered with the watchdog before the next one starts.
+        Each one is confined and registered with the watchdog before anything else happens; the
+        event loop runs between chunks of ``_START_CHUNK`` spawns, and starting stops there if the
+        app was cancelled meanwhile (RuntimeError if the scheduler was closed).
         """
         loop = asyncio.get_running_loop()
         base_env = dict(os.environ)
         app_id = app.app_id
-        for rep in replicas:
+        for i, rep in enumerate(replicas):
+            if i and i % _START_CHUNK == 0:
+                await asyncio.sleep(0)
+                self._check_open()
+                if app.cancel_reason is not None:
+                    return
             req = rep.req
             env = {**base_env, **req.env}
             env.setdefault("PYTHONUNBUFFERED", "x")
@@ -989,7 +997,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
             return
         for rep in targets:
             app.set_state(rep, AppState.PENDING)
-        self._start(app, targets)
+        await self._start(app, targets)
 
     async def _stop(self, app: _App, replicas: list[_Replica], final: AppState) -> None:
         """Stops ``replicas``: one SIGTERM to each group (unless it had it already), SIGKILL of
