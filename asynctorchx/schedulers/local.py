@@ -545,7 +545,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
             self._resolve(app)
             reserved = _reserve_fds(app_id, len(app.replicas))
             try:
-                self._make_app_dir(app)
+                await self._make_app_dir(app)
                 opened = _FDS_FILES * len(app.replicas)  # counted as open from now on
                 _release_fds(opened)
                 reserved -= opened
@@ -625,9 +625,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
             )
         return LaunchError(f"cannot create {what} of app {app.app_id!r}: {why}")
 
-    def _make_app_dir(self, app: _App) -> None:
+    async def _make_app_dir(self, app: _App) -> None:
         """Creates ``{app_dir}/{role}/{replica}/`` and each replica's log files (a few system calls
-        per replica, on the event loop: a worker thread would only wait for the GIL meanwhile).
+        per replica, on the event loop, which runs between chunks: a worker thread would only wait
+        for the GIL meanwhile).
 
         Raises LaunchError (the app's directory removed) or ValueError (it exists already).
         """
@@ -652,12 +653,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
         try:
             for role_dir in dict.fromkeys(os.path.dirname(r.req.log_dir) for r in app.replicas):
                 os.mkdir(role_dir)
-            for rep in app.replicas:
+            for i, rep in enumerate(app.replicas):
+                if i and i % _START_CHUNK == 0:
+                    await asyncio.sleep(0)
                 rep.writer = self._new_writer(app, rep)
-        except OSError as e:
+        except BaseException as e:
             self._close_writers(app)
             shutil.rmtree(app_dir, ignore_errors=True)
-            raise self._launch_error(app, e, f"the log directory {app_dir!r}") from None
+            if isinstance(e, OSError):
+                raise self._launch_error(app, e, f"the log directory {app_dir!r}") from None
+            raise
 
     def _new_writer(self, app: _App, rep: _Replica) -> ReplicaLogWriter:
         def on_loss(reason: str) -> None:
@@ -678,12 +683,15 @@ class LocalScheduler(Scheduler[LocalRequest]):
         self._watchdog.send_now(protocol.app_line(app_id, app.request.grace_period, app.cgroup))
         await self._prepare_cgroups(app)
         self._check_open()
-        # written here rather than by the batching writer: a few system calls, like the log files
-        # (a worker thread would mostly wait for the GIL), and the record must exist before any
-        # replica does
-        errors = self._store.write_many({app_id: self._snapshot(app).to_json()})
-        if app_id in errors:
-            raise errors[app_id]
+        # the record must exist before any replica does; a small one is written here rather than
+        # by the batching writer: a few system calls, like the log files (a worker thread would
+        # mostly wait for the GIL)
+        if len(app.replicas) > _START_CHUNK:
+            await self._writer.write(app_id, self._snapshot(app).to_json())
+        else:
+            errors = self._store.write_many({app_id: self._snapshot(app).to_json()})
+            if app_id in errors:
+                raise errors[app_id]
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._start(app, app.replicas)
             app.state = AppState.RUNNING
