@@ -724,9 +724,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
         for i, rep in enumerate(replicas):
             if i and i % _START_CHUNK == 0:
                 await asyncio.sleep(0)
-                self._check_open()
                 if app.cancel_reason is not None:
                     return
+                self._check_open()
             req = rep.req
             env = {**base_env, **req.env}
             env.setdefault("PYTHONUNBUFFERED", "x")
