@@ -83,6 +83,12 @@ async def until(condition: Callable[[], bool], timeout: float, what: str) -> Non
         pytest.fail(f"timed out after {timeout} s waiting for {what}")
 
 
+def python_app(name: str, script: str, env: dict[str, str]) -> AppDef:
+    """An app of one replica running ``script`` with this Python."""
+    role = Role("main", image="x", entrypoint=sys.executable, args=["-c", script], env=env)
+    return AppDef(name, [role])
+
+
 def read_record(root: Path, app_id: str) -> dict[str, Any] | None:
     try:
         return json.loads((root / ".apps" / f"{app_id}.json").read_text())  # type: ignore[no-any-return]
@@ -494,18 +500,7 @@ COUNT_TERMS = textwrap.dedent(
 async def test_cancel_sends_exactly_one_sigterm(sched: LocalScheduler, tmp_path: Path) -> None:
     """One cancel delivers exactly one SIGTERM to each replica, then SIGKILL after the grace period."""
     out, ready = tmp_path / "terms", tmp_path / "ready"
-    app = AppDef(
-        "terms",
-        [
-            Role(
-                "main",
-                image="x",
-                entrypoint=sys.executable,
-                args=["-c", COUNT_TERMS],
-                env={"OUT": str(out), "READY": str(ready)},
-            )
-        ],
-    )
+    app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
     app_id = await sched.submit(app, {"cancel_grace_period": 1.0})
     await until(ready.exists, 20, "the handler to be installed")
     await sched.cancel(app_id)
@@ -750,18 +745,7 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
     go = tmp_path / "go"
     with tiny_tmpfs(tmp_path / "fs", "256k") as fs:
         filler = fill(fs, leave=48 * 1024)
-        app = AppDef(
-            "loud",
-            [
-                Role(
-                    "main",
-                    image="x",
-                    entrypoint=sys.executable,
-                    args=["-c", LOUD],
-                    env={"GO": str(go)},
-                )
-            ],
-        )
+        app = python_app("loud", LOUD, {"GO": str(go)})
         app_id = await sched.submit(app, {"log_dir": str(fs / "logs")})
         desc = await wait_for(sched, app_id, lambda d: "lost" in d.msg)
         filler.unlink()

@@ -149,6 +149,26 @@ def clean_stale(parent: str) -> None:
 # -- operations on one cgroup -------------------------------------------------------------------------
 
 
+def read_file(path: str, size: int | None = 4096) -> bytes | None:
+    """The contents of a ``/proc`` or cgroup file (its first ``size`` bytes, all of it when None),
+    or None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if size is not None:
+            return os.read(fd, size)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def write_file(path: str, data: bytes) -> None:
     """Writes ``data`` to a cgroup interface file in one call (raises OSError)."""
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -164,16 +184,11 @@ def move(cgroup: str, pid: int) -> None:
 
 
 def _children_of_task(pid: int, tid: int | str) -> list[int]:
+    data = read_file(f"/proc/{pid}/task/{tid}/children", 1 << 16)
     try:
-        fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        return [int(x) for x in data.split()] if data else []
+    except ValueError:
         return []
-    try:
-        return [int(x) for x in os.read(fd, 1 << 16).split()]
-    except (OSError, ValueError):
-        return []
-    finally:
-        os.close(fd)
 
 
 def children(pid: int) -> list[int]:
@@ -210,17 +225,8 @@ def adopt(cgroup: str, pid: int) -> None:
 
 def populated(cgroup: str) -> bool:
     """True while a process (not a zombie) is in ``cgroup`` or below; False when it is gone."""
-    try:
-        fd = os.open(os.path.join(cgroup, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        data = os.read(fd, 256)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return b"populated 1" in data
+    data = read_file(os.path.join(cgroup, "cgroup.events"), 256)
+    return data is not None and b"populated 1" in data
 
 
 def kill(cgroup: str) -> None:
@@ -260,16 +266,9 @@ def remove_tree(cgroup: str) -> bool:
 
 def stat_of(pid: int | str) -> tuple[bytes, int] | None:
     """``(state letter, process group id)`` of ``pid``, or None when it does not exist."""
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    data = read_file(f"/proc/{pid}/stat", 1024)
+    if not data:
         return None
-    try:
-        data = os.read(fd, 1024)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
     try:
         fields = data[data.rindex(b")") + 2 :].split()
         return fields[0], int(fields[2])
@@ -279,22 +278,9 @@ def stat_of(pid: int | str) -> tuple[bytes, int] | None:
 
 def marker_of(pid: int | str, name: bytes) -> str | None:
     """The value of environment variable ``name`` in ``pid``'s initial environment, if set."""
-    try:
-        fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    env = read_file(f"/proc/{pid}/environ", None)
+    if not env:
         return None
-    try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    env = b"".join(chunks)
     key = name + b"="
     if env.startswith(key):
         start = len(key)

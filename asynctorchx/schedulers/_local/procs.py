@@ -20,6 +20,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from asynctorchx.schedulers._local import contain
+
 _RESET_SIGNALS = tuple(
     s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None
 )
@@ -82,16 +84,7 @@ def proc_start_ticks(pid: int) -> int | None:
     Two processes with the same pid and start time are the same process, so this guards signals sent
     from another process against pid reuse.
     """
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        data = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    data = contain.read_file(f"/proc/{pid}/stat")
     if not data:
         return None
     fields = data[data.rindex(b")") + 2 :].split()
