@@ -236,6 +236,7 @@ async def test_sigkill_during_a_big_start_leaves_no_replica(root: Path, token: s
         sigkill(proc)
     assert seen < n, "the start was over before the launcher was killed"
     await until(lambda: not token_procs(token), 30, "every replica to be gone")
+    await until(lambda: bool(record_ids(root)), 30, "the app's record")
     (app_id,) = record_ids(root)
     doc = await terminal_record(root, app_id, 30)
     assert doc["state"] == "FAILED"

@@ -68,7 +68,14 @@ import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs import ReplicaLogWriter, iter_log_lines
-from asynctorchx.logs._inotify import Watch
+from asynctorchx.logs._inotify import (
+    IN_CLOSE_WRITE,
+    IN_DELETE_SELF,
+    IN_MOVE_SELF,
+    IN_MOVED_TO,
+    IN_ONLYDIR,
+    Watch,
+)
 from asynctorchx.logs._inotify import watch as watch_directory
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import watchdog as watchdog_script
@@ -165,6 +172,7 @@ FD_SPARE = 32
 _STREAMS = {s.value: s for s in Stream}
 _CHUNK = 256  # exits handled between two yields to the event loop
 _START_CHUNK = 16  # replicas started between two yields to the event loop
+_RECORD_EVENTS = IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
 _fd_reserved = 0  # descriptors promised to launches in progress (every scheduler of the process)
 
 # an app this object launched: its record and its roles as submitted
@@ -673,25 +681,15 @@ class LocalScheduler(Scheduler[LocalRequest]):
         return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss)
 
     async def _start_app(self, app: _App) -> None:
-        """Writes the app's first record (PENDING), registers it with the watchdog, then starts its
-        replicas: if the launcher dies at any point, the watchdog knows everything that runs and
-        has a record to finish."""
+        """Registers the app with the watchdog (with a minimal record to write if the launcher
+        dies before the real one is), starts its replicas, and writes its record."""
         app_id = app.app_id
         app.cgroup = self._contain.app_dir(app_id)
         self._apps[app_id] = app
         self._watchdog.ensure_started()
-        self._watchdog.send_now(protocol.app_line(app_id, app.request.grace_period, app.cgroup))
+        self._watchdog.send_now(self._app_line(app))
         await self._prepare_cgroups(app)
         self._check_open()
-        # the record must exist before any replica does; a small one is written here rather than
-        # by the batching writer: a few system calls, like the log files (a worker thread would
-        # mostly wait for the GIL)
-        if len(app.replicas) > _START_CHUNK:
-            await self._writer.write(app_id, self._snapshot(app).to_json())
-        else:
-            errors = self._store.write_many({app_id: self._snapshot(app).to_json()})
-            if app_id in errors:
-                raise errors[app_id]
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._start(app, app.replicas)
             app.state = AppState.RUNNING
@@ -860,10 +858,12 @@ class LocalScheduler(Scheduler[LocalRequest]):
         await anyio.to_thread.run_sync(wait_all)
         self._close_writers(app)
         self._apps.pop(app.app_id, None)
+        # nothing runs any more: the watchdog must not record it (a record would be a ghost)
+        self._watchdog.send_now(protocol.forget_line(app.app_id))
+        await self._writer.flush()  # a write in flight must not land after the removal
         await anyio.to_thread.run_sync(
             self._remove_app_files, app.app_id, app.request.app_dir, app.cgroup
         )
-        self._watchdog.send_later(protocol.forget_line(app.app_id))
 
     def _remove_app_files(self, app_id: str, app_dir: str, cgroup: str | None) -> None:
         shutil.rmtree(app_dir, ignore_errors=True)
@@ -1243,10 +1243,32 @@ class LocalScheduler(Scheduler[LocalRequest]):
 
     def _registrations(self) -> Iterable[bytes]:
         for app in self._apps.values():
-            yield protocol.app_line(app.app_id, app.request.grace_period, app.cgroup)
+            yield self._app_line(app)
             for rep in app.replicas:
                 if rep.running:
                     yield protocol.start_line(app.app_id, rep.pid or 0)
+
+    def _app_line(self, app: _App) -> bytes:
+        req = app.request
+        minimal = AppRecord(
+            app_id=req.app_id,
+            name=req.app_name,
+            backend=req.backend,
+            session=req.session,
+            state=AppState.PENDING,
+            msg="",
+            structured_error_msg=NONE,
+            num_restarts=0,
+            submitted_at=app.submitted_at,
+            ended_at=None,
+            app_dir=req.app_dir,
+            grace_period=req.grace_period,
+            owner=Owner(pid=os.getpid(), start_ticks=self._owner_ticks),
+            replicas=(),
+            app={},
+            cgroup=app.cgroup,
+        )
+        return protocol.app_line(app.app_id, req.grace_period, app.cgroup, minimal.to_json())
 
     def _on_watchdog_restart(self) -> None:
         for app in self._apps.values():  # their records name the new watchdog
@@ -1340,9 +1362,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
         if self._closed:
             return
         try:
-            # the log follower's inotify hub (one instance per loop) carries this watch too
+            # the log follower's inotify hub (one instance per loop) carries this watch too;
+            # records and cancel markers are renamed into place (or rewritten in place)
             self._records_watch = watch_directory(
-                str(self._store.records_dir), self._on_records_event
+                str(self._store.records_dir), self._on_records_event, _RECORD_EVENTS
             )
         except FileNotFoundError:
             self._records_watch = None

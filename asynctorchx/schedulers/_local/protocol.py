@@ -9,7 +9,8 @@ It finds the processes of an app that are in no known process group or cgroup (s
 **The watchdog's input**, one line per message on a pipe whose only writer is the launcher:
 
 - ``A {json}``: an app is about to start; ``{"app": id, "grace": seconds, "cgroup": dir or
-  null}``. Sent (and written to the pipe) before its first replica is spawned.
+  null, "record": a minimal record, written if the launcher dies before writing the real one}``.
+  Written to the pipe before its first replica is spawned.
 - ``+ APP_ID PID``: a replica started; PID is also its process group id. Written right after the
   spawn, before anything else happens on the event loop.
 - ``- APP_ID PID``: that replica's main process exited and was reaped.
@@ -30,6 +31,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 MARKER_ENV = "ASYNCTORCHX_REPLICA"
 MARKER_ENV_BYTES = MARKER_ENV.encode()
@@ -48,9 +50,15 @@ def app_marker_prefix(app_id: str) -> str:
 # -- watchdog lines --------------------------------------------------------------------------------
 
 
-def app_line(app_id: str, grace: float, cgroup: str | None) -> bytes:
+def app_line(
+    app_id: str, grace: float, cgroup: str | None, record: dict[str, Any] | None = None
+) -> bytes:
     """``A``: the app is about to start."""
-    doc = json.dumps({"app": app_id, "grace": grace, "cgroup": cgroup}, separators=(",", ":"))
+    doc = json.dumps(
+        {"app": app_id, "grace": grace, "cgroup": cgroup, "record": record},
+        separators=(",", ":"),
+        default=str,
+    )
     return b"A " + doc.encode() + b"\n"
 
 
@@ -78,6 +86,7 @@ class Message:
     pid: int = 0
     grace: float = 0.0
     cgroup: str | None = None
+    record: dict[str, Any] | None = None
 
 
 def parse_line(raw: bytes) -> Message | None:
@@ -86,12 +95,13 @@ def parse_line(raw: bytes) -> Message | None:
     try:
         if op == b"A":
             doc = json.loads(rest)
-            cgroup = doc.get("cgroup")
+            cgroup, record = doc.get("cgroup"), doc.get("record")
             return Message(
                 "A",
                 str(doc["app"]),
                 grace=float(doc["grace"]),
                 cgroup=cgroup if isinstance(cgroup, str) else None,
+                record=record if isinstance(record, dict) else None,
             )
         if op in (b"+", b"-"):
             app_id, pid = rest.split()

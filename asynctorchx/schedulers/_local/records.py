@@ -374,12 +374,20 @@ class RecordStore:
                     self._ready = False
                     self.ensure()
                     protocol.write_record_file(records_dir, app_id, data)
-                if doc.get("state") in TERMINAL_NAMES:
+                if doc.get("state") in TERMINAL_NAMES and self._has_side_files(app_id):
+                    # (one created after this check finds the record terminal and is removed by
+                    # its creator, under the lock)
                     with protocol.locked_record(records_dir, app_id):
                         protocol.drop_lock_files(records_dir, app_id)
             except OSError as e:
                 errors[app_id] = e
         return errors
+
+    def _has_side_files(self, app_id: str) -> bool:
+        records_dir = str(self.records_dir)
+        return os.path.exists(protocol.lock_path(records_dir, app_id)) or os.path.exists(
+            protocol.cancel_path(records_dir, app_id)
+        )
 
     def read(self, app_id: str) -> AppRecord | None:
         """The record of ``app_id``, or None when there is none (or it is unreadable)."""

@@ -12,8 +12,9 @@ Two modes:
     its marker, which covers a replica spawned but not yet registered); once nothing of the app
     is left, or after its grace period (at most MAX_GRACE), SIGKILL of everything it contains (its
     cgroup, its groups, its marker holders); and as soon as its processes are gone, its terminal
-    record: FAILED, saying that the launcher died (a stop nobody asked for is not a cancel). The
-    scheduler's cgroup directory is removed at the end.
+    record: FAILED, saying that the launcher died (a stop nobody asked for is not a cancel). An app
+    whose launcher died before writing its first record gets the minimal record its registration
+    carried. The scheduler's cgroup directory is removed at the end.
 
 ``escalate RECORDS_DIR APP_ID GRACE CGROUP|- PGID:START_TICKS...``
     Started (detached) by a process that cancelled an app it did not launch and already sent
@@ -32,6 +33,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 if __package__:
     from . import contain, protocol
@@ -60,53 +62,70 @@ def start_ticks(pid: int) -> int | None:
 
 
 def finish_record(
-    records_dir: str, app_id: str, msg: str, only_if_owner_gone: bool, state: str = "CANCELLED"
+    records_dir: str,
+    app_id: str,
+    msg: str,
+    only_if_owner_gone: bool,
+    state: str = "CANCELLED",
+    fallback: dict[str, Any] | None = None,
 ) -> None:
-    """Marks the app's record ``state`` (with ``msg``) unless it is already terminal.
+    """Marks the app's record ``state`` (with ``msg``) unless it is already terminal; writes
+    ``fallback`` so marked when there is no record (the launcher died before writing one).
 
     Runs under the record's lock; once the record is terminal, the lock file and the cancel marker
     are removed.
     """
-    path = protocol.record_path(records_dir, app_id)
     try:
-        lock = protocol.locked_record(records_dir, app_id)
-        lock.__enter__()
+        with protocol.locked_record(records_dir, app_id):
+            _finish_locked(records_dir, app_id, msg, only_if_owner_gone, state, fallback)
     except OSError:
-        return
+        pass
+
+
+def _finish_locked(
+    records_dir: str,
+    app_id: str,
+    msg: str,
+    only_if_owner_gone: bool,
+    state: str,
+    fallback: dict[str, Any] | None,
+) -> None:
     try:
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            return
-        if doc.get("state") in TERMINAL:
+        with open(protocol.record_path(records_dir, app_id), encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        if fallback is None:
             protocol.drop_lock_files(records_dir, app_id)
             return
-        if only_if_owner_gone:
-            owner = doc.get("owner") or {}
-            pid, ticks = owner.get("pid"), owner.get("start_ticks")
-            if isinstance(pid, int) and start_ticks(pid) == ticks:
-                return
-        now = time.time()
-        doc["state"] = state
-        doc["msg"] = msg
-        doc["ended_at"] = now
-        for rep in doc.get("replicas", []):
-            if rep.get("state") not in TERMINAL:
-                rep["state"] = state
-                rep["ended_at"] = now
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        with contextlib.suppress(OSError):
-            protocol.write_record_file(records_dir, app_id, data)
-            protocol.drop_lock_files(records_dir, app_id)
-    finally:
-        lock.__exit__(None, None, None)
+        doc = dict(fallback)
+    except (OSError, ValueError):
+        return
+    if doc.get("state") in TERMINAL:
+        protocol.drop_lock_files(records_dir, app_id)
+        return
+    if only_if_owner_gone:
+        owner = doc.get("owner") or {}
+        pid, ticks = owner.get("pid"), owner.get("start_ticks")
+        if isinstance(pid, int) and start_ticks(pid) == ticks:
+            return
+    now = time.time()
+    doc["state"] = state
+    doc["msg"] = msg
+    doc["ended_at"] = now
+    for rep in doc.get("replicas", []):
+        if rep.get("state") not in TERMINAL:
+            rep["state"] = state
+            rep["ended_at"] = now
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    protocol.write_record_file(records_dir, app_id, data)
+    protocol.drop_lock_files(records_dir, app_id)
 
 
 @dataclass
 class _App:
     grace: float
     cgroup: str | None
+    record: dict[str, Any] | None = None
     pgids: set[int] = field(default_factory=set)
     prefix: str = ""
     killed_at: float | None = None
@@ -158,7 +177,14 @@ def stop_apps(apps: dict[str, _App], records_dir: str, owner_pid: int, max_grace
                     why += f" ({len(mine)} of its processes did not die after SIGKILL)"
                 if app.cgroup:
                     contain.remove_tree(app.cgroup)
-                finish_record(records_dir, app_id, why, only_if_owner_gone=False, state="FAILED")
+                finish_record(
+                    records_dir,
+                    app_id,
+                    why,
+                    only_if_owner_gone=False,
+                    state="FAILED",
+                    fallback=app.record,
+                )
                 del pending[app_id]
         if pending:
             time.sleep(POLL)
@@ -183,7 +209,7 @@ def watch(records_dir: str, owner_pid: int, max_grace: float, base: str | None) 
             if msg is None:
                 continue
             if msg.op == "A":
-                apps[msg.app_id] = _App(msg.grace, msg.cgroup)
+                apps[msg.app_id] = _App(msg.grace, msg.cgroup, msg.record)
             elif msg.op == "+":
                 apps.setdefault(msg.app_id, _App(max_grace, None)).pgids.add(msg.pid)
             elif msg.op == "-":
