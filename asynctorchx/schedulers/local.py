@@ -1186,7 +1186,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
 
     def _changed(self, app: _App) -> None:
         """Queues the app's record (serialised once per write batch) and a change notification."""
-        self._writer.put(app.app_id, lambda: self._snapshot(app).to_json())
+        self._writer.put(app.app_id, lambda: self._snapshot(app).to_json(), urgent=False)
         self._notify_soon(app.app_id)
 
     def _notify_soon(self, app_id: str) -> None:

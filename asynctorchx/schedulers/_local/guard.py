@@ -605,7 +605,9 @@ class RecordWriter:
     """Writes app records in batches from a worker thread: the latest document per app wins.
 
     A document may be given as a function: it is called once, on the event loop, when its batch is
-    taken, so a burst of changes to one app costs one serialisation. A write that fails is retried
+    taken, so a burst of changes to one app costs one serialisation; a batch of such non-urgent
+    documents waits up to ``LINGER`` seconds for more (terminal records and writes someone awaits
+    are urgent and go at once). A write that fails is retried
     (0.1 s, then up to every 5 s) until it succeeds or a newer document replaces it; the records are
     the only view other processes have, so they must converge on the truth.
 
@@ -614,9 +616,12 @@ class RecordWriter:
         supervisor: owns the writing task.
     """
 
+    LINGER = 0.05
+
     def __init__(self, store: RecordStore, supervisor: TaskSupervisor) -> None:
         self._store = store
         self._supervisor = supervisor
+        self._urgent: asyncio.Event | None = None
         self._pending: dict[str, _DocSource] = {}
         self._written: dict[str, list[Callable[[], None]]] = {}
         self._failing: dict[str, tuple[_Doc, float]] = {}
@@ -632,7 +637,12 @@ class RecordWriter:
         return list(self._failing)
 
     def put(
-        self, app_id: str, doc: _DocSource, on_written: Callable[[], None] | None = None
+        self,
+        app_id: str,
+        doc: _DocSource,
+        on_written: Callable[[], None] | None = None,
+        *,
+        urgent: bool = True,
     ) -> asyncio.Future[dict[str, BaseException]]:
         """Queues ``doc`` as the record of ``app_id``; the future resolves after the next attempt.
 
@@ -646,8 +656,10 @@ class RecordWriter:
         if self._batch is None:
             self._batch = asyncio.get_running_loop().create_future()
         self._ensure_task()
-        assert self._wake is not None
+        assert self._wake is not None and self._urgent is not None
         self._wake.set()
+        if urgent:
+            self._urgent.set()
         return self._batch
 
     def forget(self, app_id: str) -> None:
@@ -659,6 +671,7 @@ class RecordWriter:
     def _ensure_task(self) -> None:
         if self._wake is None:
             self._wake = asyncio.Event()
+            self._urgent = asyncio.Event()
         if self._task is None:
             self._task = self._supervisor.spawn(self._run(), "record-writer")
 
@@ -673,7 +686,7 @@ class RecordWriter:
             raise errors[app_id]
 
     async def _run(self) -> None:
-        assert self._wake is not None
+        assert self._wake is not None and self._urgent is not None
         loop = asyncio.get_running_loop()
         while True:
             if not self._pending:
@@ -683,6 +696,10 @@ class RecordWriter:
                 with anyio.move_on_after(timeout if timeout is not None else float("inf")):
                     await self._wake.wait()
                 self._wake.clear()
+            if self._pending and not self._urgent.is_set():
+                with anyio.move_on_after(self.LINGER):
+                    await self._urgent.wait()
+            self._urgent.clear()
             now = loop.time()
             due = {a: d for a, (d, t) in self._failing.items() if t <= now}
             for app_id in due:
@@ -730,6 +747,8 @@ class RecordWriter:
     async def flush(self, retry_for: float | None = None) -> bool:
         """Waits until everything queued so far was attempted, and, for up to ``retry_for``
         seconds, until the failing writes succeeded. Returns True when nothing is left to write."""
+        if self._urgent is not None:
+            self._urgent.set()
         for fut in (self._in_flight, self._batch):
             if fut is not None:
                 await asyncio.shield(fut)
