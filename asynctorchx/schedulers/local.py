@@ -512,8 +512,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
             raise RuntimeError(f"{self!r} is closed")
 
     async def schedule(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> str:
-        """Starts every replica of the app and returns its id once its record says RUNNING (a first
-        record, PENDING, is written before the first replica starts).
+        """Starts every replica of the app and returns its id once its record (RUNNING) is on disk.
+
+        The app is registered with the watchdog before its first replica starts, with a minimal
+        record the watchdog writes if this process dies before writing the real one.
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
