@@ -20,12 +20,21 @@ Scenarios (targets from issue 3, on a 2-core machine):
   and are waited on, over the window where they all sleep (target <= 0.5 % of a core).
 - ``concurrent``: 1000 apps running at the same time in one event loop (each blocks on a lock this
   process holds until all are submitted), each waited on with ``runner.wait``.
+- ``mass_exit``: one app of N replicas (500, 1000, 2000) that all block on a lock this process holds,
+  then exit together when it is released; reports the longest event-loop stall from the release
+  until the app is terminal (target <= 50 ms at 2000, issue 12): ``stall_ms`` is the CPU time of the
+  loop's longest iteration (its own work), ``stall_wall_ms`` how late a 1 ms timer chain ran (this
+  includes the time the OS did not run this process while N processes exit on two cores), and
+  ``idle_floor_*`` the same two with N bare processes exiting and an idle loop (the machine's
+  floor). ``start_stall_*``: the same for the start of the app (its replicas start in one
+  synchronous burst, so this one grows with N).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -40,6 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from asynctorchx import AsyncRunner
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role, is_terminal
@@ -50,6 +61,7 @@ TARGETS = {
     "idle_cpu.cpu_percent": ("<=", 0.5),
     "concurrent.succeeded": ("==", 1000),
     "concurrent.running_at_once": ("==", 1000),
+    "mass_exit.2000.stall_ms": ("<=", 50.0),
 }
 
 
@@ -289,6 +301,156 @@ async def concurrent(root: Path, n: int) -> dict[str, Any]:
     }
 
 
+class StallMeter:
+    """How long the event loop went without running its callbacks, two ways.
+
+    ``wall``: a timer due every millisecond notes how late it fires (this includes the time the OS
+    did not schedule this process at all). ``cpu``: the CPU time of this thread in each loop
+    iteration (the work the loop did before it could wait again, without the time it was preempted).
+    """
+
+    def __init__(self, period: float = 0.001) -> None:
+        self.period = period
+        self.worst = 0.0
+        self.worst_cpu = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self.worst = 0.0
+        self.worst_cpu = 0.0
+        loop = self._loop = asyncio.get_running_loop()
+        self._arm(loop, loop.time())
+        inner = type(loop)._run_once  # type: ignore[attr-defined]
+
+        def run_once() -> None:
+            t = time.thread_time()
+            inner(loop)
+            self.worst_cpu = max(self.worst_cpu, time.thread_time() - t)
+
+        loop._run_once = run_once  # type: ignore[attr-defined]
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        due = now + self.period
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        self.worst = max(self.worst, now - due)
+        self._arm(loop, now)
+
+    def stop(self) -> tuple[float, float]:
+        """Stops measuring; returns the longest stalls in ms: ``(wall, cpu)``."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        if self._loop is not None:
+            with contextlib.suppress(AttributeError):
+                del self._loop._run_once  # type: ignore[attr-defined]
+            self._loop = None
+        return self.worst * 1000, self.worst_cpu * 1000
+
+
+async def idle_stall(root: Path, n: int) -> tuple[float, float]:
+    """The machine's floor: the same stalls while ``n`` bare processes blocked on a lock exit
+    together and the loop has nothing to do with them (no scheduler)."""
+    lock_path = root / f"floor-{n}.lock"
+    gate = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    pids = []
+    try:
+        for _ in range(n):
+            pids.append(
+                os.posix_spawn(
+                    "/usr/bin/flock", ["flock", "-s", str(lock_path), "true"], dict(os.environ)
+                )
+            )
+        await asyncio.sleep(1.0)
+        meter = StallMeter()
+        meter.start()
+        await release(gate)
+        await asyncio.sleep(1.5)
+        return meter.stop()
+    finally:
+        os.close(gate)
+        for pid in pids:
+            os.waitpid(pid, 0)
+
+
+async def release(gate: int) -> None:
+    """Unlocks ``gate`` from a worker thread (waking thousands of waiters takes the kernel ~0.1 s)."""
+    await asyncio.get_running_loop().run_in_executor(None, fcntl.flock, gate, fcntl.LOCK_UN)
+
+
+async def mass_exit(root: Path, sizes: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for n in sizes:
+        lock_path = root / f"mass-{n}.lock"
+        gate = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        meter = StallMeter()
+        try:
+            async with LocalScheduler("bench-mass", local_root=root) as s:
+                role = Role(
+                    "main",
+                    image=".",
+                    entrypoint="flock",
+                    args=["-s", str(lock_path), "true"],
+                    num_replicas=n,
+                )
+                info = s.submit_dryrun(AppDef("mass", [role]), {})
+                app_id = info.request.app_id
+                done = asyncio.Event()
+
+                def on_change(
+                    a: str, s: LocalScheduler = s, app_id: str = app_id, done: asyncio.Event = done
+                ) -> None:
+                    # O(1): a describe per notification would add its own O(N) to what is measured
+                    live = s._apps.get(a)
+                    if a == app_id and (live is None or is_terminal(live.state)):
+                        done.set()
+
+                unsubscribe = s.subscribe(on_change)
+                meter.start()
+                t0 = time.perf_counter()
+                await s.schedule(info)
+                submit_s = time.perf_counter() - t0
+                start_stall, start_cpu = meter.stop()
+                with anyio.fail_after(300):
+                    while True:
+                        desc = await s.describe(app_id)
+                        assert desc is not None
+                        reps = desc.roles_statuses[0].replicas
+                        if all(r.state == AppState.RUNNING for r in reps):
+                            break
+                        await asyncio.sleep(0.2)
+                await asyncio.sleep(0.5)  # let the record writes of the start settle
+                meter.start()
+                t1 = time.perf_counter()
+                await release(gate)
+                await asyncio.wait_for(done.wait(), 300)
+                terminal_s = time.perf_counter() - t1
+                stall, stall_cpu = meter.stop()
+                unsubscribe()
+                desc = await s.describe(app_id)
+                out[str(n)] = {
+                    "stall_ms": stall_cpu,
+                    "stall_wall_ms": stall,
+                    "release_to_terminal_s": terminal_s,
+                    "state": desc.state.name if desc else None,
+                    "submit_s": submit_s,
+                    "start_stall_ms": start_cpu,
+                    "start_stall_wall_ms": start_stall,
+                }
+        finally:
+            meter.stop()
+            os.close(gate)
+        floor_wall, floor_cpu = await idle_stall(root, n)
+        out[str(n)]["idle_floor_wall_ms"] = floor_wall
+        out[str(n)]["idle_floor_cpu_ms"] = floor_cpu
+    return out
+
+
 def dig(results: dict[str, Any], path: str) -> Any:
     value: Any = results
     for part in path.split("."):
@@ -318,6 +480,7 @@ async def main() -> None:
         "wake": lambda: wake(root, 10 if q else 30),
         "idle_cpu": lambda: idle_cpu(root, 20 if q else 100, 5 if q else 20),
         "concurrent": lambda: concurrent(root, 100 if q else 1000),
+        "mass_exit": lambda: mass_exit(root, [100, 200] if q else [500, 1000, 2000]),
     }
     results: dict[str, Any] = {}
     try:

@@ -221,3 +221,18 @@ async def test_run_reads_the_workspace_off_the_event_loop(
     ws = make_workspace(tmp_path / "ws", {"a": ""})
     await run_to_end(runner, AppDef("t", [sh("trainer", "true")]), "local_dir", str(ws))
     assert threads and threading.main_thread() not in threads
+
+
+async def test_a_failed_local_dir_start_leaves_no_workspace_directory(
+    runner: AsyncRunner, root: Path, tmp_path: Path
+) -> None:
+    """An app whose start fails after its workspace was linked (its entrypoint does not exist)
+    leaves no per-app directory behind."""
+    from asynctorchx.schedulers._local.procs import LaunchSpecError
+
+    ws = make_workspace(tmp_path / "ws", {"data.txt": "x"})
+    app = AppDef("bad", [Role("trainer", image="/tmp", entrypoint="./no-such-program")])
+    with pytest.raises(LaunchSpecError, match="no-such-program"):
+        await runner.run(app, "local_dir", workspace=str(ws))
+    session_dir = root / "workspaces" / "apps" / "ws"
+    assert not session_dir.exists() or not any(session_dir.iterdir()), list(session_dir.iterdir())

@@ -129,6 +129,10 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "'asynctorchx runopts {scheduler}' lists the scheduler's options (pass them as -cfg k=v,...)",
     ),
+    "LaunchSpecError": (
+        ExitCode.USAGE,
+        "'asynctorchx run --dryrun ...' shows each replica's command, working directory and log_dir",
+    ),
 }
 
 

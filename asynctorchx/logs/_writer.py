@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import time
+from collections.abc import Callable
 
 from asynctorchx.logs import _notify
 from asynctorchx.logs._files import (
@@ -34,6 +35,26 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
+def _write_counted(fd: int, data: bytes) -> tuple[int, OSError | None]:
+    """Writes as much of ``data`` as possible: ``(bytes written, the error that stopped it)``."""
+    view = memoryview(data)
+    done = 0
+    while done < len(data):
+        try:
+            done += os.write(fd, view[done:])
+        except InterruptedError:
+            continue
+        except OSError as e:
+            return done, e
+    return done, None
+
+
+def loss_marker(lost: int, reason: str, newline_first: bool) -> bytes:
+    """The line that marks where (and how many) bytes of a log file could not be written."""
+    line = f"[asynctorchx: {lost} bytes of output could not be written here: {reason}]\n"
+    return (b"\n" if newline_first else b"") + line.encode()
+
+
 class ReplicaLogWriter:
     """Owns one replica's log files; fed from pipes on the running event loop.
 
@@ -48,14 +69,24 @@ class ReplicaLogWriter:
     Readers in this process (``iter_log_lines``) are woken after every write; readers in other
     processes through inotify.
 
+    Bytes that cannot be written (a full disk) are counted per file (``lost_bytes``), and the file
+    gets a marker line saying how many were lost and why, where they are missing, as soon as it
+    can be written again (at the latest when the writer closes). Each file has its own count and
+    marker, so ``stdout.log`` and ``combined.log`` never disagree silently.
+
     Args:
         directory: the replica's log directory (created with its parents).
+        on_loss: called (with the reason) the first time bytes are lost.
 
     Raises:
         OSError: the directory or a file cannot be created or opened for writing.
     """
 
-    def __init__(self, directory: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        on_loss: Callable[[str], None] | None = None,
+    ) -> None:
         # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
         # burst of launches creates thousands of writers
         path = self._path = os.fspath(directory)
@@ -81,7 +112,10 @@ class ReplicaLogWriter:
         self._fds: dict[int, Stream] = {}
         self._drained: asyncio.Event | None = None
         self._closed = False
-        self._write_error: OSError | None = None
+        self._on_loss = on_loss
+        self._lost: dict[Stream, int] = {}
+        self._unmarked: dict[Stream, int] = {}
+        self._loss_reason = ""
         _notify.add_writer(self._key, self)
         _notify.wake_key(self._key, "created")
 
@@ -127,6 +161,16 @@ class ReplicaLogWriter:
     def closed(self) -> bool:
         """True once ``close`` was called."""
         return self._closed
+
+    @property
+    def lost_bytes(self) -> dict[str, int]:
+        """Bytes that could not be written, per file name (only files that lost some)."""
+        return {LOG_FILES[s]: n for s, n in self._lost.items() if n}
+
+    @property
+    def loss_reason(self) -> str:
+        """Why bytes were lost (the first error), or an empty string."""
+        return self._loss_reason
 
     @property
     def attached(self) -> int:
@@ -200,27 +244,72 @@ class ReplicaLogWriter:
         if now < self._last_ns:
             now = self._last_ns
         self._last_ns = now
-        s_off = self._offsets[stream]
-        c_off = self._offsets[Stream.COMBINED]
         try:
             _write_all(
-                self._index_fd, RECORD.pack(now, s_off, c_off, len(data), STREAM_IDS[stream])
+                self._index_fd,
+                RECORD.pack(
+                    now,
+                    self._offsets[stream],
+                    self._offsets[Stream.COMBINED],
+                    len(data),
+                    STREAM_IDS[stream],
+                ),
             )
-            _write_all(self._files[stream], data)
-            _write_all(self._files[Stream.COMBINED], data)
-        except OSError as e:
-            if self._write_error is None:
-                logger.error("writing the logs of %s failed: %s", self._path, e)
-            self._write_error = e
+        except OSError as e:  # the timing of these bytes is lost, not the bytes
+            self._note_loss(e)
             try:
                 self._align_index()
-                self._offsets[stream] = os.fstat(self._files[stream]).st_size
-                self._offsets[Stream.COMBINED] = os.fstat(self._files[Stream.COMBINED]).st_size
             except OSError:
                 pass
+        self._write_file(stream, data)
+        self._write_file(Stream.COMBINED, data)
+
+    def _write_file(self, target: Stream, data: bytes) -> None:
+        if self._unmarked.get(target) and not self._write_marker(target):
+            self._lose(target, len(data))  # resumed output must follow its marker
             return
-        self._offsets[stream] = s_off + len(data)
-        self._offsets[Stream.COMBINED] = c_off + len(data)
+        written, error = _write_counted(self._files[target], data)
+        self._offsets[target] += written
+        if error is not None:
+            self._note_loss(error)
+            self._lose(target, len(data) - written)
+
+    def _lose(self, target: Stream, n: int) -> None:
+        self._lost[target] = self._lost.get(target, 0) + n
+        self._unmarked[target] = self._unmarked.get(target, 0) + n
+
+    def _note_loss(self, error: OSError) -> None:
+        if self._loss_reason:
+            return
+        self._loss_reason = error.strerror or str(error)
+        logger.error("writing the logs of %s failed: %s", self._path, error)
+        if self._on_loss is not None:
+            try:
+                self._on_loss(self._loss_reason)
+            except Exception:
+                logger.exception("log loss callback of %s failed", self._path)
+
+    def _write_marker(self, target: Stream) -> bool:
+        """Appends the marker of the bytes lost since the last one; False if it cannot be written."""
+        fd = self._files[target]
+        offset = self._offsets[target]
+        try:
+            last = os.pread(fd, 1, offset - 1) if offset else b"\n"
+        except OSError:
+            last = b"\n"
+        marker = loss_marker(self._unmarked[target], self._loss_reason, last != b"\n")
+        written, error = _write_counted(fd, marker)
+        if error is not None:
+            if written:  # a partial marker: end its line so the next one starts cleanly
+                self._offsets[target] += written
+                try:
+                    self._offsets[target] += os.write(fd, b"\n")
+                except OSError:
+                    pass
+            return False
+        self._offsets[target] += written
+        self._unmarked[target] = 0
+        return True
 
     def _detach(self, fd: int) -> None:
         if self._fds.pop(fd, None) is None:
@@ -252,6 +341,9 @@ class ReplicaLogWriter:
             self._detach(fd)
         if self._drained is not None:
             self._drained.set()
+        for target, n in list(self._unmarked.items()):
+            if n:
+                self._write_marker(target)
         self._close_files()
         _notify.remove_writer(self._key, self)
         _notify.wake_key(self._key, "closed")

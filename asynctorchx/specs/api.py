@@ -284,23 +284,29 @@ class Role:
                 "1-63 letters, digits, '-', '_' or '.', starting with a letter or digit",
             )
         name = self.name
-        if not isinstance(self.image, str):
-            raise _bad("image", self.image, "a string", name)
+        # a NUL byte cannot pass through execve (nor a container's or a batch script's command
+        # line), so every string that becomes part of a process's command or environment is checked
+        if not isinstance(self.image, str) or "\0" in self.image:
+            raise _bad("image", self.image, "a string without NUL bytes", name)
         if (
             not isinstance(self.entrypoint, str)
             or not self.entrypoint
             or self.entrypoint == MISSING
+            or "\0" in self.entrypoint
         ):
-            raise _bad("entrypoint", self.entrypoint, "a non-empty command", name)
+            raise _bad("entrypoint", self.entrypoint, "a non-empty command without NUL bytes", name)
         if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
             raise _bad("args", self.args, "a list of strings", name)
+        for i, arg in enumerate(self.args):
+            if "\0" in arg:
+                raise _bad(f"args[{i}]", arg, "a string without NUL bytes", name)
         if not isinstance(self.env, dict):
             raise _bad("env", self.env, "a dict of str to str", name)
         for key, value in self.env.items():
             if not isinstance(key, str) or not key or "=" in key or "\0" in key:
                 raise _bad("env key", key, "a non-empty string without '=' or NUL", name)
-            if not isinstance(value, str):
-                raise _bad(f"env[{key!r}]", value, "a string", name)
+            if not isinstance(value, str) or "\0" in value:
+                raise _bad(f"env[{key!r}]", value, "a string without NUL bytes", name)
         if (
             isinstance(self.num_replicas, bool)
             or not isinstance(self.num_replicas, int)

@@ -1,13 +1,18 @@
-"""The launcher's side of the watchdog, the detached cancel escalator, and batched record writes."""
+"""The launcher's guards: its watchdog, the containment of its replicas, the detached cancel
+escalator, and batched record writes."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
+import select
+import signal
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -16,6 +21,7 @@ from typing import Any
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers._local.records import RecordStore
 
@@ -24,6 +30,11 @@ logger = logging.getLogger(__name__)
 WATCHDOG_SCRIPT = Path(__file__).with_name("watchdog.py")
 #: The watchdog never waits longer than this between SIGTERM and SIGKILL.
 WATCHDOG_MAX_GRACE = 5.0
+#: How long a registration may wait for room in a full pipe before the watchdog counts as stuck
+#: (it is then replaced, and the new one gets every registration).
+SEND_TIMEOUT = 5.0
+_PIPE_SIZE = 1 << 20
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 _clients: weakref.WeakSet[Watchdog] = weakref.WeakSet()
 
@@ -44,28 +55,39 @@ def _script_argv(*args: str) -> list[str]:
 
 
 class Watchdog:
-    """Starts and feeds the per-scheduler watchdog process (see ``watchdog.py``).
+    """Starts, feeds and keeps alive the per-scheduler watchdog process (see ``watchdog.py``).
 
     The watchdog holds the read end of a pipe whose only writer is this object: when the launcher
-    closes it or dies, the watchdog stops every process group still registered. Writes never block
-    the event loop (the pipe is non-blocking; what does not fit waits for the loop's writer
-    callback). If the watchdog dies, the next write starts a new one and replays ``registrations()``.
+    closes it or dies, the watchdog stops every app still registered. ``send_now`` writes through
+    before returning (registrations: no replica may exist that the watchdog does not know); a full
+    pipe is waited on, boundedly. The watchdog's pidfd is watched by the event loop: if it dies it is
+    reaped and replaced at once, and the new one gets ``registrations()`` (everything live).
 
     Args:
-        records_dir: where app records live (the watchdog marks the apps it stops).
+        records_dir: where app records live (the watchdog records the apps it stops).
         registrations: the lines that describe everything currently registered (for a restart).
+        on_restart: called after a replacement watchdog was started (its pid changed).
     """
 
-    def __init__(self, records_dir: Path, registrations: Callable[[], Iterable[str]]) -> None:
+    def __init__(
+        self,
+        records_dir: Path,
+        registrations: Callable[[], Iterable[bytes]],
+        on_restart: Callable[[], None] = lambda: None,
+    ) -> None:
         self._records_dir = records_dir
         self._registrations = registrations
+        self._on_restart = on_restart
         self._proc: subprocess.Popen[bytes] | None = None
         self._fd = -1
+        self._pidfd = -1
         self._buf = bytearray()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._writer_armed = False
         self._flush_scheduled = False
+        self._closing = False
+        self.base_cgroup: str | None = None
         self.start_ticks: int | None = None
+        self.restarts = 0
         _clients.add(self)
 
     @property
@@ -80,17 +102,21 @@ class Watchdog:
             self._fd = -1
 
     def ensure_started(self) -> None:
-        """Starts the watchdog unless it is running. Blocks for about a millisecond (one spawn)."""
-        if self._fd >= 0:
+        """Starts the watchdog unless it runs. Blocks for about a millisecond (one spawn)."""
+        if self._fd >= 0 or self._closing:
             return
         self._loop = asyncio.get_running_loop()
-        if self._proc is not None:
-            self._proc.poll()  # reap a dead predecessor
         read_fd, write_fd = os.pipe()
         try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
             self._proc = subprocess.Popen(
                 _script_argv(
-                    "watch", str(self._records_dir), str(os.getpid()), str(WATCHDOG_MAX_GRACE)
+                    "watch",
+                    str(self._records_dir),
+                    str(os.getpid()),
+                    str(WATCHDOG_MAX_GRACE),
+                    self.base_cgroup or "-",
                 ),
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
@@ -105,64 +131,107 @@ class Watchdog:
         os.set_blocking(write_fd, False)
         self._fd = write_fd
         self.start_ticks = proc_start_ticks(self._proc.pid)
-        self._buf.clear()
-        replay = "".join(self._registrations())
-        if replay:
-            self._buf += replay.encode()
-            self._flush()
+        try:
+            self._pidfd = os.pidfd_open(self._proc.pid)
+            self._loop.add_reader(self._pidfd, self._on_died)
+        except OSError as e:  # no pidfd: a dead watchdog is then noticed at the next write
+            logger.warning("cannot watch the local watchdog (pid %d): %s", self._proc.pid, e)
+            self._pidfd = -1
+        self._buf = bytearray(b"".join(self._registrations()))
+        self._write_through()
 
-    def send(self, line: str) -> None:
-        """Queues one protocol line (with its ``\\n``); queued lines go out together, at the latest
-        on the event loop's next iteration (or at ``flush``)."""
+    def send_now(self, line: bytes) -> None:
+        """Writes ``line`` (and anything queued before it) to the watchdog before returning."""
+        self._buf += line
         if self._fd < 0:
-            self.ensure_started()
-            # the replay already covers the state this line reports
+            self._replace("it was not running")
             return
-        self._buf += line.encode()
-        if not self._flush_scheduled and not self._writer_armed and self._loop is not None:
+        self._write_through()
+
+    def send_later(self, line: bytes) -> None:
+        """Queues ``line``; queued lines go out together on the event loop's next iteration."""
+        self._buf += line
+        if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
-            self._loop.call_soon(self.flush)
+            self._loop.call_soon(self._flush_queued)
 
-    def flush(self) -> None:
-        """Writes the queued lines now (what the pipe cannot take goes out when it can)."""
+    def _flush_queued(self) -> None:
         self._flush_scheduled = False
-        if not self._writer_armed:
-            self._flush()
+        if self._buf and not self._closing:
+            if self._fd < 0:
+                self._replace("it was not running")
+            else:
+                self._write_through()
 
-    def _flush(self) -> None:
-        while self._buf and self._fd >= 0:
+    def _write_through(self) -> None:
+        deadline: float | None = None
+        while self._buf:
             try:
                 n = os.write(self._fd, self._buf)
             except BlockingIOError:
-                if not self._writer_armed and self._loop is not None:
-                    self._loop.add_writer(self._fd, self._flush)
-                    self._writer_armed = True
-                return
-            except (BrokenPipeError, OSError) as e:
-                logger.warning("the local watchdog went away (%s); starting a new one", e)
-                self._disarm()
-                self._forget_fd()
-                self.ensure_started()
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + SEND_TIMEOUT
+                if now >= deadline:
+                    self._replace(f"its pipe stayed full for {SEND_TIMEOUT:g} s", kill=True)
+                    return
+                poller = select.poll()
+                poller.register(self._fd, select.POLLOUT)
+                poller.poll(max(1, int((deadline - now) * 1000)))
+                continue
+            except OSError as e:
+                self._replace(f"writing to it failed: {e}")
                 return
             del self._buf[:n]
-        self._disarm()
 
-    def _disarm(self) -> None:
-        if self._writer_armed and self._loop is not None and self._fd >= 0:
-            self._loop.remove_writer(self._fd)
-        self._writer_armed = False
+    def _on_died(self) -> None:
+        if self._closing or self._proc is None or self._proc.poll() is None:
+            return
+        self._replace(f"it exited with status {self._proc.returncode}")
+
+    def _replace(self, why: str, kill: bool = False) -> None:
+        """Replaces the watchdog: reaps (or kills) the old one, starts a new one, replays."""
+        if self._closing:
+            return
+        old = self._proc
+        logger.warning(
+            "the local watchdog%s is gone (%s); starting a new one",
+            f" (pid {old.pid})" if old is not None else "",
+            why,
+        )
+        self._detach_pidfd()
+        self._forget_fd()
+        if old is not None:
+            if kill:
+                with contextlib.suppress(OSError):
+                    old.kill()
+            try:
+                old.wait(1.0)
+            except subprocess.TimeoutExpired:
+                logger.warning("the old local watchdog (pid %d) did not exit", old.pid)
+                old.returncode = -1
+        self._proc = None
+        self.restarts += 1
+        self.ensure_started()
+        self._on_restart()
+
+    def _detach_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._pidfd)
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = -1
 
     async def aclose(self) -> None:
-        """Sends what is queued, closes the pipe and waits (up to ten seconds) for the watchdog to exit.
+        """Sends what is queued, closes the pipe and waits (up to five seconds) for the watchdog.
 
         Call it once every app was stopped and forgotten, or the watchdog will stop what is left.
         """
-        with anyio.move_on_after(5.0):
-            while self._buf and self._fd >= 0:
-                self._flush()
-                if self._buf:
-                    await asyncio.sleep(0.005)
-        self._disarm()
+        if self._buf and self._fd >= 0:
+            self._write_through()
+        self._closing = True
+        self._detach_pidfd()
         self._forget_fd()
         proc, self._proc = self._proc, None
         if proc is not None:
@@ -175,15 +244,17 @@ class Watchdog:
 
 
 def start_escalator(
-    records_dir: Path, app_id: str, grace: float, groups: Iterable[str]
+    records_dir: Path, app_id: str, grace: float, cgroup: str | None, groups: Iterable[str]
 ) -> subprocess.Popen[bytes]:
-    """Starts a detached process that SIGKILLs ``groups`` after ``grace`` seconds.
+    """Starts a detached process that SIGKILLs what is left of an app after ``grace`` seconds.
 
     It finishes a cancel started by a process that did not launch the app and may exit at once. The
     script forks at once and its first process exits: reap the returned process (it ends quickly).
     """
     return subprocess.Popen(
-        _script_argv("escalate", str(records_dir), app_id, repr(float(grace)), *groups),
+        _script_argv(
+            "escalate", str(records_dir), app_id, repr(float(grace)), cgroup or "-", *groups
+        ),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -224,56 +295,421 @@ class Reaper:
                 proc.returncode = -1
 
 
-class RecordWriter:
-    """Writes app records in batches from a worker thread: the latest document per app wins.
+# -- batching work into worker threads ------------------------------------------------------------
+
+
+class Batcher:
+    """Runs ``work(items)`` in a worker thread for the items put since the last run, one run at a
+    time, so that a burst of requests costs one thread hop.
 
     Args:
-        store: the record store.
-        supervisor: owns the writing task.
+        supervisor: owns the task that drives the runs.
+        name: the task's name.
+        work: the blocking function (it must not raise; its exceptions are logged).
     """
 
-    def __init__(self, store: RecordStore, supervisor: TaskSupervisor) -> None:
-        self._store = store
+    def __init__(
+        self, supervisor: TaskSupervisor, name: str, work: Callable[[list[Any]], None]
+    ) -> None:
         self._supervisor = supervisor
-        self._pending: dict[str, dict[str, Any]] = {}
-        self._batch: asyncio.Future[dict[str, BaseException]] | None = None
-        self._in_flight: asyncio.Future[dict[str, BaseException]] | None = None
+        self._name = name
+        self._work = work
+        self._items: list[Any] = []
+        self._waiters: list[asyncio.Future[None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._running: list[asyncio.Future[None]] = []
 
-    def put(self, app_id: str, doc: dict[str, Any]) -> asyncio.Future[dict[str, BaseException]]:
-        """Queues ``doc`` as the record of ``app_id``; the future resolves once it is written.
-
-        The future's result maps the app ids whose write failed to their error.
-        """
-        self._pending[app_id] = doc
-        if self._batch is None:
-            self._batch = asyncio.get_running_loop().create_future()
+    def put(self, item: Any) -> asyncio.Future[None]:
+        """Queues ``item``; the future resolves once a run that included it has finished."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._items.append(item)
+        self._waiters.append(fut)
         if self._wake is None:
             self._wake = asyncio.Event()
-        if self._task is None:
-            self._task = self._supervisor.spawn(self._run(), "record-writer")
+        if self._task is None and not self._supervisor.closed:
+            self._task = self._supervisor.spawn(self._run(), self._name)
         self._wake.set()
-        return self._batch
-
-    async def write(self, app_id: str, doc: dict[str, Any]) -> None:
-        """Queues ``doc`` and waits until it is on disk.
-
-        Raises:
-            OSError: it could not be written.
-        """
-        errors = await asyncio.shield(self.put(app_id, doc))
-        if app_id in errors:
-            raise errors[app_id]
+        return fut
 
     async def _run(self) -> None:
         assert self._wake is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self._pending:
+            if not self._items:
                 continue
-            batch, self._pending = self._pending, {}
+            items, self._items = self._items, []
+            self._running, self._waiters = self._waiters, []
+            try:
+                await anyio.to_thread.run_sync(self._work, items)
+            except Exception:
+                logger.exception("%s failed", self._name)
+            finally:
+                for fut in self._running:
+                    if not fut.done():
+                        fut.set_result(None)
+                self._running = []
+
+    async def flush(self) -> None:
+        """Waits until everything queued so far was processed."""
+        pending = [f for f in (*self._running, *self._waiters) if not f.done()]
+        if pending:
+            await asyncio.wait(pending)
+
+
+# -- containment ------------------------------------------------------------------------------------
+
+
+class Containment:
+    """Where a scheduler's replicas are confined (``contain.py``), and the asynchronous parts of it.
+
+    ``probe`` (blocking, once) picks cgroup mode or marker mode. In cgroup mode every app gets
+    ``{base}/{app_id}`` and every replica attempt ``{app}/{index}.{attempt}`` (``replica_dir``);
+    they are created just before the replicas are spawned (``prepare``), while the moves are done
+    on the event loop right after each spawn (``adopt``). Emptied cgroups are removed in batches in
+    a worker thread.
+
+    Args:
+        supervisor: owns the background tasks (removals, marker sweeps).
+    """
+
+    def __init__(self, supervisor: TaskSupervisor) -> None:
+        self._supervisor = supervisor
+        self.base: str | None = None
+        self._parent: str | None = None
+        self._own_path: str | None = None
+        self._probed = False
+        self._warm_until = 0.0
+        self._warming: asyncio.Future[None] | None = None
+        self._remover = Batcher(supervisor, "cgroup-removal", self._remove_all)
+        self._sweeper = Batcher(supervisor, "marker-sweep", self._sweep_all)
+        self._epoll: select.epoll | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._empty_waits: dict[int, tuple[str, asyncio.Future[None]]] = {}
+        #: moves made on the event loop, and how many of them took more than a millisecond
+        self.moves = 0
+        self.slow_moves = 0
+
+    @property
+    def uses_cgroups(self) -> bool:
+        """True in cgroup mode."""
+        return self.base is not None
+
+    def probe(self) -> None:
+        """Picks the mode (blocking: call it in a worker thread). Idempotent."""
+        if self._probed:
+            return
+        self._probed = True
+        self.base = contain.make_base()
+        self._parent = os.path.dirname(self.base) if self.base else None
+        self._own_path = contain.own_cgroup_path()
+        logger.debug(
+            "local containment: %s", f"cgroup v2 under {self.base}" if self.base else "marker"
+        )
+
+    def app_dir(self, app_id: str) -> str | None:
+        """The cgroup of an app (None in marker mode)."""
+        return None if self.base is None else os.path.join(self.base, app_id)
+
+    @staticmethod
+    def replica_dir(app_dir: str | None, index: int, attempt: int, replicas: int) -> str | None:
+        """The cgroup of attempt ``attempt`` (from 1) of the replica at ``index`` of an app of
+        ``replicas`` replicas: ``{app}/{index}.{attempt}``, except the first attempt of a
+        single-replica app, which runs in the app's cgroup itself (one directory less to create
+        and remove for the most common app)."""
+        if app_dir is None:
+            return None
+        if replicas == 1 and attempt == 1:
+            return app_dir
+        return os.path.join(app_dir, f"{index}.{attempt}")
+
+    #: How long after a migration the next one counts as fast (the lock stays in its fast state
+    #: for about a grace period after its last writer).
+    WARM_FOR = 0.003
+    #: Apps with more cgroups than this create them in a worker thread.
+    SYNC_DIRS = 16
+
+    @property
+    def warm(self) -> bool:
+        """True when a migration happened just now (the next one will not wait)."""
+        return time.monotonic() < self._warm_until
+
+    async def prepare(self, dirs: list[str]) -> None:
+        """Creates ``dirs`` (parents first) and readies the kernel for fast moves: a handful of
+        directories on the event loop when the migration lock is warm, else in a worker thread
+        (one warm-up at a time, shared by the launches waiting for it).
+
+        Raises:
+            OSError: a directory could not be created.
+        """
+        if self.base is None:
+            return
+        if len(dirs) <= self.SYNC_DIRS:
+            if not self.warm:
+                if self._warming is None or self._warming.done():
+                    self._warming = self._supervisor.spawn(self._warm_async(), "cgroup-warm-up")
+                await asyncio.shield(self._warming)
+            self._make_dirs(dirs)
+        else:
+            await anyio.to_thread.run_sync(self._prepare, dirs)
+
+    async def _warm_async(self) -> None:
+        await anyio.to_thread.run_sync(self._warm)
+
+    @staticmethod
+    def _make_dirs(dirs: list[str]) -> None:
+        for d in dirs:
+            os.makedirs(d, exist_ok=True)
+
+    def _prepare(self, dirs: list[str]) -> None:
+        self._make_dirs(dirs)
+        self._warm()
+
+    def _warm(self) -> None:
+        # a no-op move of this process into the cgroup it is in pays the grace-period wait of the
+        # migration lock here, rather than in the first move on the event loop
+        if self._parent is not None and contain.own_cgroup_path() == self._own_path:
+            with contextlib.suppress(OSError):
+                contain.move(self._parent, os.getpid())
+        self._warm_until = time.monotonic() + self.WARM_FOR
+
+    def adopt(self, cgroup: str | None, pid: int) -> str | None:
+        """Moves a just-spawned replica into ``cgroup``; returns where it is confined (None: marker
+        mode for this replica, e.g. when the move failed)."""
+        if cgroup is None:
+            return None
+        start = time.perf_counter()
+        try:
+            contain.adopt(cgroup, pid)
+        except OSError as e:
+            logger.warning(
+                "cannot move pid %d into %s (%s); finding it by its marker", pid, cgroup, e
+            )
+            return None
+        took = time.perf_counter() - start
+        self.moves += 1
+        if took > 0.001:
+            self.slow_moves += 1
+        self._warm_until = time.monotonic() + self.WARM_FOR
+        return cgroup
+
+    @staticmethod
+    def kill(cgroup: str | None, pgid: int) -> None:
+        """SIGKILLs the whole replica: its cgroup (if it has one) and its process group."""
+        if cgroup is not None:
+            contain.kill(cgroup)
+        contain.kill_groups([pgid], signal.SIGKILL)
+
+    def wait_empty(self, cgroup: str) -> asyncio.Future[None]:
+        """A future that resolves once no process is left in ``cgroup`` (cgroup.events, no polling)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        try:
+            fd = os.open(os.path.join(cgroup, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fut.set_result(None)
+            return fut
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            self._loop = loop
+            loop.add_reader(self._epoll.fileno(), self._on_events)
+        try:
+            self._epoll.register(fd, select.EPOLLPRI)
+        except OSError:
+            os.close(fd)
+            fut.set_result(None)
+            return fut
+        self._empty_waits[fd] = (cgroup, fut)
+        self._check_empty(fd)
+        return fut
+
+    def _on_events(self) -> None:
+        assert self._epoll is not None
+        for fd, _ in self._epoll.poll(0):
+            self._check_empty(fd)
+
+    def _check_empty(self, fd: int) -> None:
+        try:
+            data = os.pread(fd, 256, 0)
+        except OSError:
+            data = b""
+        if b"populated 1" in data:
+            return
+        _, fut = self._empty_waits.pop(fd)
+        if self._epoll is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+        os.close(fd)
+        if not fut.done():
+            fut.set_result(None)
+
+    def sweep(self, markers: Iterable[str], min_pid: int) -> asyncio.Future[None]:
+        """SIGKILLs the processes (not zombies) carrying one of ``markers`` until none is left
+        (worker thread; requests made meanwhile are served by one scan)."""
+        return self._sweeper.put((frozenset(markers), min_pid))
+
+    @staticmethod
+    def _sweep_all(requests: list[tuple[frozenset[str], int]]) -> None:
+        markers = frozenset().union(*(m for m, _ in requests))
+        min_pid = min(p for _, p in requests)
+        deadline = time.monotonic() + 2.0
+        while True:
+            found = contain.live_processes(
+                protocol.MARKER_ENV_BYTES, exact=markers, min_pid=min_pid
+            )
+            if not found:
+                return
+            if time.monotonic() > deadline:
+                logger.warning("%d marked processes survive SIGKILL: %s", len(found), found[:5])
+                return
+            contain.kill_pids(p for p, _, _ in found)
+            time.sleep(0.005)
+
+    def remove_later(self, cgroup: str | None) -> None:
+        """Removes ``cgroup`` and what is below it once empty (worker thread, batched)."""
+        if cgroup is not None:
+            self._remover.put(cgroup)
+
+    @staticmethod
+    def _remove_all(cgroups: list[str]) -> None:
+        for cg in cgroups:
+            contain.remove_tree(cg)
+
+    async def aclose(self) -> None:
+        """Finishes the pending removals, stops waiting for cgroups, removes the base directory."""
+        await self._remover.flush()
+        await self._sweeper.flush()
+        for fd, (_, fut) in list(self._empty_waits.items()):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            if not fut.done():
+                fut.set_result(None)
+        self._empty_waits.clear()
+        if self._epoll is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
+            self._epoll = None
+        if self.base is not None:
+            await anyio.to_thread.run_sync(contain.remove_tree, self.base)
+
+
+# -- records ------------------------------------------------------------------------------------------
+
+_Doc = dict[str, Any]
+_DocSource = _Doc | Callable[[], _Doc]
+
+
+class RecordWriter:
+    """Writes app records in batches from a worker thread: the latest document per app wins.
+
+    A document may be given as a function: it is called once, on the event loop, when its batch is
+    taken, so a burst of changes to one app costs one serialisation; a batch of such non-urgent
+    documents waits up to ``LINGER`` seconds for more (terminal records and writes someone awaits
+    are urgent and go at once). A write that fails is retried
+    (0.1 s, then up to every 5 s) until it succeeds or a newer document replaces it; the records are
+    the only view other processes have, so they must converge on the truth.
+
+    Args:
+        store: the record store.
+        supervisor: owns the writing task.
+    """
+
+    LINGER = 0.05
+
+    def __init__(self, store: RecordStore, supervisor: TaskSupervisor) -> None:
+        self._store = store
+        self._supervisor = supervisor
+        self._urgent: asyncio.Event | None = None
+        self._pending: dict[str, _DocSource] = {}
+        self._written: dict[str, list[Callable[[], None]]] = {}
+        self._failing: dict[str, tuple[_Doc, float]] = {}
+        self._backoff = 0.1
+        self._batch: asyncio.Future[dict[str, BaseException]] | None = None
+        self._in_flight: asyncio.Future[dict[str, BaseException]] | None = None
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def failing(self) -> list[str]:
+        """The apps whose latest record could not be written yet."""
+        return list(self._failing)
+
+    def put(
+        self,
+        app_id: str,
+        doc: _DocSource,
+        on_written: Callable[[], None] | None = None,
+        *,
+        urgent: bool = True,
+    ) -> asyncio.Future[dict[str, BaseException]]:
+        """Queues ``doc`` as the record of ``app_id``; the future resolves after the next attempt.
+
+        Its result maps the app ids whose write failed (this time) to their error. ``on_written``
+        is called once this document or a later one is on disk.
+        """
+        self._pending[app_id] = doc
+        self._failing.pop(app_id, None)
+        if on_written is not None:
+            self._written.setdefault(app_id, []).append(on_written)
+        if self._batch is None:
+            self._batch = asyncio.get_running_loop().create_future()
+        self._ensure_task()
+        assert self._wake is not None and self._urgent is not None
+        self._wake.set()
+        if urgent:
+            self._urgent.set()
+        return self._batch
+
+    def forget(self, app_id: str) -> None:
+        """Drops what is queued or being retried for ``app_id`` (an undone submit)."""
+        self._pending.pop(app_id, None)
+        self._failing.pop(app_id, None)
+        self._written.pop(app_id, None)
+
+    def _ensure_task(self) -> None:
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._urgent = asyncio.Event()
+        if self._task is None:
+            self._task = self._supervisor.spawn(self._run(), "record-writer")
+
+    async def write(self, app_id: str, doc: _DocSource) -> None:
+        """Queues ``doc`` and waits for its first attempt.
+
+        Raises:
+            OSError: it could not be written (it stays queued for retries; ``forget`` drops it).
+        """
+        errors = await asyncio.shield(self.put(app_id, doc))
+        if app_id in errors:
+            raise errors[app_id]
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._urgent is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._pending:
+                timeout = None
+                if self._failing:
+                    timeout = max(0.0, min(t for _, t in self._failing.values()) - loop.time())
+                with anyio.move_on_after(timeout if timeout is not None else float("inf")):
+                    await self._wake.wait()
+                self._wake.clear()
+            if self._pending and not self._urgent.is_set():
+                with anyio.move_on_after(self.LINGER):
+                    await self._urgent.wait()
+            self._urgent.clear()
+            now = loop.time()
+            due = {a: d for a, (d, t) in self._failing.items() if t <= now}
+            for app_id in due:
+                del self._failing[app_id]
+            if not self._pending and not due:
+                continue
+            batch: dict[str, _Doc] = dict(due)
+            for app_id, source in self._pending.items():
+                batch[app_id] = source() if callable(source) else source
+            self._pending = {}
             done, self._batch = self._batch, None
             self._in_flight = done
             try:
@@ -283,13 +719,43 @@ class RecordWriter:
                 errors = dict.fromkeys(batch, e)
             finally:
                 self._in_flight = None
-            for app_id, err in errors.items():
-                logger.warning("cannot write the record of app %s: %s", app_id, err)
+            self._after_batch(batch, errors, loop.time())
             if done is not None and not done.done():
                 done.set_result(errors)
 
-    async def flush(self) -> None:
-        """Waits until everything queued so far is written."""
+    def _after_batch(self, batch: dict[str, _Doc], errors: dict[str, Any], now: float) -> None:
+        if errors:
+            retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, 5.0)
+        else:
+            self._backoff = 0.1
+        for app_id, doc in batch.items():
+            err = errors.get(app_id)
+            if err is None:
+                for callback in self._written.pop(app_id, ()):
+                    try:
+                        callback()
+                    except Exception:
+                        logger.exception("record-written callback of app %s failed", app_id)
+            elif app_id not in self._pending:
+                if app_id not in self._failing:
+                    logger.warning(
+                        "cannot write the record of app %s (will retry): %s", app_id, err
+                    )
+                self._failing[app_id] = (doc, retry_at)
+
+    async def flush(self, retry_for: float | None = None) -> bool:
+        """Waits until everything queued so far was attempted, and, for up to ``retry_for``
+        seconds, until the failing writes succeeded. Returns True when nothing is left to write."""
+        if self._urgent is not None:
+            self._urgent.set()
         for fut in (self._in_flight, self._batch):
             if fut is not None:
                 await asyncio.shield(fut)
+        if retry_for is not None and self._failing:
+            with anyio.move_on_after(retry_for):
+                while self._failing or self._pending:
+                    if self._wake is not None:
+                        self._wake.set()
+                    await asyncio.sleep(0.05)
+        return not self._failing and not self._pending

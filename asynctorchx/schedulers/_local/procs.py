@@ -11,12 +11,16 @@ itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import resource
 import shutil
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from asynctorchx.schedulers._local import contain
 
 _RESET_SIGNALS = tuple(
     s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None
@@ -25,7 +29,44 @@ _RESET_SIGNALS = tuple(
 
 class LaunchError(RuntimeError):
     """Raised when a local replica cannot be started (missing entrypoint, bad working directory,
-    unwritable log directory); the submit that raised it leaves nothing running."""
+    unwritable log directory, no file descriptors left); the submit that raised it leaves nothing
+    running and nothing on disk."""
+
+
+class LaunchSpecError(LaunchError):
+    """Raised when the app or its run options cannot be launched as given (an entrypoint that is
+    missing, a directory or not executable, a missing working directory, a ``log_dir`` that cannot
+    be written): a usage error rather than a failure of the machine."""
+
+
+#: errno values that say the launch was asked for something impossible (not that a resource ran out)
+SPEC_ERRNOS = frozenset(
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.ENOENT,
+        errno.EEXIST,
+        errno.ENOEXEC,
+    }
+)
+#: errno values that say this process (or the system) ran out of file descriptors
+FD_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+def fd_exhaustion_message() -> str:
+    """What to say when the launcher ran out of file descriptors."""
+    soft = "?"
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = "unlimited" if limit == resource.RLIM_INFINITY else str(limit)
+    except (ValueError, OSError):
+        pass
+    return (
+        f"this process ran out of file descriptors (limit {soft}, RLIMIT_NOFILE); "
+        "raise it with `ulimit -n` or run fewer replicas at once"
+    )
 
 
 @dataclass(frozen=True)
@@ -43,16 +84,7 @@ def proc_start_ticks(pid: int) -> int | None:
     Two processes with the same pid and start time are the same process, so this guards signals sent
     from another process against pid reuse.
     """
-    try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        data = os.read(fd, 4096)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+    data = contain.read_file(f"/proc/{pid}/stat")
     if not data:
         return None
     fields = data[data.rindex(b")") + 2 :].split()
@@ -68,11 +100,11 @@ def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
 
 
 def check_cwd(cwd: str, role: str) -> None:
-    """Raises LaunchError unless ``cwd`` is a directory the replicas can enter."""
+    """Raises LaunchSpecError unless ``cwd`` is a directory the replicas can enter."""
     if not os.path.isdir(cwd):
-        raise LaunchError(f"role {role!r}: working directory {cwd!r} does not exist")
+        raise LaunchSpecError(f"role {role!r}: working directory {cwd!r} does not exist")
     if not os.access(cwd, os.X_OK):
-        raise LaunchError(
+        raise LaunchSpecError(
             f"role {role!r}: working directory {cwd!r} cannot be entered (permission denied)"
         )
 
@@ -84,21 +116,25 @@ def resolve_executable(entrypoint: str, path: str, cwd: str, role: str) -> str:
     replica's PATH, relative entries taken relative to ``cwd``).
 
     Raises:
-        LaunchError: no executable file matches (names the role, entrypoint and where it looked).
+        LaunchSpecError: no executable file matches (names the role, entrypoint and where it looked).
     """
     if "/" in entrypoint:
         full = os.path.normpath(os.path.join(cwd, entrypoint))
+        if os.path.isdir(full):
+            raise LaunchSpecError(
+                f"role {role!r}: entrypoint {entrypoint!r} is a directory ({full}), not a program"
+            )
         if not os.path.isfile(full):
-            raise LaunchError(
+            raise LaunchSpecError(
                 f"role {role!r}: entrypoint {entrypoint!r} does not exist (looked for {full})"
             )
         if not os.access(full, os.X_OK):
-            raise LaunchError(f"role {role!r}: entrypoint {full!r} is not executable")
+            raise LaunchSpecError(f"role {role!r}: entrypoint {full!r} is not executable")
         return full
     dirs = [d if os.path.isabs(d) else os.path.join(cwd, d) for d in path.split(os.pathsep) if d]
     found = shutil.which(entrypoint, path=os.pathsep.join(dirs))
     if found is None:
-        raise LaunchError(
+        raise LaunchSpecError(
             f"role {role!r}: entrypoint {entrypoint!r} was not found on the replica's PATH "
             f"({path}) or is not executable"
         )
@@ -118,7 +154,12 @@ def spawn(
         OSError: the program could not be executed (reported synchronously by exec).
     """
     out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+    try:
+        err_r, err_w = os.pipe()
+    except BaseException:
+        os.close(out_r)
+        os.close(out_w)
+        raise
     try:
         if cwd == os.getcwd() and min(out_w, err_w, stdin_fd) > 2:
             pid = os.posix_spawn(

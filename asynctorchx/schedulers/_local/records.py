@@ -6,8 +6,13 @@ code, attempts and times, the log directories, the launcher's identity, and the 
 submitted. The launcher is the only writer while it lives; once it is gone the watchdog (or a
 process finishing a cancel) updates the record under a lock file.
 
-A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record,
-which the launcher checks when a replica exits.
+A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record
+(it lists the process groups the canceller already sent SIGTERM to), which the launcher notices
+through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.lock`` are removed
+once the record is terminal (``protocol.py``).
+
+A write that finds the records directory gone creates it again; one that finds the file system
+full rewrites the record in place when it fits in the space the file already holds.
 """
 
 from __future__ import annotations
@@ -18,11 +23,13 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asynctorchx.schedulers._local import protocol
 from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
@@ -37,6 +44,7 @@ from asynctorchx.specs.serialize import appdef_from_dict, appdef_to_dict
 logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = 1
+TERMINAL_NAMES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 ROOT_ENV = "ASYNCTORCHX_LOCAL_ROOT"
 _APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 
@@ -190,6 +198,7 @@ class AppRecord:
         owner: the launching process.
         replicas: every replica, in role order.
         app: the AppDef as submitted (``appdef_to_json``).
+        cgroup: the app's cgroup directory (None: its replicas are found by their marker).
     """
 
     app_id: str
@@ -207,6 +216,7 @@ class AppRecord:
     owner: Owner
     replicas: tuple[ReplicaRecord, ...]
     app: Mapping[str, Any] = field(repr=False)
+    cgroup: str | None = None
 
     def role_counts(self) -> dict[str, int]:
         """``{role: number of replicas}`` in role order."""
@@ -241,6 +251,7 @@ class AppRecord:
             "owner": self.owner.to_json(),
             "replicas": [r.to_json() for r in self.replicas],
             "app": self.app,
+            "cgroup": self.cgroup,
         }
 
     @staticmethod
@@ -267,6 +278,7 @@ class AppRecord:
                 owner=Owner.from_json(d.get("owner") or {}),
                 replicas=tuple(ReplicaRecord.from_json(r) for r in d.get("replicas", [])),
                 app=d.get("app") or {},
+                cgroup=d.get("cgroup") if isinstance(d.get("cgroup"), str) else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not an app record: {e!r}") from None
@@ -310,7 +322,7 @@ class RecordStore:
 
     def ensure(self) -> None:
         """Creates the state root (private to this user) and the records directory."""
-        if self._ready:
+        if self._ready and self.records_dir.is_dir():
             return
         with self._lock:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -328,10 +340,6 @@ class RecordStore:
         if not isinstance(app_id, str) or not _APP_ID_RE.fullmatch(app_id):
             return None
         return self.records_dir / f"{app_id}.json"
-
-    def cancel_marker(self, app_id: str) -> Path:
-        """The file whose existence means another process asked to cancel ``app_id``."""
-        return self.records_dir / f"{app_id}.cancel"
 
     def _fill_start_ticks(self, doc: Mapping[str, Any]) -> None:
         # a replica's start time (pid-reuse guard for other processes) is read here, in the writer's
@@ -351,49 +359,57 @@ class RecordStore:
         """Writes each record atomically; returns the errors by app id (empty when all were written).
 
         Replicas recorded RUNNING without a start time get it from ``/proc`` (the documents are
-        updated in place).
+        updated in place). A missing records directory is created again. Once a terminal record is
+        written, the app's lock file and cancel marker are removed.
         """
         errors: dict[str, BaseException] = {}
-        ident = f"{os.getpid()}.{threading.get_ident()}"
+        records_dir = str(self.records_dir)
         for app_id, doc in docs.items():
             self._fill_start_ticks(doc)
-            final = self.records_dir / f"{app_id}.json"
-            tmp = self.records_dir / f".{app_id}.{ident}.tmp"
             try:
                 data = json.dumps(doc, separators=(",", ":"), default=str).encode()
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
                 try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                finally:
-                    os.close(fd)
-                os.replace(tmp, final)
+                    protocol.write_record_file(records_dir, app_id, data)
+                except FileNotFoundError:
+                    self._ready = False
+                    self.ensure()
+                    protocol.write_record_file(records_dir, app_id, data)
+                if doc.get("state") in TERMINAL_NAMES and self._has_side_files(app_id):
+                    # (one created after this check finds the record terminal and is removed by
+                    # its creator, under the lock)
+                    with protocol.locked_record(records_dir, app_id):
+                        protocol.drop_lock_files(records_dir, app_id)
             except OSError as e:
                 errors[app_id] = e
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
         return errors
+
+    def _has_side_files(self, app_id: str) -> bool:
+        records_dir = str(self.records_dir)
+        return os.path.exists(protocol.lock_path(records_dir, app_id)) or os.path.exists(
+            protocol.cancel_path(records_dir, app_id)
+        )
 
     def read(self, app_id: str) -> AppRecord | None:
         """The record of ``app_id``, or None when there is none (or it is unreadable)."""
         path = self.path(app_id)
         if path is None:
             return None
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            logger.warning("cannot read app record %s: %s", path, e)
-            return None
-        try:
-            return AppRecord.from_json(json.loads(data))
-        except ValueError as e:
-            logger.warning("ignoring corrupt app record %s: %s", path, e)
-            return None
+        for attempt in range(3):
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                logger.warning("cannot read app record %s: %s", path, e)
+                return None
+            try:
+                return AppRecord.from_json(json.loads(data))
+            except ValueError as e:
+                if attempt < 2:  # caught halfway through an in-place rewrite (full disk)?
+                    time.sleep(0.002)
+                    continue
+                logger.warning("ignoring corrupt app record %s: %s", path, e)
+        return None
 
     def read_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
         """``read`` for each id."""
@@ -408,20 +424,53 @@ class RecordStore:
         return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
 
     def remove(self, app_id: str) -> None:
-        """Deletes the record of ``app_id`` (a failed submit leaves none behind)."""
-        path = self.path(app_id)
-        if path is not None:
-            for p in (path, self.cancel_marker(app_id)):
-                try:
-                    p.unlink()
-                except FileNotFoundError:
-                    pass
+        """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind)."""
+        if self.path(app_id) is None:
+            return
+        records_dir = str(self.records_dir)
+        for p in (
+            protocol.record_path(records_dir, app_id),
+            protocol.cancel_path(records_dir, app_id),
+            protocol.lock_path(records_dir, app_id),
+        ):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
-    def mark_cancel(self, app_id: str) -> None:
-        """Leaves the cancel marker of ``app_id`` for its launcher."""
-        fd = os.open(self.cancel_marker(app_id), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+    def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
+        """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
+        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is terminal
+        or gone."""
+        records_dir = str(self.records_dir)
+        with protocol.locked_record(records_dir, app_id):
+            record = self.read(app_id)
+            if record is None or record.state.name in TERMINAL_NAMES:
+                protocol.drop_lock_files(records_dir, app_id)
+                return False
+            data = "".join(f"{g}\n" for g in groups).encode()
+            # complete when it appears (the launcher may read it the moment it does)
+            tmp = os.path.join(records_dir, f".{app_id}.cancel.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, protocol.cancel_path(records_dir, app_id))
+        return True
 
-    def cancel_requested(self, app_id: str) -> bool:
-        """True when another process asked to cancel ``app_id``."""
-        return os.path.exists(self.cancel_marker(app_id))
+    def cancel_requested(self, app_id: str) -> set[int] | None:
+        """None, or the process groups another process sent SIGTERM when it cancelled ``app_id``."""
+        try:
+            with open(protocol.cancel_path(str(self.records_dir), app_id), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return set()
+        out = set()
+        for line in data.split():
+            head = line.partition(b":")[0]
+            if head.isdigit():
+                out.add(int(head))
+        return out

@@ -7,6 +7,7 @@ Everything here is pure: it reads the current directory, the environment and (fo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import string
@@ -18,6 +19,7 @@ from asynctorchx.specs.api import (
     AppDef,
     CfgVal,
     InvalidAppDefException,
+    InvalidRunConfigException,
     RetryPolicy,
     Role,
     macros,
@@ -35,6 +37,30 @@ CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 ERROR_FILE_NAME = "error.json"
 
 DEFAULT_GRACE_PERIOD = 5.0
+#: The longest ``cancel_grace_period`` accepted (seconds): an hour is already longer than any
+#: checkpoint should take, and a larger value is a typo (or ``inf``) that would make stops hang.
+MAX_GRACE_PERIOD = 3600.0
+
+
+def check_grace_period(value: object, cfg: Mapping[str, CfgVal]) -> float:
+    """``cancel_grace_period`` as a float in [0, MAX_GRACE_PERIOD] seconds.
+
+    Raises:
+        InvalidRunConfigException: it is not a finite number in that range (names it and its value).
+    """
+    if value is None:
+        return DEFAULT_GRACE_PERIOD
+    number = (
+        float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    )
+    if number is None or not math.isfinite(number) or not 0 <= number <= MAX_GRACE_PERIOD:
+        raise InvalidRunConfigException(
+            f"cancel_grace_period must be a number of seconds in [0, {MAX_GRACE_PERIOD:g}], "
+            f"got {value!r}",
+            "cancel_grace_period",
+            cfg,
+        )
+    return number
 
 
 @dataclass(frozen=True)
@@ -245,10 +271,7 @@ def build_request(
     app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
     handle = make_app_handle(backend, session, app_id)
     prepend_cwd = bool(cfg.get("prepend_cwd"))
-    grace = cfg.get("cancel_grace_period")
-    grace_period = float(grace) if isinstance(grace, (int, float)) else DEFAULT_GRACE_PERIOD
-    if grace_period < 0:
-        raise ValueError(f"cancel_grace_period must be >= 0 seconds, got {grace_period!r}")
+    grace_period = check_grace_period(cfg.get("cancel_grace_period"), cfg)
 
     slices: dict[tuple[str, int], str] | None = None
     if cfg.get("auto_set_cuda_visible_devices") and any(r.resource.gpu > 0 for r in app.roles):

@@ -1,34 +1,51 @@
 """Stops local apps whose launcher is gone. A standalone, stdlib-only script (started by path with
-``python -I -S``, so it starts fast and imports nothing of the package).
+``python -I -S``, so it starts fast and imports nothing of the package but its two sibling modules
+``protocol.py`` and ``contain.py``).
 
 Two modes:
 
-``watch RECORDS_DIR OWNER_PID MAX_GRACE``
-    One per launching scheduler, in its own session. It reads registrations from stdin (a pipe whose
-    only writer is the launcher) until EOF, which happens when the launcher closes it or dies, even by
-    SIGKILL. Lines: ``+ APP_ID PGID GRACE`` (a replica's process group started),
-    ``- APP_ID PGID`` (that group is gone), ``x APP_ID`` (the app's terminal record is on disk).
-    At EOF every group still registered gets SIGTERM, then SIGKILL after its grace period (at most
-    MAX_GRACE), and every app not forgotten gets a terminal record that says why.
+``watch RECORDS_DIR OWNER_PID MAX_GRACE BASE_CGROUP|-``
+    One per launching scheduler, in its own session. It reads the launcher's registrations
+    (``protocol.py``) from stdin, a pipe whose only writer is the launcher, until EOF, which happens
+    when the launcher closes it or dies, even by SIGKILL. At EOF, for every app still registered:
+    SIGTERM to each of its process groups (the registered ones and those of the processes carrying
+    its marker, which covers a replica spawned but not yet registered); once nothing of the app
+    is left, or after its grace period (at most MAX_GRACE), SIGKILL of everything it contains (its
+    cgroup, its groups, its marker holders); and as soon as its processes are gone, its terminal
+    record: FAILED, saying that the launcher died (a stop nobody asked for is not a cancel). An app
+    whose launcher died before writing its first record gets the minimal record its registration
+    carried. The scheduler's cgroup directory is removed at the end.
 
-``escalate RECORDS_DIR APP_ID GRACE PGID:START_TICKS...``
+``escalate RECORDS_DIR APP_ID GRACE CGROUP|- PGID:START_TICKS...``
     Started (detached) by a process that cancelled an app it did not launch and already sent
-    SIGTERM: after GRACE seconds it SIGKILLs the groups still alive, then writes the CANCELLED record
-    if the app's launcher is gone (a live launcher records the outcome itself).
+    SIGTERM: after GRACE seconds, or as soon as nothing of the app is left, it SIGKILLs what is
+    left (the groups whose leader is still the process it was told about, the app's cgroup and
+    marker holders), then writes the CANCELLED record if the app's launcher is gone (a live
+    launcher records the outcome itself).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
+from typing import Any
+
+if __package__:
+    from . import contain, protocol
+else:  # run as a script: the sibling modules are imported by path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import contain  # type: ignore[import-not-found, no-redef]
+    import protocol  # type: ignore[import-not-found, no-redef]
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL = 0.02
+#: How long the watchdog waits for SIGKILLed processes to be gone before it records the app anyway.
+KILL_WAIT = 5.0
 
 
 def start_ticks(pid: int) -> int | None:
@@ -44,83 +61,141 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
-def group_alive(pgid: int) -> bool:
+def finish_record(
+    records_dir: str,
+    app_id: str,
+    msg: str,
+    only_if_owner_gone: bool,
+    state: str = "CANCELLED",
+    fallback: dict[str, Any] | None = None,
+) -> None:
+    """Marks the app's record ``state`` (with ``msg``) unless it is already terminal; writes
+    ``fallback`` so marked when there is no record (the launcher died before writing one).
+
+    Runs under the record's lock; once the record is terminal, the lock file and the cancel marker
+    are removed.
+    """
     try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with protocol.locked_record(records_dir, app_id):
+            _finish_locked(records_dir, app_id, msg, only_if_owner_gone, state, fallback)
+    except OSError:
+        pass
 
 
-def signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, sig)
+def _finish_locked(
+    records_dir: str,
+    app_id: str,
+    msg: str,
+    only_if_owner_gone: bool,
+    state: str,
+    fallback: dict[str, Any] | None,
+) -> None:
+    try:
+        with open(protocol.record_path(records_dir, app_id), encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        if fallback is None:
+            protocol.drop_lock_files(records_dir, app_id)
+            return
+        doc = dict(fallback)
+    except (OSError, ValueError):
+        return
+    if doc.get("state") in TERMINAL:
+        protocol.drop_lock_files(records_dir, app_id)
+        return
+    if only_if_owner_gone:
+        owner = doc.get("owner") or {}
+        pid, ticks = owner.get("pid"), owner.get("start_ticks")
+        if isinstance(pid, int) and start_ticks(pid) == ticks:
+            return
+    now = time.time()
+    doc["state"] = state
+    doc["msg"] = msg
+    doc["ended_at"] = now
+    for rep in doc.get("replicas", []):
+        if rep.get("state") not in TERMINAL:
+            rep["state"] = state
+            rep["ended_at"] = now
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    protocol.write_record_file(records_dir, app_id, data)
+    protocol.drop_lock_files(records_dir, app_id)
 
 
-def stop_groups(groups: dict[int, float], max_grace: float) -> None:
-    """SIGTERM every group, wait for them to go (each up to its grace), SIGKILL what is left."""
-    for pgid in groups:
-        signal_group(pgid, signal.SIGTERM)
+@dataclass
+class _App:
+    grace: float
+    cgroup: str | None
+    record: dict[str, Any] | None = None
+    pgids: set[int] = field(default_factory=set)
+    prefix: str = ""
+    killed_at: float | None = None
+
+
+def _belongs(app: _App, pgid: int, marker: str | None) -> bool:
+    return pgid in app.pgids or (marker is not None and marker.startswith(app.prefix))
+
+
+def _kill_everything(app: _App, procs: list[tuple[int, int, str | None]]) -> None:
+    if app.cgroup:
+        contain.kill(app.cgroup)
+    contain.kill_groups(app.pgids, signal.SIGKILL)
+    contain.kill_pids(pid for pid, pgid, marker in procs if _belongs(app, pgid, marker))
+
+
+def stop_apps(apps: dict[str, _App], records_dir: str, owner_pid: int, max_grace: float) -> None:
+    """Stops every app (SIGTERM, grace, SIGKILL) and records each one as soon as it is gone."""
+    for app_id, app in apps.items():
+        app.prefix = protocol.app_marker_prefix(app_id)
+    prefixes = [app.prefix for app in apps.values()]
+    procs = contain.live_processes(protocol.MARKER_ENV_BYTES, prefixes)
+    for app in apps.values():
+        app.pgids |= {pgid for _, pgid, marker in procs if _belongs(app, pgid, marker)}
+        contain.kill_groups(app.pgids, signal.SIGTERM)
+    known = [p for app in apps.values() for p in app.pgids] + [p for p, _, _ in procs]
+    min_pid = min(known, default=0)
+    msg = f"the launcher (pid {owner_pid}) died; its watchdog stopped the app"
     start = time.monotonic()
-    pending = dict(groups)
+    pending = dict(apps)
     while pending:
+        all_groups = {g for app in pending.values() for g in app.pgids}
+        procs = contain.live_processes(
+            protocol.MARKER_ENV_BYTES,
+            [app.prefix for app in pending.values()],
+            pgids=all_groups,
+            min_pid=min_pid,
+        )
         now = time.monotonic() - start
-        for pgid, grace in list(pending.items()):
-            if not group_alive(pgid):
-                del pending[pgid]
-            elif now >= min(grace, max_grace):
-                signal_group(pgid, signal.SIGKILL)
-                del pending[pgid]
+        for app_id, app in list(pending.items()):
+            mine = [p for p in procs if _belongs(app, p[1], p[2])]
+            alive = bool(mine) or (app.cgroup is not None and contain.populated(app.cgroup))
+            if alive and app.killed_at is None and now >= min(app.grace, max_grace):
+                _kill_everything(app, mine)
+                app.killed_at = now
+            elif not alive or (app.killed_at is not None and now - app.killed_at >= KILL_WAIT):
+                why = msg
+                if alive:
+                    why += f" ({len(mine)} of its processes did not die after SIGKILL)"
+                if app.cgroup:
+                    contain.remove_tree(app.cgroup)
+                finish_record(
+                    records_dir,
+                    app_id,
+                    why,
+                    only_if_owner_gone=False,
+                    state="FAILED",
+                    fallback=app.record,
+                )
+                del pending[app_id]
         if pending:
             time.sleep(POLL)
 
 
-def finish_record(records_dir: str, app_id: str, msg: str, only_if_owner_gone: bool) -> None:
-    """Marks the app's record CANCELLED (with ``msg``) unless it is already terminal."""
-    path = os.path.join(records_dir, f"{app_id}.json")
-    lock_path = os.path.join(records_dir, f".{app_id}.lock")
-    try:
-        lock_fd = os.open(lock_path, os.O_WRONLY | os.O_CREAT, 0o600)
-    except OSError:
-        return
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        try:
-            with open(path, encoding="utf-8") as f:
-                doc = json.load(f)
-        except (OSError, ValueError):
-            return
-        if doc.get("state") in TERMINAL:
-            return
-        if only_if_owner_gone:
-            owner = doc.get("owner") or {}
-            pid, ticks = owner.get("pid"), owner.get("start_ticks")
-            if isinstance(pid, int) and start_ticks(pid) == ticks:
-                return
-        now = time.time()
-        doc["state"] = "CANCELLED"
-        doc["msg"] = msg
-        doc["ended_at"] = now
-        for rep in doc.get("replicas", []):
-            if rep.get("state") not in TERMINAL:
-                rep["state"] = "CANCELLED"
-                rep["ended_at"] = now
-        tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    finally:
-        os.close(lock_fd)
-
-
-def watch(records_dir: str, owner_pid: int, max_grace: float) -> None:
-    apps: dict[str, dict[int, float]] = {}
+def watch(records_dir: str, owner_pid: int, max_grace: float, base: str | None) -> None:
+    apps: dict[str, _App] = {}
     buf = b""
     while True:
         try:
-            chunk = os.read(0, 65536)
+            chunk = os.read(0, 1 << 16)
         except InterruptedError:
             continue
         except OSError:
@@ -130,42 +205,49 @@ def watch(records_dir: str, owner_pid: int, max_grace: float) -> None:
         buf += chunk
         *lines, buf = buf.split(b"\n")
         for raw in lines:
-            parts = raw.decode("utf-8", "replace").split()
-            if not parts:
+            msg = protocol.parse_line(raw)
+            if msg is None:
                 continue
-            op, app_id = parts[0], parts[1] if len(parts) > 1 else ""
-            if op == "+" and len(parts) >= 4:
-                apps.setdefault(app_id, {})[int(parts[2])] = float(parts[3])
-            elif op == "-" and len(parts) >= 3:
-                apps.get(app_id, {}).pop(int(parts[2]), None)
-            elif op == "x":
-                apps.pop(app_id, None)
-    if not apps:
-        return
-    groups = {pgid: grace for app in apps.values() for pgid, grace in app.items()}
-    stop_groups(groups, max_grace)
-    msg = (
-        f"stopped by the watchdog: the launching process (pid {owner_pid}) exited "
-        "without stopping the app"
-    )
-    for app_id in apps:
-        finish_record(records_dir, app_id, msg, only_if_owner_gone=False)
+            if msg.op == "A":
+                apps[msg.app_id] = _App(msg.grace, msg.cgroup, msg.record)
+            elif msg.op == "+":
+                apps.setdefault(msg.app_id, _App(max_grace, None)).pgids.add(msg.pid)
+            elif msg.op == "-":
+                app = apps.get(msg.app_id)
+                if app is not None:
+                    app.pgids.discard(msg.pid)
+            elif msg.op == "x":
+                apps.pop(msg.app_id, None)
+    if apps:
+        stop_apps(apps, records_dir, owner_pid, max_grace)
+    if base:
+        contain.remove_tree(base)
 
 
-def escalate(records_dir: str, app_id: str, grace: float, specs: list[str]) -> None:
+def escalate(
+    records_dir: str, app_id: str, grace: float, cgroup: str | None, specs: list[str]
+) -> None:
     groups: dict[int, int] = {}
     for spec in specs:
         group, _, since = spec.partition(":")
         groups[int(group)] = int(since)
+    prefix = protocol.app_marker_prefix(app_id)
     deadline = time.monotonic() + grace
-    while groups and time.monotonic() < deadline:
-        groups = {g: t for g, t in groups.items() if group_alive(g)}
-        if groups:
-            time.sleep(POLL)
-    for pgid, ticks in groups.items():
-        # the leader still being the process we were told about means the group id was not reused
-        if start_ticks(pgid) in (ticks, None):
-            signal_group(pgid, signal.SIGKILL)
+    procs = contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix], pgids=set(groups))
+    while time.monotonic() < deadline:
+        procs = contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix], pgids=set(groups))
+        if not procs and not (cgroup and contain.populated(cgroup)):
+            break
+        time.sleep(POLL)
+    else:
+        for pgid, ticks in groups.items():
+            # the leader still being the process we were told about means the group id was not
+            # reused (a leader that exited leaves its group id to its remaining members)
+            if start_ticks(pgid) in (ticks, None):
+                contain.kill_groups([pgid], signal.SIGKILL)
+        if cgroup:
+            contain.kill(cgroup)
+        contain.kill_pids(p for p, _, marker in procs if marker and marker.startswith(prefix))
     finish_record(records_dir, app_id, "cancelled by another process", only_if_owner_gone=True)
 
 
@@ -175,13 +257,14 @@ def main(argv: list[str]) -> int:
     with contextlib.suppress(OSError):
         os.chdir("/")
     mode = argv[1] if len(argv) > 1 else ""
-    if mode == "watch" and len(argv) == 5:
-        watch(argv[2], int(argv[3]), float(argv[4]))
+    if mode == "watch" and len(argv) == 6:
+        watch(argv[2], int(argv[3]), float(argv[4]), None if argv[5] == "-" else argv[5])
         return 0
-    if mode == "escalate" and len(argv) >= 5:
+    if mode == "escalate" and len(argv) >= 6:
         if os.fork() > 0:  # detach: the caller reaps this short-lived parent
             os._exit(0)
-        escalate(argv[2], argv[3], float(argv[4]), argv[5:])
+        cgroup = None if argv[5] == "-" else argv[5]
+        escalate(argv[2], argv[3], float(argv[4]), cgroup, argv[6:])
         return 0
     print(f"usage: {argv[0]} watch|escalate ...", file=sys.stderr)
     return 2

@@ -1,0 +1,367 @@
+"""Keeping every process a replica starts within reach: a cgroup v2 per replica, or a marker.
+
+Standalone and stdlib-only: the watchdog (``watchdog.py``, started as ``python -I -S`` by path)
+imports it as a sibling module, and the launcher imports it from the package.
+
+**cgroup mode.** Where this process may create cgroups in its own cgroup v2 directory (found in
+``/proc/self/mountinfo`` and ``/proc/self/cgroup``), a scheduler creates ``asynctorchx-{pid}-{n}``
+there, one directory per app under it and one per replica attempt under that
+(``{base}/{app_id}/{index}.{attempt}``). Each replica is moved into its directory right after it
+is spawned, so everything it starts later, ``setsid`` and double-forked daemons included, is born
+inside; ``cgroup.kill`` stops all of it at once and ``cgroup.events`` says when the last process
+has exited (zombies waiting for a slow reaper do not count).
+
+**marker mode (fallback).** Without a usable cgroup (e.g. inside a container whose
+``/sys/fs/cgroup`` is read-only, or with ``ASYNCTORCHX_LOCAL_CGROUPS=0``), descendants are found by
+the marker every replica carries in its environment (``ASYNCTORCHX_REPLICA={app_id}/{role}/{k}``,
+see ``protocol.py``): a scan of ``/proc/*/environ``. A process that rewrites its own environment
+escapes this mode (not the cgroup mode).
+
+Moving a process into a cgroup takes a kernel lock whose writer side waits for an RCU grace period
+when no migration happened in the last few milliseconds (measured here: 5-20 ms, against 40-150 us
+right after another migration). ``warm`` pays that wait (in a worker thread) just before a burst of
+spawns, so the moves made on the event loop right after each spawn stay fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import signal
+from collections.abc import Collection, Iterable
+
+logger = logging.getLogger(__name__)
+
+#: Set to "0" to use marker mode even where cgroups are usable.
+CGROUPS_ENV = "ASYNCTORCHX_LOCAL_CGROUPS"
+BASE_PREFIX = "asynctorchx-"
+
+_counter = itertools.count()
+
+
+# -- finding and creating our cgroup directory -------------------------------------------------------
+
+
+def _unescape_mount(path: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as octal
+    out, i = [], 0
+    while i < len(path):
+        if path[i] == "\\" and i + 3 < len(path) and path[i + 1 : i + 4].isdigit():
+            out.append(chr(int(path[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(path[i])
+            i += 1
+    return "".join(out)
+
+
+def own_cgroup_path() -> str | None:
+    """This process's cgroup v2 path (``/proc/self/cgroup``, relative to its cgroup namespace)."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
+            rel = next((line[3:].rstrip("\n") for line in f if line.startswith("0::")), None)
+    except OSError:
+        return None
+    if rel is None or rel.endswith(" (deleted)"):
+        return None
+    return rel
+
+
+def own_cgroup_dir() -> str | None:
+    """This process's cgroup v2 directory, or None when there is no cgroup v2 hierarchy to use."""
+    rel = own_cgroup_path()
+    if rel is None:
+        return None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        left, sep, right = line.partition(" - ")
+        if not sep or not right.startswith("cgroup2 "):
+            continue
+        fields = left.split()
+        if len(fields) < 5:
+            continue
+        root, mount = _unescape_mount(fields[3]), _unescape_mount(fields[4])
+        if root == "/":
+            sub = rel
+        elif rel == root or rel.startswith(root.rstrip("/") + "/"):
+            sub = rel[len(root.rstrip("/")) :]
+        else:
+            continue
+        path = os.path.normpath(mount + "/" + sub.lstrip("/"))
+        if os.path.isdir(path):
+            return path
+    return None
+
+
+def make_base() -> str | None:
+    """Creates this scheduler's cgroup directory; None (marker mode) when that is not possible.
+
+    Also removes the empty directories that launchers which died (their pid is gone) left behind.
+    """
+    if os.environ.get(CGROUPS_ENV) == "0":
+        return None
+    parent = own_cgroup_dir()
+    if parent is None:
+        return None
+    clean_stale(parent)
+    base = os.path.join(parent, f"{BASE_PREFIX}{os.getpid()}-{next(_counter)}")
+    try:
+        os.mkdir(base)
+    except OSError as e:
+        logger.debug("no cgroup containment (cannot create %s: %s); using the marker", base, e)
+        return None
+    usable = (
+        os.access(os.path.join(base, "cgroup.procs"), os.W_OK)
+        and os.access(os.path.join(base, "cgroup.kill"), os.W_OK)
+        and os.access(os.path.join(base, "cgroup.events"), os.R_OK)
+        and os.access(os.path.join(parent, "cgroup.procs"), os.W_OK)
+    )
+    if not usable:
+        logger.debug("no cgroup containment (%s lacks cgroup.kill or is not writable)", base)
+        remove_tree(base)
+        return None
+    return base
+
+
+def clean_stale(parent: str) -> None:
+    """Removes the (empty) scheduler directories under ``parent`` of processes that are gone."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(BASE_PREFIX):
+            continue
+        pid_text = name[len(BASE_PREFIX) :].partition("-")[0]
+        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+            continue
+        if not os.path.exists(f"/proc/{pid_text}"):
+            remove_tree(os.path.join(parent, name))
+
+
+# -- operations on one cgroup -------------------------------------------------------------------------
+
+
+def read_file(path: str, size: int | None = 4096) -> bytes | None:
+    """The contents of a ``/proc`` or cgroup file (its first ``size`` bytes, all of it when None),
+    or None when it cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if size is not None:
+            return os.read(fd, size)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def write_file(path: str, data: bytes) -> None:
+    """Writes ``data`` to a cgroup interface file in one call (raises OSError)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def move(cgroup: str, pid: int) -> None:
+    """Moves process ``pid`` (all its threads) into ``cgroup`` (raises OSError)."""
+    write_file(os.path.join(cgroup, "cgroup.procs"), b"%d" % pid)
+
+
+def _children_of_task(pid: int, tid: int | str) -> list[int]:
+    data = read_file(f"/proc/{pid}/task/{tid}/children", 1 << 16)
+    try:
+        return [int(x) for x in data.split()] if data else []
+    except ValueError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """The children of ``pid`` (every thread's), from ``/proc``."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    return [child for tid in tids for child in _children_of_task(pid, tid)]
+
+
+def adopt(cgroup: str, pid: int) -> None:
+    """Moves a just-spawned ``pid`` into ``cgroup``, then every descendant it already started.
+
+    Once ``pid`` is inside, its new children are born inside; the ones it had already are moved one
+    by one (each move makes their own new children be born inside), so the walk ends. Raises OSError
+    when ``pid`` itself cannot be moved (a descendant that exits meanwhile is skipped).
+    """
+    move(cgroup, pid)
+    seen = {pid}
+    # a process that has just exec'd has one thread (its task id is its pid)
+    todo = _children_of_task(pid, pid)
+    while todo:
+        child = todo.pop()
+        if child in seen:
+            continue
+        seen.add(child)
+        try:
+            move(cgroup, child)
+        except OSError:
+            continue
+        todo.extend(children(child))
+
+
+def populated(cgroup: str) -> bool:
+    """True while a process (not a zombie) is in ``cgroup`` or below; False when it is gone."""
+    data = read_file(os.path.join(cgroup, "cgroup.events"), 256)
+    return data is not None and b"populated 1" in data
+
+
+def kill(cgroup: str) -> None:
+    """SIGKILLs every process in ``cgroup`` and below (no-op when it is gone)."""
+    try:
+        write_file(os.path.join(cgroup, "cgroup.kill"), b"1")
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.warning("cgroup.kill of %s failed: %s", cgroup, e)
+
+
+def remove_tree(cgroup: str) -> bool:
+    """Removes ``cgroup`` and the (empty) cgroups below it; True when it is gone."""
+    try:
+        entries = list(os.scandir(cgroup))
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            remove_tree(entry.path)
+    try:
+        os.rmdir(cgroup)
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EBUSY, errno.ENOTEMPTY):
+            logger.debug("cannot remove cgroup %s: %s", cgroup, e)
+        return False
+    return True
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def stat_of(pid: int | str) -> tuple[bytes, int] | None:
+    """``(state letter, process group id)`` of ``pid``, or None when it does not exist."""
+    data = read_file(f"/proc/{pid}/stat", 1024)
+    if not data:
+        return None
+    try:
+        fields = data[data.rindex(b")") + 2 :].split()
+        return fields[0], int(fields[2])
+    except (ValueError, IndexError):
+        return None
+
+
+def marker_of(pid: int | str, name: bytes) -> str | None:
+    """The value of environment variable ``name`` in ``pid``'s initial environment, if set."""
+    env = read_file(f"/proc/{pid}/environ", None)
+    if not env:
+        return None
+    key = name + b"="
+    if env.startswith(key):
+        start = len(key)
+    else:
+        at = env.find(b"\0" + key)
+        if at < 0:
+            return None
+        start = at + 1 + len(key)
+    end = env.find(b"\0", start)
+    return env[start : end if end >= 0 else len(env)].decode("utf-8", "replace")
+
+
+def last_pid() -> int | None:
+    """The last pid the kernel handed out in this pid namespace (None if unknown)."""
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def live_processes(
+    marker_name: bytes,
+    prefixes: Collection[str] = (),
+    pgids: Collection[int] = (),
+    min_pid: int = 0,
+    exact: Collection[str] = (),
+) -> list[tuple[int, int, str | None]]:
+    """The processes that are not zombies and either are in one of ``pgids`` or carry a marker
+    equal to one of ``exact`` or starting with one of ``prefixes``: ``(pid, pgid, marker)`` each.
+
+    ``min_pid`` skips older pids (a replica's descendants have larger pids than the replica unless
+    the pid counter wrapped around, which is checked). This process is never listed.
+    """
+    me = os.getpid()
+    newest = last_pid()
+    if min_pid and newest is not None and newest < min_pid:
+        min_pid = 0  # the counter wrapped: anyone may be a descendant
+    prefix_tuple = tuple(prefixes)
+    found: list[tuple[int, int, str | None]] = []
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in names:
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        if pid == me or pid < min_pid:
+            continue
+        st = stat_of(name)
+        if st is None or st[0] in (b"Z", b"X"):
+            continue
+        marker = marker_of(name, marker_name) if prefix_tuple or exact else None
+        if st[1] in pgids or (
+            marker is not None and (marker in exact or marker.startswith(prefix_tuple))
+        ):
+            found.append((pid, st[1], marker))
+    return found
+
+
+def kill_pids(pids: Iterable[int], sig: int = signal.SIGKILL) -> None:
+    """Sends ``sig`` to each pid, ignoring the ones that are gone."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def kill_groups(pgids: Iterable[int], sig: int) -> None:
+    """Sends ``sig`` to each process group, ignoring the ones that are gone."""
+    for pgid in pgids:
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, sig)
+
+
+def open_fds() -> int:
+    """How many file descriptors this process has open (``/proc/self/fd``)."""
+    try:
+        size = os.stat("/proc/self/fd").st_size  # the count itself since Linux 6.2
+        if size > 0:
+            return size
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0

@@ -1,0 +1,218 @@
+"""What the launcher, its watchdog and other processes tell each other. Stdlib-only: the watchdog
+(``python -I -S watchdog.py``) imports it as a sibling module.
+
+**The replica marker.** Every replica starts with ``ASYNCTORCHX_REPLICA={app_id}/{role}/{k}`` in
+its environment (set last: a role's ``env`` cannot override it), and its descendants inherit it.
+It finds the processes of an app that are in no known process group or cgroup (see
+``contain.py``).
+
+**The watchdog's input**, one line per message on a pipe whose only writer is the launcher:
+
+- ``A {json}``: an app is about to start; ``{"app": id, "grace": seconds, "cgroup": dir or
+  null, "record": a minimal record, written if the launcher dies before writing the real one}``.
+  Written to the pipe before its first replica is spawned.
+- ``+ APP_ID PID``: a replica started; PID is also its process group id. Written right after the
+  spawn, before anything else happens on the event loop.
+- ``- APP_ID PID``: that replica's main process exited and was reaped.
+- ``x APP_ID``: the app's terminal record is on disk (or the failed submit was undone): forget it.
+
+**Record locks.** A process other than a live launcher changes a record only under
+``.{app_id}.lock`` (``locked_record``); whoever holds it and finds the record terminal removes the
+lock file and the ``{app_id}.cancel`` marker, so neither outlives the app.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+MARKER_ENV = "ASYNCTORCHX_REPLICA"
+MARKER_ENV_BYTES = MARKER_ENV.encode()
+
+
+def replica_marker(app_id: str, role: str, replica_id: int) -> str:
+    """The marker value of replica ``replica_id`` of ``role``."""
+    return f"{app_id}/{role}/{replica_id}"
+
+
+def app_marker_prefix(app_id: str) -> str:
+    """What the marker of every replica of ``app_id`` starts with."""
+    return f"{app_id}/"
+
+
+# -- watchdog lines --------------------------------------------------------------------------------
+
+
+def app_line(
+    app_id: str, grace: float, cgroup: str | None, record: dict[str, Any] | None = None
+) -> bytes:
+    """``A``: the app is about to start."""
+    doc = json.dumps(
+        {"app": app_id, "grace": grace, "cgroup": cgroup, "record": record},
+        separators=(",", ":"),
+        default=str,
+    )
+    return b"A " + doc.encode() + b"\n"
+
+
+def start_line(app_id: str, pid: int) -> bytes:
+    """``+``: a replica (and its process group) started."""
+    return b"+ %s %d\n" % (app_id.encode(), pid)
+
+
+def exit_line(app_id: str, pid: int) -> bytes:
+    """``-``: a replica's main process was reaped."""
+    return b"- %s %d\n" % (app_id.encode(), pid)
+
+
+def forget_line(app_id: str) -> bytes:
+    """``x``: the app is recorded as terminal (or undone); forget it."""
+    return b"x %s\n" % app_id.encode()
+
+
+@dataclass(frozen=True)
+class Message:
+    """One parsed line: ``op`` is ``A``, ``+``, ``-`` or ``x``."""
+
+    op: str
+    app_id: str
+    pid: int = 0
+    grace: float = 0.0
+    cgroup: str | None = None
+    record: dict[str, Any] | None = None
+
+
+def parse_line(raw: bytes) -> Message | None:
+    """The message of one line (without its newline), or None when it is not one."""
+    op, _, rest = raw.partition(b" ")
+    try:
+        if op == b"A":
+            doc = json.loads(rest)
+            cgroup, record = doc.get("cgroup"), doc.get("record")
+            return Message(
+                "A",
+                str(doc["app"]),
+                grace=float(doc["grace"]),
+                cgroup=cgroup if isinstance(cgroup, str) else None,
+                record=record if isinstance(record, dict) else None,
+            )
+        if op in (b"+", b"-"):
+            app_id, pid = rest.split()
+            return Message(op.decode(), app_id.decode("utf-8", "replace"), pid=int(pid))
+        if op == b"x":
+            return Message("x", rest.strip().decode("utf-8", "replace"))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return None
+
+
+# -- record files ----------------------------------------------------------------------------------
+
+
+def record_path(records_dir: str, app_id: str) -> str:
+    """The record file of ``app_id``."""
+    return os.path.join(records_dir, f"{app_id}.json")
+
+
+def lock_path(records_dir: str, app_id: str) -> str:
+    """The lock file that serialises changes to ``app_id``'s record by other processes."""
+    return os.path.join(records_dir, f".{app_id}.lock")
+
+
+def cancel_path(records_dir: str, app_id: str) -> str:
+    """The marker whose presence means another process asked to cancel ``app_id``."""
+    return os.path.join(records_dir, f"{app_id}.cancel")
+
+
+@contextlib.contextmanager
+def locked_record(records_dir: str, app_id: str) -> Iterator[None]:
+    """Holds the lock of ``app_id``'s record (blocking; raises OSError if it cannot be created).
+
+    A lock file can be removed while another process waits on it; the holder checks after locking
+    that the file it locked is still the one at the path, and locks again otherwise.
+    """
+    path = lock_path(records_dir, app_id)
+    while True:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def drop_lock_files(records_dir: str, app_id: str) -> None:
+    """Removes the lock file and the cancel marker of a terminal app (call it holding the lock)."""
+    for path in (lock_path(records_dir, app_id), cancel_path(records_dir, app_id)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
+    """Replaces the record of ``app_id`` with ``data`` atomically (mode 0600). Raises OSError.
+
+    When the file system is full the new file cannot be created; the record is then rewritten in
+    place if ``data`` fits in the space the current file already holds (padded with spaces, which
+    JSON ignores), so that its final state still reaches the disk.
+    """
+    final = record_path(records_dir, app_id)
+    tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, final)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(final, data):
+            raise
+
+
+def _rewrite_in_place(path: str, data: bytes) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        room = max(st.st_size, st.st_blocks * 512)
+        if len(data) > room:
+            return False
+        padded = data + b" " * (st.st_size - len(data)) if len(data) < st.st_size else data
+        try:
+            view = memoryview(padded)
+            offset = 0
+            while offset < len(padded):
+                offset += os.pwrite(fd, view[offset:], offset)
+        except OSError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
