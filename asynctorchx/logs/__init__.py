@@ -2,26 +2,37 @@
 
 ``ReplicaLogWriter`` pumps a replica's stdout/stderr pipes into ``stdout.log``, ``stderr.log`` and
 ``combined.log`` (plus a timing index for ``since``/``until``); ``iter_log_lines`` reads or follows one of
-them. Backends that write their own files (Slurm) use ``iter_log_lines`` alone. This package sits below
-the backends and imports nothing of them.
+them. Backends that write their own files (Slurm) use ``iter_log_lines`` alone. ``LogQuery`` is the checked
+form of a ``log_iter`` request that every backend receives, and ``Stream`` names what it reads. This
+package sits below the backends and imports nothing of them (``schedulers.api`` re-exports ``Stream``).
 """
 
 from asynctorchx.logs._files import INDEX_FILE as INDEX_FILE
 from asynctorchx.logs._files import LOG_FILES as LOG_FILES
 from asynctorchx.logs._files import log_file_name as log_file_name
 from asynctorchx.logs._notify import wake_readers as wake_readers
+from asynctorchx.logs._query import ALL_STREAMS as ALL_STREAMS
+from asynctorchx.logs._query import LogQuery as LogQuery
+from asynctorchx.logs._query import Stream as Stream
+from asynctorchx.logs._query import check_time_window as check_time_window
+from asynctorchx.logs._query import compile_log_regex as compile_log_regex
+from asynctorchx.logs._query import parse_stream as parse_stream
 from asynctorchx.logs._reader import decode_lines as decode_lines
 from asynctorchx.logs._reader import iter_log_lines as iter_log_lines
 from asynctorchx.logs._writer import ReplicaLogWriter as ReplicaLogWriter
-from asynctorchx.schedulers.api import Stream as Stream
 
 __all__ = [
+    "ALL_STREAMS",
     "INDEX_FILE",
     "LOG_FILES",
+    "LogQuery",
     "ReplicaLogWriter",
     "Stream",
+    "check_time_window",
+    "compile_log_regex",
     "decode_lines",
     "iter_log_lines",
     "log_file_name",
+    "parse_stream",
     "wake_readers",
 ]

@@ -23,7 +23,7 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from itertools import compress
 
-from asynctorchx.schedulers.api import Stream
+from asynctorchx.logs._query import Stream
 
 INDEX_FILE = "index.bin"
 INDEX_MAGIC = b"ATXIDX1\n"

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from asynctorchx.schedulers.api import Stream
+from asynctorchx.logs._query import Stream
 
 if TYPE_CHECKING:
     from asynctorchx.logs._writer import ReplicaLogWriter

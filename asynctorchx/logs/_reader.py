@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
 from asynctorchx.logs._files import INDEX_FILE, LOG_FILES, TimingIndex, read_index_blocking
-from asynctorchx.schedulers.api import Stream, compile_log_regex
+from asynctorchx.logs._query import Stream, compile_log_regex
 
 logger = logging.getLogger(__name__)
 

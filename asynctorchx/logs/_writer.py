@@ -18,7 +18,7 @@ from asynctorchx.logs._files import (
     RECORD_SIZE,
     STREAM_IDS,
 )
-from asynctorchx.schedulers.api import Stream
+from asynctorchx.logs._query import Stream
 
 logger = logging.getLogger(__name__)
 

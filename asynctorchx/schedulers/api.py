@@ -19,16 +19,24 @@ from __future__ import annotations
 
 import abc
 import logging
-import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import Enum
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import anyio
 import anyio.to_thread
 
+from asynctorchx.logs._query import ALL_STREAMS, LogQuery
+from asynctorchx.logs._query import Stream as Stream
+
+# the log-query helpers live in ``logs`` (below the backends); these names are kept here for
+# backends and for TorchX's ``schedulers.api`` names (``Stream``, ``filter_regex``, ``split_lines``)
+from asynctorchx.logs._query import check_time_window as check_time_window
+from asynctorchx.logs._query import compile_log_regex as compile_log_regex
+from asynctorchx.logs._query import filter_regex as filter_regex
+from asynctorchx.logs._query import split_lines as split_lines
+from asynctorchx.logs._query import to_timestamp as to_timestamp
 from asynctorchx.specs.api import (
     NONE,
     AppDef,
@@ -52,14 +60,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 ChangeCallback = Callable[[str], None]
-
-
-class Stream(str, Enum):
-    """Which output of a replica ``log_iter`` reads."""
-
-    STDOUT = "stdout"
-    STDERR = "stderr"
-    COMBINED = "combined"
 
 
 @dataclass
@@ -298,20 +298,28 @@ class Scheduler(abc.ABC, Generic[T]):
         return await self.describe(app_id) is not None
 
     async def cancel(self, app_id: str) -> None:
-        """Asks the scheduler to stop the app. Idempotent; returns without waiting for the app to end.
+        """Asks the scheduler to stop the app; returns without waiting for it to end.
 
-        Cancelling an unknown or finished app does nothing.
+        Idempotent: cancelling an app that is unknown or already finished does nothing. The first
+        cancel of a running app is a stop the user asked for: the app ends CANCELLED.
+
+        Every backend goes through this template (as TorchX's do): ``exists``, then
+        ``_cancel_existing``. A backend makes ``exists`` cheap rather than overriding ``cancel``.
         """
         if await self.exists(app_id):
             await self._cancel_existing(app_id)
 
     @abc.abstractmethod
     async def _cancel_existing(self, app_id: str) -> None:
-        """Cancels an app known to exist."""
+        """Stops an app ``exists`` just found (it may have ended since: then nothing happens)."""
 
     @abc.abstractmethod
     async def list(self) -> list[ListAppResponse]:
         """The apps this scheduler knows (as far as it keeps them)."""
+
+    #: The streams ``log_iter`` can read; COMBINED (the default) is everything the replica wrote,
+    #: both streams in the order they arrived.
+    log_streams: ClassVar[frozenset[Stream]] = ALL_STREAMS
 
     def log_iter(
         self,
@@ -326,19 +334,47 @@ class Scheduler(abc.ABC, Generic[T]):
     ) -> AsyncIterator[str]:
         """The log lines of replica ``k`` of ``role_name``, each ending with its ``\\n``.
 
+        The arguments are checked here, the same way for every backend (``LogQuery.build``), and
+        the backend reads (``_log_iter``). An argument error raises at this call; that the app,
+        role and replica exist is found out by reading, so those errors raise at the first
+        iteration.
+
         Args:
             regex: only lines matching it (``re.search``).
             since: only lines written at or after this time (naive = local time).
             until: only lines written at or before this time.
             should_tail: follow the log until the app is terminal, then drain what is left and stop;
                 otherwise return what exists now.
-            streams: which output to read (the backend's default when None).
+            streams: which output to read; by default (None, or COMBINED) everything the replica
+                wrote, in the order it arrived.
 
         Raises:
-            ValueError: an argument the backend cannot honour (e.g. an unsupported stream).
-            UnknownRoleException: no such role, or ``k`` is out of range.
+            ValueError: a stream this backend cannot read (``log_streams``), an invalid regex,
+                ``since`` after ``until``, or a negative ``k``.
+            TypeError: an argument of the wrong type.
+            UnknownAppException: (when iterated) no such app.
+            UnknownRoleException: (when iterated) no such role, or no replica ``k``.
         """
-        raise NotImplementedError(f"{self.backend} does not support log_iter")
+        query = LogQuery.build(
+            self.backend,
+            self.log_streams,
+            app_id,
+            role_name,
+            k,
+            regex,
+            since,
+            until,
+            should_tail,
+            streams,
+        )
+        return self._log_iter(query)
+
+    def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        """The backend's part of ``log_iter``: an async generator of the lines ``query`` asks for.
+
+        It raises UnknownAppException/UnknownRoleException from its first iteration.
+        """
+        raise NotImplementedError(f"the {self.backend} scheduler does not read logs")
 
     async def close(self) -> None:
         """Releases what the scheduler holds (clients, background tasks). Idempotent."""
@@ -379,39 +415,6 @@ class Scheduler(abc.ABC, Generic[T]):
 # -- helpers shared by backends ------------------------------------------------------------------
 
 
-def compile_log_regex(regex: str | None) -> re.Pattern[str] | None:
-    """Compiles a log filter, raising ValueError that names the bad pattern."""
-    if regex is None or regex == "":
-        return None
-    try:
-        return re.compile(regex)
-    except re.error as e:
-        raise ValueError(f"invalid log regex {regex!r}: {e}") from None
-
-
-def to_timestamp(value: datetime | None, name: str) -> float | None:
-    """A datetime (naive = local time) as a POSIX timestamp, or None."""
-    if value is None:
-        return None
-    if not isinstance(value, datetime):
-        raise TypeError(f"{name} must be a datetime, got {value!r}")
-    return value.timestamp()
-
-
-def check_time_window(
-    since: datetime | None, until: datetime | None
-) -> tuple[float | None, float | None]:
-    """Validates ``since``/``until`` and returns them as POSIX timestamps.
-
-    Raises:
-        ValueError: ``since`` is after ``until``.
-    """
-    lo, hi = to_timestamp(since, "since"), to_timestamp(until, "until")
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"since ({since}) is after until ({until})")
-    return lo, hi
-
-
 def check_replica(
     app_id: str, replicas_per_role: Mapping[str, int], role_name: str, k: int
 ) -> None:
@@ -424,23 +427,6 @@ def check_replica(
         raise UnknownRoleException(
             f"replica k={k!r} is out of range for role {role_name!r} of app {app_id!r} ({n} replicas)"
         )
-
-
-async def filter_regex(regex: str | None, lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The lines of ``lines`` that match ``regex`` (all of them when it is None)."""
-    pattern = compile_log_regex(regex)
-    async for line in lines:
-        if pattern is None or pattern.search(line):
-            yield line
-
-
-def split_lines(text: str) -> list[str]:
-    """Splits ``text`` on ``\\n`` only; lines keep it, ``\\r`` stays inside, a final partial line is kept."""
-    parts = text.split("\n")
-    out = [p + "\n" for p in parts[:-1]]
-    if parts[-1]:
-        out.append(parts[-1])
-    return out
 
 
 def role_replica_counts(roles: Iterable[Role]) -> dict[str, int]:
