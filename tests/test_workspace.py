@@ -280,6 +280,23 @@ def test_projects_that_put_two_files_at_one_path_are_rejected(tmp_path: Path) ->
         scan_workspace(Workspace({str(a): "", str(b): ""}), TORCHXIGNORE)
 
 
+@pytest.mark.parametrize("symlink_first", [True, False], ids=["symlink-first", "dir-first"])
+def test_a_project_below_another_projects_symlink_is_rejected(
+    tmp_path: Path, symlink_first: bool
+) -> None:
+    """A project mapped below a symlink of another project is a collision, whatever the order:
+    a copy would otherwise write through the symlink, outside the target."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    a = _tree(tmp_path / "a", {"main.py": "m"})
+    (a / "lib").symlink_to(outside)
+    b = _tree(tmp_path / "b", {"evil.py": "e"})
+    projects = {str(a): "", str(b): "lib"} if symlink_first else {str(b): "lib", str(a): ""}
+    with pytest.raises(InvalidWorkspaceException, match=r"collide.*'lib"):
+        scan_workspace(Workspace(projects), TORCHXIGNORE)
+    assert os.listdir(outside) == []
+
+
 def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path) -> None:
     """A workspace that does not exist, or is a file, is a clear error naming the path."""
     with pytest.raises(InvalidWorkspaceException, match=r"'.*/nope' does not exist"):

@@ -424,6 +424,7 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
                     f"{target!r}"
                 )
             entries.setdefault(target, entry)
+    _check_parents(entries)
     ordered = tuple(entries[k] for k in sorted(entries))
     h = hashlib.sha256(_HASH_VERSION + b"\0")
     for e in ordered:
@@ -433,6 +434,24 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
             )
         )
     return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
+
+
+def _check_parents(entries: dict[str, WorkspaceEntry]) -> None:
+    """Raises InvalidWorkspaceException when an entry lies below one that is not a directory.
+
+    Only projects can make that (one ships a symlink ``lib``, another goes to ``lib/``); a copy
+    or an extracted tar would then write through the symlink, outside the target.
+    """
+    for path, entry in entries.items():
+        parent = posixpath.dirname(path)
+        while parent:
+            prior = entries.get(parent)
+            if prior is not None and prior.kind != "dir":
+                raise InvalidWorkspaceException(
+                    f"workspace projects collide: {entry.source!r} goes to {path!r}, below "
+                    f"{prior.source!r}, which is a {prior.kind}, not a directory"
+                )
+            parent = posixpath.dirname(parent)
 
 
 def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceEntry:
