@@ -372,6 +372,41 @@ def test_a_file_changed_after_the_scan_fails_the_tar(
         write_tar(scan, io.BytesIO())
 
 
+@pytest.mark.parametrize("ship", ["tar", "copy"])
+def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
+    tmp_path: Path, ship: str
+) -> None:
+    """A file swapped for a FIFO after the scan is a WorkspaceChangedError, not an open() that
+    waits forever for a writer."""
+    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    scan = scan_workspace(_ws(root), DOCKERIGNORE)
+    (root / "a.py").unlink()
+    os.mkfifo(root / "a.py")
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if ship == "tar":
+                write_tar(scan, io.BytesIO())
+            else:
+                copy_scan(scan, str(dest))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(root / "a.py", "wb"):  # lets the blocked open() return
+            pass
+        thread.join(10)
+        pytest.fail("shipping the workspace blocked on the FIFO")
+    assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
+    assert "no longer a regular file" in str(errors[0])
+
+
 def test_a_copy_keeps_its_bytes_when_the_source_is_edited_in_place(tmp_path: Path) -> None:
     """copy_scan makes real copies (or clones), never links: in-place edits do not reach them."""
     root = _tree(tmp_path / "ws", {"a.py": "v1", "sub/b.txt": "b"})

@@ -307,11 +307,37 @@ def _unreadable(path: str, e: OSError, what: str = "file") -> InvalidWorkspaceEx
     return InvalidWorkspaceException(f"workspace {what} {path!r} cannot be read: {e.strerror or e}")
 
 
+# O_NONBLOCK: a file replaced by a FIFO after it was listed must not block its open forever (on a
+# regular file the flag does nothing). O_NOFOLLOW: nor may it have become a symlink.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_shipped(entry: WorkspaceEntry) -> BinaryIO:
+    """``entry``'s file, opened for reading, which must still be a regular file.
+
+    Raises:
+        WorkspaceChangedError: it is gone, or is no longer a regular file.
+    """
+    try:
+        fd = os.open(entry.source, _READ_FLAGS)
+    except OSError as e:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} cannot be read any more ({e.strerror or e}); "
+            "submit again"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} is no longer a regular file; submit again"
+        )
+    return os.fdopen(fd, "rb")
+
+
 def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
     """The sha256 of a file's bytes, and its stat (taken from the open file)."""
     h = hashlib.sha256()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, _READ_FLAGS)
     except OSError as e:
         raise _unreadable(path, e) from None
     try:
@@ -521,12 +547,7 @@ class _CheckedReader:
 
     def __init__(self, entry: WorkspaceEntry) -> None:
         self._entry = entry
-        try:
-            self._f: BinaryIO = open(entry.source, "rb")  # noqa: SIM115 - closed by close()
-        except OSError as e:
-            raise WorkspaceChangedError(
-                f"workspace file {entry.source!r} cannot be read any more ({e.strerror or e})"
-            ) from None
+        self._f = _open_shipped(entry)
         self._hash = hashlib.sha256() if entry.racy else None
         self._left = entry.size
         if not entry.racy and not self._same_stat():
@@ -623,13 +644,14 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
     out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
 
 
-def _clone_or_copy(src: str, dst: str, use_clone: list[bool]) -> None:
-    """Copies ``src`` to a new file ``dst``: a reflink (FICLONE) while the file system takes them."""
-    if use_clone[0]:
-        with open(src, "rb") as fsrc, open(dst, "xb") as fdst:
+def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bool:
+    """Copies ``entry``'s file to a new file ``dst``: a reflink (FICLONE) when ``use_clone`` and
+    the file system takes them (else ``use_clone`` turns False). Returns True for a reflink."""
+    with _open_shipped(entry) as fsrc, open(dst, "xb") as fdst:
+        if use_clone[0]:
             try:
                 fcntl.ioctl(fdst.fileno(), _FICLONE, fsrc.fileno())
-                return
+                return True
             except OSError as e:
                 if e.errno not in (
                     errno.EOPNOTSUPP,
@@ -640,8 +662,8 @@ def _clone_or_copy(src: str, dst: str, use_clone: list[bool]) -> None:
                 ):
                     raise
                 use_clone[0] = False
-        os.unlink(dst)
-    shutil.copyfile(src, dst)
+        shutil.copyfileobj(fsrc, fdst, _CHUNK)
+    return False
 
 
 _FICLONE = 0x40049409
@@ -652,8 +674,10 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
 
     Each file of at least 256 kB is cloned (FICLONE, sharing blocks until either side is
     written) when ``clone`` and the file system allows, else copied; a clone or copy does not
-    change when the source is edited in place later (hard links would). A file's stat must not have moved since the scan, and a
-    file changed just before the scan (its timestamps cannot vouch for it) is hashed again.
+    change when the source is edited in place later (hard links would). A file's stat must not
+    have moved since the scan, and a file changed just before the scan (its timestamps cannot
+    vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
+    (a FIFO would block the copy forever).
 
     Returns:
         ``{"cloned": n, "copied": n}``.
@@ -675,12 +699,9 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
             os.symlink(entry.link, target)
         else:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            if entry.size >= _CLONE_MIN_BYTES:
-                _clone_or_copy(entry.source, target, use_clone)
-                counts["cloned" if use_clone[0] else "copied"] += 1
-            else:
-                shutil.copyfile(entry.source, target)
-                counts["copied"] += 1
+            small = entry.size < _CLONE_MIN_BYTES
+            cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
+            counts["cloned" if cloned else "copied"] += 1
             _check_unchanged(entry)
             if entry.racy:
                 digest, _ = _hash_file(target, os.stat(target))
