@@ -369,9 +369,10 @@ def check_directory(path: str) -> None:
 
 
 def _walk(
-    root: str, rules: IgnoreRules, keep: frozenset[str]
+    root: str, rules: IgnoreRules, keep: frozenset[str], skip: frozenset[tuple[int, int]]
 ) -> Iterator[tuple[str, str, os.stat_result]]:
-    """``(relative path, absolute path, lstat)`` of everything included under ``root``."""
+    """``(relative path, absolute path, lstat)`` of everything included under ``root``, except
+    the directories whose (device, inode) is in ``skip``."""
     stack = [""]
     while stack:
         rel_dir = stack.pop()
@@ -385,6 +386,8 @@ def _walk(
         for name, path, st in items:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in skip:
+                    continue
                 if rules.excluded(rel):
                     if rules.may_include_below(rel):
                         below.append(rel)
@@ -400,7 +403,11 @@ def _walk(
 
 
 def scan_workspace(
-    workspace: Workspace, ignore_file: str, *, keep: Sequence[str] = ()
+    workspace: Workspace,
+    ignore_file: str,
+    *,
+    keep: Sequence[str] = (),
+    skip_dirs: Sequence[str] = (),
 ) -> WorkspaceScan:
     """Walks and hashes the included contents of every project of ``workspace``.
 
@@ -409,13 +416,18 @@ def scan_workspace(
         ignore_file: the name of the ignore file each project may have at its root.
         keep: paths (relative to a project) included even when the ignore file excludes them
             (``Dockerfile.torchx``, which the Docker CLI always sends, as TorchX does).
+        skip_dirs: directories never shipped when a project contains them: the backend's own
+            state (a state root holding logs that grow and the snapshots made before, which each
+            snapshot would otherwise copy again). Told apart by device and inode, so any path to
+            them counts.
 
     Raises:
         InvalidWorkspaceException: a directory is missing, is a file, or cannot be read; a file
             cannot be read; an ignore file holds a bad pattern; two projects put different files
             at the same path.
     """
-    lock_key = (workspace.key(), ignore_file, tuple(keep))
+    skip = frozenset(_dir_ids(skip_dirs))
+    lock_key = (workspace.key(), ignore_file, tuple(keep), skip)
     with _scan_locks_guard:
         lock = _scan_locks.setdefault(lock_key, threading.Lock())
         if len(_scan_locks) > 1024:
@@ -424,10 +436,24 @@ def scan_workspace(
     # Scans of one workspace take turns: the second of two concurrent submits then finds every
     # hash remembered instead of reading the whole workspace a second time.
     with lock:
-        return _scan(workspace, ignore_file, frozenset(keep))
+        return _scan(workspace, ignore_file, frozenset(keep), skip)
 
 
-def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> WorkspaceScan:
+def _dir_ids(paths: Sequence[str]) -> Iterator[tuple[int, int]]:
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # not made yet: nothing of it to skip
+        yield st.st_dev, st.st_ino
+
+
+def _scan(
+    workspace: Workspace,
+    ignore_file: str,
+    keep: frozenset[str],
+    skip: frozenset[tuple[int, int]],
+) -> WorkspaceScan:
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
     for project, dest in workspace.projects.items():
@@ -440,7 +466,7 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
                 entries.setdefault(
                     d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
                 )
-        for rel, path, st in _walk(project, rules, keep):
+        for rel, path, st in _walk(project, rules, keep, skip):
             target = f"{dest}/{rel}" if dest else rel
             entry = _entry(target, path, st, now)
             prior = entries.get(target)
