@@ -369,10 +369,14 @@ def check_directory(path: str) -> None:
 
 
 def _walk(
-    root: str, rules: IgnoreRules, keep: frozenset[str], skip: frozenset[tuple[int, int]]
+    root: str,
+    rules: IgnoreRules,
+    keep: frozenset[str],
+    skip: frozenset[tuple[int, int]],
+    skip_marker: str | None,
 ) -> Iterator[tuple[str, str, os.stat_result]]:
     """``(relative path, absolute path, lstat)`` of everything included under ``root``, except
-    the directories whose (device, inode) is in ``skip``."""
+    the directories whose (device, inode) is in ``skip`` or that hold a ``skip_marker`` file."""
     stack = [""]
     while stack:
         rel_dir = stack.pop()
@@ -386,7 +390,9 @@ def _walk(
         for name, path, st in items:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if stat.S_ISDIR(st.st_mode):
-                if (st.st_dev, st.st_ino) in skip:
+                if (st.st_dev, st.st_ino) in skip or (
+                    skip_marker and os.path.lexists(os.path.join(path, skip_marker))
+                ):
                     continue
                 if rules.excluded(rel):
                     if rules.may_include_below(rel):
@@ -408,6 +414,7 @@ def scan_workspace(
     *,
     keep: Sequence[str] = (),
     skip_dirs: Sequence[str] = (),
+    skip_marker: str | None = None,
 ) -> WorkspaceScan:
     """Walks and hashes the included contents of every project of ``workspace``.
 
@@ -420,6 +427,8 @@ def scan_workspace(
             state (a state root holding logs that grow and the snapshots made before, which each
             snapshot would otherwise copy again). Told apart by device and inode, so any path to
             them counts.
+        skip_marker: directories holding a file of this name are never shipped either (the job
+            directories a backend made earlier inside the workspace, which it marks so).
 
     Raises:
         InvalidWorkspaceException: a directory is missing, is a file, or cannot be read; a file
@@ -427,7 +436,7 @@ def scan_workspace(
             at the same path.
     """
     skip = frozenset(_dir_ids(skip_dirs))
-    lock_key = (workspace.key(), ignore_file, tuple(keep), skip)
+    lock_key = (workspace.key(), ignore_file, tuple(keep), skip, skip_marker)
     with _scan_locks_guard:
         lock = _scan_locks.setdefault(lock_key, threading.Lock())
         if len(_scan_locks) > 1024:
@@ -436,7 +445,7 @@ def scan_workspace(
     # Scans of one workspace take turns: the second of two concurrent submits then finds every
     # hash remembered instead of reading the whole workspace a second time.
     with lock:
-        return _scan(workspace, ignore_file, frozenset(keep), skip)
+        return _scan(workspace, ignore_file, frozenset(keep), skip, skip_marker)
 
 
 def _dir_ids(paths: Sequence[str]) -> Iterator[tuple[int, int]]:
@@ -453,6 +462,7 @@ def _scan(
     ignore_file: str,
     keep: frozenset[str],
     skip: frozenset[tuple[int, int]],
+    skip_marker: str | None,
 ) -> WorkspaceScan:
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
@@ -466,7 +476,7 @@ def _scan(
                 entries.setdefault(
                     d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
                 )
-        for rel, path, st in _walk(project, rules, keep, skip):
+        for rel, path, st in _walk(project, rules, keep, skip, skip_marker):
             target = f"{dest}/{rel}" if dest else rel
             entry = _entry(target, path, st, now)
             prior = entries.get(target)
