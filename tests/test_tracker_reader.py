@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
@@ -195,6 +196,22 @@ async def test_watch_waits_for_files_written_in_place(tmp_path: Path) -> None:
             await anyio.sleep(0.1)  # the reader sees the cut-off entry meanwhile
             f.write(": 2}}")
     assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
+
+
+async def test_watch_goes_on_when_the_root_is_removed_and_made_again(tmp_path: Path) -> None:
+    """A tracker root removed and made again while watched: runs written to the new root are
+    still yielded (the watch of the removed root is replaced, not waited on forever)."""
+    require_inotify()
+    root = tmp_path / "runs"
+    root.mkdir()
+    tracker = FsspecTracker(None, root)
+    tracker.add_metadata("a", x=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+    async with following(reader.watch_metadata(), 2) as got:
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        root.mkdir()
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=1))
+    assert [(u.run_id, dict(u.entry)) for u in got] == [("a", {"x": 1}), ("b", {"y": 1})]
 
 
 class DictTracker(TrackerBase):
