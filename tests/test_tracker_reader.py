@@ -443,6 +443,34 @@ def test_cli_tracker_errors_are_one_line(tracked: Path) -> None:
     assert result.stderr.count("\n") == 1 and "unknown tracker 'nope'" in result.stderr
 
 
+def test_cli_json_of_non_finite_metadata_is_strict_json(tracked: Path) -> None:
+    """A NaN or infinite metric (a diverged loss) is printed by --json as the strings "NaN",
+    "Infinity" and "-Infinity", so that strict JSON parsers (jq, browsers) read the output."""
+    tracker = FsspecTracker(None, tracked)
+    md = {"loss": float("nan"), "hi": float("inf"), "lo": float("-inf"), "ok": 1.5}
+    tracker.add_metadata("r", **md, nested={"grad": [float("nan")]})
+    tracker.add_artifact("r", "ckpt", "/c", {"loss": float("nan")})
+
+    def strict(text: str) -> object:
+        def refuse(token: str) -> object:
+            raise ValueError(f"not JSON: {token}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    result = cli("tracker", "list", "metadata", "r", "--json")
+    assert result.returncode == 0, result.stderr
+    assert strict(result.stdout) == {
+        "loss": "NaN",
+        "hi": "Infinity",
+        "lo": "-Infinity",
+        "ok": 1.5,
+        "nested": {"grad": ["NaN"]},
+    }
+    result = cli("tracker", "list", "artifacts", "r", "--json")
+    assert result.returncode == 0, result.stderr
+    assert strict(result.stdout) == [{"name": "ckpt", "path": "/c", "metadata": {"loss": "NaN"}}]
+
+
 def test_cli_dryrun_shows_the_parent_run_id(tracked: Path) -> None:
     """run --dryrun --parent_run_id shows TORCHX_PARENT_RUN_ID in each replica's env; '' is refused."""
     result = cli("run", "--dryrun", "--parent_run_id", "sweep-5", "utils.echo", "--msg", "hi")
