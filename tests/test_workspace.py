@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -295,6 +297,59 @@ def test_a_project_below_another_projects_symlink_is_rejected(
     with pytest.raises(InvalidWorkspaceException, match=r"collide.*'lib"):
         scan_workspace(Workspace(projects), TORCHXIGNORE)
     assert os.listdir(outside) == []
+
+
+@pytest.mark.parametrize("when", ["before-stat", "after-listing"])
+@pytest.mark.parametrize("what", ["file", "symlink", "directory"])
+def test_what_is_removed_while_the_scan_lists_it_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str, when: str
+) -> None:
+    """A file, symlink or directory removed while the scan lists its directory (an editor's swap
+    or test file) is left out of the scan instead of failing it as unreadable."""
+    root = _tree(tmp_path / "ws", {"a.py": "a", "gone/x.py": "x"})
+    ghost = root / "4913"
+    if what == "file":
+        ghost.write_text("")
+    elif what == "symlink":
+        ghost.symlink_to("a.py")
+    else:
+        ghost = root / "gone"
+    real_scandir = os.scandir
+
+    def remove() -> None:
+        if ghost.is_dir() and not ghost.is_symlink():
+            shutil.rmtree(ghost)
+        else:
+            ghost.unlink()
+
+    class Listing:
+        """os.scandir's iterator, removing the ghost as it lists the workspace's root."""
+
+        def __init__(self, path: str) -> None:
+            self.path = path
+            self.it = real_scandir(path)
+
+        def __enter__(self) -> Listing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Iterator[os.DirEntry[str]]:
+            for entry in self.it:
+                if when == "before-stat" and entry.path == str(ghost):
+                    remove()
+                yield entry
+            if when == "after-listing" and self.path == str(root):
+                remove()
+
+    monkeypatch.setattr(os, "scandir", Listing)
+    scan = scan_workspace(_ws(root), TORCHXIGNORE)
+    if what != "directory":
+        expected = ["a.py", "gone", "gone/x.py"]
+    else:  # listed and stat'ed, then removed: shipped as the empty directory it was seen as
+        expected = ["a.py"] + (["gone"] if when == "after-listing" else [])
+    assert [e.path for e in scan.entries if e.path != ".nonce"] == expected
 
 
 def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path) -> None:

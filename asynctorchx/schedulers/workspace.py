@@ -334,10 +334,18 @@ def _open_shipped(entry: WorkspaceEntry) -> BinaryIO:
 
 
 def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
-    """The sha256 of a file's bytes, and its stat (taken from the open file)."""
+    """The sha256 of a file's bytes, and its stat (taken from the open file).
+
+    Raises:
+        FileNotFoundError: the file was removed.
+        InvalidWorkspaceException: it cannot be read.
+        WorkspaceChangedError: it is no longer the file that was listed.
+    """
     h = hashlib.sha256()
     try:
         fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        raise
     except OSError as e:
         raise _unreadable(path, e) from None
     try:
@@ -376,16 +384,28 @@ def _walk(
     skip_marker: str | None,
 ) -> Iterator[tuple[str, str, os.stat_result]]:
     """``(relative path, absolute path, lstat)`` of everything included under ``root``, except
-    the directories whose (device, inode) is in ``skip`` or that hold a ``skip_marker`` file."""
+    the directories whose (device, inode) is in ``skip`` or that hold a ``skip_marker`` file.
+
+    What is removed while it is walked (an editor's swap or test file) is left out, as a walk made
+    a moment later would.
+    """
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        items = []
         try:
             with os.scandir(abs_dir) as it:
-                items = sorted((e.name, e.path, e.stat(follow_symlinks=False)) for e in it)
+                for e in it:
+                    with contextlib.suppress(FileNotFoundError):
+                        items.append((e.name, e.path, e.stat(follow_symlinks=False)))
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if not rel_dir:
+                raise _unreadable(abs_dir, e, "directory") from None
+            continue  # removed (or replaced by a file) since its parent was listed
         except OSError as e:
             raise _unreadable(abs_dir, e, "directory") from None
+        items.sort()
         below: list[str] = []
         for name, path, st in items:
             rel = f"{rel_dir}/{name}" if rel_dir else name
@@ -478,7 +498,10 @@ def _scan(
                 )
         for rel, path, st in _walk(project, rules, keep, skip, skip_marker):
             target = f"{dest}/{rel}" if dest else rel
-            entry = _entry(target, path, st, now)
+            try:
+                entry = _entry(target, path, st, now)
+            except FileNotFoundError:
+                continue  # removed since it was listed
             prior = entries.get(target)
             if prior is not None and (prior.kind != "dir" or entry.kind != "dir"):
                 raise InvalidWorkspaceException(
@@ -523,6 +546,8 @@ def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceE
     if stat.S_ISLNK(st.st_mode):
         try:
             link = os.readlink(path)
+        except FileNotFoundError:
+            raise
         except OSError as e:
             raise _unreadable(path, e, "symlink") from None
         digest = hashlib.sha256(link.encode("utf-8", "surrogateescape")).hexdigest()
