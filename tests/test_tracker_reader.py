@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -212,6 +214,41 @@ async def test_watch_goes_on_when_the_root_is_removed_and_made_again(tmp_path: P
         root.mkdir()
         await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=1))
     assert [(u.run_id, dict(u.entry)) for u in got] == [("a", {"x": 1}), ("b", {"y": 1})]
+
+
+async def test_watch_falls_back_to_scans_when_inotify_watches_run_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fs.inotify.max_user_watches used up after 5 watches (ENOSPC), the metadata of all 20
+    runs is still yielded, the runs without a watch by scans."""
+    require_inotify()
+    real_add = _inotify._Hub.add
+    added = [0]
+
+    def add(hub: Any, path: str, mask: int, callback: Any) -> Any:
+        added[0] += 1
+        if added[0] > 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_add(hub, path, mask, callback)
+
+    monkeypatch.setattr(_inotify._Hub, "add", add)
+    tracker = FsspecTracker(None, tmp_path)
+    for i in range(20):
+        tracker.add_metadata(f"r{i}", step=0)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+
+    def write() -> None:
+        for i in range(20):
+            tracker.add_metadata(f"r{i}", step=1)
+
+    async with following(reader.watch_metadata(), 40) as got:
+        with anyio.fail_after(10):
+            while len(got) < 20:
+                await anyio.sleep(0.01)
+        await anyio.to_thread.run_sync(write)
+    assert sorted((u.run_id, u.entry["step"]) for u in got) == sorted(
+        (f"r{i}", step) for i in range(20) for step in (0, 1)
+    )
 
 
 class DictTracker(TrackerBase):
