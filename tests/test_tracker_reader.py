@@ -297,6 +297,26 @@ async def test_other_trackers_are_followed_by_polling_their_metadata() -> None:
         await reader.metadata("missing")
 
 
+class StrictDictTracker(DictTracker):
+    """A tracker that raises UnknownRunError for a run it does not have (as some backends do)."""
+
+    def metadata(self, run_id: str) -> Mapping[str, object]:
+        if run_id not in self.md:
+            raise UnknownRunError(run_id, "StrictDictTracker")
+        return dict(self.md[run_id])
+
+
+async def test_polling_a_run_that_does_not_exist_yet_waits_for_it() -> None:
+    """A polled tracker that raises UnknownRunError for a run not created yet: the watch waits for
+    the run instead of ending with that error."""
+    tracker = StrictDictTracker()
+    tracker.add_metadata("a", x=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.02)
+    async with following(reader.watch_metadata(["a", "later"]), 2) as got:
+        tracker.add_metadata("later", y=2)
+    assert [(u.run_id, dict(u.entry)) for u in got] == [("a", {"x": 1}), ("later", {"y": 2})]
+
+
 async def test_closing_the_reader_ends_active_watches(tmp_path: Path) -> None:
     """aclose() ends a watch_metadata iteration that is waiting, with RuntimeError."""
     tracker = FsspecTracker(None, tmp_path)

@@ -260,7 +260,10 @@ class _PollingFollower:
             runs = list(tracker.run_ids())
         out = []
         for run_id in runs:
-            current = dict(tracker.metadata(run_id))
+            try:
+                current = dict(tracker.metadata(run_id))
+            except UnknownRunError:
+                continue  # not created yet: picked up when it appears
             before = self.last.get(run_id, {})
             changed = {k: v for k, v in current.items() if k not in before or before[k] != v}
             if changed:
