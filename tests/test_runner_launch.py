@@ -8,6 +8,7 @@ backend on a virtual clock.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import uuid
@@ -322,6 +323,30 @@ async def test_the_clean_up_is_bounded(caplog: pytest.LogCaptureFixture) -> None
                 pass
         assert second in str(caught.value)
         assert all(a.cancelled for a in backend.apps.values())
+
+
+async def test_a_runner_closed_inside_the_block_is_reported_as_such(
+    caplog: pytest.LogCaptureFixture, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Closing the runner inside a launch block: leaving the block says that the runner was
+    closed (RuntimeError on a normal exit, a warning when the block raised), not that a clean-up
+    timed out, and leaves no never-awaited coroutine behind."""
+    _backend, _clock, runner = scripted()
+    async with runner:
+        with pytest.raises(RuntimeError, match="runner was closed inside the launch block") as e:
+            async with runner.launched(app(), "scripted", cancel_on_normal_exit=True) as first:
+                await runner.close()
+        assert first in str(e.value)
+    _backend, _clock, runner = scripted()
+    async with runner:
+        with pytest.raises(OSError, match="boom"), caplog.at_level(logging.WARNING):
+            async with runner.launched(app(), "scripted") as second:
+                await runner.close()
+                raise OSError("boom")
+    assert "runner was closed inside the launch block" in caplog.text and second in caplog.text
+    assert "not terminal" not in caplog.text
+    gc.collect()
+    assert not [w for w in recwarn if "never awaited" in str(w.message)]
 
 
 async def test_bad_arguments_are_clear_errors() -> None:

@@ -256,8 +256,8 @@ def test_the_fsspec_tracker_without_config_says_how_to_set_it() -> None:
 
 @pytest.mark.parametrize(
     "value",
-    [object(), {1, 2}, b"bytes", {"nested": object()}],
-    ids=["obj", "set", "bytes", "nested"],
+    [object(), {1, 2}, b"bytes", {"nested": object()}, 10**5000],
+    ids=["obj", "set", "bytes", "nested", "int-past-the-digit-limit"],
 )
 def test_metadata_that_is_not_json_serialisable_is_rejected_naming_the_key(
     tracker_conf: Path, value: object

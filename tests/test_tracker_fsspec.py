@@ -101,6 +101,23 @@ def test_a_run_id_too_long_for_a_file_name_is_a_clear_error(conf: Path) -> None:
         tracker.add_metadata("x" * 200, a=1)
 
 
+def test_an_empty_run_id_is_refused_instead_of_writing_into_the_root(
+    conf: Path, tmp_path: Path
+) -> None:
+    """An empty run id raises TrackerError naming it; nothing lands in the root's own directory."""
+    tracker = create(str(conf))
+    before = sorted(os.listdir(tracker.root))
+    for write in (
+        lambda: tracker.add_metadata("", a=1),
+        lambda: tracker.add_artifact("", "m", "/m"),
+        lambda: tracker.add_source("", "parent"),
+        lambda: tracker.add_source("child", ""),
+    ):
+        with pytest.raises(TrackerError, match="non-empty string, got ''"):
+            write()
+    assert sorted(os.listdir(tracker.root)) == before
+
+
 def test_concurrent_writers_keep_every_entry(conf: Path) -> None:
     """Four processes writing 200 entries each to one run lose none (exclusive names, no overwrite)."""
     script = textwrap.dedent(

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -197,6 +200,57 @@ async def test_watch_waits_for_files_written_in_place(tmp_path: Path) -> None:
     assert [dict(u.entry) for u in got] == [{"a": 1}, {"b": 2}]
 
 
+async def test_watch_goes_on_when_the_root_is_removed_and_made_again(tmp_path: Path) -> None:
+    """A tracker root removed and made again while watched: runs written to the new root are
+    still yielded (the watch of the removed root is replaced, not waited on forever)."""
+    require_inotify()
+    root = tmp_path / "runs"
+    root.mkdir()
+    tracker = FsspecTracker(None, root)
+    tracker.add_metadata("a", x=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+    async with following(reader.watch_metadata(), 2) as got:
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+        root.mkdir()
+        await anyio.to_thread.run_sync(lambda: tracker.add_metadata("b", y=1))
+    assert [(u.run_id, dict(u.entry)) for u in got] == [("a", {"x": 1}), ("b", {"y": 1})]
+
+
+async def test_watch_falls_back_to_scans_when_inotify_watches_run_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With fs.inotify.max_user_watches used up after 5 watches (ENOSPC), the metadata of all 20
+    runs is still yielded, the runs without a watch by scans."""
+    require_inotify()
+    real_add = _inotify._Hub.add
+    added = [0]
+
+    def add(hub: Any, path: str, mask: int, callback: Any) -> Any:
+        added[0] += 1
+        if added[0] > 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real_add(hub, path, mask, callback)
+
+    monkeypatch.setattr(_inotify._Hub, "add", add)
+    tracker = FsspecTracker(None, tmp_path)
+    for i in range(20):
+        tracker.add_metadata(f"r{i}", step=0)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+
+    def write() -> None:
+        for i in range(20):
+            tracker.add_metadata(f"r{i}", step=1)
+
+    async with following(reader.watch_metadata(), 40) as got:
+        with anyio.fail_after(10):
+            while len(got) < 20:
+                await anyio.sleep(0.01)
+        await anyio.to_thread.run_sync(write)
+    assert sorted((u.run_id, u.entry["step"]) for u in got) == sorted(
+        (f"r{i}", step) for i in range(20) for step in (0, 1)
+    )
+
+
 class DictTracker(TrackerBase):
     """A tracker without files (only merged metadata): followed by polling."""
 
@@ -241,6 +295,26 @@ async def test_other_trackers_are_followed_by_polling_their_metadata() -> None:
     assert await reader.metadata("r") == {"a": 1, "b": 2}
     with pytest.raises(UnknownRunError):
         await reader.metadata("missing")
+
+
+class StrictDictTracker(DictTracker):
+    """A tracker that raises UnknownRunError for a run it does not have (as some backends do)."""
+
+    def metadata(self, run_id: str) -> Mapping[str, object]:
+        if run_id not in self.md:
+            raise UnknownRunError(run_id, "StrictDictTracker")
+        return dict(self.md[run_id])
+
+
+async def test_polling_a_run_that_does_not_exist_yet_waits_for_it() -> None:
+    """A polled tracker that raises UnknownRunError for a run not created yet: the watch waits for
+    the run instead of ending with that error."""
+    tracker = StrictDictTracker()
+    tracker.add_metadata("a", x=1)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.02)
+    async with following(reader.watch_metadata(["a", "later"]), 2) as got:
+        tracker.add_metadata("later", y=2)
+    assert [(u.run_id, dict(u.entry)) for u in got] == [("a", {"x": 1}), ("later", {"y": 2})]
 
 
 async def test_closing_the_reader_ends_active_watches(tmp_path: Path) -> None:
@@ -424,6 +498,34 @@ def test_cli_tracker_errors_are_one_line(tracked: Path) -> None:
     result = cli("tracker", "list", "runs", "--json")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "unknown tracker 'nope'" in result.stderr
+
+
+def test_cli_json_of_non_finite_metadata_is_strict_json(tracked: Path) -> None:
+    """A NaN or infinite metric (a diverged loss) is printed by --json as the strings "NaN",
+    "Infinity" and "-Infinity", so that strict JSON parsers (jq, browsers) read the output."""
+    tracker = FsspecTracker(None, tracked)
+    md = {"loss": float("nan"), "hi": float("inf"), "lo": float("-inf"), "ok": 1.5}
+    tracker.add_metadata("r", **md, nested={"grad": [float("nan")]})
+    tracker.add_artifact("r", "ckpt", "/c", {"loss": float("nan")})
+
+    def strict(text: str) -> object:
+        def refuse(token: str) -> object:
+            raise ValueError(f"not JSON: {token}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    result = cli("tracker", "list", "metadata", "r", "--json")
+    assert result.returncode == 0, result.stderr
+    assert strict(result.stdout) == {
+        "loss": "NaN",
+        "hi": "Infinity",
+        "lo": "-Infinity",
+        "ok": 1.5,
+        "nested": {"grad": ["NaN"]},
+    }
+    result = cli("tracker", "list", "artifacts", "r", "--json")
+    assert result.returncode == 0, result.stderr
+    assert strict(result.stdout) == [{"name": "ckpt", "path": "/c", "metadata": {"loss": "NaN"}}]
 
 
 def test_cli_dryrun_shows_the_parent_run_id(tracked: Path) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import tarfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -280,6 +282,76 @@ def test_projects_that_put_two_files_at_one_path_are_rejected(tmp_path: Path) ->
         scan_workspace(Workspace({str(a): "", str(b): ""}), TORCHXIGNORE)
 
 
+@pytest.mark.parametrize("symlink_first", [True, False], ids=["symlink-first", "dir-first"])
+def test_a_project_below_another_projects_symlink_is_rejected(
+    tmp_path: Path, symlink_first: bool
+) -> None:
+    """A project mapped below a symlink of another project is a collision, whatever the order:
+    a copy would otherwise write through the symlink, outside the target."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    a = _tree(tmp_path / "a", {"main.py": "m"})
+    (a / "lib").symlink_to(outside)
+    b = _tree(tmp_path / "b", {"evil.py": "e"})
+    projects = {str(a): "", str(b): "lib"} if symlink_first else {str(b): "lib", str(a): ""}
+    with pytest.raises(InvalidWorkspaceException, match=r"collide.*'lib"):
+        scan_workspace(Workspace(projects), TORCHXIGNORE)
+    assert os.listdir(outside) == []
+
+
+@pytest.mark.parametrize("when", ["before-stat", "after-listing"])
+@pytest.mark.parametrize("what", ["file", "symlink", "directory"])
+def test_what_is_removed_while_the_scan_lists_it_is_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, what: str, when: str
+) -> None:
+    """A file, symlink or directory removed while the scan lists its directory (an editor's swap
+    or test file) is left out of the scan instead of failing it as unreadable."""
+    root = _tree(tmp_path / "ws", {"a.py": "a", "gone/x.py": "x"})
+    ghost = root / "4913"
+    if what == "file":
+        ghost.write_text("")
+    elif what == "symlink":
+        ghost.symlink_to("a.py")
+    else:
+        ghost = root / "gone"
+    real_scandir = os.scandir
+
+    def remove() -> None:
+        if ghost.is_dir() and not ghost.is_symlink():
+            shutil.rmtree(ghost)
+        else:
+            ghost.unlink()
+
+    class Listing:
+        """os.scandir's iterator, removing the ghost as it lists the workspace's root."""
+
+        def __init__(self, path: str) -> None:
+            self.path = path
+            self.it = real_scandir(path)
+
+        def __enter__(self) -> Listing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.it.close()
+
+        def __iter__(self) -> Iterator[os.DirEntry[str]]:
+            for entry in self.it:
+                if when == "before-stat" and entry.path == str(ghost):
+                    remove()
+                yield entry
+            if when == "after-listing" and self.path == str(root):
+                remove()
+
+    monkeypatch.setattr(os, "scandir", Listing)
+    scan = scan_workspace(_ws(root), TORCHXIGNORE)
+    if what != "directory":
+        expected = ["a.py", "gone", "gone/x.py"]
+    else:  # listed and stat'ed, then removed: shipped as the empty directory it was seen as
+        expected = ["a.py"] + (["gone"] if when == "after-listing" else [])
+    assert [e.path for e in scan.entries if e.path != ".nonce"] == expected
+
+
 def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path) -> None:
     """A workspace that does not exist, or is a file, is a clear error naming the path."""
     with pytest.raises(InvalidWorkspaceException, match=r"'.*/nope' does not exist"):
@@ -353,6 +425,41 @@ def test_a_file_changed_after_the_scan_fails_the_tar(
     (root / "a").write_text("SAME SIZE")
     with pytest.raises(WorkspaceChangedError, match="changed after it was hashed"):
         write_tar(scan, io.BytesIO())
+
+
+@pytest.mark.parametrize("ship", ["tar", "copy"])
+def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
+    tmp_path: Path, ship: str
+) -> None:
+    """A file swapped for a FIFO after the scan is a WorkspaceChangedError, not an open() that
+    waits forever for a writer."""
+    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    scan = scan_workspace(_ws(root), DOCKERIGNORE)
+    (root / "a.py").unlink()
+    os.mkfifo(root / "a.py")
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if ship == "tar":
+                write_tar(scan, io.BytesIO())
+            else:
+                copy_scan(scan, str(dest))
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(root / "a.py", "wb"):  # lets the blocked open() return
+            pass
+        thread.join(10)
+        pytest.fail("shipping the workspace blocked on the FIFO")
+    assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
+    assert "no longer a regular file" in str(errors[0])
 
 
 def test_a_copy_keeps_its_bytes_when_the_source_is_edited_in_place(tmp_path: Path) -> None:

@@ -133,6 +133,26 @@ async def test_twenty_concurrent_local_dir_submits_make_one_snapshot(
     assert len(finals) == 20 and sum(not e.cached for e in finals) == 1
 
 
+@pytest.mark.parametrize("inside", ["state_root", "log_dir"])
+async def test_a_state_root_or_log_dir_inside_the_workspace_is_not_snapshotted(
+    tmp_path: Path, inside: str
+) -> None:
+    """With the state root (or log_dir) inside the workspace, a second submit ships the same files
+    as the first: not the first app's logs, records and snapshot (which would grow each time)."""
+    ws = make_workspace(tmp_path / "ws", {"train.py": "print(1)"})
+    root = ws / ".state" if inside == "state_root" else tmp_path / "state"
+    cfg = {"log_dir": str(ws / "logs")} if inside == "log_dir" else {}
+    app = AppDef("in", [sh("trainer", "ls -A")])
+    async with AsyncRunner(name="ws", local_root=str(root)) as runner:
+        first = runner.dryrun(app, "local_dir", cfg, workspace=str(ws)).workspace
+        _, out = await run_to_end(runner, app, "local_dir", str(ws), cfg=cfg)
+        second = runner.dryrun(app, "local_dir", cfg, workspace=str(ws)).workspace
+    assert first is not None and second is not None
+    assert out["trainer"].split() == [".nonce", "train.py"]
+    assert second.content_hash == first.content_hash and second.files == 2
+    assert len(snapshots(root)) == 1
+
+
 async def test_local_dir_snapshots_honour_torchxignore(runner: AsyncRunner, tmp_path: Path) -> None:
     """What .torchxignore excludes is not in the snapshot the app runs from."""
     ws = make_workspace(

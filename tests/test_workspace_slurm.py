@@ -109,6 +109,26 @@ async def test_an_app_keeps_running_its_own_copy_when_the_workspace_is_edited(
     assert await stdout_of(slurm, app_id) == "submitted"
 
 
+async def test_an_earlier_job_dir_inside_the_workspace_is_not_copied_into_the_next(
+    slurm: SlurmScheduler, tmp_path: Path
+) -> None:
+    """With job_dir=ws/runs/N, the second job's copy holds the workspace's files, not the first
+    job's directory (each trial of a sweep would otherwise copy every trial before it)."""
+    ws = make_workspace(tmp_path / "ws", {"data.txt": "d"})
+    first = await slurm.submit(
+        sh_app("true"), {"job_dir": str(ws / "runs" / "a")}, workspace=str(ws)
+    )
+    assert (await wait_for_state(slurm, first)).state == AppState.SUCCEEDED
+    script = "ls -A; ls -A runs"
+    second = await slurm.submit(
+        sh_app(script), {"job_dir": str(ws / "runs" / "b")}, workspace=str(ws)
+    )
+    resp = await wait_for_state(slurm, second)
+    assert resp.state == AppState.SUCCEEDED, resp.msg
+    listed = (await stdout_of(slurm, second)).split()
+    assert "a" not in listed and {".nonce", "data.txt", "runs"} <= set(listed), listed
+
+
 async def test_a_job_dir_that_holds_files_is_refused_before_any_job(
     slurm: SlurmScheduler, slurm_runner: CountingRunner, tmp_path: Path
 ) -> None:

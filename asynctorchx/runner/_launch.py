@@ -100,9 +100,12 @@ async def shielded(
     Raises:
         RuntimeError: the supervisor was closed (the runner closed) before the task finished.
     """
+    wrapped = _outcome(coro)
     try:
-        task = supervisor.spawn(_outcome(coro), name=name)
+        task = supervisor.spawn(wrapped, name=name)
     except RuntimeError:
+        wrapped.close()  # never started: no "coroutine was never awaited" warning
+        coro.close()
         raise RuntimeError("the runner is closed") from None
     cancelled: BaseException | None = None
     with anyio.CancelScope(shield=True):
@@ -155,6 +158,7 @@ class LaunchGroup:
     _members: dict[AppHandle, _Member] = field(default_factory=dict)
     _failure: tuple[AppHandle, AppStatus | None] | None = None
     _closing: bool = False
+    _runner_closed: bool = False
 
     @property
     def handles(self) -> list[AppHandle]:
@@ -271,10 +275,19 @@ class LaunchGroup:
                 name="cancel launched apps",
             )
         except RuntimeError:  # the runner closed: it stopped what it owns; nothing more to do here
-            logger.warning(
-                "the runner closed before %d launched app(s) were cancelled", len(handles)
-            )
+            self._runner_closed = True
             return handles
+
+    def _not_stopped(self, left: list[AppHandle], timeout: float) -> str:
+        if self._runner_closed:
+            return (
+                f"the runner was closed inside the launch block, so {len(left)} app(s) it "
+                f"launched were not cancelled: {', '.join(left)}"
+            )
+        return (
+            f"{len(left)} app(s) were not terminal {timeout:g} s after the launch block "
+            f"cancelled them: {', '.join(left)}"
+        )
 
 
 @contextlib.asynccontextmanager
@@ -307,19 +320,12 @@ async def launch_group(
             stop = group.handles if cancel_on_exit else []
         left = await group._cleanup(stop, timeout)
         if left and (failure is not None or not ended_normally):  # else raised below
-            logger.warning(
-                "%d app(s) were not terminal %g s after their launch block cancelled them: %s",
-                len(left),
-                timeout,
-                ", ".join(left),
-            )
+            logger.warning("%s", group._not_stopped(left, timeout))
     if failure is not None:
         raise GangFailedError(failure[0], failure[1], len(stop))
     if left:
-        raise TimeoutError(
-            f"{len(left)} app(s) were not terminal {timeout:g} s after the launch block cancelled "
-            f"them: {', '.join(left)}"
-        )
+        error = RuntimeError if group._runner_closed else TimeoutError
+        raise error(group._not_stopped(left, timeout))
 
 
 @contextlib.asynccontextmanager

@@ -566,6 +566,8 @@ class AsyncRunner:
         Raises:
             TimeoutError: on a normal exit with ``cancel_on_normal_exit``, the app was not terminal
                 after ``cleanup_timeout`` (on other exits this is logged: their exception wins).
+            RuntimeError: the runner is closed, or was closed inside the block before it could
+                cancel the app (logged likewise on other exits).
             ValueError: ``cleanup_timeout`` is not a finite number > 0.
         """
         return _launch.launched(

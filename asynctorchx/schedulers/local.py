@@ -530,7 +530,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
     ) -> WorkspacePlan:
         """local_cwd: the workspace is the replicas' working directory; local_dir: the first role
         runs from a snapshot made at submit time (reads and hashes the workspace here)."""
-        return local_workspace.plan_local(self.backend, app, workspace, self._root)
+        return local_workspace.plan_local(self.backend, app, workspace, self._root, cfg)
 
     def _submit_dryrun_workspace(
         self, app: AppDef, cfg: Mapping[str, CfgVal], plan: WorkspacePlan

@@ -307,11 +307,45 @@ def _unreadable(path: str, e: OSError, what: str = "file") -> InvalidWorkspaceEx
     return InvalidWorkspaceException(f"workspace {what} {path!r} cannot be read: {e.strerror or e}")
 
 
+# O_NONBLOCK: a file replaced by a FIFO after it was listed must not block its open forever (on a
+# regular file the flag does nothing). O_NOFOLLOW: nor may it have become a symlink.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
+def _open_shipped(entry: WorkspaceEntry) -> BinaryIO:
+    """``entry``'s file, opened for reading, which must still be a regular file.
+
+    Raises:
+        WorkspaceChangedError: it is gone, or is no longer a regular file.
+    """
+    try:
+        fd = os.open(entry.source, _READ_FLAGS)
+    except OSError as e:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} cannot be read any more ({e.strerror or e}); "
+            "submit again"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} is no longer a regular file; submit again"
+        )
+    return os.fdopen(fd, "rb")
+
+
 def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
-    """The sha256 of a file's bytes, and its stat (taken from the open file)."""
+    """The sha256 of a file's bytes, and its stat (taken from the open file).
+
+    Raises:
+        FileNotFoundError: the file was removed.
+        InvalidWorkspaceException: it cannot be read.
+        WorkspaceChangedError: it is no longer the file that was listed.
+    """
     h = hashlib.sha256()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        raise
     except OSError as e:
         raise _unreadable(path, e) from None
     try:
@@ -343,22 +377,43 @@ def check_directory(path: str) -> None:
 
 
 def _walk(
-    root: str, rules: IgnoreRules, keep: frozenset[str]
+    root: str,
+    rules: IgnoreRules,
+    keep: frozenset[str],
+    skip: frozenset[tuple[int, int]],
+    skip_marker: str | None,
 ) -> Iterator[tuple[str, str, os.stat_result]]:
-    """``(relative path, absolute path, lstat)`` of everything included under ``root``."""
+    """``(relative path, absolute path, lstat)`` of everything included under ``root``, except
+    the directories whose (device, inode) is in ``skip`` or that hold a ``skip_marker`` file.
+
+    What is removed while it is walked (an editor's swap or test file) is left out, as a walk made
+    a moment later would.
+    """
     stack = [""]
     while stack:
         rel_dir = stack.pop()
         abs_dir = os.path.join(root, rel_dir) if rel_dir else root
+        items = []
         try:
             with os.scandir(abs_dir) as it:
-                items = sorted((e.name, e.path, e.stat(follow_symlinks=False)) for e in it)
+                for e in it:
+                    with contextlib.suppress(FileNotFoundError):
+                        items.append((e.name, e.path, e.stat(follow_symlinks=False)))
+        except (FileNotFoundError, NotADirectoryError) as e:
+            if not rel_dir:
+                raise _unreadable(abs_dir, e, "directory") from None
+            continue  # removed (or replaced by a file) since its parent was listed
         except OSError as e:
             raise _unreadable(abs_dir, e, "directory") from None
+        items.sort()
         below: list[str] = []
         for name, path, st in items:
             rel = f"{rel_dir}/{name}" if rel_dir else name
             if stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in skip or (
+                    skip_marker and os.path.lexists(os.path.join(path, skip_marker))
+                ):
+                    continue
                 if rules.excluded(rel):
                     if rules.may_include_below(rel):
                         below.append(rel)
@@ -374,7 +429,12 @@ def _walk(
 
 
 def scan_workspace(
-    workspace: Workspace, ignore_file: str, *, keep: Sequence[str] = ()
+    workspace: Workspace,
+    ignore_file: str,
+    *,
+    keep: Sequence[str] = (),
+    skip_dirs: Sequence[str] = (),
+    skip_marker: str | None = None,
 ) -> WorkspaceScan:
     """Walks and hashes the included contents of every project of ``workspace``.
 
@@ -383,13 +443,20 @@ def scan_workspace(
         ignore_file: the name of the ignore file each project may have at its root.
         keep: paths (relative to a project) included even when the ignore file excludes them
             (``Dockerfile.torchx``, which the Docker CLI always sends, as TorchX does).
+        skip_dirs: directories never shipped when a project contains them: the backend's own
+            state (a state root holding logs that grow and the snapshots made before, which each
+            snapshot would otherwise copy again). Told apart by device and inode, so any path to
+            them counts.
+        skip_marker: directories holding a file of this name are never shipped either (the job
+            directories a backend made earlier inside the workspace, which it marks so).
 
     Raises:
         InvalidWorkspaceException: a directory is missing, is a file, or cannot be read; a file
             cannot be read; an ignore file holds a bad pattern; two projects put different files
             at the same path.
     """
-    lock_key = (workspace.key(), ignore_file, tuple(keep))
+    skip = frozenset(_dir_ids(skip_dirs))
+    lock_key = (workspace.key(), ignore_file, tuple(keep), skip, skip_marker)
     with _scan_locks_guard:
         lock = _scan_locks.setdefault(lock_key, threading.Lock())
         if len(_scan_locks) > 1024:
@@ -398,10 +465,25 @@ def scan_workspace(
     # Scans of one workspace take turns: the second of two concurrent submits then finds every
     # hash remembered instead of reading the whole workspace a second time.
     with lock:
-        return _scan(workspace, ignore_file, frozenset(keep))
+        return _scan(workspace, ignore_file, frozenset(keep), skip, skip_marker)
 
 
-def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> WorkspaceScan:
+def _dir_ids(paths: Sequence[str]) -> Iterator[tuple[int, int]]:
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # not made yet: nothing of it to skip
+        yield st.st_dev, st.st_ino
+
+
+def _scan(
+    workspace: Workspace,
+    ignore_file: str,
+    keep: frozenset[str],
+    skip: frozenset[tuple[int, int]],
+    skip_marker: str | None,
+) -> WorkspaceScan:
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
     for project, dest in workspace.projects.items():
@@ -414,9 +496,12 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
                 entries.setdefault(
                     d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
                 )
-        for rel, path, st in _walk(project, rules, keep):
+        for rel, path, st in _walk(project, rules, keep, skip, skip_marker):
             target = f"{dest}/{rel}" if dest else rel
-            entry = _entry(target, path, st, now)
+            try:
+                entry = _entry(target, path, st, now)
+            except FileNotFoundError:
+                continue  # removed since it was listed
             prior = entries.get(target)
             if prior is not None and (prior.kind != "dir" or entry.kind != "dir"):
                 raise InvalidWorkspaceException(
@@ -424,6 +509,7 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
                     f"{target!r}"
                 )
             entries.setdefault(target, entry)
+    _check_parents(entries)
     ordered = tuple(entries[k] for k in sorted(entries))
     h = hashlib.sha256(_HASH_VERSION + b"\0")
     for e in ordered:
@@ -435,6 +521,24 @@ def _scan(workspace: Workspace, ignore_file: str, keep: frozenset[str]) -> Works
     return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
 
 
+def _check_parents(entries: dict[str, WorkspaceEntry]) -> None:
+    """Raises InvalidWorkspaceException when an entry lies below one that is not a directory.
+
+    Only projects can make that (one ships a symlink ``lib``, another goes to ``lib/``); a copy
+    or an extracted tar would then write through the symlink, outside the target.
+    """
+    for path, entry in entries.items():
+        parent = posixpath.dirname(path)
+        while parent:
+            prior = entries.get(parent)
+            if prior is not None and prior.kind != "dir":
+                raise InvalidWorkspaceException(
+                    f"workspace projects collide: {entry.source!r} goes to {path!r}, below "
+                    f"{prior.source!r}, which is a {prior.kind}, not a directory"
+                )
+            parent = posixpath.dirname(parent)
+
+
 def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceEntry:
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
@@ -442,6 +546,8 @@ def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceE
     if stat.S_ISLNK(st.st_mode):
         try:
             link = os.readlink(path)
+        except FileNotFoundError:
+            raise
         except OSError as e:
             raise _unreadable(path, e, "symlink") from None
         digest = hashlib.sha256(link.encode("utf-8", "surrogateescape")).hexdigest()
@@ -502,12 +608,7 @@ class _CheckedReader:
 
     def __init__(self, entry: WorkspaceEntry) -> None:
         self._entry = entry
-        try:
-            self._f: BinaryIO = open(entry.source, "rb")  # noqa: SIM115 - closed by close()
-        except OSError as e:
-            raise WorkspaceChangedError(
-                f"workspace file {entry.source!r} cannot be read any more ({e.strerror or e})"
-            ) from None
+        self._f = _open_shipped(entry)
         self._hash = hashlib.sha256() if entry.racy else None
         self._left = entry.size
         if not entry.racy and not self._same_stat():
@@ -604,13 +705,14 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
     out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
 
 
-def _clone_or_copy(src: str, dst: str, use_clone: list[bool]) -> None:
-    """Copies ``src`` to a new file ``dst``: a reflink (FICLONE) while the file system takes them."""
-    if use_clone[0]:
-        with open(src, "rb") as fsrc, open(dst, "xb") as fdst:
+def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bool:
+    """Copies ``entry``'s file to a new file ``dst``: a reflink (FICLONE) when ``use_clone`` and
+    the file system takes them (else ``use_clone`` turns False). Returns True for a reflink."""
+    with _open_shipped(entry) as fsrc, open(dst, "xb") as fdst:
+        if use_clone[0]:
             try:
                 fcntl.ioctl(fdst.fileno(), _FICLONE, fsrc.fileno())
-                return
+                return True
             except OSError as e:
                 if e.errno not in (
                     errno.EOPNOTSUPP,
@@ -621,8 +723,8 @@ def _clone_or_copy(src: str, dst: str, use_clone: list[bool]) -> None:
                 ):
                     raise
                 use_clone[0] = False
-        os.unlink(dst)
-    shutil.copyfile(src, dst)
+        shutil.copyfileobj(fsrc, fdst, _CHUNK)
+    return False
 
 
 _FICLONE = 0x40049409
@@ -633,8 +735,10 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
 
     Each file of at least 256 kB is cloned (FICLONE, sharing blocks until either side is
     written) when ``clone`` and the file system allows, else copied; a clone or copy does not
-    change when the source is edited in place later (hard links would). A file's stat must not have moved since the scan, and a
-    file changed just before the scan (its timestamps cannot vouch for it) is hashed again.
+    change when the source is edited in place later (hard links would). A file's stat must not
+    have moved since the scan, and a file changed just before the scan (its timestamps cannot
+    vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
+    (a FIFO would block the copy forever).
 
     Returns:
         ``{"cloned": n, "copied": n}``.
@@ -656,12 +760,9 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
             os.symlink(entry.link, target)
         else:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            if entry.size >= _CLONE_MIN_BYTES:
-                _clone_or_copy(entry.source, target, use_clone)
-                counts["cloned" if use_clone[0] else "copied"] += 1
-            else:
-                shutil.copyfile(entry.source, target)
-                counts["copied"] += 1
+            small = entry.size < _CLONE_MIN_BYTES
+            cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
+            counts["cloned" if cloned else "copied"] += 1
             _check_unchanged(entry)
             if entry.racy:
                 digest, _ = _hash_file(target, os.stat(target))

@@ -250,7 +250,10 @@ def check_json(what: str, values: Mapping[str, object]) -> None:
 
 
 def _short_repr(value: object) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception as e:  # an int past the digit limit, a repr that raises: still name the key
+        return f"<{type(value).__name__}: repr failed: {e}>"[:80]
     return text if len(text) <= 80 else text[:77] + "..."
 
 

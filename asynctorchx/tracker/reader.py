@@ -260,7 +260,10 @@ class _PollingFollower:
             runs = list(tracker.run_ids())
         out = []
         for run_id in runs:
-            current = dict(tracker.metadata(run_id))
+            try:
+                current = dict(tracker.metadata(run_id))
+            except UnknownRunError:
+                continue  # not created yet: picked up when it appears
             before = self.last.get(run_id, {})
             changed = {k: v for k, v in current.items() if k not in before or before[k] != v}
             if changed:
@@ -357,6 +360,10 @@ class _FileFollower:
         if mask & self.inotify.IN_Q_OVERFLOW:
             self._on_overflow()
             return
+        if not name:  # the root itself went away (or moved): watch it again, or scan it
+            self.root_dirty = True
+            self.wake.set()
+            return
         if self.fixed is not None and name not in self.fixed:
             return
         self.dirty.add(name)
@@ -412,6 +419,18 @@ class _FileFollower:
             run.watches[key] = w
             added = True
         return added
+
+    def _watch_root(self) -> None:
+        """Watches the root unless a watch of it is active: at the start, and again after the
+        root was removed (until it exists again, the root is scanned every interval)."""
+        if self.inotify is None or (self.root_watch is not None and self.root_watch.active):
+            return
+        lost = self.root_watch is not None
+        self.root_watch = None
+        with contextlib.suppress(FileNotFoundError):
+            self.root_watch = self._watch(self.tracker.root, _DIR_MASK_NAMES, self._on_root)
+        if lost or self.root_watch is not None:
+            self._on_overflow()  # what happened before the watch was not reported: look again
 
     # -- scanning (in a worker thread) --------------------------------------------------------
 
@@ -492,15 +511,13 @@ class _FileFollower:
             if _inotify.available():
                 self.inotify = _inotify
         try:
-            if self.inotify is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    self.root_watch = self._watch(self.tracker.root, _DIR_MASK_NAMES, self._on_root)
             if self.fixed is not None:
                 for name in self.fixed:
                     self._run_for(name)
                 self.dirty.update(self.fixed)
                 self.root_dirty = False
             while True:
+                self._watch_root()
                 polling = self.inotify is None or self.root_watch is None or self.unwatched
                 if polling or self.overflow:
                     self.overflow = False

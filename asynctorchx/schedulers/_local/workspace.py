@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import anyio.to_thread
@@ -37,7 +38,7 @@ from asynctorchx.schedulers.workspace import (
     scan_workspace,
     snapshot,
 )
-from asynctorchx.specs.api import AppDef
+from asynctorchx.specs.api import AppDef, CfgVal
 from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
 
 STORE_DIR = "workspaces"
@@ -53,8 +54,17 @@ def app_workdir(root: Path, session: str, app_id: str) -> str:
     return os.path.join(root, STORE_DIR, "apps", session or "default", app_id)
 
 
-def plan_local(backend: str, app: AppDef, workspace: Workspace, root: Path) -> WorkspacePlan:
+def plan_local(
+    backend: str,
+    app: AppDef,
+    workspace: Workspace,
+    root: Path,
+    cfg: Mapping[str, CfgVal] | None = None,
+) -> WorkspacePlan:
     """What ``backend`` does with ``workspace`` (reads and hashes it for ``local_dir``).
+
+    The state root and the log directory are never part of a snapshot, even inside the workspace:
+    they hold the logs of running apps and the snapshots made before.
 
     Raises:
         InvalidWorkspaceException: the workspace is missing, not a directory, unreadable, or (on
@@ -76,7 +86,9 @@ def plan_local(backend: str, app: AppDef, workspace: Workspace, root: Path) -> W
             roles=tuple(r.name for r in app.roles),
             target=path,
         )
-    scan = scan_workspace(workspace, TORCHXIGNORE)
+    log_dir = (cfg or {}).get("log_dir")
+    skip = [str(root)] + ([os.path.expanduser(log_dir)] if isinstance(log_dir, str) else [])
+    scan = scan_workspace(workspace, TORCHXIGNORE, skip_dirs=skip)
     return WorkspacePlan(
         backend=backend,
         workspace=workspace,

@@ -6,8 +6,11 @@ app's or anything else, is refused, so that no app's copy is ever overwritten. W
 ``job_dir`` a workspace is refused as well (the current directory, Slurm's default, is usually
 the workspace itself). Two submits racing for one directory are told apart by a claim file,
 ``.asynctorchx-workspace``, created exclusively before the copy; it stays, naming the workspace and
-its content hash. The copy honours ``.torchxignore``, checks every file against the hash the dry
-run took, and is made off the event loop; if the submit fails, the copy is removed again.
+its content hash, and marks the directory as a job's: a job directory inside the workspace is never
+copied into the next one (with ``job_dir=runs/trial-N`` each trial would otherwise copy every trial
+before it, and the logs of those still running). The copy honours ``.torchxignore``, checks every
+file against the hash the dry run took, and is made off the event loop; if the submit fails, the
+copy is removed again.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ def plan_slurm(app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace) -> 
     """
     job_dir = job_dir_of(cfg, workspace)
     check_job_dir(job_dir)
-    scan = scan_workspace(workspace, TORCHXIGNORE)
+    scan = scan_workspace(workspace, TORCHXIGNORE, skip_marker=CLAIM_FILE)
     return WorkspacePlan(
         backend="slurm",
         workspace=workspace,

@@ -58,8 +58,10 @@ def encode_run_id(run_id: str) -> str:
     """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids).
 
     Raises:
-        TrackerError: the id is too long to be a file name.
+        TrackerError: the id is empty (it would name the root itself) or too long to be a file name.
     """
+    if not isinstance(run_id, str) or not run_id:
+        raise TrackerError(f"a run id must be a non-empty string, got {run_id!r}")
     raw = run_id.encode("utf-8")
     if len(raw) > MAX_RUN_ID_BYTES:
         raise TrackerError(
@@ -72,7 +74,7 @@ def encode_run_id(run_id: str) -> str:
 def decode_run_id(name: str) -> str | None:
     """The run id of a directory name, or None when the name is not one ``encode_run_id`` makes."""
     try:
-        return b32decode(name.encode("ascii")).decode("utf-8")
+        return b32decode(name.encode("ascii")).decode("utf-8") or None
     except (binascii.Error, ValueError, UnicodeError):
         return None
 
@@ -289,12 +291,11 @@ class FsspecTracker(TrackerBase):
 
     def add_source(self, run_id: str, source_id: str, artifact_name: str | None = None) -> None:
         """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX)."""
+        source_name = encode_run_id(source_id)
         sources = self.category_dir(run_id, SOURCES)
         self._fs.makedirs(sources)
         line = f"{artifact_name or ''}\n".encode()
-        self._fs.replace(
-            self._fs.join(sources, encode_run_id(source_id)), line, self.run_dir(run_id)
-        )
+        self._fs.replace(self._fs.join(sources, source_name), line, self.run_dir(run_id))
         descendants = self.category_dir(source_id, DESCENDANTS)
         if self._fs.isdir(descendants):
             self._fs.append(self._fs.join(descendants, encode_run_id(run_id)), line)
