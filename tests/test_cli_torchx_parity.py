@@ -272,6 +272,16 @@ class Components:
         print(len(get_components()))
 
 
+class Sloppy:
+    """Returns a string where an exit status belongs."""
+
+    def add_arguments(self, parser):
+        pass
+
+    def run(self, args):
+        return "done"
+
+
 class Shadow:
     def add_arguments(self, parser):
         pass
@@ -295,6 +305,7 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "ncomponents = atx_plug:Components\n"
         "status = atx_plug:Shadow\n"
         "broken = atx_plug_broken:Broken\n"
+        "sloppy = atx_plug:Sloppy\n"
     )
     return site
 
@@ -334,3 +345,12 @@ def test_broken_plugin_fails_only_its_command(cli: Cli, plugin_site: Path) -> No
     assert line.startswith("asynctorchx broken: error: plugin command 'broken'")
     assert "missing dependency foo" in line
     assert cli("hello", **plug_env(plugin_site)).stdout == "hello world\n"
+
+
+def test_plugin_returning_a_non_int_names_the_plugin(cli: Cli, plugin_site: Path) -> None:
+    """A plugin whose run() returns something else than an int or None fails with one line
+    naming the plugin and the value."""
+    done = cli("sloppy", **plug_env(plugin_site))
+    assert done.returncode != 0
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("asynctorchx sloppy: error:")]
+    assert "plugin command 'sloppy' returned 'done'" in line, done.stderr

@@ -72,19 +72,31 @@ def _load(ep: EntryPoint) -> Any:
     return instance
 
 
-def _handler(command: Any) -> tuple[Callable[..., Any], bool]:
+def _exit_code(name: str, code: object) -> int:
+    """The exit status a plugin's ``run`` returned (None: 0), or a CliError naming the plugin."""
+    if code is None:
+        return 0
+    if isinstance(code, bool) or not isinstance(code, int):
+        from asynctorchx.cli._errors import CliError
+
+        raise CliError(
+            f"plugin command {name!r} returned {code!r} from run(); an exit status is an int or None",
+            "fix the plugin",
+        )
+    return code
+
+
+def _handler(name: str, command: Any) -> tuple[Callable[..., Any], bool]:
     """The CLI handler running ``command.run`` and whether it is async."""
     if inspect.iscoroutinefunction(command.run):
 
         async def run_async(args: argparse.Namespace, interrupts: Interrupts) -> int:
-            code = await command.run(args)
-            return 0 if code is None else int(code)
+            return _exit_code(name, await command.run(args))
 
         return run_async, True
 
     def run(args: argparse.Namespace) -> int:
-        code = command.run(args)
-        return 0 if code is None else int(code)
+        return _exit_code(name, command.run(args))
 
     return run, False
 
@@ -118,5 +130,5 @@ def register(
         for action in common._actions:
             if not any(o in p._option_string_actions for o in action.option_strings):
                 p._add_action(action)
-        handler, is_async = _handler(command)
+        handler, is_async = _handler(name, command)
         p.set_defaults(handler=handler, is_async=is_async, command=name)

@@ -161,6 +161,9 @@ class AsyncRunner:
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
         self._trackers: list[TrackerSetting] | None = None  # .torchxconfig's, read at first dry run
+        self._trackers_read: (
+            asyncio.Task[tuple[list[TrackerSetting] | None, Exception | None]] | None
+        ) = None
         self._limiters: dict[str, BackendLimiter] = make_limiters(limits, clock or SystemClock())
         for backend in self._limiters:
             if self._factory(backend) is None:
@@ -350,11 +353,34 @@ class AsyncRunner:
         workspace: WorkspaceArg,
         parent_run_id: str | None,
     ) -> AppDryRunInfo[Any]:
+        if self._trackers is None:
+            await self._load_trackers()
         ws = Workspace.of(workspace)
         if ws is None:
             return self.dryrun(app, scheduler, cfg, None, parent_run_id)
         tracked = self._with_tracking(app, scheduler, parent_run_id)
         return await self._scheduler(scheduler).submit_dryrun_async(tracked, cfg or {}, ws)
+
+    async def _load_trackers(self) -> None:
+        """Reads ``.torchxconfig``'s trackers in a worker thread, once for all concurrent submits
+        (they all resume together when it is read). A bad config raises here, and again at the
+        next submit."""
+        from asynctorchx.runner.config import configured_trackers
+
+        async def read() -> tuple[list[TrackerSetting] | None, Exception | None]:
+            try:
+                return await anyio.to_thread.run_sync(configured_trackers), None
+            except Exception as e:  # handed to every waiter, not logged as a failed task
+                return None, e
+
+        if self._trackers_read is None:
+            self._trackers_read = self._supervisor.spawn(read(), "read-trackers")
+        trackers, error = await asyncio.shield(self._trackers_read)
+        if error is not None:
+            self._trackers_read = None
+            raise error
+        if self._trackers is None:
+            self._trackers = trackers
 
     def _with_tracking(self, app: AppDef, scheduler: str, parent_run_id: str | None) -> AppDef:
         from asynctorchx.tracker._launch import tracking_env, with_env
@@ -446,7 +472,11 @@ class AsyncRunner:
     ) -> AppHandle:
         """Builds the app of a component and submits it; returns its handle (see ``run``)."""
         self._check_open()
-        app = self._materialize(component, component_args)
+        if ".py:" in component or component.endswith(".py"):
+            # a component file is read, linted and run: not on the event loop
+            app = await anyio.to_thread.run_sync(self._materialize, component, component_args)
+        else:
+            app = self._materialize(component, component_args)
         info = await self._dryrun_async(app, scheduler, cfg, workspace, parent_run_id)
         return await self.schedule(info, progress=progress)
 

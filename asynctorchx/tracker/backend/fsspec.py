@@ -25,6 +25,7 @@ import binascii
 import errno
 import json
 import os
+import threading
 import time
 from base64 import b32decode, b32encode
 from collections.abc import Mapping
@@ -114,7 +115,8 @@ class _Storage:
             return f.read()
 
     def _temp(self, tmp_dir: str, data: bytes) -> str:
-        tmp = os.path.join(tmp_dir, f".tmp-{os.getpid()}-{time.time_ns()}")
+        # the thread too: two threads of one process can read the same time on a coarse clock
+        tmp = os.path.join(tmp_dir, f".tmp-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}")
         with open(tmp, "xb") as f:
             f.write(data)
         return tmp
