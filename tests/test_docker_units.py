@@ -5,20 +5,19 @@ network create) that a real engine cannot be made to produce on demand."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 from typing import Any
 
 import pytest
 from _docker_env import FakeDocker
 
-from asynctorchx.schedulers._docker.logs import (
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
+from asynctorchx.schedulers._docker.frames import (
     STDERR,
     STDOUT,
     FrameDecoder,
     LineAssembler,
     format_api_time,
-    parse_timestamp,
 )
 from asynctorchx.schedulers._docker.request import (
     KIND_CANCEL_MARKER,
@@ -41,7 +40,7 @@ from asynctorchx.specs import AppDef, AppState, Resource, RetryPolicy, Role, Vol
 
 IMAGE = "asynctorchx-test/busybox:latest"
 TS = b"2024-05-01T12:00:00.123456789Z"
-TS_NS = parse_timestamp(TS)
+TS_NS = parse_rfc3339_ns(TS)
 
 
 def _frame(stream: int, payload: bytes) -> bytes:
@@ -62,11 +61,13 @@ def test_frame_decoder_handles_any_chunking() -> None:
 
 
 def test_parse_timestamp_reads_docker_nanosecond_times() -> None:
-    """RFC 3339 times with up to nine fraction digits and offsets become epoch nanoseconds."""
+    """Docker's RFC 3339 times (up to nine fraction digits, offsets) become epoch nanoseconds with
+    the parser shared with Kubernetes; resuming asks Docker for ``seconds.nanoseconds``."""
     assert TS_NS == 1714564800_123456789
-    assert parse_timestamp(b"2024-05-01T14:00:00.5+02:00") == 1714564800_500000000
-    assert parse_timestamp(b"2024-05-01T12:00:00Z") == 1714564800_000000000
-    assert parse_timestamp(b"not a time") is None
+    assert parse_rfc3339_ns(b"2024-05-01T14:00:00.5+02:00") == 1714564800_500000000
+    assert parse_rfc3339_ns(b"2024-05-01T12:00:00Z") == 1714564800_000000000
+    with pytest.raises(ValueError, match="not an RFC 3339 time"):
+        parse_rfc3339_ns(b"not a time")
     assert format_api_time(1714564800_000000042) == "1714564800.000000042"
 
 
@@ -334,7 +335,7 @@ async def test_racing_network_creates_end_with_one_network() -> None:
     request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
     assert request is not None
     others = [DockerScheduler("s", docker, watch_events=False) for _ in range(4)]
-    ids = await asyncio.gather(*(s._create_network(docker, request) for s in [scheduler, *others]))
+    ids = await asyncio.gather(*(s._launcher.create_network(request) for s in [scheduler, *others]))
     assert len(set(ids)) == 1
     assert list(docker.networks_by_id) == [ids[0]]
     for s in [scheduler, *others]:
@@ -347,8 +348,8 @@ async def test_network_create_is_idempotent() -> None:
     scheduler = DockerScheduler("s", docker, watch_events=False)
     request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
     assert request is not None
-    first = await scheduler._create_network(docker, request)
-    assert await scheduler._create_network(docker, request) == first
+    first = await scheduler._launcher.create_network(request)
+    assert await scheduler._launcher.create_network(request) == first
     assert len(docker.networks_by_id) == 1
     await scheduler.close()
 
@@ -383,7 +384,7 @@ async def test_log_iter_rejects_bad_arguments_at_call_time() -> None:
     from datetime import datetime, timedelta
 
     scheduler = DockerScheduler("s", FakeDocker(), watch_events=False)
-    with pytest.raises(ValueError, match="streams"):
+    with pytest.raises(ValueError, match="stream"):
         scheduler.log_iter("a", "r", streams="both")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="regex"):
         scheduler.log_iter("a", "r", regex="(")
@@ -415,17 +416,15 @@ async def test_scheduling_a_dryrun_twice_fails_and_keeps_the_first_app() -> None
     await scheduler.close()
 
 
-def _die_event(container: Any, code: int) -> bytes:
+def _die_event(container: Any, code: int) -> dict[str, Any]:
     labels = container.config["Labels"]
-    return json.dumps(
-        {
-            "Type": "container",
-            "Action": "die",
-            "id": container.id,
-            "Actor": {"ID": container.id, "Attributes": {**labels, "exitCode": str(code)}},
-            "timeNano": 1_700_000_000_000_000_000,
-        }
-    ).encode()
+    return {
+        "Type": "container",
+        "Action": "die",
+        "id": container.id,
+        "Actor": {"ID": container.id, "Attributes": {**labels, "exitCode": str(code)}},
+        "timeNano": 1_700_000_000_000_000_000,
+    }
 
 
 async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
@@ -438,7 +437,7 @@ async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
     app_id = await scheduler.submit(_app(_role()), {})
     container = docker.by_name(f"{app_id}-r-0")
     assert container is not None and container.state == "running"
-    scheduler._on_event(_die_event(container, 3))
+    scheduler._events.handle(_die_event(container, 3))
     assert told == [app_id]
     resp = await scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.FAILED
@@ -448,7 +447,7 @@ async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
     other = await scheduler.submit(_app(restartable), {})
     container = docker.by_name(f"{other}-r-0")
     assert container is not None
-    scheduler._on_event(_die_event(container, 1))
+    scheduler._events.handle(_die_event(container, 1))
     resp = await scheduler.describe(other)
     assert resp is not None and resp.state == AppState.RUNNING  # Docker may restart it
     await scheduler.close()
@@ -459,20 +458,19 @@ async def test_with_live_events_an_exit_is_described_without_asking_the_engine()
     no listing; any other event (a start, a create) makes the next describe list again."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
-    scheduler._events_ready = asyncio.Event()
-    scheduler._events_ready.set()  # as if the event stream were connected
+    scheduler._events._set_live(True)  # as if the event stream were connected
     app_id = await scheduler.submit(_app(_role()), {})
     assert (await scheduler.describe(app_id)).state == AppState.RUNNING  # type: ignore[union-attr]
     container = docker.by_name(f"{app_id}-r-0")
     assert container is not None
     docker.calls.clear()
-    scheduler._on_event(_die_event(container, 0))
+    scheduler._events.handle(_die_event(container, 0))
     resp = await scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.SUCCEEDED
     assert not any(op == "list" for op, _ in docker.calls)
-    start = json.loads(_die_event(container, 0))
+    start = _die_event(container, 0)
     start["Action"] = "start"
-    scheduler._on_event(json.dumps(start).encode())
+    scheduler._events.handle(start)
     await scheduler.describe(app_id)
     assert [op for op, _ in docker.calls if op == "list"] == ["list"]
     await scheduler.close()

@@ -27,6 +27,7 @@ from asynctorchx.specs.api import (
     Role,
     VolumeMount,
     macros,
+    runopts,
 )
 from asynctorchx.version import __version__
 
@@ -141,6 +142,44 @@ class DockerJob:
 
     def __str__(self) -> str:
         return json.dumps(self.to_json(), indent=2, sort_keys=False)
+
+
+def run_options() -> runopts:
+    """The run options of ``local_docker`` (each one read by ``build_job``)."""
+    opts = runopts()
+    opts.add(
+        "copy_env",
+        list[str],
+        "glob patterns of environment variables of the launching process to copy into every "
+        "replica (e.g. FOO_*,BAR); the env run option and the role's env take precedence",
+    )
+    opts.add(
+        "env",
+        dict[str, str],
+        "environment variables for every replica (KEY:VALUE pairs), over those of copy_env",
+    )
+    opts.add("privileged", bool, "run the containers privileged (docker run --privileged)", False)
+    opts.add(
+        "network",
+        str,
+        "an existing Docker network to attach every container to, instead of a network of the "
+        "app's own (created for apps with more than one container, removed when they end)",
+    )
+    opts.add(
+        "remove_finished",
+        bool,
+        "remove the app's containers once it has finished (their logs go with them); by "
+        "default they are kept, as TorchX does",
+        False,
+    )
+    opts.add(
+        "stop_timeout",
+        int,
+        "seconds a replica gets to exit after SIGTERM when the app is cancelled or stopped, "
+        "before SIGKILL",
+        DEFAULT_STOP_TIMEOUT,
+    )
+    return opts
 
 
 def network_name_for(app_id: str) -> str:
@@ -476,3 +515,25 @@ def build_job(
                 )
             )
     return job
+
+
+def cancel_marker(app_id: str, app_name: str, session: str, image: str) -> ContainerRequest:
+    """The never-started container that marks app ``app_id`` as cancelled, for every process.
+
+    It carries the app's labels with the cancel-marker kind, runs nothing and joins no network;
+    its name is fixed per app, so a second cancel (from any process) cannot make another.
+    """
+    config = {
+        "Image": image,
+        "Entrypoint": ["true"],
+        "Cmd": [],
+        "Labels": {
+            LABEL_APP_ID: app_id,
+            LABEL_APP_NAME: app_name,
+            LABEL_SESSION: session,
+            LABEL_KIND: KIND_CANCEL_MARKER,
+            LABEL_VERSION: __version__,
+        },
+        "HostConfig": {"NetworkMode": "none"},
+    }
+    return ContainerRequest(name=f"{app_id}-cancelled", role="", replica_id=-1, config=config)
