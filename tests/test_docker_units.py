@@ -25,12 +25,22 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_ATTEMPT,
     LABEL_KIND,
     LABEL_MAX_RETRIES,
+    LABEL_NETWORK,
+    LABEL_REMOVE_FINISHED,
     LABEL_REPLICA_ID,
     LABEL_RETRY_POLICY,
     LABEL_ROLE_NAME,
     LABEL_ROLES,
 )
-from asynctorchx.schedulers._docker.state import ContainerInfo, assess
+from asynctorchx.schedulers._docker.state import (
+    ContainerInfo,
+    RemoveApp,
+    RemoveNetwork,
+    RetryReplicas,
+    StopContainer,
+    assess,
+)
+from asynctorchx.schedulers.api import UnknownRoleException
 from asynctorchx.schedulers.docker import (
     DockerEngineUnavailableError,
     DockerScheduler,
@@ -109,6 +119,8 @@ def _c(
     retries: int = 0,
     policy: str = "APPLICATION",
     kind: str = "replica",
+    network: str = "",
+    remove_finished: bool = False,
 ) -> ContainerInfo:
     labels = {
         LABEL_APP_ID: "app",
@@ -119,6 +131,8 @@ def _c(
         LABEL_MAX_RETRIES: str(retries),
         LABEL_RETRY_POLICY: policy,
         LABEL_KIND: kind,
+        LABEL_NETWORK: network,
+        LABEL_REMOVE_FINISHED: "true" if remove_finished else "false",
     }
     return ContainerInfo(
         id=f"{role}-{k}-{attempt}-{kind}",
@@ -214,6 +228,89 @@ def test_replica_policy_failure_is_final_once_docker_stops_restarting() -> None:
         "app", [_c("r", 0, "restarting", retries=3, policy="REPLICA"), _c("r", 1, "running")]
     )
     assert restarting is not None and restarting.response.state == AppState.RUNNING
+
+
+# -- follow-up actions of the assessor -----------------------------------------------------------
+
+
+def test_failed_app_owes_stopping_its_survivors_and_nothing_else_yet() -> None:
+    """FAILED with a replica still running: the only action is stopping that replica; its network
+    stays until nothing of the app is alive."""
+    survivor = _c("r", 1, "running", network="net")
+    a = assess("app", [_c("r", 0, "exited", 3, network="net"), survivor])
+    assert a is not None and a.response.state == AppState.FAILED
+    assert a.actions == (StopContainer(survivor.id),)
+
+
+def test_a_running_or_pending_app_owes_nothing() -> None:
+    """An app whose replicas run (or wait to start) asks for no action."""
+    running = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 0)])
+    pending = assess("app", [_c("r", 0, "created"), _c("r", 1, "created")])
+    assert running is not None and running.actions == ()
+    assert pending is not None and pending.actions == ()
+
+
+def test_application_retry_stops_the_live_replicas_then_recreates_every_one() -> None:
+    """An APPLICATION retry: stop the replica still running, then recreate both replicas (from
+    their current containers) as attempt 1."""
+    failed, live = _c("r", 0, "exited", 1, retries=1), _c("r", 1, "running", retries=1)
+    a = assess("app", [failed, live])
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert a.actions == (StopContainer(live.id), RetryReplicas(1, (failed, live)))
+
+
+def test_role_retry_recreates_only_the_failed_role() -> None:
+    """A ROLE retry recreates the failed role's replica and leaves the other role running."""
+    roles = '[["a",1],["b",1]]'
+    failed = _c("a", 0, "exited", 2, roles=roles, retries=2, policy="ROLE")
+    other = _c("b", 0, "running", roles=roles, retries=2, policy="ROLE")
+    a = assess("app", [failed, other])
+    assert a is not None and a.actions == (RetryReplicas(1, (failed,)),)
+
+
+def test_superseded_attempt_still_alive_is_stopped() -> None:
+    """A container of an older attempt that is still alive is stopped (the newer one runs on)."""
+    old = _c("r", 0, "running", retries=1)
+    a = assess(
+        "app",
+        [old, _c("r", 0, "running", attempt=1, retries=1), _c("r", 1, "running", attempt=1)],
+    )
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert a.actions == (StopContainer(old.id),)
+
+
+def test_finished_app_owes_its_network_or_its_containers() -> None:
+    """Once finished with nothing alive: its own network is removed, or with remove_finished its
+    containers (and the network) are; without a network of its own, nothing is owed."""
+    done = [_c("r", 0, "exited", 0, network="net"), _c("r", 1, "exited", 0, network="net")]
+    a = assess("app", done)
+    assert a is not None and a.response.state == AppState.SUCCEEDED
+    assert a.actions == (RemoveNetwork(tuple(c.id for c in done)),)
+    rm = [_c("r", k, "exited", 0, network="net", remove_finished=True) for k in (0, 1)]
+    b = assess("app", rm)
+    assert b is not None and b.actions == (RemoveApp(tuple(c.id for c in rm), network=True),)
+    plain = assess("app", [_c("r", 0, "exited", 0), _c("r", 1, "exited", 0)])
+    assert plain is not None and plain.actions == ()
+
+
+def test_nothing_is_removed_while_a_replica_may_still_start() -> None:
+    """A failed app with a replica created but not started (a launch under way) keeps its network:
+    removing it would make that start fail; the start's event brings the stop."""
+    a = assess(
+        "app", [_c("r", 0, "exited", 3, network="net"), _c("r", 1, "created", network="net")]
+    )
+    assert a is not None and a.response.state == AppState.FAILED and a.actions == ()
+
+
+def test_cancelled_app_owes_its_network_once_nothing_is_alive() -> None:
+    """A cancelled app (marker) asks for its network's removal once its replicas have stopped."""
+    marker = _c("", -1, "created", kind=KIND_CANCEL_MARKER, network="net")
+    stopping = assess("app", [_c("r", 0, "running", network="net"), marker])
+    assert stopping is not None and stopping.actions == ()
+    replicas = [_c("r", 0, "exited", 143, network="net"), _c("r", 1, "exited", 137, network="net")]
+    done = assess("app", [*replicas, marker])
+    assert done is not None and done.response.state == AppState.CANCELLED
+    assert done.actions == (RemoveNetwork(tuple(c.id for c in [*replicas, marker])),)
 
 
 # -- submit error paths with a fake client ------------------------------------------------------
@@ -473,4 +570,50 @@ async def test_with_live_events_an_exit_is_described_without_asking_the_engine()
     scheduler._events.handle(start)
     await scheduler.describe(app_id)
     assert [op for op, _ in docker.calls if op == "list"] == ["list"]
+    await scheduler.close()
+
+
+async def _failed_app_with_a_survivor(scheduler: DockerScheduler, docker: FakeDocker) -> str:
+    """An app whose replica 0 exited 3 while replica 1 runs: it owes stopping replica 1."""
+    app_id = await scheduler.submit(_app(_role("r", 2)), {})
+    failed = docker.by_name(f"{app_id}-r-0")
+    assert failed is not None
+    failed.state, failed.exit_code = "exited", 3
+    return app_id
+
+
+async def test_status_reads_issue_no_write_to_the_engine() -> None:
+    """describe, describe_many, exists, list and reading logs of an app that owes a follow-up (a
+    survivor to stop) send the engine no request that changes anything."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await _failed_app_with_a_survivor(scheduler, docker)
+    writes, calls = scheduler.engine.writes, len(docker.calls)
+    assert (await scheduler.describe(app_id)).state == AppState.FAILED  # type: ignore[union-attr]
+    await scheduler.describe_many([app_id, "other-1"])
+    assert await scheduler.exists(app_id)
+    assert [a.state for a in await scheduler.list()] == [AppState.FAILED]
+    with pytest.raises(UnknownRoleException):
+        async for _ in scheduler.log_iter(app_id, "nope"):
+            pass
+    await scheduler._reconciler.wait_idle()
+    assert scheduler.engine.writes == writes
+    assert scheduler.engine.requests["container_list"] >= 4
+    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 5
+    assert docker.by_name(f"{app_id}-r-1").state == "running"  # type: ignore[union-attr]
+    await scheduler.close()
+
+
+async def test_an_exit_event_drives_the_follow_up() -> None:
+    """The die event of the failed replica (not a status read) makes the backend stop the survivor."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await _failed_app_with_a_survivor(scheduler, docker)
+    writes = scheduler.engine.writes
+    scheduler._events.handle(_die_event(docker.by_name(f"{app_id}-r-0"), 3))
+    await scheduler._reconciler.wait_idle()
+    assert scheduler.engine.writes == writes + 1
+    assert ("stop", f"{app_id}-r-1") in docker.calls
+    survivor = docker.by_name(f"{app_id}-r-1")
+    assert survivor is not None and survivor.state == "exited"
     await scheduler.close()

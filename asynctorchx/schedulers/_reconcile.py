@@ -74,6 +74,11 @@ class Reconciler:
             self._running.pop(app_id, None)
             self._again.discard(app_id)
 
+    async def wait_idle(self) -> None:
+        """Returns once no look is under way (nor asked for again meanwhile)."""
+        while self._running:
+            await asyncio.wait(list(self._running.values()))
+
     async def drain(self, grace: float) -> None:
         """Takes no more requests and waits (at most ``grace`` seconds) for the looks under way."""
         self._closing = True

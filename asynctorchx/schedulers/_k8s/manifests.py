@@ -48,6 +48,7 @@ from asynctorchx.specs.api import (
     VolumeMount,
     macros,
     make_unique,
+    runopts,
 )
 from asynctorchx.specs.serialize import role_from_dict, role_to_dict
 from asynctorchx.version import __version__
@@ -77,6 +78,69 @@ _QUANTITY = re.compile(
 _RESOURCE_NAME = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
+
+
+def run_options(namespace: str) -> runopts:
+    """The run options of the ``kubernetes`` backend (``namespace``: the scheduler's default)."""
+    opts = runopts()
+    opts.add("namespace", str, "namespace of the app's objects", default=namespace)
+    opts.add(
+        "queue",
+        str,
+        "Kueue LocalQueue to submit to: the Jobs are labelled kueue.x-k8s.io/queue-name and "
+        "created suspended until Kueue admits them (TorchX's queue is Volcano's)",
+    )
+    opts.add("service_account", str, "service account the pods run as")
+    opts.add(
+        "priority_class",
+        str,
+        "PriorityClass of the pods (with queue: also the workload's priority in Kueue)",
+    )
+    opts.add("node_selector", dict[str, str], "node labels the pods must match (key:value,...)")
+    opts.add(
+        "tolerations",
+        list[str],
+        "taints the pods tolerate: key[=value][:NoSchedule|PreferNoSchedule|NoExecute],...",
+    )
+    opts.add("image_pull_secrets", list[str], "names of the Secrets used to pull the images")
+    opts.add("image_pull_policy", str, "Always, IfNotPresent or Never (default: the cluster's)")
+    opts.add("labels", dict[str, str], "extra labels on every object, e.g. team:vision")
+    opts.add(
+        "pod_overlay",
+        str,
+        'a JSON object merged into every pod template, e.g. {"spec": {"hostNetwork": true}}',
+    )
+    opts.add(
+        "image_repo",
+        str,
+        "the repository workspace images are pushed to, as {image_repo}:{content hash} (e.g. "
+        "registry.example.com/team/app); the cluster must be able to pull from it",
+    )
+    opts.add(
+        "rank0_localhost",
+        bool,
+        "replica 0 of the first role sees TORCHX_RANK0_HOST=localhost (its command runs under "
+        "/bin/sh when the role has several replicas); off: every replica gets rank 0's DNS name",
+        default=True,
+    )
+    return opts
+
+
+def image_repo(cfg: Mapping[str, CfgVal]) -> str | None:
+    """The ``image_repo`` run option, checked (None when unset).
+
+    Raises:
+        InvalidRunConfigException: it is not a repository name (names the value).
+    """
+    from asynctorchx.schedulers._docker.engine import check_repository
+
+    value = cfg.get("image_repo")
+    if value is None or value == "":
+        return None
+    try:
+        return check_repository(str(value))
+    except ValueError as e:
+        raise InvalidRunConfigException(str(e), "image_repo", cfg) from None
 
 
 @dataclass(frozen=True)

@@ -17,20 +17,34 @@ Rules:
 - ``num_restarts`` counts application restarts, role restarts (the attempt labels the backend puts on
   recreated Jobs) and replica restarts (the per-index failure counts the Job controller records on
   each replacement pod, disruptions included).
+
+Follow-ups (``follow_up``), for an app the scheduler submitted and looks after (``ManagedApp``): a
+failed role with a ROLE or APPLICATION retry left is restarted (``Restart``: its Jobs, or all the
+app's, deleted and recreated as the next attempt); a role failed for good stops the others
+(``StopRoles``: their Jobs suspended); a finished or deleted app is no longer looked after
+(``Forget``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from typing import Any
 
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._k8s import names as n
-from asynctorchx.schedulers._k8s.manifests import role_from_json
+from asynctorchx.schedulers._k8s.manifests import KubernetesRequest, role_from_json
 from asynctorchx.schedulers.api import DescribeAppResponse
-from asynctorchx.specs.api import NONE, AppState, ReplicaStatus, Role, RoleStatus
+from asynctorchx.specs.api import (
+    NONE,
+    AppState,
+    ReplicaStatus,
+    RetryPolicy,
+    Role,
+    RoleStatus,
+    is_terminal,
+)
 
 Obj = Mapping[str, Any]
 
@@ -40,34 +54,17 @@ _POD_PHASES = {
     "Succeeded": AppState.SUCCEEDED,
     "Failed": AppState.FAILED,
 }
-_TIME = re.compile(
-    r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?([Zz]|[+-]\d\d:\d\d)"
-)
 
 
 def parse_time_ns(value: str | None) -> int | None:
-    """An RFC 3339 time (with up to nanoseconds) as integer nanoseconds since the epoch."""
+    """An RFC 3339 time (with up to nanoseconds) as integer nanoseconds since the epoch, or None
+    when it is missing or malformed (the shared parser of ``asynctorchx.logs``)."""
     if not value:
         return None
-    m = _TIME.fullmatch(value.strip())
-    if not m:
-        return None
-    year, month, day, hour, minute, second, frac, tz = m.groups()
-    if tz in ("Z", "z"):
-        tzinfo = timezone.utc
-    else:
-        sign = 1 if tz[0] == "+" else -1
-        from datetime import timedelta
-
-        tzinfo = timezone(sign * timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6])))
     try:
-        whole = datetime(
-            int(year), int(month), int(day), int(hour), int(minute), int(second), tzinfo=tzinfo
-        )
+        return parse_rfc3339_ns(value.strip())
     except ValueError:
         return None
-    nanos = int((frac or "").ljust(9, "0")) if frac else 0
-    return int(whole.timestamp()) * 1_000_000_000 + nanos
 
 
 def meta(obj: Obj) -> Obj:
@@ -422,3 +419,95 @@ def _is_json_error(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+# -- follow-ups ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ManagedApp:
+    """An app this scheduler submitted and looks after (restarts, stopping roles after a failure).
+
+    Args:
+        request: what was submitted (the Jobs are recreated from it).
+        service: the Service as created (the recreated Jobs' owner).
+        app_attempt: APPLICATION restarts done so far.
+        role_attempts: ROLE restarts done so far, per role.
+        restarting: a restart is under way (the app then reads RUNNING, not FAILED).
+    """
+
+    request: KubernetesRequest
+    service: dict[str, Any]
+    app_attempt: int = 0
+    role_attempts: list[int] = field(default_factory=list)
+    restarting: bool = False
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Delete these roles' Jobs and recreate them as the next attempt (the whole app's, or each
+    role's)."""
+
+    roles: tuple[int, ...]
+    whole_app: bool
+
+
+@dataclass(frozen=True)
+class StopRoles:
+    """The app failed for good: suspend these Jobs (their pods stop) and stop looking after it."""
+
+    jobs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Stop looking after the app: it succeeded, or it is gone or being deleted."""
+
+
+#: A follow-up the backend owes an app it looks after.
+KubeAction = Restart | StopRoles | Forget
+
+
+def restart_plan(managed: ManagedApp, jobs: Sequence[Obj], pods: Sequence[Obj]) -> list[int] | None:
+    """The role indexes to restart for the app's failed Jobs, or None when none can restart."""
+    failed = [
+        job_role_index(j) for j in jobs if job_state(j, pods_of_job(j, pods)) == AppState.FAILED
+    ]
+    roles = managed.request.roles
+    for i in failed:
+        if not 0 <= i < len(roles):
+            return None
+        role = roles[i]
+        policy = RetryPolicy(role.retry_policy)
+        if policy == RetryPolicy.APPLICATION and managed.app_attempt < role.max_retries:
+            return list(range(len(roles)))
+        if policy == RetryPolicy.ROLE and managed.role_attempts[i] < role.max_retries:
+            continue
+        return None
+    return failed or None
+
+
+def follow_up(
+    managed: ManagedApp, service: Obj | None, jobs: Sequence[Obj], pods: Sequence[Obj]
+) -> KubeAction | None:
+    """What the backend owes an app it looks after, from the app's objects (None: nothing now)."""
+    if service is None or meta(service).get("deletionTimestamp"):
+        return Forget()
+    states = [job_state(j, pods_of_job(j, pods)) for j in jobs]
+    roles = managed.request.roles
+    if len(jobs) == len(roles) and all(s == AppState.SUCCEEDED for s in states):
+        return Forget()
+    if AppState.FAILED not in states:
+        return None
+    plan = restart_plan(managed, jobs, pods)
+    if plan is None:
+        running = [
+            str(meta(j).get("name", ""))
+            for j, st in zip(jobs, states, strict=True)
+            if not is_terminal(st) and not (j.get("spec") or {}).get("suspend")
+        ]
+        return StopRoles(tuple(running))
+    whole_app = len(plan) == len(roles) and any(
+        RetryPolicy(roles[i].retry_policy) == RetryPolicy.APPLICATION for i in plan
+    )
+    return Restart(tuple(plan), whole_app)
