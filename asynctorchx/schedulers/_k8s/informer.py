@@ -169,54 +169,13 @@ class Informer:
     async def _run_kind(self, kind: str) -> None:
         backoff = 0.05
         rv: str | None = None
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 if rv is None:
-                    listing = await self.api.list(kind, self.namespace, MANAGED_SELECTOR)
-                    self.lists += 1
-                    self._replace(kind, list(listing.get("items") or []))
-                    rv = str(_meta(listing).get("resourceVersion") or "0")
-                    self._synced_kinds.add(kind)
-                    if len(self._synced_kinds) == len(KINDS):
-                        self._synced.set()
-                self.watches += 1
-                events = 0
-                loop = asyncio.get_running_loop()
+                    rv = await self._list_kind(kind)
                 opened = loop.time()
-                stream = self.api.watch(
-                    kind, self.namespace, MANAGED_SELECTOR, rv, self.watch_timeout
-                )
-                async with aclosing(stream):
-                    async for ev in stream:
-                        etype = ev.get("type")
-                        obj = ev.get("object") or {}
-                        if etype == "ERROR":
-                            code = obj.get("code")
-                            if code == 410:
-                                logger.debug(
-                                    "%s watch in %s expired at %s: relisting",
-                                    kind,
-                                    self.namespace,
-                                    rv,
-                                )
-                                rv = None
-                                self.relists += 1
-                                break
-                            raise KubeApiError(
-                                int(code or 0),
-                                str(obj.get("reason", "")),
-                                str(obj.get("message", "")),
-                            )
-                        new_rv = _meta(obj).get("resourceVersion")
-                        if new_rv:
-                            rv = str(new_rv)
-                        if etype == "BOOKMARK":
-                            continue
-                        events += 1
-                        if etype in ("ADDED", "MODIFIED"):
-                            self._put(kind, obj)
-                        elif etype == "DELETED":
-                            self._drop(kind, obj)
+                rv, events = await self._watch_kind(kind, rv)
                 if rv is not None and events == 0 and loop.time() - opened < 1.0:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
@@ -236,6 +195,49 @@ class Informer:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _list_kind(self, kind: str) -> str:
+        """Lists ``kind`` into the cache; returns the list's resourceVersion."""
+        listing = await self.api.list(kind, self.namespace, MANAGED_SELECTOR)
+        self.lists += 1
+        self._replace(kind, list(listing.get("items") or []))
+        self._synced_kinds.add(kind)
+        if len(self._synced_kinds) == len(KINDS):
+            self._synced.set()
+        return str(_meta(listing).get("resourceVersion") or "0")
+
+    async def _watch_kind(self, kind: str, rv: str) -> tuple[str | None, int]:
+        """Watches ``kind`` from ``rv`` until the stream ends; returns the last version seen (None
+        when it expired: relist) and how many events came."""
+        self.watches += 1
+        events = 0
+        stream = self.api.watch(kind, self.namespace, MANAGED_SELECTOR, rv, self.watch_timeout)
+        async with aclosing(stream):
+            async for ev in stream:
+                etype = ev.get("type")
+                obj = ev.get("object") or {}
+                if etype == "ERROR":
+                    code = obj.get("code")
+                    if code == 410:
+                        logger.debug(
+                            "%s watch in %s expired at %s: relisting", kind, self.namespace, rv
+                        )
+                        self.relists += 1
+                        return None, events
+                    raise KubeApiError(
+                        int(code or 0), str(obj.get("reason", "")), str(obj.get("message", ""))
+                    )
+                new_rv = _meta(obj).get("resourceVersion")
+                if new_rv:
+                    rv = str(new_rv)
+                if etype == "BOOKMARK":
+                    continue
+                events += 1
+                if etype in ("ADDED", "MODIFIED"):
+                    self._put(kind, obj)
+                elif etype == "DELETED":
+                    self._drop(kind, obj)
+        return rv, events
 
 
 class Informers:

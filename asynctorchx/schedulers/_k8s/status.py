@@ -295,6 +295,93 @@ def _replica(
     )
 
 
+@dataclass
+class _Roles:
+    """What ``describe_app`` gathers from the app's Jobs, in role order."""
+
+    roles: list[Role] = field(default_factory=list)
+    statuses: list[RoleStatus] = field(default_factory=list)
+    states: list[AppState] = field(default_factory=list)
+    restarts: int = 0
+    #: the first failure: (role, replica or -1, exit code, termination message, Job condition)
+    failure: tuple[str, int, int | None, str, str] | None = None
+
+
+def _read_roles(app_name: str, jobs: Sequence[Obj], pods: Sequence[Obj]) -> _Roles:
+    out = _Roles()
+    restarts_app = 0
+    for job in jobs:
+        role = job_role(job)
+        role_dns = labels_of(job).get(n.LABEL_ROLE, "")
+        role_name = role.name if role else role_dns
+        if role:
+            out.roles.append(role)
+        jpods = pods_of_job(job, pods)
+        st = job_state(job, jpods)
+        out.states.append(st)
+        app_attempt, role_attempt = job_attempts(job)
+        restarts_app = max(restarts_app, app_attempt)
+        newest = newest_pods(jpods)
+        out.restarts += role_attempt + sum(pod_restarts(p) for p in newest.values())
+        completions = _int(
+            (job.get("spec") or {}).get("completions"), role.num_replicas if role else 0
+        )
+        replicas = []
+        for idx in range(completions):
+            host = f"{n.pod_hostname(app_name, role_dns, idx)}.{app_name}"
+            replica = _replica(role_name, idx, newest.get(idx), job, st, host)
+            replicas.append(replica)
+            if out.failure is None and replica.state == AppState.FAILED:
+                out.failure = (
+                    role_name,
+                    idx,
+                    replica.exit_code,
+                    replica.structured_error_msg,
+                    job_condition_message(job),
+                )
+        if st == AppState.FAILED and out.failure is None:
+            out.failure = (role_name, -1, None, NONE, job_condition_message(job))
+        out.statuses.append(RoleStatus(role=role_name, replicas=replicas))
+    out.restarts += restarts_app
+    return out
+
+
+def _failure_message(failure: tuple[str, int, int | None, str, str] | None) -> tuple[str, str]:
+    """``(msg, structured error)`` of a failed app."""
+    if failure is None:
+        return NONE, NONE
+    role_name, idx, code, message, reason = failure
+    where = f"role {role_name!r}" + (f" replica {idx}" if idx >= 0 else "")
+    msg = f"{where} failed" + (f" with exit code {code}" if code is not None else "")
+    if reason:
+        msg += f" ({reason})"
+    return msg, message if message != NONE and _is_json_error(message) else NONE
+
+
+def _app_state(
+    read: _Roles, expected: int, jobs: int, deleting: bool, restarting: bool
+) -> tuple[AppState, str, str]:
+    """The app's state, message and structured error (see the module docstring)."""
+    states = read.states
+    if states and len(states) == expected and all(s == AppState.SUCCEEDED for s in states):
+        return AppState.SUCCEEDED, NONE, NONE
+    if deleting:
+        return AppState.CANCELLED, "cancelled: the app's objects are being deleted", NONE
+    if AppState.FAILED in states:
+        if restarting:
+            return AppState.RUNNING, "restarting after a failure", NONE
+        return (AppState.FAILED, *_failure_message(read.failure))
+    if AppState.CANCELLED in states:
+        return (AppState.RUNNING if restarting else AppState.CANCELLED), NONE, NONE
+    if jobs < expected:
+        return (AppState.RUNNING if restarting else AppState.PENDING), NONE, NONE
+    if AppState.RUNNING in states or AppState.SUCCEEDED in states:
+        return AppState.RUNNING, NONE, NONE
+    if AppState.UNKNOWN in states:
+        return AppState.UNKNOWN, NONE, NONE
+    return AppState.PENDING, NONE, NONE
+
+
 def describe_app(
     service: Obj,
     jobs: Sequence[Obj],
@@ -313,89 +400,11 @@ def describe_app(
     """
     smeta = meta(service)
     name = str(smeta.get("name", ""))
-    namespace = str(smeta.get("namespace", "default"))
-    app_id = n.make_app_id(namespace, name)
     jobs = sorted(jobs, key=job_role_index)
-    role_names = service_role_names(service)
-    roles: list[Role] = []
-    role_statuses: list[RoleStatus] = []
-    states: list[AppState] = []
-    restarts_app = 0
-    restarts_roles = 0
-    restarts_replicas = 0
-    failure: tuple[str, int, int | None, str, str] | None = None
-    for job in jobs:
-        role = job_role(job)
-        role_dns = labels_of(job).get(n.LABEL_ROLE, "")
-        role_name = role.name if role else role_dns
-        if role:
-            roles.append(role)
-        jpods = pods_of_job(job, pods)
-        st = job_state(job, jpods)
-        states.append(st)
-        app_attempt, role_attempt = job_attempts(job)
-        restarts_app = max(restarts_app, app_attempt)
-        restarts_roles += role_attempt
-        newest = newest_pods(jpods)
-        restarts_replicas += sum(pod_restarts(p) for p in newest.values())
-        completions = _int(
-            (job.get("spec") or {}).get("completions"), role.num_replicas if role else 0
-        )
-        replicas = []
-        for idx in range(completions):
-            replica = _replica(
-                role_name,
-                idx,
-                newest.get(idx),
-                job,
-                st,
-                f"{n.pod_hostname(name, role_dns, idx)}.{name}",
-            )
-            replicas.append(replica)
-            if failure is None and replica.state == AppState.FAILED:
-                failure = (
-                    role_name,
-                    idx,
-                    replica.exit_code,
-                    replica.structured_error_msg,
-                    job_condition_message(job),
-                )
-        if st == AppState.FAILED and failure is None:
-            failure = (role_name, -1, None, NONE, job_condition_message(job))
-        role_statuses.append(RoleStatus(role=role_name, replicas=replicas))
-
-    expected = max(len(role_names), len(jobs))
-    msg = NONE
-    structured = NONE
-    if states and len(states) == expected and all(s == AppState.SUCCEEDED for s in states):
-        state = AppState.SUCCEEDED
-    elif smeta.get("deletionTimestamp"):
-        state = AppState.CANCELLED
-        msg = "cancelled: the app's objects are being deleted"
-    elif AppState.FAILED in states:
-        if restarting:
-            state = AppState.RUNNING
-            msg = "restarting after a failure"
-        else:
-            state = AppState.FAILED
-            if failure is not None:
-                role_name, idx, code, message, reason = failure
-                where = f"role {role_name!r}" + (f" replica {idx}" if idx >= 0 else "")
-                msg = f"{where} failed" + (f" with exit code {code}" if code is not None else "")
-                if reason:
-                    msg += f" ({reason})"
-                if message != NONE and _is_json_error(message):
-                    structured = message
-    elif AppState.CANCELLED in states:
-        state = AppState.RUNNING if restarting else AppState.CANCELLED
-    elif len(jobs) < expected:
-        state = AppState.RUNNING if restarting else AppState.PENDING
-    elif AppState.RUNNING in states or AppState.SUCCEEDED in states:
-        state = AppState.RUNNING
-    elif AppState.UNKNOWN in states:
-        state = AppState.UNKNOWN
-    else:
-        state = AppState.PENDING
+    read = _read_roles(name, jobs, pods)
+    expected = max(len(service_role_names(service)), len(jobs))
+    deleting = bool(smeta.get("deletionTimestamp"))
+    state, msg, structured = _app_state(read, expected, len(jobs), deleting, restarting)
     if state == AppState.PENDING:
         waiting = sorted(
             {labels_of(j)[n.LABEL_KUEUE_QUEUE] for j in jobs if is_queued(j) and _suspended(j)}
@@ -403,13 +412,13 @@ def describe_app(
         if waiting:
             msg = f"waiting for Kueue to admit it (queue {', '.join(waiting)})"
     return DescribeAppResponse(
-        app_id=app_id,
+        app_id=n.make_app_id(str(smeta.get("namespace", "default")), name),
         state=state,
-        num_restarts=restarts_app + restarts_roles + restarts_replicas,
+        num_restarts=read.restarts,
         msg=msg,
         structured_error_msg=structured,
-        roles_statuses=role_statuses,
-        roles=roles,
+        roles_statuses=read.statuses,
+        roles=read.roles,
         name=str(annotations_of(service).get(n.ANN_APP_NAME, name)),
     )
 
