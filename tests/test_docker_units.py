@@ -617,3 +617,58 @@ async def test_an_exit_event_drives_the_follow_up() -> None:
     survivor = docker.by_name(f"{app_id}-r-1")
     assert survivor is not None and survivor.state == "exited"
     await scheduler.close()
+
+
+def _event(container: Any, action: str) -> dict[str, Any]:
+    event = _die_event(container, 0)
+    event["Action"] = action
+    return event
+
+
+async def test_a_replica_starting_after_its_app_failed_is_stopped() -> None:
+    """Rank 0 fails while replica 1 is still only created (its launch under way): nothing can be
+    stopped yet and the network stays; replica 1's start event then brings its stop."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await scheduler.submit(_app(_role("r", 2)), {})
+    rank0, late = docker.by_name(f"{app_id}-r-0"), docker.by_name(f"{app_id}-r-1")
+    assert rank0 is not None and late is not None
+    rank0.state, rank0.exit_code = "exited", 3
+    late.state = "created"
+    scheduler._events.handle(_die_event(rank0, 3))
+    await scheduler._reconciler.wait_idle()
+    assert not any(op in ("stop", "network-delete") for op, _ in docker.calls)
+    late.state = "running"
+    scheduler._events.handle(_event(late, "start"))
+    await scheduler._reconciler.wait_idle()
+    assert ("stop", f"{app_id}-r-1") in docker.calls and late.state == "exited"
+    await scheduler.close()
+
+
+async def test_cancel_finishes_its_stops_when_the_caller_is_cancelled() -> None:
+    """A task awaiting cancel() that is itself cancelled (Task.cancel) while the containers stop:
+    the stop still completes, then the caller sees its CancelledError; the app reads CANCELLED."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await scheduler.submit(_app(_role("r", 1)), {})
+    container = docker.by_name(f"{app_id}-r-0")
+    assert container is not None
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_stop = container.stop
+
+    async def slow_stop(**kwargs: Any) -> None:
+        entered.set()
+        await release.wait()
+        await real_stop(**kwargs)
+
+    container.stop = slow_stop  # type: ignore[method-assign]
+    caller = asyncio.ensure_future(scheduler.cancel(app_id))
+    await asyncio.wait_for(entered.wait(), 10)
+    caller.cancel()  # delivered to the caller before the stop can go on
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, 10)
+    assert container.state == "exited"
+    resp = await scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.CANCELLED
+    await scheduler.close()

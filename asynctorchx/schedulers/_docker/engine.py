@@ -720,25 +720,21 @@ class DockerEngine:
     async def volume_exists(self, name: str) -> bool:
         """True when the engine has the named volume."""
         client = await self.client()
-        self._count("volume_inspect")
-        try:
-            await client.volumes.get(name)
-        except Exception as e:
-            if status_of(e) == 404:
-                return False
-            raise _request_error(f"checking volume {name!r}", e) from None
-        return True
+        return await self._exists("volume", client.volumes.get, name)
 
     async def network_exists(self, name: str) -> bool:
         """True when the engine has a network of that name or id."""
         client = await self.client()
-        self._count("network_inspect")
+        return await self._exists("network", client.networks.get, name)
+
+    async def _exists(self, kind: str, get: Callable[[str], Awaitable[Any]], name: str) -> bool:
+        self._count(f"{kind}_inspect")
         try:
-            await client.networks.get(name)
+            await get(name)
         except Exception as e:
             if status_of(e) == 404:
                 return False
-            raise _request_error(f"checking network {name!r}", e) from None
+            raise _request_error(f"checking {kind} {name!r}", e) from None
         return True
 
     async def create_network(self, config: Mapping[str, Any]) -> str | None:

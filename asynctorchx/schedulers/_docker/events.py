@@ -6,9 +6,10 @@ stream is resumed from the last event's time, so no event is missed. Each event 
 
 - tells the scheduler's listeners (``on_change``: the runner's StatusHub re-describes the app) and
   wakes log readers waiting on the app (``wait_app``);
-- for a start, an exit, a removal or an OOM kill, asks for the app's follow-up (``on_follow_up``:
-  the backend's ``Reconciler``); so does the first connection, for every app that already owes one
-  (it ended while nobody watched). Status reads never ask for follow-ups.
+- for an exit, a removal, an OOM kill, or a start in an app that has had a failed exit, asks for
+  the app's follow-up (``on_follow_up``: the backend's ``Reconciler``); so does the first
+  connection, for every app that already owes one (it ended while nobody watched). Status reads
+  never ask for follow-ups.
 
 Docker announces an exit (``die``, with the exit code) ~0.1 s before its listing shows it, so the
 exit is taken from the event (``with_exits_seen``). While the stream stays connected, the last
@@ -43,9 +44,10 @@ logger = logging.getLogger(__name__)
 _STATE_ACTIONS = frozenset(
     {"create", "start", "restart", "die", "stop", "kill", "destroy", "pause", "unpause", "oom"}
 )
-# A start matters too: a replica that starts after its app failed (a launch still under way) is
-# to be stopped.
-_FOLLOW_UP_ACTIONS = frozenset({"die", "destroy", "oom", "start", "restart"})
+_FOLLOW_UP_ACTIONS = frozenset({"die", "destroy", "oom"})
+# A start matters only in an app that has had a failure: a replica that starts after its app
+# failed (its launch still under way) is to be stopped.
+_STARTS = frozenset({"start", "restart"})
 _FILTERS = {"type": ["container"], "label": [LABEL_APP_ID]}
 _REMEMBERED_APPS = 1000
 _CONNECT_WAIT = 2.0
@@ -86,6 +88,7 @@ class EventFeed:
         self._settling: set[str] = set()
         self._died: dict[str, tuple[int | None, float]] = {}
         self._last_event: OrderedDict[str, float] = OrderedDict()
+        self._failed: OrderedDict[str, None] = OrderedDict()  # apps with a failed exit seen
         self._snapshots: dict[str, tuple[list[ContainerInfo], float, int]] = {}
 
     # -- the feed ---------------------------------------------------------------------------------
@@ -168,7 +171,7 @@ class EventFeed:
         cid = str(event.get("id") or actor.get("ID") or "")
         if action == "die":
             code = _int_or_none(attrs.get("exitCode"))
-            self._remember_exit(cid, code)
+            self._remember_exit(app_id, cid, code)
             if may_restart(attrs, code):
                 # Docker may restart it (REPLICA retries): wait for the engine to settle first.
                 self._invalidate(app_id)
@@ -178,7 +181,8 @@ class EventFeed:
             self._invalidate(app_id)
             if action in ("start", "restart", "destroy"):
                 self._died.pop(cid, None)
-        self._changed(app_id, follow_up=action in _FOLLOW_UP_ACTIONS)
+        follow_up = action in _FOLLOW_UP_ACTIONS or (action in _STARTS and app_id in self._failed)
+        self._changed(app_id, follow_up=follow_up)
 
     def _changed(self, app_id: str, *, follow_up: bool) -> None:
         self._on_change(app_id)
@@ -290,11 +294,16 @@ class EventFeed:
                 del self._died[c.id]
         return with_exits(infos, {cid: code for cid, (code, _) in self._died.items()})
 
-    def _remember_exit(self, cid: str, code: int | None) -> None:
+    def _remember_exit(self, app_id: str, cid: str, code: int | None) -> None:
         self._died.pop(cid, None)
         self._died[cid] = (code, time.monotonic())
         while len(self._died) > 4 * _REMEMBERED_APPS:
             del self._died[next(iter(self._died))]
+        if code != 0:
+            self._failed.pop(app_id, None)
+            self._failed[app_id] = None
+            while len(self._failed) > _REMEMBERED_APPS:
+                self._failed.popitem(last=False)
 
     def _invalidate(self, app_id: str) -> None:
         """Notes news of the app that its snapshot may not show."""
