@@ -481,7 +481,9 @@ async def test_log_iter_rejects_bad_arguments_at_call_time() -> None:
     from datetime import datetime, timedelta
 
     scheduler = DockerScheduler("s", FakeDocker(), watch_events=False)
-    with pytest.raises(ValueError, match="stream"):
+    with pytest.raises(
+        ValueError, match=r"^unsupported log stream 'both'; the local_docker scheduler reads stdout"
+    ):
         scheduler.log_iter("a", "r", streams="both")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="regex"):
         scheduler.log_iter("a", "r", regex="(")
