@@ -43,12 +43,9 @@ TARGET_WAKE_MS = 50.0
 def _finished_at_ns(value: str) -> int:
     """Docker's RFC 3339 nanosecond time as epoch nanoseconds."""
     sys.path.insert(0, str(HERE.parent))
-    from asynctorchx.schedulers._docker.logs import parse_timestamp
+    from asynctorchx.logs._timestamps import parse_rfc3339_ns
 
-    ns = parse_timestamp(value.encode())
-    if ns is None:
-        raise ValueError(f"cannot parse Docker time {value!r}")
-    return ns
+    return parse_rfc3339_ns(value)
 
 
 def _stats(values: list[float]) -> dict[str, float]:

@@ -488,6 +488,43 @@ async def test_bad_input_is_a_clear_error_and_leaves_nothing_behind(
             assert nets == []
 
 
+async def test_a_failure_nobody_watched_is_followed_up_once_a_watcher_connects(
+    docker_engine: None, busybox_image: str, docker_session: str
+) -> None:
+    """An app launched without the event feed: replica 0 fails, and status reads (describe, list)
+    change nothing, so replica 1 keeps running; a scheduler that then follows Docker's events stops
+    replica 1 (the follow-ups owed by apps that ended unwatched are done on connecting)."""
+    unwatched = DockerScheduler(docker_session, watch_events=False)
+    watcher = DockerScheduler(docker_session)
+    try:
+        script = f"if [ {macros.replica_id} = 0 ]; then exit 3; fi; exec sleep 300"
+        app_id = await unwatched.submit(
+            AppDef("unwatched", [sh(busybox_image, script, n=2)]), {"stop_timeout": 1}
+        )
+        replicas = await wait_for(
+            unwatched,
+            app_id,
+            lambda r: (
+                [x.state for x in r.roles_statuses[0].replicas]
+                == [AppState.FAILED, AppState.RUNNING]
+            ),
+        )
+        assert replicas.state == AppState.FAILED
+        writes = unwatched.engine.writes
+        await unwatched.list()
+        resp = await unwatched.describe(app_id)
+        assert resp is not None and resp.roles_statuses[0].replicas[1].state == AppState.RUNNING
+        assert unwatched.engine.writes == writes
+        stopped = await wait_for(
+            watcher, app_id, lambda r: is_terminal(r.roles_statuses[0].replicas[1].state)
+        )
+        assert stopped.roles_statuses[0].replicas[1].exit_code in (137, 143)
+    finally:
+        await unwatched.close()
+        await watcher.close()
+        await purge_session(docker_session)
+
+
 async def test_remove_finished_removes_containers_but_the_launcher_keeps_the_final_state(
     docker_scheduler: DockerScheduler, busybox_image: str, docker_session: str
 ) -> None:

@@ -5,20 +5,19 @@ network create) that a real engine cannot be made to produce on demand."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 from typing import Any
 
 import pytest
 from _docker_env import FakeDocker
 
-from asynctorchx.schedulers._docker.logs import (
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
+from asynctorchx.schedulers._docker.frames import (
     STDERR,
     STDOUT,
     FrameDecoder,
     LineAssembler,
     format_api_time,
-    parse_timestamp,
 )
 from asynctorchx.schedulers._docker.request import (
     KIND_CANCEL_MARKER,
@@ -26,12 +25,22 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_ATTEMPT,
     LABEL_KIND,
     LABEL_MAX_RETRIES,
+    LABEL_NETWORK,
+    LABEL_REMOVE_FINISHED,
     LABEL_REPLICA_ID,
     LABEL_RETRY_POLICY,
     LABEL_ROLE_NAME,
     LABEL_ROLES,
 )
-from asynctorchx.schedulers._docker.state import ContainerInfo, assess
+from asynctorchx.schedulers._docker.state import (
+    ContainerInfo,
+    RemoveApp,
+    RemoveNetwork,
+    RetryReplicas,
+    StopContainer,
+    assess,
+)
+from asynctorchx.schedulers.api import UnknownRoleException
 from asynctorchx.schedulers.docker import (
     DockerEngineUnavailableError,
     DockerScheduler,
@@ -41,7 +50,7 @@ from asynctorchx.specs import AppDef, AppState, Resource, RetryPolicy, Role, Vol
 
 IMAGE = "asynctorchx-test/busybox:latest"
 TS = b"2024-05-01T12:00:00.123456789Z"
-TS_NS = parse_timestamp(TS)
+TS_NS = parse_rfc3339_ns(TS)
 
 
 def _frame(stream: int, payload: bytes) -> bytes:
@@ -62,11 +71,13 @@ def test_frame_decoder_handles_any_chunking() -> None:
 
 
 def test_parse_timestamp_reads_docker_nanosecond_times() -> None:
-    """RFC 3339 times with up to nine fraction digits and offsets become epoch nanoseconds."""
+    """Docker's RFC 3339 times (up to nine fraction digits, offsets) become epoch nanoseconds with
+    the parser shared with Kubernetes; resuming asks Docker for ``seconds.nanoseconds``."""
     assert TS_NS == 1714564800_123456789
-    assert parse_timestamp(b"2024-05-01T14:00:00.5+02:00") == 1714564800_500000000
-    assert parse_timestamp(b"2024-05-01T12:00:00Z") == 1714564800_000000000
-    assert parse_timestamp(b"not a time") is None
+    assert parse_rfc3339_ns(b"2024-05-01T14:00:00.5+02:00") == 1714564800_500000000
+    assert parse_rfc3339_ns(b"2024-05-01T12:00:00Z") == 1714564800_000000000
+    with pytest.raises(ValueError, match="not an RFC 3339 time"):
+        parse_rfc3339_ns(b"not a time")
     assert format_api_time(1714564800_000000042) == "1714564800.000000042"
 
 
@@ -108,6 +119,8 @@ def _c(
     retries: int = 0,
     policy: str = "APPLICATION",
     kind: str = "replica",
+    network: str = "",
+    remove_finished: bool = False,
 ) -> ContainerInfo:
     labels = {
         LABEL_APP_ID: "app",
@@ -118,6 +131,8 @@ def _c(
         LABEL_MAX_RETRIES: str(retries),
         LABEL_RETRY_POLICY: policy,
         LABEL_KIND: kind,
+        LABEL_NETWORK: network,
+        LABEL_REMOVE_FINISHED: "true" if remove_finished else "false",
     }
     return ContainerInfo(
         id=f"{role}-{k}-{attempt}-{kind}",
@@ -213,6 +228,89 @@ def test_replica_policy_failure_is_final_once_docker_stops_restarting() -> None:
         "app", [_c("r", 0, "restarting", retries=3, policy="REPLICA"), _c("r", 1, "running")]
     )
     assert restarting is not None and restarting.response.state == AppState.RUNNING
+
+
+# -- follow-up actions of the assessor -----------------------------------------------------------
+
+
+def test_failed_app_owes_stopping_its_survivors_and_nothing_else_yet() -> None:
+    """FAILED with a replica still running: the only action is stopping that replica; its network
+    stays until nothing of the app is alive."""
+    survivor = _c("r", 1, "running", network="net")
+    a = assess("app", [_c("r", 0, "exited", 3, network="net"), survivor])
+    assert a is not None and a.response.state == AppState.FAILED
+    assert a.actions == (StopContainer(survivor.id),)
+
+
+def test_a_running_or_pending_app_owes_nothing() -> None:
+    """An app whose replicas run (or wait to start) asks for no action."""
+    running = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 0)])
+    pending = assess("app", [_c("r", 0, "created"), _c("r", 1, "created")])
+    assert running is not None and running.actions == ()
+    assert pending is not None and pending.actions == ()
+
+
+def test_application_retry_stops_the_live_replicas_then_recreates_every_one() -> None:
+    """An APPLICATION retry: stop the replica still running, then recreate both replicas (from
+    their current containers) as attempt 1."""
+    failed, live = _c("r", 0, "exited", 1, retries=1), _c("r", 1, "running", retries=1)
+    a = assess("app", [failed, live])
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert a.actions == (StopContainer(live.id), RetryReplicas(1, (failed, live)))
+
+
+def test_role_retry_recreates_only_the_failed_role() -> None:
+    """A ROLE retry recreates the failed role's replica and leaves the other role running."""
+    roles = '[["a",1],["b",1]]'
+    failed = _c("a", 0, "exited", 2, roles=roles, retries=2, policy="ROLE")
+    other = _c("b", 0, "running", roles=roles, retries=2, policy="ROLE")
+    a = assess("app", [failed, other])
+    assert a is not None and a.actions == (RetryReplicas(1, (failed,)),)
+
+
+def test_superseded_attempt_still_alive_is_stopped() -> None:
+    """A container of an older attempt that is still alive is stopped (the newer one runs on)."""
+    old = _c("r", 0, "running", retries=1)
+    a = assess(
+        "app",
+        [old, _c("r", 0, "running", attempt=1, retries=1), _c("r", 1, "running", attempt=1)],
+    )
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert a.actions == (StopContainer(old.id),)
+
+
+def test_finished_app_owes_its_network_or_its_containers() -> None:
+    """Once finished with nothing alive: its own network is removed, or with remove_finished its
+    containers (and the network) are; without a network of its own, nothing is owed."""
+    done = [_c("r", 0, "exited", 0, network="net"), _c("r", 1, "exited", 0, network="net")]
+    a = assess("app", done)
+    assert a is not None and a.response.state == AppState.SUCCEEDED
+    assert a.actions == (RemoveNetwork(tuple(c.id for c in done)),)
+    rm = [_c("r", k, "exited", 0, network="net", remove_finished=True) for k in (0, 1)]
+    b = assess("app", rm)
+    assert b is not None and b.actions == (RemoveApp(tuple(c.id for c in rm), network=True),)
+    plain = assess("app", [_c("r", 0, "exited", 0), _c("r", 1, "exited", 0)])
+    assert plain is not None and plain.actions == ()
+
+
+def test_nothing_is_removed_while_a_replica_may_still_start() -> None:
+    """A failed app with a replica created but not started (a launch under way) keeps its network:
+    removing it would make that start fail; the start's event brings the stop."""
+    a = assess(
+        "app", [_c("r", 0, "exited", 3, network="net"), _c("r", 1, "created", network="net")]
+    )
+    assert a is not None and a.response.state == AppState.FAILED and a.actions == ()
+
+
+def test_cancelled_app_owes_its_network_once_nothing_is_alive() -> None:
+    """A cancelled app (marker) asks for its network's removal once its replicas have stopped."""
+    marker = _c("", -1, "created", kind=KIND_CANCEL_MARKER, network="net")
+    stopping = assess("app", [_c("r", 0, "running", network="net"), marker])
+    assert stopping is not None and stopping.actions == ()
+    replicas = [_c("r", 0, "exited", 143, network="net"), _c("r", 1, "exited", 137, network="net")]
+    done = assess("app", [*replicas, marker])
+    assert done is not None and done.response.state == AppState.CANCELLED
+    assert done.actions == (RemoveNetwork(tuple(c.id for c in [*replicas, marker])),)
 
 
 # -- submit error paths with a fake client ------------------------------------------------------
@@ -334,7 +432,7 @@ async def test_racing_network_creates_end_with_one_network() -> None:
     request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
     assert request is not None
     others = [DockerScheduler("s", docker, watch_events=False) for _ in range(4)]
-    ids = await asyncio.gather(*(s._create_network(docker, request) for s in [scheduler, *others]))
+    ids = await asyncio.gather(*(s._launcher.create_network(request) for s in [scheduler, *others]))
     assert len(set(ids)) == 1
     assert list(docker.networks_by_id) == [ids[0]]
     for s in [scheduler, *others]:
@@ -347,8 +445,8 @@ async def test_network_create_is_idempotent() -> None:
     scheduler = DockerScheduler("s", docker, watch_events=False)
     request = scheduler.submit_dryrun(_app(_role("a", 2)), {}).request.network_request
     assert request is not None
-    first = await scheduler._create_network(docker, request)
-    assert await scheduler._create_network(docker, request) == first
+    first = await scheduler._launcher.create_network(request)
+    assert await scheduler._launcher.create_network(request) == first
     assert len(docker.networks_by_id) == 1
     await scheduler.close()
 
@@ -383,7 +481,9 @@ async def test_log_iter_rejects_bad_arguments_at_call_time() -> None:
     from datetime import datetime, timedelta
 
     scheduler = DockerScheduler("s", FakeDocker(), watch_events=False)
-    with pytest.raises(ValueError, match="streams"):
+    with pytest.raises(
+        ValueError, match=r"^unsupported log stream 'both'; the local_docker scheduler reads stdout"
+    ):
         scheduler.log_iter("a", "r", streams="both")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="regex"):
         scheduler.log_iter("a", "r", regex="(")
@@ -415,17 +515,15 @@ async def test_scheduling_a_dryrun_twice_fails_and_keeps_the_first_app() -> None
     await scheduler.close()
 
 
-def _die_event(container: Any, code: int) -> bytes:
+def _die_event(container: Any, code: int) -> dict[str, Any]:
     labels = container.config["Labels"]
-    return json.dumps(
-        {
-            "Type": "container",
-            "Action": "die",
-            "id": container.id,
-            "Actor": {"ID": container.id, "Attributes": {**labels, "exitCode": str(code)}},
-            "timeNano": 1_700_000_000_000_000_000,
-        }
-    ).encode()
+    return {
+        "Type": "container",
+        "Action": "die",
+        "id": container.id,
+        "Actor": {"ID": container.id, "Attributes": {**labels, "exitCode": str(code)}},
+        "timeNano": 1_700_000_000_000_000_000,
+    }
 
 
 async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
@@ -438,7 +536,7 @@ async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
     app_id = await scheduler.submit(_app(_role()), {})
     container = docker.by_name(f"{app_id}-r-0")
     assert container is not None and container.state == "running"
-    scheduler._on_event(_die_event(container, 3))
+    scheduler._events.handle(_die_event(container, 3))
     assert told == [app_id]
     resp = await scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.FAILED
@@ -448,7 +546,7 @@ async def test_die_event_counts_before_the_engine_listing_catches_up() -> None:
     other = await scheduler.submit(_app(restartable), {})
     container = docker.by_name(f"{other}-r-0")
     assert container is not None
-    scheduler._on_event(_die_event(container, 1))
+    scheduler._events.handle(_die_event(container, 1))
     resp = await scheduler.describe(other)
     assert resp is not None and resp.state == AppState.RUNNING  # Docker may restart it
     await scheduler.close()
@@ -459,20 +557,120 @@ async def test_with_live_events_an_exit_is_described_without_asking_the_engine()
     no listing; any other event (a start, a create) makes the next describe list again."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
-    scheduler._events_ready = asyncio.Event()
-    scheduler._events_ready.set()  # as if the event stream were connected
+    scheduler._events._set_live(True)  # as if the event stream were connected
     app_id = await scheduler.submit(_app(_role()), {})
     assert (await scheduler.describe(app_id)).state == AppState.RUNNING  # type: ignore[union-attr]
     container = docker.by_name(f"{app_id}-r-0")
     assert container is not None
     docker.calls.clear()
-    scheduler._on_event(_die_event(container, 0))
+    scheduler._events.handle(_die_event(container, 0))
     resp = await scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.SUCCEEDED
     assert not any(op == "list" for op, _ in docker.calls)
-    start = json.loads(_die_event(container, 0))
+    start = _die_event(container, 0)
     start["Action"] = "start"
-    scheduler._on_event(json.dumps(start).encode())
+    scheduler._events.handle(start)
     await scheduler.describe(app_id)
     assert [op for op, _ in docker.calls if op == "list"] == ["list"]
+    await scheduler.close()
+
+
+async def _failed_app_with_a_survivor(scheduler: DockerScheduler, docker: FakeDocker) -> str:
+    """An app whose replica 0 exited 3 while replica 1 runs: it owes stopping replica 1."""
+    app_id = await scheduler.submit(_app(_role("r", 2)), {})
+    failed = docker.by_name(f"{app_id}-r-0")
+    assert failed is not None
+    failed.state, failed.exit_code = "exited", 3
+    return app_id
+
+
+async def test_status_reads_issue_no_write_to_the_engine() -> None:
+    """describe, describe_many, exists, list and reading logs of an app that owes a follow-up (a
+    survivor to stop) send the engine no request that changes anything."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await _failed_app_with_a_survivor(scheduler, docker)
+    writes, calls = scheduler.engine.writes, len(docker.calls)
+    assert (await scheduler.describe(app_id)).state == AppState.FAILED  # type: ignore[union-attr]
+    await scheduler.describe_many([app_id, "other-1"])
+    assert await scheduler.exists(app_id)
+    assert [a.state for a in await scheduler.list()] == [AppState.FAILED]
+    with pytest.raises(UnknownRoleException):
+        async for _ in scheduler.log_iter(app_id, "nope"):
+            pass
+    await scheduler._reconciler.wait_idle()
+    assert scheduler.engine.writes == writes
+    assert scheduler.engine.requests["container_list"] >= 4
+    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 5
+    assert docker.by_name(f"{app_id}-r-1").state == "running"  # type: ignore[union-attr]
+    await scheduler.close()
+
+
+async def test_an_exit_event_drives_the_follow_up() -> None:
+    """The die event of the failed replica (not a status read) makes the backend stop the survivor."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await _failed_app_with_a_survivor(scheduler, docker)
+    writes = scheduler.engine.writes
+    scheduler._events.handle(_die_event(docker.by_name(f"{app_id}-r-0"), 3))
+    await scheduler._reconciler.wait_idle()
+    assert scheduler.engine.writes == writes + 1
+    assert ("stop", f"{app_id}-r-1") in docker.calls
+    survivor = docker.by_name(f"{app_id}-r-1")
+    assert survivor is not None and survivor.state == "exited"
+    await scheduler.close()
+
+
+def _event(container: Any, action: str) -> dict[str, Any]:
+    event = _die_event(container, 0)
+    event["Action"] = action
+    return event
+
+
+async def test_a_replica_starting_after_its_app_failed_is_stopped() -> None:
+    """Rank 0 fails while replica 1 is still only created (its launch under way): nothing can be
+    stopped yet and the network stays; replica 1's start event then brings its stop."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await scheduler.submit(_app(_role("r", 2)), {})
+    rank0, late = docker.by_name(f"{app_id}-r-0"), docker.by_name(f"{app_id}-r-1")
+    assert rank0 is not None and late is not None
+    rank0.state, rank0.exit_code = "exited", 3
+    late.state = "created"
+    scheduler._events.handle(_die_event(rank0, 3))
+    await scheduler._reconciler.wait_idle()
+    assert not any(op in ("stop", "network-delete") for op, _ in docker.calls)
+    late.state = "running"
+    scheduler._events.handle(_event(late, "start"))
+    await scheduler._reconciler.wait_idle()
+    assert ("stop", f"{app_id}-r-1") in docker.calls and late.state == "exited"
+    await scheduler.close()
+
+
+async def test_cancel_finishes_its_stops_when_the_caller_is_cancelled() -> None:
+    """A task awaiting cancel() that is itself cancelled (Task.cancel) while the containers stop:
+    the stop still completes, then the caller sees its CancelledError; the app reads CANCELLED."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await scheduler.submit(_app(_role("r", 1)), {})
+    container = docker.by_name(f"{app_id}-r-0")
+    assert container is not None
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_stop = container.stop
+
+    async def slow_stop(**kwargs: Any) -> None:
+        entered.set()
+        await release.wait()
+        await real_stop(**kwargs)
+
+    container.stop = slow_stop  # type: ignore[method-assign]
+    caller = asyncio.ensure_future(scheduler.cancel(app_id))
+    await asyncio.wait_for(entered.wait(), 10)
+    caller.cancel()  # delivered to the caller before the stop can go on
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(caller, 10)
+    assert container.state == "exited"
+    resp = await scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.CANCELLED
     await scheduler.close()

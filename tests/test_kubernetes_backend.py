@@ -483,7 +483,7 @@ async def test_follow_resumes_a_dropped_stream_without_duplicates(
 async def test_log_arguments_are_checked(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
     """Separate stdout/stderr, unknown roles and replicas out of range are clear errors."""
     handle = await runner.run(AppDef("args", roles=[role(replicas=2)]), scheduler="kubernetes")
-    with pytest.raises(ValueError, match="stdout and stderr as one log"):
+    with pytest.raises(ValueError, match=r"unsupported log stream .* scheduler reads combined$"):
         async for _ in runner.log_lines(handle, "worker", streams=Stream.STDERR):
             pass
     with pytest.raises(UnknownRoleException, match="no role 'nope'"):

@@ -11,16 +11,17 @@ from typing import Any
 
 import yaml
 
+from asynctorchx.logs._timestamps import seconds_to_ns, split_timestamp
 from asynctorchx.schedulers._k8s import names as n
-from asynctorchx.schedulers._k8s.logs import (
-    LogCursor,
-    datetime_to_ns,
-    split_timestamp,
-    to_rfc3339_seconds,
-)
+from asynctorchx.schedulers._k8s.logs import to_rfc3339_seconds
 from asynctorchx.schedulers._k8s.manifests import KubernetesOptions, build_request, owned_by
 from asynctorchx.schedulers._k8s.status import (
+    Forget,
+    ManagedApp,
+    Restart,
+    StopRoles,
     describe_app,
+    follow_up,
     job_state,
     newest_pods,
     parse_index_set,
@@ -30,7 +31,7 @@ from asynctorchx.schedulers._k8s.status import (
     pod_started,
     pod_state,
 )
-from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.specs import AppDef, AppState, RetryPolicy, Role
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kubernetes"
 
@@ -240,27 +241,79 @@ def test_unknown_pod_phase_makes_an_otherwise_pending_app_unknown() -> None:
 
 
 def test_log_timestamps_split_and_keep_the_newline() -> None:
-    """The kubelet's timestamp prefix is split off; the text keeps its newline and its \\r."""
-    ts, text = split_timestamp("2026-01-01T00:00:00.000000005Z progress\r 50%\n")
+    """The kubelet's timestamp prefix is split off (by the parser shared with Docker); the text
+    keeps its newline and its \\r; resuming asks for sinceTime rounded down to the second."""
+    ts, text = split_timestamp(b"2026-01-01T00:00:00.000000005Z progress\r 50%\n")
     assert ts == int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 10**9 + 5
-    assert text == "progress\r 50%\n"
-    assert split_timestamp("no timestamp\n") == (None, "no timestamp\n")
+    assert text == b"progress\r 50%\n"
+    assert split_timestamp(b"no timestamp\n") == (None, b"no timestamp\n")
     assert to_rfc3339_seconds(ts) == "2026-01-01T00:00:00Z"
-    assert datetime_to_ns(datetime(2026, 1, 1, tzinfo=timezone.utc)) == ts - 5
+    assert seconds_to_ns(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) == ts - 5
 
 
-def test_log_cursor_skips_what_was_already_read() -> None:
-    """A resumed stream skips lines before the last timestamp and those already read at it."""
-    cursor = LogCursor()
-    first = cursor.begin_pass()
-    assert [first.accept(t) for t in (10, 20, 20)] == [True, True, True]
-    again = cursor.begin_pass()
-    assert [again.accept(t) for t in (5, 10, 20, 20, 20, 30)] == [
-        False,
-        False,
-        False,
-        False,
-        True,
-        True,
-    ]
-    assert cursor.last_ns == 30 and cursor.at_last == 1
+def managed_app(
+    policy: RetryPolicy, max_retries: int
+) -> tuple[ManagedApp, dict[str, Any], list[dict[str, Any]]]:
+    """A looked-after two-role app (trainer x2, ps) with both roles on ``policy``."""
+    app = AppDef(
+        "demo",
+        roles=[
+            Role(
+                "trainer",
+                image="i",
+                entrypoint="e",
+                num_replicas=2,
+                max_retries=max_retries,
+                retry_policy=policy,
+            ),
+            Role("ps", image="i", entrypoint="e", max_retries=max_retries, retry_policy=policy),
+        ],
+    )
+    req = build_request(app, KubernetesOptions(), "sess", app_name="demo-abcdefgh")
+    svc, jobs = app_objects()
+    return ManagedApp(request=req, service=svc, role_attempts=[0, 0]), svc, jobs
+
+
+def fail(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Marks ``job`` failed; returns its failed pod."""
+    job["status"] = fixture("job_failed.yaml")["status"]
+    return [pod(job, 0, "Failed", "2026-01-01T00:00:01Z", exit_code=3)]
+
+
+def test_follow_up_owes_nothing_while_the_app_runs() -> None:
+    """Running roles ask for no action."""
+    managed, svc, jobs = managed_app(RetryPolicy.ROLE, 1)
+    pods = [pod(jobs[0], 0, "Running", "2026-01-01T00:00:01Z")]
+    assert follow_up(managed, svc, jobs, pods) is None
+
+
+def test_follow_up_restarts_a_failed_role_with_retries_left() -> None:
+    """ROLE: the failed role's Job is restarted alone; APPLICATION: every role, as the app's next
+    attempt; the failed app reads RUNNING while it is restarted."""
+    managed, svc, jobs = managed_app(RetryPolicy.ROLE, 1)
+    pods = fail(jobs[1])
+    assert follow_up(managed, svc, jobs, pods) == Restart(roles=(1,), whole_app=False)
+    managed, svc, jobs = managed_app(RetryPolicy.APPLICATION, 1)
+    pods = fail(jobs[1])
+    assert follow_up(managed, svc, jobs, pods) == Restart(roles=(0, 1), whole_app=True)
+
+
+def test_follow_up_stops_the_other_roles_once_retries_are_spent() -> None:
+    """A role failed with no retry left: the roles still running (not suspended) are to stop."""
+    managed, svc, jobs = managed_app(RetryPolicy.ROLE, 1)
+    managed.role_attempts = [0, 1]
+    pods = [*fail(jobs[1]), pod(jobs[0], 0, "Running", "2026-01-01T00:00:02Z")]
+    assert follow_up(managed, svc, jobs, pods) == StopRoles((jobs[0]["metadata"]["name"],))
+    jobs[0]["spec"]["suspend"] = True
+    assert follow_up(managed, svc, jobs, pods) == StopRoles(())
+
+
+def test_follow_up_forgets_a_finished_or_deleted_app() -> None:
+    """Every role succeeded, the Service is gone, or it is being deleted: stop looking after it."""
+    managed, svc, jobs = managed_app(RetryPolicy.ROLE, 1)
+    for job in jobs:
+        job["status"] = fixture("job_complete.yaml")["status"]
+    assert follow_up(managed, svc, jobs, []) == Forget()
+    assert follow_up(managed, None, jobs, []) == Forget()
+    svc["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:03Z"
+    assert follow_up(managed, svc, [], []) == Forget()

@@ -4,8 +4,9 @@
 and turns the engine's status codes into ``DockerSchedulerError`` (or
 ``DockerEngineUnavailableError`` when the engine cannot be reached) with a message that says what
 was being done. The image calls the workspaces need live here (inspect, build, tag, push, remove),
-shared by the ``local_docker`` and ``kubernetes`` backends; the container calls of ``local_docker``
-are to follow.
+shared by the ``local_docker`` and ``kubernetes`` backends, and so do every container, network,
+volume, event and log call of ``local_docker``: no other module calls aiodocker. ``requests`` counts
+the calls by kind, ``writes`` those that change something (a status read makes none).
 
 Registry credentials for a push come from the Docker client's config file (``$DOCKER_CONFIG`` or
 ``~/.docker/config.json``), as ``docker push`` finds them: a credential helper (``credHelpers``,
@@ -20,13 +21,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
 import re
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+)
+from contextlib import asynccontextmanager
 from types import ModuleType
 from typing import Any, TypeVar
+
+from asynctorchx.schedulers._docker.frames import FrameDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +56,20 @@ _DOMAIN = (
 )
 _REPOSITORY_RE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
 _DOMAIN_RE = re.compile(_DOMAIN)
+_NETWORK_REMOVE_TRIES = 5
+
+#: The kinds of request (keys of ``DockerEngine.requests``) that change something on the engine.
+WRITE_REQUESTS = frozenset(
+    {
+        "container_create",
+        "container_start",
+        "container_stop",
+        "container_remove",
+        "network_create",
+        "network_remove",
+        "image_pull",
+    }
+)
 
 
 class DockerSchedulerError(RuntimeError):
@@ -54,6 +81,10 @@ class DockerSchedulerError(RuntimeError):
 
 class DockerEngineUnavailableError(DockerSchedulerError):
     """Raised when the Docker engine cannot be reached (daemon not running, wrong DOCKER_HOST)."""
+
+
+class DockerNotFoundError(DockerSchedulerError):
+    """Raised when the engine has no such object (any more), where that is not a plain answer."""
 
 
 def import_aiodocker() -> ModuleType:
@@ -288,6 +319,9 @@ class DockerEngine:
         self.builds = 0
         #: pushes started by this engine
         self.pushes = 0
+        #: container, network, volume, event and log requests sent, by kind
+        self.requests: Counter[str] = Counter()
+        self._ncpu: float | None = None
 
     @property
     def docker_host(self) -> str | None:
@@ -560,6 +594,259 @@ class DockerEngine:
             raise engine_error(f"removing image {ref}", e) from None
         return True
 
+    # -- containers, networks, volumes, events and logs (the local_docker backend) ---------------
+
+    def _count(self, op: str) -> None:
+        self.requests[op] += 1
+
+    @property
+    def writes(self) -> int:
+        """How many requests that change something this engine wrapper has sent (see ``requests``)."""
+        return sum(n for op, n in self.requests.items() if op in WRITE_REQUESTS)
+
+    async def list_containers(self, label: str) -> list[dict[str, Any]]:
+        """Every container (running or not) with ``label`` (``key`` or ``key=value``), as the
+        entries of ``GET /containers/json``."""
+        client = await self.client()
+        self._count("container_list")
+        try:
+            raw = await client.containers.list(all=True, filters=json.dumps({"label": [label]}))
+        except Exception as e:
+            if not is_docker_error(e):
+                raise
+            raise engine_error("listing containers", e) from None
+        return [_summary(c) for c in raw]
+
+    async def inspect_container(self, cid: str) -> dict[str, Any] | None:
+        """The engine's ``inspect`` of a container, or None when it does not exist.
+
+        The engine answers once it has finished recording the container's last change (an exit,
+        a restart), so an inspect also waits for that.
+
+        Raises:
+            DockerSchedulerError: the engine failed the request.
+            DockerEngineUnavailableError: it cannot be reached.
+        """
+        client = await self.client()
+        self._count("container_inspect")
+        try:
+            return dict(await client.containers.container(cid).show())
+        except Exception as e:
+            if status_of(e) == 404:
+                return None
+            raise _request_error(f"inspecting container {cid[:12]}", e) from None
+
+    async def create_container(
+        self, config: Mapping[str, Any], name: str, *, what: str, exist_ok: bool = False
+    ) -> str | None:
+        """Creates a container and returns its id; with ``exist_ok``, None when the name is taken.
+
+        Raises:
+            DockerSchedulerError: the engine refused it (``what`` says which container it is).
+        """
+        client = await self.client()
+        self._count("container_create")
+        try:
+            container = await client.containers.create(dict(config), name=name)
+        except Exception as e:
+            if exist_ok and status_of(e) == 409:
+                return None
+            if not is_docker_error(e):
+                raise
+            raise engine_error(what, e) from None
+        return str(container.id)
+
+    async def start_container(self, cid: str, *, what: str) -> None:
+        """Starts a created container.
+
+        Raises:
+            DockerSchedulerError: it did not start (``what`` says which container it is).
+        """
+        client = await self.client()
+        self._count("container_start")
+        try:
+            await client.containers.container(cid).start()
+        except Exception as e:
+            if not is_docker_error(e):
+                raise
+            raise engine_error(what, e) from None
+
+    async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:
+        """Stops a container: SIGTERM, then SIGKILL after ``timeout`` seconds (default: its own
+        stop timeout). A container already stopped or gone is left alone."""
+        client = await self.client()
+        self._count("container_stop")
+        try:
+            container = client.containers.container(cid)
+            await (container.stop() if timeout is None else container.stop(t=timeout))
+        except Exception as e:
+            if status_of(e) in (304, 404):
+                return
+            raise _request_error(f"stopping container {cid[:12]}", e) from None
+
+    async def remove_container(self, cid: str) -> None:
+        """Removes a container, running or not (a container gone, or going, is left alone)."""
+        client = await self.client()
+        self._count("container_remove")
+        try:
+            await client.containers.container(cid).delete(force=True)
+        except Exception as e:
+            if status_of(e) in (404, 409):
+                return
+            raise _request_error(f"removing container {cid[:12]}", e) from None
+
+    async def pull_image(self, image: str) -> None:
+        """Pulls ``image``.
+
+        Raises:
+            DockerSchedulerError: it could not be pulled (the message says so, and why).
+            DockerEngineUnavailableError: the engine cannot be reached.
+        """
+        client = await self.client()
+        self._count("image_pull")
+        try:
+            await client.images.pull(image)
+            await client.images.inspect(image)
+        except Exception as e:
+            if status_of(e) == 900 or isinstance(e, OSError):
+                raise engine_error(f"pulling image {image!r}", e) from None
+            if not is_docker_error(e):
+                raise
+            raise DockerSchedulerError(
+                f"image {image!r} is not present locally and could not be pulled "
+                f"({message_of(e)}); build or load it first"
+            ) from None
+
+    async def volume_exists(self, name: str) -> bool:
+        """True when the engine has the named volume."""
+        client = await self.client()
+        return await self._exists("volume", client.volumes.get, name)
+
+    async def network_exists(self, name: str) -> bool:
+        """True when the engine has a network of that name or id."""
+        client = await self.client()
+        return await self._exists("network", client.networks.get, name)
+
+    async def _exists(self, kind: str, get: Callable[[str], Awaitable[Any]], name: str) -> bool:
+        self._count(f"{kind}_inspect")
+        try:
+            await get(name)
+        except Exception as e:
+            if status_of(e) == 404:
+                return False
+            raise _request_error(f"checking {kind} {name!r}", e) from None
+        return True
+
+    async def create_network(self, config: Mapping[str, Any]) -> str | None:
+        """Creates a network and returns its id; None when one of that name exists already."""
+        client = await self.client()
+        self._count("network_create")
+        try:
+            return str((await client.networks.create(dict(config))).id)
+        except Exception as e:
+            if status_of(e) == 409:
+                return None
+            raise _request_error(f"creating network {config.get('Name')!r}", e) from None
+
+    async def list_networks(
+        self, *, name: str | None = None, label: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The networks whose name contains ``name`` and that carry ``label`` (``key=value``)."""
+        client = await self.client()
+        self._count("network_list")
+        filters = {"name": [name]} if name else {}
+        if label:
+            filters["label"] = [label]
+        try:
+            return [dict(n) for n in await client.networks.list(filters=filters)]
+        except Exception as e:
+            raise _request_error("listing networks", e) from None
+
+    async def remove_network(self, nid: str) -> None:
+        """Removes a network, waiting (up to ~3 s) while the engine still lets go of containers
+        that were attached to it; a network already gone is left alone."""
+        client = await self.client()
+        for attempt in range(_NETWORK_REMOVE_TRIES):
+            self._count("network_remove")
+            try:
+                await (await client.networks.get(nid)).delete()
+                return
+            except Exception as e:
+                if status_of(e) == 404:
+                    return
+                if status_of(e) != 403 or attempt == _NETWORK_REMOVE_TRIES - 1:
+                    raise _request_error(f"removing network {nid[:12]}", e) from None
+            await asyncio.sleep(0.2 * (attempt + 1))  # 403: endpoints are still attached
+
+    async def cpu_count(self) -> float | None:
+        """The engine's CPU count (asked once), or None when it does not say."""
+        if self._ncpu is None:
+            client = await self.client()
+            self._count("system_info")
+            try:
+                info = await client.system.info()
+            except Exception:
+                return None
+            self._ncpu = float(info.get("NCPU") or 0) or None
+        return self._ncpu
+
+    @asynccontextmanager
+    async def events(
+        self, filters: Mapping[str, Any], since: str | None = None
+    ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Opens ``GET /events`` (from ``since``, in Docker's ``seconds.nanoseconds`` form, when
+        given); entered once the engine answered, it yields the stream of event objects.
+
+        Raises:
+            DockerEngineUnavailableError: the engine cannot be reached, or the stream broke.
+            DockerSchedulerError: the engine refused the request.
+        """
+        params: dict[str, Any] = {"filters": json.dumps(dict(filters))}
+        if since is not None:
+            params["since"] = since
+        self._count("events")
+        async with self._stream("events", "following the engine's events", params) as resp:
+            stream = _guard_stream(_json_lines(resp), "following the engine's events")
+            try:
+                yield stream
+            finally:
+                await stream.aclose()
+
+    async def container_log_frames(
+        self, cid: str, params: Mapping[str, Any]
+    ) -> AsyncGenerator[tuple[int, bytes], None]:
+        """The ``(stream id, payload)`` frames of ``GET /containers/{id}/logs`` with ``params``.
+
+        Raises:
+            DockerNotFoundError: the container does not exist (any more).
+            DockerEngineUnavailableError: the engine cannot be reached, or the stream broke.
+            DockerSchedulerError: the engine refused the request.
+        """
+        what = f"reading the logs of container {cid[:12]}"
+        self._count("container_logs")
+        async with self._stream(f"containers/{cid}/logs", what, dict(params)) as resp:
+            decoder = FrameDecoder()
+            async for chunk in _guard_stream(resp.content.iter_any(), what):
+                for frame in decoder.feed(chunk):
+                    yield frame
+
+    @asynccontextmanager
+    async def _stream(self, path: str, what: str, params: dict[str, Any]) -> AsyncIterator[Any]:
+        """A streamed ``GET`` through aiodocker's raw query (no total timeout), closed on exit."""
+        aiohttp = _import_aiohttp()
+        client = await self.client()
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                resp = await stack.enter_async_context(
+                    client._query(path, params=params, timeout=aiohttp.ClientTimeout())
+                )
+            except Exception as e:
+                raise _request_error(what, e) from None
+            try:
+                yield resp
+            finally:
+                resp.close()
+
 
 def run_blocking(fn: Callable[[], Awaitable[T]]) -> T:
     """Runs the coroutine ``fn()`` to completion in a private event loop of a helper thread.
@@ -589,3 +876,43 @@ def _import_aiohttp() -> ModuleType:
     import aiohttp
 
     return aiohttp
+
+
+def _request_error(what: str, err: BaseException) -> BaseException:
+    """The error to raise for a failed request (``engine_error``, and: 404 is DockerNotFoundError,
+    a dropped connection DockerEngineUnavailableError); an error of another kind is kept."""
+    import aiohttp
+
+    if isinstance(err, DockerSchedulerError):
+        return err
+    if status_of(err) == 404:
+        return DockerNotFoundError(f"{what}: {message_of(err)}")
+    if is_docker_error(err) or isinstance(err, OSError):
+        return engine_error(what, err)
+    if isinstance(err, aiohttp.ClientError | asyncio.TimeoutError):
+        return DockerEngineUnavailableError(
+            f"{what}: the connection to the Docker engine failed ({type(err).__name__}: {err})"
+        )
+    return err
+
+
+async def _guard_stream(items: AsyncIterator[T], what: str) -> AsyncGenerator[T, None]:
+    """``items``, with a failure while reading them raised as ``_request_error`` says."""
+    try:
+        async for item in items:
+            yield item
+    except Exception as e:
+        raise _request_error(what, e) from None
+
+
+def _summary(container: Any) -> dict[str, Any]:
+    """The listing entry of an ``aiodocker`` container (or a plain dict from a fake)."""
+    if isinstance(container, Mapping):
+        return dict(container)
+    out: dict[str, Any] = {}
+    for key in ("Id", "Names", "Image", "Labels", "State", "Status", "Created"):
+        try:
+            out[key] = container[key]
+        except (KeyError, TypeError):
+            continue
+    return out

@@ -1,129 +1,227 @@
-"""Decoding Docker's container log stream into lines. Pure, no I/O.
+"""The ``local_docker`` log source: a replica's lines, read from the Docker API.
 
-``GET /containers/{id}/logs`` (no TTY) answers with a multiplexed stream: frames of an 8-byte header
-(stream id: 1 = stdout, 2 = stderr; three zero bytes; a big-endian payload size) and the payload.
-With ``timestamps=1`` every payload is one log message prefixed with its RFC 3339 nanosecond time
-and a space. Docker splits a line longer than 16 KiB into several messages; every part but the last
-lacks the trailing ``\\n``, and the parts are joined back here, so a line is never truncated.
+A replica's log is the logs of its containers, one per attempt (a ROLE/APPLICATION retry makes a new
+container; a REPLICA retry restarts the same one), read oldest first. Lines are read with
+``timestamps=1`` and stdout/stderr as the query asks (both: in the order Docker received them);
+``since``/``until`` go to the engine and are checked again on each line's time; a followed stream
+that drops is resumed from its ``ResumeCursor`` (the shared one of ``asynctorchx.logs``), so no line
+is lost or repeated. Following ends once the app is terminal and every container has been drained.
 """
 
 from __future__ import annotations
 
-import calendar
-import re
-import struct
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
-STDOUT = 1
-STDERR = 2
+from asynctorchx.logs._query import LogQuery, Stream
+from asynctorchx.logs._timestamps import CursorPass, ResumeCursor, seconds_to_ns
+from asynctorchx.schedulers._docker.engine import (
+    DockerEngine,
+    DockerEngineUnavailableError,
+    DockerNotFoundError,
+)
+from asynctorchx.schedulers._docker.frames import LineAssembler, LogLine, format_api_time
+from asynctorchx.schedulers._docker.state import ContainerInfo, assess
+from asynctorchx.schedulers.api import check_replica, role_replica_counts
+from asynctorchx.specs.api import UnknownAppException, is_terminal
 
-_HEADER = struct.Struct(">BxxxL")
-_TS_RE = re.compile(rb"(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
+logger = logging.getLogger(__name__)
+
+#: engine failures in a row (a dropped stream, an unreachable engine) before a read gives up
+_ENGINE_RETRIES = 5
 
 
 @dataclass(frozen=True)
-class LogLine:
-    """One line of a container's output.
+class _Window:
+    """What to read of each container: which streams, and the time window in nanoseconds."""
+
+    stdout: bool
+    stderr: bool
+    since_ns: int | None
+    until_ns: int | None
+
+    def admits(self, ts: int | None) -> bool:
+        return ts is None or (
+            (self.since_ns is None or ts >= self.since_ns)
+            and (self.until_ns is None or ts <= self.until_ns)
+        )
+
+    def past(self) -> bool:
+        """True once ``until`` has gone by (nothing more can be written within the window)."""
+        return self.until_ns is not None and time.time_ns() > self.until_ns
+
+
+class DockerLogSource:
+    """Reads replicas' logs through the engine wrapper.
 
     Args:
-        ts_ns: when Docker received the line's first byte (nanoseconds since the epoch).
-        stream: ``STDOUT`` or ``STDERR``.
-        text: the line, ending with ``\\n`` unless it is an unterminated last line.
+        engine: the engine to read from.
+        list_app: lists one app's containers (the event feed's listing).
+        wait_app: waits for the app's next event, at most the seconds given.
+        handle_of: the handle of an app id (for UnknownAppException).
     """
 
-    ts_ns: int
-    stream: int
-    text: str
+    def __init__(
+        self,
+        engine: DockerEngine,
+        list_app: Callable[[str], Awaitable[list[ContainerInfo]]],
+        wait_app: Callable[[str, float], Awaitable[None]],
+        handle_of: Callable[[str], str],
+    ) -> None:
+        self._engine = engine
+        self._list_app = list_app
+        self._wait_app = wait_app
+        self._handle_of = handle_of
+
+    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
+        """The lines ``query`` asks for (every attempt of the replica, oldest first).
+
+        Raises:
+            UnknownAppException: Docker has no container of the app.
+            UnknownRoleException: no such role or replica.
+        """
+        containers = await self._list_app(query.app_id)
+        a = assess(query.app_id, containers)
+        if a is None:
+            raise UnknownAppException(self._handle_of(query.app_id))
+        check_replica(query.app_id, role_replica_counts(a.response.roles), query.role, query.k)
+        window = _Window(
+            stdout=query.stream in (Stream.STDOUT, Stream.COMBINED),
+            stderr=query.stream in (Stream.STDERR, Stream.COMBINED),
+            since_ns=None if query.since is None else seconds_to_ns(query.since),
+            until_ns=None if query.until is None else seconds_to_ns(query.until),
+        )
+        cursors: dict[str, ResumeCursor] = {}
+        finished: set[str] = set()  # containers read to the end that will not write again
+        while True:
+            final = not query.follow or a is None or is_terminal(a.response.state) or window.past()
+            attempts = sorted(
+                (
+                    c
+                    for c in containers
+                    if not c.is_marker and (c.role, c.replica_id) == (query.role, query.k)
+                ),
+                key=lambda c: c.attempt,
+            )
+            for c in attempts:
+                if c.id in finished:
+                    continue
+                latest = c is attempts[-1]
+                cursor = cursors.setdefault(c.id, ResumeCursor())
+                read = self._container_lines(
+                    query.app_id, c.id, window, cursor, latest and not final
+                )
+                async with contextlib.aclosing(read):
+                    async for line in read:
+                        if query.matches(line.text):
+                            yield line.text
+                if final or not latest:
+                    finished.add(c.id)
+            if final:
+                return
+            # The replica's latest container stopped while the app goes on: it may be restarted or
+            # retried as a new attempt; look again on the app's next event (or in a second).
+            await self._wait_app(query.app_id, 1.0)
+            containers = await self._list_app(query.app_id)
+            a = assess(query.app_id, containers)
+
+    async def _container_lines(
+        self, app_id: str, cid: str, window: _Window, cursor: ResumeCursor, follow: bool
+    ) -> AsyncGenerator[LogLine, None]:
+        """One container's lines after ``cursor``; with ``follow``, until the container stops.
+
+        A stream that drops is resumed from the cursor, so no line is lost or repeated.
+        """
+        failures = 0
+        while True:
+            read = _Read(cursor.begin_pass(), window)
+            frames = self._engine.container_log_frames(cid, _params(window, cursor, follow))
+            try:
+                async with contextlib.aclosing(frames):
+                    async for frame in frames:
+                        failures = 0  # the engine answers: only failures in a row count
+                        line = read.feed(*frame)
+                        if line is read.END:
+                            return
+                        if line is not None:
+                            yield line
+                if not follow:
+                    for tail in read.flush():
+                        yield tail
+                    return
+                follow = await self._keep_following(app_id, cid, window)
+            except DockerNotFoundError:
+                return  # the container was removed
+            except DockerEngineUnavailableError as e:
+                failures += 1
+                if failures > _ENGINE_RETRIES:
+                    raise
+                logger.info("log stream of %s dropped (%s); resuming", cid[:12], e)
+                await asyncio.sleep(min(0.1 * 2**failures, 2.0))
+
+    async def _keep_following(self, app_id: str, cid: str, window: _Window) -> bool:
+        """After a followed stream ended: whether to follow again (the container still runs, or
+        may run again) or read once more to drain it (it stopped, or ``until`` has gone by).
+
+        Raises:
+            DockerNotFoundError: the container was removed.
+        """
+        info = await self._engine.inspect_container(cid)
+        if info is None:
+            raise DockerNotFoundError(f"container {cid[:12]} is gone")
+        state = info.get("State") or {}
+        if window.past():
+            return False
+        if state.get("Restarting") or state.get("Paused"):
+            await self._wait_app(app_id, 0.5)  # not writing now: follow again once it changes
+        return bool(state.get("Running") or state.get("Restarting") or state.get("Paused"))
 
 
-class FrameDecoder:
-    """Splits a multiplexed log stream into ``(stream id, payload)`` frames, across any chunking."""
+class _Read:
+    """One pass over a container's log stream: frames into lines, filtered by window and cursor."""
 
-    def __init__(self) -> None:
-        self._buf = bytearray()
+    END = LogLine(None, 0, "")
 
-    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """Adds bytes read from the stream and returns the frames they complete."""
-        self._buf += data
-        frames: list[tuple[int, bytes]] = []
-        offset = 0
-        size = _HEADER.size
-        while len(self._buf) - offset >= size:
-            stream, length = _HEADER.unpack_from(self._buf, offset)
-            if len(self._buf) - offset - size < length:
-                break
-            start = offset + size
-            frames.append((stream, bytes(self._buf[start : start + length])))
-            offset = start + length
-        del self._buf[:offset]
-        return frames
-
-    @property
-    def pending(self) -> int:
-        """Bytes of an incomplete frame still buffered."""
-        return len(self._buf)
-
-
-def parse_timestamp(raw: bytes) -> int | None:
-    """An RFC 3339 time (as Docker writes it, up to nanoseconds) as nanoseconds since the epoch."""
-    m = _TS_RE.fullmatch(raw)
-    if not m:
-        return None
-    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
-    frac = m.group(7) or b""
-    try:
-        secs = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
-    except (OverflowError, ValueError):
-        return None
-    tz = m.group(8)
-    if tz != b"Z":
-        sign = 1 if tz[:1] == b"+" else -1
-        secs -= sign * (int(tz[1:3]) * 3600 + int(tz[4:6]) * 60)
-    return secs * 1_000_000_000 + int(frac.ljust(9, b"0") or b"0")
-
-
-def format_api_time(ts_ns: int) -> str:
-    """Nanoseconds since the epoch in the ``seconds.nanoseconds`` form Docker's ``since``/``until`` take."""
-    secs, nanos = divmod(ts_ns, 1_000_000_000)
-    return f"{secs}.{nanos:09d}"
-
-
-class LineAssembler:
-    """Turns timestamped log messages into whole lines, per stream.
-
-    Invalid UTF-8 is replaced (U+FFFD), never raised.
-    """
-
-    def __init__(self) -> None:
-        self._parts: dict[int, tuple[int, bytearray]] = {}
+    def __init__(self, cursor: CursorPass, window: _Window) -> None:
+        self._cursor = cursor
+        self._window = window
+        self._assembler = LineAssembler()
 
     def feed(self, stream: int, payload: bytes) -> LogLine | None:
-        """Adds one message; returns the line it completes, if any."""
-        head, sep, body = payload.partition(b" ")
-        ts = parse_timestamp(head) if sep else None
-        if ts is None:
-            # Not timestamped (should not happen with timestamps=1): keep the bytes as they are.
-            ts, body = -1, payload
-        pending = self._parts.get(stream)
-        if pending is None:
-            pending = (ts, bytearray())
-            self._parts[stream] = pending
-        pending[1].extend(body)
-        if not body.endswith(b"\n"):
+        """The line a frame completes, if it is to be returned; ``END`` past ``until``."""
+        line = self._assembler.feed(stream, payload)
+        if line is None:
             return None
-        del self._parts[stream]
-        return LogLine(pending[0], stream, pending[1].decode("utf-8", errors="replace"))
+        until = self._window.until_ns
+        if until is not None and line.ts_ns is not None and line.ts_ns > until:
+            return self.END
+        return line if self._window.admits(line.ts_ns) and self._cursor.admit(line.ts_ns) else None
 
     def flush(self) -> list[LogLine]:
-        """The unterminated lines still buffered (end of the log), oldest first; clears them."""
-        lines = [
-            LogLine(ts, stream, data.decode("utf-8", errors="replace"))
-            for stream, (ts, data) in self._parts.items()
-            if data
+        """The unterminated last lines, once the stream has ended."""
+        return [
+            line
+            for line in self._assembler.flush()
+            if self._window.admits(line.ts_ns) and self._cursor.admit(line.ts_ns)
         ]
-        self._parts.clear()
-        return sorted(lines, key=lambda line: line.ts_ns)
 
-    def discard(self) -> None:
-        """Forgets buffered parts (the stream dropped; they will be read again)."""
-        self._parts.clear()
+
+def _params(window: _Window, cursor: ResumeCursor, follow: bool) -> dict[str, Any]:
+    """The query of ``GET /containers/{id}/logs``: resume from the cursor (else ``since``)."""
+    params: dict[str, Any] = {
+        "stdout": window.stdout,
+        "stderr": window.stderr,
+        "timestamps": True,
+        "follow": follow,
+    }
+    start = cursor.last_ns if cursor.last_ns is not None else window.since_ns
+    if start is not None:
+        params["since"] = format_api_time(start)
+    if window.until_ns is not None:
+        params["until"] = format_api_time(window.until_ns)
+    return params

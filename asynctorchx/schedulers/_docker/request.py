@@ -27,6 +27,7 @@ from asynctorchx.specs.api import (
     Role,
     VolumeMount,
     macros,
+    runopts,
 )
 from asynctorchx.version import __version__
 
@@ -143,6 +144,44 @@ class DockerJob:
         return json.dumps(self.to_json(), indent=2, sort_keys=False)
 
 
+def run_options() -> runopts:
+    """The run options of ``local_docker`` (each one read by ``build_job``)."""
+    opts = runopts()
+    opts.add(
+        "copy_env",
+        list[str],
+        "glob patterns of environment variables of the launching process to copy into every "
+        "replica (e.g. FOO_*,BAR); the env run option and the role's env take precedence",
+    )
+    opts.add(
+        "env",
+        dict[str, str],
+        "environment variables for every replica (KEY:VALUE pairs), over those of copy_env",
+    )
+    opts.add("privileged", bool, "run the containers privileged (docker run --privileged)", False)
+    opts.add(
+        "network",
+        str,
+        "an existing Docker network to attach every container to, instead of a network of the "
+        "app's own (created for apps with more than one container, removed when they end)",
+    )
+    opts.add(
+        "remove_finished",
+        bool,
+        "remove the app's containers once it has finished (their logs go with them); by "
+        "default they are kept, as TorchX does",
+        False,
+    )
+    opts.add(
+        "stop_timeout",
+        int,
+        "seconds a replica gets to exit after SIGTERM when the app is cancelled or stopped, "
+        "before SIGKILL",
+        DEFAULT_STOP_TIMEOUT,
+    )
+    return opts
+
+
 def network_name_for(app_id: str) -> str:
     """The name of the network an app gets for itself."""
     return f"asynctorchx-{app_id}"
@@ -242,52 +281,12 @@ def _mount_config(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]
     devices: list[dict[str, Any]] = []
     volumes: list[str] = []
     for i, mount in enumerate(role.mounts):
-        if isinstance(mount, BindMount):
-            if not mount.src_path.startswith("/"):
-                raise InvalidAppDefException(
-                    f"mounts[{i}].src_path must be an absolute host path, got {mount.src_path!r}",
-                    role=role.name,
-                    field_name=f"mounts[{i}].src_path",
-                )
-            mounts.append(
-                {
-                    "Type": "bind",
-                    "Source": mount.src_path,
-                    "Target": mount.dst_path,
-                    "ReadOnly": mount.read_only,
-                }
-            )
-        elif isinstance(mount, VolumeMount):
-            if not _VOLUME_NAME_RE.fullmatch(mount.src or ""):
-                raise InvalidAppDefException(
-                    f"mounts[{i}].src must be a Docker volume name ([A-Za-z0-9][A-Za-z0-9_.-]*), "
-                    f"got {mount.src!r}",
-                    role=role.name,
-                    field_name=f"mounts[{i}].src",
-                )
-            volumes.append(mount.src)
-            mounts.append(
-                {
-                    "Type": "volume",
-                    "Source": mount.src,
-                    "Target": mount.dst_path,
-                    "ReadOnly": mount.read_only,
-                }
-            )
-        elif isinstance(mount, DeviceMount):
-            if not mount.src_path.startswith("/"):
-                raise InvalidAppDefException(
-                    f"mounts[{i}].src_path must be an absolute device path, got {mount.src_path!r}",
-                    role=role.name,
-                    field_name=f"mounts[{i}].src_path",
-                )
-            devices.append(
-                {
-                    "PathOnHost": mount.src_path,
-                    "PathInContainer": mount.dst_path,
-                    "CgroupPermissions": mount.permissions,
-                }
-            )
+        if isinstance(mount, DeviceMount):
+            devices.append(_device(role, i, mount))
+        elif isinstance(mount, BindMount | VolumeMount):
+            mounts.append(_mount(role, i, mount))
+            if isinstance(mount, VolumeMount):
+                volumes.append(mount.src)
     for name, count in role.resource.devices.items():
         pattern = _NAMED_DEVICES.get(name)
         if pattern is None:
@@ -303,6 +302,43 @@ def _mount_config(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]
                 {"PathOnHost": path, "PathInContainer": path, "CgroupPermissions": "rwm"}
             )
     return mounts, devices, volumes
+
+
+def _mount(role: Role, i: int, mount: BindMount | VolumeMount) -> dict[str, Any]:
+    """The ``HostConfig.Mounts`` entry of a bind mount or a named volume."""
+    if isinstance(mount, BindMount):
+        kind, source = "bind", mount.src_path
+        if not source.startswith("/"):
+            raise InvalidAppDefException(
+                f"mounts[{i}].src_path must be an absolute host path, got {source!r}",
+                role=role.name,
+                field_name=f"mounts[{i}].src_path",
+            )
+    else:
+        kind, source = "volume", mount.src
+        if not _VOLUME_NAME_RE.fullmatch(source or ""):
+            raise InvalidAppDefException(
+                f"mounts[{i}].src must be a Docker volume name ([A-Za-z0-9][A-Za-z0-9_.-]*), "
+                f"got {source!r}",
+                role=role.name,
+                field_name=f"mounts[{i}].src",
+            )
+    return {"Type": kind, "Source": source, "Target": mount.dst_path, "ReadOnly": mount.read_only}
+
+
+def _device(role: Role, i: int, mount: DeviceMount) -> dict[str, Any]:
+    """The ``HostConfig.Devices`` entry of a device mount."""
+    if not mount.src_path.startswith("/"):
+        raise InvalidAppDefException(
+            f"mounts[{i}].src_path must be an absolute device path, got {mount.src_path!r}",
+            role=role.name,
+            field_name=f"mounts[{i}].src_path",
+        )
+    return {
+        "PathOnHost": mount.src_path,
+        "PathInContainer": mount.dst_path,
+        "CgroupPermissions": mount.permissions,
+    }
 
 
 def _port_config(role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -329,6 +365,66 @@ def _restart_policy(role: Role) -> dict[str, Any]:
     return {"Name": "no", "MaximumRetryCount": 0}
 
 
+@dataclass(frozen=True)
+class _JobOptions:
+    """What ``build_job`` takes from the resolved run options."""
+
+    env: dict[str, str]
+    privileged: bool
+    remove_finished: bool
+    stop_timeout: int
+
+    @classmethod
+    def from_cfg(cls, cfg: Mapping[str, CfgVal], environ: Mapping[str, str]) -> _JobOptions:
+        copy_patterns = cfg.get("copy_env")
+        env = copied_env(copy_patterns if isinstance(copy_patterns, list) else None, environ)
+        extra_env = cfg.get("env")
+        if isinstance(extra_env, dict):
+            _check_env("env", extra_env)
+            env.update(extra_env)
+        raw = cfg.get("stop_timeout")
+        stop_timeout = DEFAULT_STOP_TIMEOUT if raw is None else raw
+        if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int) or stop_timeout < 0:
+            raise InvalidAppDefException(
+                f"stop_timeout must be a whole number of seconds >= 0, got {stop_timeout!r}",
+                field_name="stop_timeout",
+            )
+        return cls(
+            env=env,
+            privileged=bool(cfg.get("privileged") or False),
+            remove_finished=bool(cfg.get("remove_finished") or False),
+            stop_timeout=stop_timeout,
+        )
+
+
+def _network(
+    cfg: Mapping[str, CfgVal], app_id: str, session_name: str, containers: int
+) -> tuple[str, NetworkRequest | None]:
+    """The network every container joins, and the app's own network to create (if any)."""
+    network_cfg = cfg.get("network")
+    if network_cfg:
+        network = str(network_cfg)
+        if not _NETWORK_NAME_RE.fullmatch(network):
+            raise InvalidAppDefException(
+                f"network must be the name or id of an existing Docker network, got {network!r}",
+                field_name="network",
+            )
+        return network, None
+    if containers == 1:
+        # One container has no peers to reach: it runs on Docker's default bridge, so that many
+        # single-container apps (sweeps) do not use up Docker's pool of network address ranges.
+        return DEFAULT_BRIDGE, None
+    network = network_name_for(app_id)
+    config = {
+        "Name": network,
+        "CheckDuplicate": True,
+        "Driver": "bridge",
+        "Attachable": False,
+        "Labels": {LABEL_APP_ID: app_id, LABEL_SESSION: session_name, LABEL_VERSION: __version__},
+    }
+    return network, NetworkRequest(name=network, config=config)
+
+
 def build_job(
     app: AppDef,
     cfg: Mapping[str, CfgVal],
@@ -347,132 +443,141 @@ def build_job(
         InvalidAppDefException: a value Docker cannot take, naming the role, field and value.
         InvalidRunConfigException: is not raised here; ``cfg`` is expected to be resolved.
     """
-    copy_patterns = cfg.get("copy_env")
-    base_env = copied_env(copy_patterns if isinstance(copy_patterns, list) else None, environ)
-    extra_env = cfg.get("env")
-    if isinstance(extra_env, dict):
-        _check_env("env", extra_env)
-        base_env.update(extra_env)
-    privileged = bool(cfg.get("privileged") or False)
-    remove_finished = bool(cfg.get("remove_finished") or False)
-    stop_timeout_raw = cfg.get("stop_timeout")
-    stop_timeout = DEFAULT_STOP_TIMEOUT if stop_timeout_raw is None else stop_timeout_raw
-    if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int) or stop_timeout < 0:
-        raise InvalidAppDefException(
-            f"stop_timeout must be a whole number of seconds >= 0, got {stop_timeout!r}",
-            field_name="stop_timeout",
-        )
-
-    hostnames = replica_hostnames(app_id, app.roles)
-    rank0_host = hostnames[app.roles[0].name][0]
+    opts = _JobOptions.from_cfg(cfg, environ)
     total = sum(r.num_replicas for r in app.roles)
-
-    network_cfg = cfg.get("network")
-    if network_cfg:
-        network = str(network_cfg)
-        if not _NETWORK_NAME_RE.fullmatch(network):
-            raise InvalidAppDefException(
-                f"network must be the name or id of an existing Docker network, got {network!r}",
-                field_name="network",
-            )
-        network_request = None
-    elif total > 1:
-        network = network_name_for(app_id)
-        network_request = NetworkRequest(
-            name=network,
-            config={
-                "Name": network,
-                "CheckDuplicate": True,
-                "Driver": "bridge",
-                "Attachable": False,
-                "Labels": {
-                    LABEL_APP_ID: app_id,
-                    LABEL_SESSION: session_name,
-                    LABEL_VERSION: __version__,
-                },
-            },
-        )
-    else:
-        # One container has no peers to reach: it runs on Docker's default bridge, so that many
-        # single-container apps (sweeps) do not use up Docker's pool of network address ranges.
-        network = DEFAULT_BRIDGE
-        network_request = None
-    user_network = network not in (DEFAULT_BRIDGE, "host", "none")
-
-    roles_label = json.dumps([[r.name, r.num_replicas] for r in app.roles], separators=(",", ":"))
+    network, network_request = _network(cfg, app_id, session_name, total)
     job = DockerJob(
         app_id=app_id,
         app_name=app.name,
         network=network,
         network_request=network_request,
-        remove_finished=remove_finished,
+        remove_finished=opts.remove_finished,
+    )
+    hostnames = replica_hostnames(app_id, app.roles)
+    shared = _Shared(
+        app_id=app_id,
+        head_labels={LABEL_APP_ID: app_id, LABEL_APP_NAME: app.name, LABEL_SESSION: session_name},
+        roles_label=json.dumps(
+            [[r.name, r.num_replicas] for r in app.roles], separators=(",", ":")
+        ),
+        tail_labels={
+            LABEL_NETWORK: network_request.name if network_request else "",
+            LABEL_REMOVE_FINISHED: "true" if opts.remove_finished else "false",
+            LABEL_KIND: KIND_REPLICA,
+            LABEL_VERSION: __version__,
+        },
+        rank0_host=hostnames[app.roles[0].name][0],
+        network=network,
+        opts=opts,
     )
     for role in app.roles:
         job.images.setdefault(role.image, role.name)
-        resources = _resource_config(role)
-        mounts, devices, volumes = _mount_config(role)
+        host_config, exposed, volumes = _role_host_config(role, network, opts.privileged)
         for volume in volumes:
             job.volumes.setdefault(volume, role.name)
-        exposed, bindings = _port_config(role)
-        if not role.image:
-            raise InvalidAppDefException(
-                "image must name a Docker image, got ''", role=role.name, field_name="image"
-            )
-        for replica_id in range(role.num_replicas):
-            values = macros.Values(
-                img_root="",
-                app_id=app_id,
-                replica_id=str(replica_id),
-                rank0_env=RANK0_ENV,
-            )
-            replica = values.apply(role)
-            env = dict(base_env)
-            env.update(replica.env)
-            env[RANK0_ENV] = rank0_host
-            hostname = hostnames[role.name][replica_id]
-            labels = {
-                LABEL_APP_ID: app_id,
-                LABEL_APP_NAME: app.name,
-                LABEL_SESSION: session_name,
-                LABEL_ROLE_NAME: role.name,
-                LABEL_REPLICA_ID: str(replica_id),
-                LABEL_ATTEMPT: "0",
-                LABEL_HOSTNAME: hostname,
-                LABEL_ROLES: roles_label,
-                LABEL_MAX_RETRIES: str(role.max_retries),
-                LABEL_RETRY_POLICY: RetryPolicy(role.retry_policy).value,
-                LABEL_NETWORK: network_request.name if network_request else "",
-                LABEL_REMOVE_FINISHED: "true" if remove_finished else "false",
-                LABEL_KIND: KIND_REPLICA,
-                LABEL_VERSION: __version__,
-            }
-            host_config: dict[str, Any] = {
-                "NetworkMode": network,
-                "Privileged": privileged,
-                "RestartPolicy": _restart_policy(role),
-                "Mounts": mounts,
-                "Devices": devices,
-                **resources,
-            }
-            if bindings:
-                host_config["PortBindings"] = bindings
-            config: dict[str, Any] = {
-                "Image": role.image,
-                "Entrypoint": [replica.entrypoint],
-                "Cmd": list(replica.args),
-                "Env": [f"{k}={v}" for k, v in env.items()],
-                "Labels": labels,
-                "Hostname": hostname,
-                "StopTimeout": stop_timeout,
-                "HostConfig": host_config,
-            }
-            if exposed:
-                config["ExposedPorts"] = exposed
-            if user_network:
-                config["NetworkingConfig"] = {"EndpointsConfig": {network: {"Aliases": [hostname]}}}
-            job.containers.append(
-                ContainerRequest(
-                    name=hostname, role=role.name, replica_id=replica_id, config=config
-                )
-            )
+        for replica_id, hostname in enumerate(hostnames[role.name]):
+            config = _replica_config(shared, role, replica_id, hostname, host_config, exposed)
+            job.containers.append(ContainerRequest(hostname, role.name, replica_id, config))
     return job
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """What every replica's container request of one app shares."""
+
+    app_id: str
+    head_labels: dict[str, str]
+    roles_label: str
+    tail_labels: dict[str, str]
+    rank0_host: str
+    network: str
+    opts: _JobOptions
+
+
+def _replica_config(
+    shared: _Shared,
+    role: Role,
+    replica_id: int,
+    hostname: str,
+    host_config: Mapping[str, Any],
+    exposed: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The body of ``POST /containers/create`` for one replica (the role's macros applied)."""
+    replica = macros.Values(
+        img_root="", app_id=shared.app_id, replica_id=str(replica_id), rank0_env=RANK0_ENV
+    ).apply(role)
+    env = dict(shared.opts.env)
+    env.update(replica.env)
+    env[RANK0_ENV] = shared.rank0_host
+    labels = {
+        **shared.head_labels,
+        LABEL_ROLE_NAME: role.name,
+        LABEL_REPLICA_ID: str(replica_id),
+        LABEL_ATTEMPT: "0",
+        LABEL_HOSTNAME: hostname,
+        LABEL_ROLES: shared.roles_label,
+        LABEL_MAX_RETRIES: str(role.max_retries),
+        LABEL_RETRY_POLICY: RetryPolicy(role.retry_policy).value,
+        **shared.tail_labels,
+    }
+    config: dict[str, Any] = {
+        "Image": role.image,
+        "Entrypoint": [replica.entrypoint],
+        "Cmd": list(replica.args),
+        "Env": [f"{k}={v}" for k, v in env.items()],
+        "Labels": labels,
+        "Hostname": hostname,
+        "StopTimeout": shared.opts.stop_timeout,
+        "HostConfig": dict(host_config),
+    }
+    if exposed:
+        config["ExposedPorts"] = dict(exposed)
+    if shared.network not in (DEFAULT_BRIDGE, "host", "none"):
+        config["NetworkingConfig"] = {"EndpointsConfig": {shared.network: {"Aliases": [hostname]}}}
+    return config
+
+
+def _role_host_config(
+    role: Role, network: str, privileged: bool
+) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """The ``HostConfig`` of every replica of ``role``, its ``ExposedPorts`` and named volumes."""
+    resources = _resource_config(role)
+    mounts, devices, volumes = _mount_config(role)
+    exposed, bindings = _port_config(role)
+    if not role.image:
+        raise InvalidAppDefException(
+            "image must name a Docker image, got ''", role=role.name, field_name="image"
+        )
+    host_config: dict[str, Any] = {
+        "NetworkMode": network,
+        "Privileged": privileged,
+        "RestartPolicy": _restart_policy(role),
+        "Mounts": mounts,
+        "Devices": devices,
+        **resources,
+    }
+    if bindings:
+        host_config["PortBindings"] = bindings
+    return host_config, exposed, volumes
+
+
+def cancel_marker(app_id: str, app_name: str, session: str, image: str) -> ContainerRequest:
+    """The never-started container that marks app ``app_id`` as cancelled, for every process.
+
+    It carries the app's labels with the cancel-marker kind, runs nothing and joins no network;
+    its name is fixed per app, so a second cancel (from any process) cannot make another.
+    """
+    config = {
+        "Image": image,
+        "Entrypoint": ["true"],
+        "Cmd": [],
+        "Labels": {
+            LABEL_APP_ID: app_id,
+            LABEL_APP_NAME: app_name,
+            LABEL_SESSION: session,
+            LABEL_KIND: KIND_CANCEL_MARKER,
+            LABEL_VERSION: __version__,
+        },
+        "HostConfig": {"NetworkMode": "none"},
+    }
+    return ContainerRequest(name=f"{app_id}-cancelled", role="", replica_id=-1, config=config)

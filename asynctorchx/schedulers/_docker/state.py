@@ -4,11 +4,13 @@ Docker keeps no app object, so the app is the set of containers carrying its id 
 replica and attempt (attempt 0 is the first run; the backend adds attempts for ROLE/APPLICATION
 retries), plus a never-started marker container once the app has been cancelled. ``assess`` turns
 them into a ``DescribeAppResponse`` and the follow-up actions the backend owes the app (retry some
-replicas, stop the survivors of a failed app, remove its network or containers).
+replicas, stop the survivors of a failed app, remove its network or containers): a status read
+uses the first, the event-driven follow-up of the backend the second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -39,6 +41,7 @@ from asynctorchx.specs.api import (
     RetryPolicy,
     Role,
     RoleStatus,
+    is_terminal,
 )
 
 _EXITED_RE = re.compile(r"^Exited \((-?\d+)\)")
@@ -168,6 +171,45 @@ class Retry:
     replicas: tuple[tuple[str, int], ...]
 
 
+@dataclass(frozen=True)
+class StopContainer:
+    """Stop a live container: a survivor of a failed app, or an attempt a retry superseded."""
+
+    container_id: str
+
+
+@dataclass(frozen=True)
+class RetryReplicas:
+    """Recreate replicas as attempt ``attempt`` (a ROLE or APPLICATION retry).
+
+    Args:
+        attempt: the new attempt's number.
+        olds: the current container of each replica to recreate (killed first, then copied).
+    """
+
+    attempt: int
+    olds: tuple[ContainerInfo, ...]
+
+
+@dataclass(frozen=True)
+class RemoveApp:
+    """Remove every container of a finished app (``remove_finished``), and its own network."""
+
+    container_ids: tuple[str, ...]
+    network: bool
+
+
+@dataclass(frozen=True)
+class RemoveNetwork:
+    """Remove a finished app's own network, once the engine has let go of its containers."""
+
+    container_ids: tuple[str, ...]
+
+
+#: A follow-up the backend owes an app (see ``follow_ups``).
+Action = StopContainer | RetryReplicas | RemoveApp | RemoveNetwork
+
+
 @dataclass
 class Assessment:
     """An app's description plus what the backend still owes it.
@@ -182,6 +224,7 @@ class Assessment:
         session: the session that launched the app.
         name: the app's name.
         containers: every container of the app (markers included).
+        actions: the follow-ups owed (``follow_ups``).
     """
 
     response: DescribeAppResponse
@@ -193,6 +236,7 @@ class Assessment:
     session: str = ""
     name: str = ""
     containers: list[ContainerInfo] = field(default_factory=list)
+    actions: tuple[Action, ...] = ()
 
 
 def role_shapes(containers: Iterable[ContainerInfo]) -> list[RoleShape]:
@@ -239,88 +283,136 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
     until then); a replica that failed with no retry left fails the app (its live replicas are to be
     stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
     the app RUNNING and asks for the retry; otherwise RUNNING if any replica runs, PENDING if all
-    are created but not started, UNKNOWN when replicas are missing and nothing runs.
+    are created but not started, UNKNOWN when replicas are missing and nothing runs. The follow-up
+    actions owed (``Assessment.actions``) come from ``follow_ups``.
     """
     replicas = [c for c in containers if not c.is_marker]
     markers = [c for c in containers if c.is_marker]
     if not replicas and not markers:
         return None
     shapes = role_shapes(replicas)
-    first = replicas[0] if replicas else markers[0]
     current: dict[tuple[str, int], ContainerInfo] = {}
     for c in replicas:
         key = (c.role, c.replica_id)
         if key not in current or c.attempt > current[key].attempt:
             current[key] = c
+    verdict = _verdict(shapes, current, replicas, bool(markers))
+    first = replicas[0] if replicas else markers[0]
+    response = DescribeAppResponse(
+        app_id=app_id,
+        state=verdict.state,
+        num_restarts=max((c.attempt for c in current.values()), default=0)
+        + sum(max(c.restart_count, 0) for c in current.values()),
+        msg=verdict.msg or NONE,
+        roles_statuses=_role_statuses(shapes, current, verdict.state),
+        roles=[Role(name=s.name, image=s.image, num_replicas=s.num_replicas) for s in shapes],
+        name=first.labels.get(LABEL_APP_NAME, ""),
+    )
+    a = Assessment(
+        response=response,
+        current=current,
+        retry=verdict.retry if verdict.state == AppState.RUNNING else None,
+        to_stop=verdict.to_stop,
+        network=first.labels.get(LABEL_NETWORK, ""),
+        remove_finished=first.labels.get(LABEL_REMOVE_FINISHED) == "true",
+        session=first.labels.get(LABEL_SESSION, ""),
+        name=first.labels.get(LABEL_APP_NAME, ""),
+        containers=list(containers),
+    )
+    a.actions = follow_ups(a)
+    return a
 
-    states: dict[tuple[str, int], AppState] = {k: replica_state(c) for k, c in current.items()}
+
+@dataclass
+class _Verdict:
+    state: AppState
+    msg: str = ""
+    retry: Retry | None = None
+    to_stop: list[ContainerInfo] = field(default_factory=list)
+
+
+def _retry_or_failures(
+    shapes: list[RoleShape], current: Mapping[tuple[str, int], ContainerInfo]
+) -> tuple[Retry | None, list[tuple[str, int]]]:
+    """The retry the failed replicas ask for (the highest attempt), and those that failed for good."""
+    shape_by_name = {s.name: s for s in shapes}
+    failures: list[tuple[str, int]] = []
+    retry: Retry | None = None
+    for key, c in current.items():
+        if replica_state(c) != AppState.FAILED:
+            continue
+        shape = shape_by_name.get(key[0])
+        if (
+            shape is None
+            or shape.retry_policy not in (RetryPolicy.ROLE, RetryPolicy.APPLICATION)
+            or c.attempt >= shape.max_retries
+        ):
+            failures.append(key)
+            continue
+        scope = (
+            [(s.name, k) for s in shapes for k in range(s.num_replicas)]
+            if shape.retry_policy == RetryPolicy.APPLICATION
+            else [(shape.name, k) for k in range(shape.num_replicas)]
+        )
+        attempt = c.attempt + 1
+        todo = tuple(k for k in scope if k not in current or current[k].attempt < attempt)
+        if retry is None or attempt > retry.attempt:
+            retry = Retry(attempt=attempt, replicas=todo)
+    return retry, failures
+
+
+def _verdict(
+    shapes: list[RoleShape],
+    current: Mapping[tuple[str, int], ContainerInfo],
+    replicas: list[ContainerInfo],
+    cancelled: bool,
+) -> _Verdict:
+    """The app's state and message, the retry it asks for, and the live containers to stop."""
+    states = {k: replica_state(c) for k, c in current.items()}
     missing = [
         (s.name, k) for s in shapes for k in range(s.num_replicas) if (s.name, k) not in current
     ]
-    shape_by_name = {s.name: s for s in shapes}
-    attempts = [c.attempt for c in current.values()]
-    num_restarts = max(attempts, default=0) + sum(max(c.restart_count, 0) for c in current.values())
-
-    final_failures: list[tuple[str, int]] = []
-    retry: Retry | None = None
-    for key, state in states.items():
-        if state != AppState.FAILED:
-            continue
-        shape = shape_by_name.get(key[0])
-        c = current[key]
-        backend_retries = shape is not None and shape.retry_policy in (
-            RetryPolicy.ROLE,
-            RetryPolicy.APPLICATION,
-        )
-        if shape is not None and backend_retries and c.attempt < shape.max_retries:
-            scope = (
-                [(s.name, k) for s in shapes for k in range(s.num_replicas)]
-                if shape.retry_policy == RetryPolicy.APPLICATION
-                else [(shape.name, k) for k in range(shape.num_replicas)]
-            )
-            attempt = c.attempt + 1
-            todo = tuple(k for k in scope if k not in current or current[k].attempt < attempt)
-            if retry is None or attempt > retry.attempt:
-                retry = Retry(attempt=attempt, replicas=todo)
-        else:
-            final_failures.append(key)
-
+    retry, failures = _retry_or_failures(shapes, current)
     alive = [c for c in replicas if c.alive]
-    superseded = [c for c in alive if current.get((c.role, c.replica_id)) is not c]
-    to_stop: list[ContainerInfo] = list(superseded)
-    msg = ""
-    if markers:
-        state = AppState.RUNNING if alive else AppState.CANCELLED
-        msg = "cancelled" if not alive else "cancelling"
-        retry = None
-    elif final_failures:
-        state = AppState.FAILED
-        role, k = sorted(final_failures, key=lambda rk: _role_order(shapes, rk))[0]
+    to_stop = [c for c in alive if current.get((c.role, c.replica_id)) is not c]  # superseded
+    if cancelled:
+        return _Verdict(
+            AppState.RUNNING if alive else AppState.CANCELLED,
+            "cancelling" if alive else "cancelled",
+            to_stop=to_stop,
+        )
+    if failures:
+        role, k = sorted(failures, key=lambda rk: _role_order(shapes, rk))[0]
         code = current[(role, k)].exit_code
         msg = f"replica {role}/{k} failed" + (f" with exit code {code}" if code is not None else "")
-        to_stop.extend(c for c in alive if c not in to_stop)
-        retry = None
-    elif not missing and states and all(s == AppState.SUCCEEDED for s in states.values()):
-        state = AppState.SUCCEEDED
-    elif retry is not None:
-        state = AppState.RUNNING
-        msg = f"retrying (attempt {retry.attempt})"
+        return _Verdict(
+            AppState.FAILED, msg, to_stop=to_stop + [c for c in alive if c not in to_stop]
+        )
+    if not missing and states and all(s == AppState.SUCCEEDED for s in states.values()):
+        return _Verdict(AppState.SUCCEEDED, to_stop=to_stop)
+    if retry is not None:
         to_stop.extend(
             c for c in alive if (c.role, c.replica_id) in retry.replicas and c not in to_stop
         )
-    elif any(s == AppState.RUNNING for s in states.values()):
-        state = AppState.RUNNING
-    elif AppState.PENDING in states.values() and all(
+        return _Verdict(AppState.RUNNING, f"retrying (attempt {retry.attempt})", retry, to_stop)
+    if any(s == AppState.RUNNING for s in states.values()):
+        return _Verdict(AppState.RUNNING, to_stop=to_stop)
+    if AppState.PENDING in states.values() and all(
         s in (AppState.PENDING, AppState.SUCCEEDED) for s in states.values()
     ):
-        state = AppState.PENDING
-    else:
-        state = AppState.UNKNOWN
-        if missing:
-            msg = "containers of this app are missing: " + ", ".join(f"{r}/{k}" for r, k in missing)
+        return _Verdict(AppState.PENDING, to_stop=to_stop)
+    msg = (
+        ("containers of this app are missing: " + ", ".join(f"{r}/{k}" for r, k in missing))
+        if missing
+        else ""
+    )
+    return _Verdict(AppState.UNKNOWN, msg, to_stop=to_stop)
 
-    roles_statuses = []
-    roles = []
+
+def _role_statuses(
+    shapes: list[RoleShape], current: Mapping[tuple[str, int], ContainerInfo], state: AppState
+) -> list[RoleStatus]:
+    out = []
     for shape in shapes:
         reps = []
         for k in range(shape.num_replicas):
@@ -330,7 +422,7 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
                     ReplicaStatus(id=k, state=AppState.UNKNOWN, role=shape.name, hostname="")
                 )
                 continue
-            rep_state = states[(shape.name, k)]
+            rep_state = replica_state(cur)
             if state == AppState.CANCELLED and rep_state != AppState.SUCCEEDED:
                 rep_state = AppState.CANCELLED
             reps.append(
@@ -342,29 +434,72 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
                     exit_code=cur.exit_code,
                 )
             )
-        roles_statuses.append(RoleStatus(role=shape.name, replicas=reps))
-        roles.append(Role(name=shape.name, image=shape.image, num_replicas=shape.num_replicas))
+        out.append(RoleStatus(role=shape.name, replicas=reps))
+    return out
 
-    response = DescribeAppResponse(
-        app_id=app_id,
-        state=state,
-        num_restarts=num_restarts,
-        msg=msg or NONE,
-        roles_statuses=roles_statuses,
-        roles=roles,
-        name=first.labels.get(LABEL_APP_NAME, ""),
-    )
-    return Assessment(
-        response=response,
-        current=current,
-        retry=retry if state == AppState.RUNNING else None,
-        to_stop=to_stop,
-        network=first.labels.get(LABEL_NETWORK, ""),
-        remove_finished=first.labels.get(LABEL_REMOVE_FINISHED) == "true",
-        session=first.labels.get(LABEL_SESSION, ""),
-        name=first.labels.get(LABEL_APP_NAME, ""),
-        containers=list(containers),
-    )
+
+def follow_ups(a: Assessment) -> tuple[Action, ...]:
+    """What the backend owes an app in the state ``a`` describes, in the order to do it.
+
+    Stop the live containers that must stop; recreate the replicas of a retry; once the app is
+    finished and none of its replicas is alive or about to start (created, while a launch may still
+    start it), remove its containers (``remove_finished``) or its own network. Every action is
+    idempotent: doing it again when it is done already changes nothing.
+    """
+    actions: list[Action] = [StopContainer(c.id) for c in a.to_stop]
+    if a.retry is not None:
+        olds = tuple(a.current[k] for k in a.retry.replicas if k in a.current)
+        actions.append(RetryReplicas(a.retry.attempt, olds))
+    if is_terminal(a.response.state) and all(_settled(c) for c in a.containers):
+        ids = tuple(c.id for c in a.containers)
+        if a.remove_finished:
+            actions.append(RemoveApp(ids, network=bool(a.network)))
+        elif a.network:
+            actions.append(RemoveNetwork(ids))
+    return tuple(actions)
+
+
+def restarted_by_docker(labels: Mapping[str, Any]) -> bool:
+    """True for a container whose failures Docker's restart policy retries (REPLICA retries)."""
+    return labels.get(LABEL_RETRY_POLICY) == RetryPolicy.REPLICA.value and labels.get(
+        LABEL_MAX_RETRIES, "0"
+    ) not in ("", "0")
+
+
+def _settled(c: ContainerInfo) -> bool:
+    """True for a container that will not run (again) on its own: exited, dead, or a marker."""
+    return c.is_marker or not (c.alive or c.state == "created")
+
+
+def may_restart(labels: Mapping[str, Any], exit_code: int | None) -> bool:
+    """True when Docker's restart policy (our REPLICA retries) may restart a container that exited."""
+    return exit_code != 0 and restarted_by_docker(labels)
+
+
+def with_exits(infos: list[ContainerInfo], died: Mapping[str, int | None]) -> list[ContainerInfo]:
+    """``infos`` with the exits ``died`` announces (container id -> exit code, from ``die`` events)
+    applied to containers the listing still shows alive, unless Docker may restart them."""
+    out = []
+    for c in infos:
+        if c.id in died and c.alive and not may_restart(c.labels, died[c.id]):
+            c = dataclasses.replace(c, state="exited", exit_code=died[c.id])
+        out.append(c)
+    return out
+
+
+def recreate_config(info: Mapping[str, Any], attempt: int) -> dict[str, Any]:
+    """The create request for attempt ``attempt`` of the container ``info`` (from ``inspect``)."""
+    config = dict(info.get("Config") or {})
+    labels = dict(config.get("Labels") or {})
+    labels[LABEL_ATTEMPT] = str(attempt)
+    config["Labels"] = labels
+    host = dict(info.get("HostConfig") or {})
+    config["HostConfig"] = host
+    network = str(host.get("NetworkMode") or "")
+    hostname = str(config.get("Hostname") or "")
+    if network and network not in ("default", "bridge", "host", "none") and hostname:
+        config["NetworkingConfig"] = {"EndpointsConfig": {network: {"Aliases": [hostname]}}}
+    return config
 
 
 def _role_order(shapes: list[RoleShape], key: tuple[str, int]) -> tuple[int, int]:

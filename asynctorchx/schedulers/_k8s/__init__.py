@@ -1,13 +1,17 @@
-"""Internals of the ``kubernetes`` backend.
+"""Internals of the ``kubernetes`` backend (``asynctorchx.schedulers.kubernetes``), in four parts.
 
-- ``names``: Kubernetes naming rules (DNS labels, label values, port names) and the 63-character
-  budget of every name the backend derives from an app;
-- ``manifests``: the pure ``AppDef`` → headless Service + one Indexed Job per role translation, and a
-  lint for what the OpenAPI schemas do not check;
-- ``status``: the pure mapping of Services, Jobs and Pods to ``DescribeAppResponse``;
-- ``logs``: parsing of timestamped pod log lines and resumption without duplicates;
-- ``client``: a thin wrapper over ``kubernetes_asyncio`` (imported lazily) returning plain JSON;
-- ``informer``: one list/watch of the backend's Services, Jobs and Pods per namespace.
+- the request builder: ``manifests``, the pure ``AppDef`` → headless Service + one Indexed Job per
+  role translation (with ``names``, the naming rules and the 63-character budget), and a lint for
+  what the OpenAPI schemas do not check;
+- the status assessor: ``status``, the pure mapping of Services, Jobs and Pods to a
+  ``DescribeAppResponse``, and of an app the backend looks after to the follow-up it owes;
+- the engine client: ``client``, a thin wrapper over ``kubernetes_asyncio`` (imported lazily)
+  returning plain JSON, connected on first use;
+- the log source: ``logs``, a replica's lines across pod replacements and dropped streams.
+
+Around them: ``informer`` keeps one list/watch of the backend's objects per namespace, ``reads``
+reads apps from it (or lists them), and ``followups`` does the restarts and stops the watch asks for
+(the scheduler's ``Reconciler`` runs them).
 
 Only ``client`` imports ``kubernetes_asyncio``, and only when a scheduler talks to a cluster; the rest
 is importable (and dry runs work) without the ``kubernetes`` extra.

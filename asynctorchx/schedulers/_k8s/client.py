@@ -335,3 +335,58 @@ async def _guard(
             yield line
     except errors as e:
         raise _unreachable(e) from e
+
+
+class KubeConnection:
+    """The scheduler's ``KubeApi``, connected on first use (kubeconfig read, client created).
+
+    Args:
+        client: a ``kubernetes_asyncio.client.ApiClient`` to use (never closed here).
+        configuration: a ``kubernetes_asyncio.client.Configuration`` to connect with.
+        kubeconfig: a kubeconfig file (default: ``$KUBECONFIG``, ``~/.kube/config``, in-cluster).
+        context: the kubeconfig context to use.
+        request_timeout: total timeout of each non-streaming call, in seconds.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: Any = None,
+        configuration: Any = None,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self._given = client
+        self._configuration = configuration
+        self._kubeconfig = kubeconfig
+        self._context = context
+        self.request_timeout = request_timeout
+        self._api: KubeApi | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def api(self) -> KubeApi:
+        """The client (connecting once, however many callers ask at the same time)."""
+        if self._api is None:
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                if self._api is None:
+                    self._api = await self._connect()
+        return self._api
+
+    async def _connect(self) -> KubeApi:
+        if self._given is not None:
+            return KubeApi(self._given, owns_client=False, request_timeout=self.request_timeout)
+        return await KubeApi.connect(
+            configuration=self._configuration,
+            kubeconfig=self._kubeconfig,
+            context=self._context,
+            request_timeout=self.request_timeout,
+        )
+
+    async def close(self) -> None:
+        """Closes the client if it was created here. Idempotent."""
+        api, self._api = self._api, None
+        if api is not None:
+            await api.close()

@@ -7,14 +7,15 @@ ends (server timeout, dropped connection) resumes from the last version seen (ev
 the new list against the cache, so changes missed in between are still reported. Errors back off
 exponentially (50 ms to 5 s) and never end the loop: only cancelling ``run`` does.
 
-The scheduler runs one ``Informer.run`` per namespace as a single task owned by its supervisor, and
-turns the reported apps into ``Scheduler._notify`` calls: N waiters on N apps cost one watch per kind,
+The scheduler runs one ``Informer.run`` per namespace (``Informers``) as a single task owned by its
+supervisor, and turns the reported apps into ``Scheduler._notify`` calls and follow-ups: N waiters on N apps cost one watch per kind,
 not N polls.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import anyio
 
+from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._k8s import names as n
 from asynctorchx.schedulers._k8s.client import KINDS, KubeApi, KubeApiError
 
@@ -167,54 +169,13 @@ class Informer:
     async def _run_kind(self, kind: str) -> None:
         backoff = 0.05
         rv: str | None = None
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 if rv is None:
-                    listing = await self.api.list(kind, self.namespace, MANAGED_SELECTOR)
-                    self.lists += 1
-                    self._replace(kind, list(listing.get("items") or []))
-                    rv = str(_meta(listing).get("resourceVersion") or "0")
-                    self._synced_kinds.add(kind)
-                    if len(self._synced_kinds) == len(KINDS):
-                        self._synced.set()
-                self.watches += 1
-                events = 0
-                loop = asyncio.get_running_loop()
+                    rv = await self._list_kind(kind)
                 opened = loop.time()
-                stream = self.api.watch(
-                    kind, self.namespace, MANAGED_SELECTOR, rv, self.watch_timeout
-                )
-                async with aclosing(stream):
-                    async for ev in stream:
-                        etype = ev.get("type")
-                        obj = ev.get("object") or {}
-                        if etype == "ERROR":
-                            code = obj.get("code")
-                            if code == 410:
-                                logger.debug(
-                                    "%s watch in %s expired at %s: relisting",
-                                    kind,
-                                    self.namespace,
-                                    rv,
-                                )
-                                rv = None
-                                self.relists += 1
-                                break
-                            raise KubeApiError(
-                                int(code or 0),
-                                str(obj.get("reason", "")),
-                                str(obj.get("message", "")),
-                            )
-                        new_rv = _meta(obj).get("resourceVersion")
-                        if new_rv:
-                            rv = str(new_rv)
-                        if etype == "BOOKMARK":
-                            continue
-                        events += 1
-                        if etype in ("ADDED", "MODIFIED"):
-                            self._put(kind, obj)
-                        elif etype == "DELETED":
-                            self._drop(kind, obj)
+                rv, events = await self._watch_kind(kind, rv)
                 if rv is not None and events == 0 and loop.time() - opened < 1.0:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
@@ -234,3 +195,104 @@ class Informer:
                 )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    async def _list_kind(self, kind: str) -> str:
+        """Lists ``kind`` into the cache; returns the list's resourceVersion."""
+        listing = await self.api.list(kind, self.namespace, MANAGED_SELECTOR)
+        self.lists += 1
+        self._replace(kind, list(listing.get("items") or []))
+        self._synced_kinds.add(kind)
+        if len(self._synced_kinds) == len(KINDS):
+            self._synced.set()
+        return str(_meta(listing).get("resourceVersion") or "0")
+
+    async def _watch_kind(self, kind: str, rv: str) -> tuple[str | None, int]:
+        """Watches ``kind`` from ``rv`` until the stream ends; returns the last version seen (None
+        when it expired: relist) and how many events came."""
+        self.watches += 1
+        events = 0
+        stream = self.api.watch(kind, self.namespace, MANAGED_SELECTOR, rv, self.watch_timeout)
+        async with aclosing(stream):
+            async for ev in stream:
+                etype = ev.get("type")
+                obj = ev.get("object") or {}
+                if etype == "ERROR":
+                    code = obj.get("code")
+                    if code == 410:
+                        logger.debug(
+                            "%s watch in %s expired at %s: relisting", kind, self.namespace, rv
+                        )
+                        self.relists += 1
+                        return None, events
+                    raise KubeApiError(
+                        int(code or 0), str(obj.get("reason", "")), str(obj.get("message", ""))
+                    )
+                new_rv = _meta(obj).get("resourceVersion")
+                if new_rv:
+                    rv = str(new_rv)
+                if etype == "BOOKMARK":
+                    continue
+                events += 1
+                if etype in ("ADDED", "MODIFIED"):
+                    self._put(kind, obj)
+                elif etype == "DELETED":
+                    self._drop(kind, obj)
+        return rv, events
+
+
+class Informers:
+    """One ``Informer`` per namespace, each run as a task of the scheduler's supervisor.
+
+    Args:
+        tasks: the scheduler's supervisor.
+        on_change: called with ``(namespace, app name)`` at every change of an app's objects.
+        watch_timeout: seconds after which the server ends each watch (it is then resumed).
+    """
+
+    def __init__(
+        self,
+        tasks: TaskSupervisor,
+        on_change: Callable[[str, str], None],
+        *,
+        watch_timeout: int = 300,
+    ) -> None:
+        self._tasks = tasks
+        self._on_change = on_change
+        self._watch_timeout = watch_timeout
+        self._informers: dict[str, Informer] = {}
+        self._runs: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, api: KubeApi, namespace: str) -> Informer:
+        """The namespace's informer, started if it does not run."""
+        inf = self._informers.get(namespace)
+        if inf is None:
+            inf = Informer(
+                api,
+                namespace,
+                functools.partial(self._on_change, namespace),
+                watch_timeout=self._watch_timeout,
+            )
+            self._informers[namespace] = inf
+        run = self._runs.get(namespace)
+        if run is None or run.done():
+            self._runs[namespace] = self._tasks.spawn(inf.run(), name=f"watch:{namespace}")
+        return inf
+
+    def synced(self, namespace: str) -> Informer | None:
+        """The namespace's informer once its cache is complete, else None."""
+        inf = self._informers.get(namespace)
+        return inf if inf is not None and inf.synced else None
+
+    def clear(self) -> None:
+        """Forgets the informers (their tasks were stopped with the supervisor)."""
+        self._informers.clear()
+        self._runs.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Counts of lists, relists and watches opened, over every namespace."""
+        out = {"lists": 0, "relists": 0, "watches": 0}
+        for inf in self._informers.values():
+            out["lists"] += inf.lists
+            out["relists"] += inf.relists
+            out["watches"] += inf.watches
+        return out

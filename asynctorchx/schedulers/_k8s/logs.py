@@ -1,84 +1,214 @@
-"""Pod log lines: timestamps, filtering, and resuming a stream without duplicates.
+"""The ``kubernetes`` log source: a replica's lines, read from its pods' logs.
 
-The backend always reads pod logs with ``timestamps=true``: the kubelet prefixes each line with its
-RFC 3339 time at nanosecond precision and a space. A stream that is resumed (after a dropped
-connection) asks for ``sinceTime`` rounded down to the second, so it starts with lines already
-seen; ``LogCursor`` skips them: everything before the last timestamp seen, and as many lines at that
-exact timestamp as were already yielded.
+A replica is the newest pod of its completion index; following it goes on across pod replacements
+(REPLICA retries, disruptions, restarts of the Job) until the app is terminal. Logs are read with
+``timestamps=true``: the kubelet prefixes each line with its RFC 3339 nanosecond time and a space,
+which gives ``since``/``until`` per line. A dropped stream is resumed from ``sinceTime`` (rounded
+down to the second by the API) with the shared ``ResumeCursor`` skipping the lines already
+returned. Kubernetes keeps a container's stdout and stderr as one log: only COMBINED is readable.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from datetime import datetime, timezone
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from asynctorchx.schedulers._k8s.status import parse_time_ns
+import anyio
 
-_PREFIX = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:Z|[+-]\d\d:\d\d)) ")
+from asynctorchx.logs._query import LogQuery
+from asynctorchx.logs._timestamps import (
+    ResumeCursor,
+    format_rfc3339_seconds,
+    seconds_to_ns,
+    split_timestamp,
+)
+from asynctorchx.schedulers._k8s import names as n
+from asynctorchx.schedulers._k8s.client import KubeApiError, KubeConnection
+from asynctorchx.schedulers._k8s.informer import Informer
+from asynctorchx.schedulers._k8s.reads import AppReader
+from asynctorchx.schedulers._k8s.status import meta, pod_sort_key, pod_started, pod_state
+from asynctorchx.schedulers.api import DescribeAppResponse, check_replica
+from asynctorchx.specs.api import UnknownAppException, is_terminal
 
+logger = logging.getLogger(__name__)
 
-def split_timestamp(line: str) -> tuple[int | None, str]:
-    """``(nanoseconds since the epoch, text)`` of a timestamped log line (text keeps its ``\\n``).
+Obj = dict[str, Any]
 
-    A line without a timestamp prefix is returned whole, with None.
-    """
-    m = _PREFIX.match(line)
-    if not m:
-        return None, line
-    return parse_time_ns(m.group(1)), line[m.end() :]
+#: a log read (without following) cut this many times in a row raises instead of returning a part
+_MAX_LOG_RESUMES = 3
 
 
 def to_rfc3339_seconds(ns: int) -> str:
-    """Nanoseconds since the epoch as RFC 3339 in UTC, rounded down to the second (``sinceTime``)."""
-    seconds = ns // 1_000_000_000
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def datetime_to_ns(value: datetime) -> int:
-    """A datetime (naive = local time) as nanoseconds since the epoch."""
-    if value.tzinfo is None:
-        value = value.astimezone()
-    delta = value - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1000
+    """Nanoseconds since the epoch as the API's ``sinceTime``: RFC 3339 in UTC, to the second."""
+    return format_rfc3339_seconds(ns)
 
 
 @dataclass
-class LogCursor:
-    """How far a pod's log has been read: the last timestamp and the lines yielded at it."""
+class _Follow:
+    """Where a read of one replica is: a cursor per pod, the pods read to their end, the pause."""
 
-    last_ns: int | None = None
-    at_last: int = 0
-
-    def since_time(self) -> str | None:
-        """The ``sinceTime`` to resume from, or None to read from the start."""
-        return None if self.last_ns is None else to_rfc3339_seconds(self.last_ns)
-
-    def begin_pass(self) -> _Pass:
-        """Starts reading a (re)opened stream."""
-        return _Pass(self)
+    cursors: dict[str, ResumeCursor] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    pause: float = 0.05
+    drops: int = 0
 
 
-class _Pass:
-    def __init__(self, cursor: LogCursor) -> None:
-        self._cursor = cursor
-        self._skip_at_last = cursor.at_last
+@dataclass
+class _PodRead:
+    """How one read of a pod's log ended."""
 
-    def accept(self, ts: int | None) -> bool:
-        """True when a line with timestamp ``ts`` is new (and records it as read)."""
-        c = self._cursor
-        if ts is None:
+    clean: bool = False  # the stream ended by itself
+    past_until: bool = False  # a line after ``until`` came: nothing more is wanted
+    error: KubeApiError | None = None  # the stream could not be read, or dropped (status 0)
+
+
+class KubeLogSource:
+    """Reads replicas' logs.
+
+    Args:
+        connection: the API client.
+        reader: reads the replica's pods (from the watched cache when synced).
+        watch: starts (or returns) the watch of a namespace, to wait for changes.
+        describe: the scheduler's ``describe`` (a read).
+        handle_of: the handle of an app id (for UnknownAppException).
+    """
+
+    def __init__(
+        self,
+        connection: KubeConnection,
+        reader: AppReader,
+        watch: Callable[[str], Awaitable[Informer]],
+        describe: Callable[[str], Awaitable[DescribeAppResponse | None]],
+        handle_of: Callable[[str], str],
+    ) -> None:
+        self._connection = connection
+        self._reader = reader
+        self._watch = watch
+        self._describe = describe
+        self._handle_of = handle_of
+
+    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
+        """The lines ``query`` asks for.
+
+        Raises:
+            UnknownAppException: no such app.
+            UnknownRoleException: no such role or replica.
+        """
+        ns, app = await self._check(query)
+        role_dns = n.role_dns_name(query.role)
+        if query.follow:
+            await self._watch(ns)
+        state = _Follow()
+        while True:
+            pods = await self._reader.replica_pods(ns, app, role_dns, query.k)
+            pod = max(pods, key=pod_sort_key) if pods else None
+            uid = str(meta(pod).get("uid", "")) if pod is not None else ""
+            if pod is not None and uid not in state.finished and pod_started(pod):
+                was_terminal = is_terminal(pod_state(pod))
+                read = _PodRead()
+                cursor = state.cursors.setdefault(uid, ResumeCursor())
+                pod_lines = self._read_pod(ns, pod, query, cursor, read)
+                async with contextlib.aclosing(pod_lines):
+                    async for line in pod_lines:
+                        yield line
+                if read.past_until:
+                    return
+                if not query.follow:
+                    if read.error is not None and read.error.status == 0:
+                        state.drops += 1
+                        if state.drops > _MAX_LOG_RESUMES:
+                            raise read.error
+                        continue
+                    return
+                if read.clean and was_terminal:
+                    state.finished.add(uid)
+                    continue
+                if read.clean and await self._ended(ns, app, role_dns, query.k, uid):
+                    continue  # it terminated meanwhile: read it once more, to its end
+                if not read.clean:
+                    state.pause = 0.05
+            elif not query.follow:
+                return
+            else:
+                done = await self._app_done(query, ns, app, role_dns, state)
+                if done is not None:
+                    if done:
+                        return
+                    continue
+            await self._wait(ns, app, state.pause)
+            state.pause = min(state.pause * 2, 1.0)
+
+    async def _check(self, query: LogQuery) -> tuple[str, str]:
+        """The app's namespace and name, once the app, role and replica are known to exist."""
+        resp = await self._describe(query.app_id)
+        parts = n.split_app_id(query.app_id)
+        if resp is None or parts is None:
+            raise UnknownAppException(self._handle_of(query.app_id))
+        counts = {r.name: r.num_replicas for r in resp.roles} or {
+            rs.role: len(rs.replicas) for rs in resp.roles_statuses
+        }
+        check_replica(query.app_id, counts, query.role, query.k)
+        return parts
+
+    async def _read_pod(
+        self, ns: str, pod: Obj, query: LogQuery, cursor: ResumeCursor, read: _PodRead
+    ) -> AsyncGenerator[str, None]:
+        """The new lines of one pod's log (following it with ``query.follow``); how the read
+        ended goes to ``read``."""
+        since_ns = None if query.since is None else seconds_to_ns(query.since)
+        until_ns = None if query.until is None else seconds_to_ns(query.until)
+        start = cursor.last_ns if cursor.last_ns is not None else since_ns
+        since_time = to_rfc3339_seconds(start) if start is not None else None
+        api = await self._connection.api()
+        try:
+            async with api.pod_log(
+                ns, meta(pod)["name"], follow=query.follow, since_time=since_time
+            ) as raw_lines:
+                new = cursor.begin_pass()
+                async for raw in raw_lines:
+                    ts, body = split_timestamp(raw)
+                    if ts is not None and until_ns is not None and ts > until_ns:
+                        read.past_until = True
+                        return
+                    if ts is not None and since_ns is not None and ts < since_ns:
+                        continue
+                    text = body.decode("utf-8", "replace")
+                    if new.admit(ts) and query.matches(text):
+                        yield text
+            read.clean = True
+        except KubeApiError as e:
+            if e.status not in (0, 400, 404):
+                raise
+            logger.debug("log stream of %s ended: %s", meta(pod).get("name"), e)
+            read.error = e
+
+    async def _ended(self, ns: str, app: str, role_dns: str, k: int, uid: str) -> bool:
+        """After a clean end of a followed stream: True when that pod is still the newest and has
+        terminated (read its log once more, to its end)."""
+        pods = await self._reader.replica_pods(ns, app, role_dns, k)
+        fresh = max(pods, key=pod_sort_key) if pods else None
+        return fresh is not None and meta(fresh).get("uid") == uid and is_terminal(pod_state(fresh))
+
+    async def _app_done(
+        self, query: LogQuery, ns: str, app: str, role_dns: str, state: _Follow
+    ) -> bool | None:
+        """When no pod of the replica is readable: True when following is over (the app is
+        terminal and its newest pod read), False to look again at once, None to wait."""
+        current = await self._describe(query.app_id)
+        if current is not None and not is_terminal(current.state):
+            return None
+        pods = await self._reader.replica_pods(ns, app, role_dns, query.k)
+        newest = max(pods, key=pod_sort_key) if pods else None
+        if newest is None or not pod_started(newest):
             return True
-        if c.last_ns is not None:
-            if ts < c.last_ns:
-                return False
-            if ts == c.last_ns and self._skip_at_last > 0:
-                self._skip_at_last -= 1
-                return False
-        if ts == c.last_ns:
-            c.at_last += 1
-        else:
-            c.last_ns = ts
-            c.at_last = 1
-        self._skip_at_last = 0
-        return True
+        return meta(newest).get("uid") in state.finished
+
+    async def _wait(self, ns: str, app: str, delay: float) -> None:
+        """Returns at the app's next change, or after ``delay`` seconds."""
+        inf = await self._watch(ns)
+        event = inf.change_event(app)
+        with anyio.move_on_after(delay):
+            await event.wait()

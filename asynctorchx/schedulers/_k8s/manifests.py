@@ -48,6 +48,7 @@ from asynctorchx.specs.api import (
     VolumeMount,
     macros,
     make_unique,
+    runopts,
 )
 from asynctorchx.specs.serialize import role_from_dict, role_to_dict
 from asynctorchx.version import __version__
@@ -79,6 +80,69 @@ _RESOURCE_NAME = re.compile(
 )
 
 
+def run_options(namespace: str) -> runopts:
+    """The run options of the ``kubernetes`` backend (``namespace``: the scheduler's default)."""
+    opts = runopts()
+    opts.add("namespace", str, "namespace of the app's objects", default=namespace)
+    opts.add(
+        "queue",
+        str,
+        "Kueue LocalQueue to submit to: the Jobs are labelled kueue.x-k8s.io/queue-name and "
+        "created suspended until Kueue admits them (TorchX's queue is Volcano's)",
+    )
+    opts.add("service_account", str, "service account the pods run as")
+    opts.add(
+        "priority_class",
+        str,
+        "PriorityClass of the pods (with queue: also the workload's priority in Kueue)",
+    )
+    opts.add("node_selector", dict[str, str], "node labels the pods must match (key:value,...)")
+    opts.add(
+        "tolerations",
+        list[str],
+        "taints the pods tolerate: key[=value][:NoSchedule|PreferNoSchedule|NoExecute],...",
+    )
+    opts.add("image_pull_secrets", list[str], "names of the Secrets used to pull the images")
+    opts.add("image_pull_policy", str, "Always, IfNotPresent or Never (default: the cluster's)")
+    opts.add("labels", dict[str, str], "extra labels on every object, e.g. team:vision")
+    opts.add(
+        "pod_overlay",
+        str,
+        'a JSON object merged into every pod template, e.g. {"spec": {"hostNetwork": true}}',
+    )
+    opts.add(
+        "image_repo",
+        str,
+        "the repository workspace images are pushed to, as {image_repo}:{content hash} (e.g. "
+        "registry.example.com/team/app); the cluster must be able to pull from it",
+    )
+    opts.add(
+        "rank0_localhost",
+        bool,
+        "replica 0 of the first role sees TORCHX_RANK0_HOST=localhost (its command runs under "
+        "/bin/sh when the role has several replicas); off: every replica gets rank 0's DNS name",
+        default=True,
+    )
+    return opts
+
+
+def image_repo(cfg: Mapping[str, CfgVal]) -> str | None:
+    """The ``image_repo`` run option, checked (None when unset).
+
+    Raises:
+        InvalidRunConfigException: it is not a repository name (names the value).
+    """
+    from asynctorchx.schedulers._docker.engine import check_repository
+
+    value = cfg.get("image_repo")
+    if value is None or value == "":
+        return None
+    try:
+        return check_repository(str(value))
+    except ValueError as e:
+        raise InvalidRunConfigException(str(e), "image_repo", cfg) from None
+
+
 @dataclass(frozen=True)
 class KubernetesOptions:
     """The resolved run options of one submission (see ``KubernetesScheduler.run_opts``)."""
@@ -98,86 +162,90 @@ class KubernetesOptions:
     @staticmethod
     def from_cfg(cfg: Mapping[str, CfgVal]) -> KubernetesOptions:
         """Parses resolved run options, raising InvalidRunConfigException naming the bad key."""
-
-        def text(key: str) -> str | None:
-            value = cfg.get(key)
-            return value if isinstance(value, str) and value else None
-
-        def mapping(key: str) -> dict[str, str]:
-            value = cfg.get(key)
-            return dict(value) if isinstance(value, dict) else {}
-
-        def strings(key: str) -> list[str]:
-            value = cfg.get(key)
-            return list(value) if isinstance(value, list) else []
-
-        namespace = text("namespace") or "default"
+        namespace = _text(cfg, "namespace") or "default"
         if not n.is_dns1123_label(namespace):
             _bad_cfg(
                 "namespace", namespace, "a DNS label (lowercase a-z, 0-9, '-', at most 63)", cfg
             )
         for key in ("service_account", "priority_class"):
-            value = text(key)
+            value = _text(cfg, key)
             if value is not None and not n.is_dns1123_subdomain(value):
                 _bad_cfg(key, value, "a DNS subdomain (lowercase a-z, 0-9, '-', '.')", cfg)
-        node_selector = mapping("node_selector")
-        labels = mapping("labels")
-        for key, sel in (("node_selector", node_selector), ("labels", labels)):
-            for k, v in sel.items():
-                if not n.is_label_key(k):
-                    _bad_cfg(
-                        key, f"{k}:{v}", f"label keys like 'example.com/name', got key {k!r}", cfg
-                    )
-                if not n.is_label_value(v):
-                    _bad_cfg(
-                        key,
-                        f"{k}:{v}",
-                        f"label values of at most 63 [A-Za-z0-9_.-], got {v!r}",
-                        cfg,
-                    )
-        queue = text("queue")
-        labelled = labels.get(n.LABEL_KUEUE_QUEUE)
-        if queue is not None and not (n.is_label_value(queue) and n.is_dns1123_subdomain(queue)):
-            _bad_cfg("queue", queue, "the name of a Kueue LocalQueue (a DNS label)", cfg)
-        if queue is not None and labelled is not None and labelled != queue:
-            _bad_cfg(
-                "queue",
-                queue,
-                f"the same queue as labels' {n.LABEL_KUEUE_QUEUE}:{labelled} (give one of them)",
-                cfg,
-            )
-        queue = queue or labelled or None
-        secrets = strings("image_pull_secrets")
+        node_selector = _label_map(cfg, "node_selector")
+        labels = _label_map(cfg, "labels")
+        queue = _queue(cfg, labels)
+        secrets = _strings(cfg, "image_pull_secrets")
         for secret in secrets:
             if not n.is_dns1123_subdomain(secret):
                 _bad_cfg("image_pull_secrets", secret, "names of Secrets (DNS subdomains)", cfg)
-        policy = text("image_pull_policy")
+        policy = _text(cfg, "image_pull_policy")
         if policy is not None and policy not in IMAGE_PULL_POLICIES:
             _bad_cfg("image_pull_policy", policy, f"one of {', '.join(IMAGE_PULL_POLICIES)}", cfg)
-        overlay_raw = text("pod_overlay")
-        overlay: dict[str, Any] | None = None
-        if overlay_raw is not None:
-            try:
-                overlay = json.loads(overlay_raw)
-            except ValueError as e:
-                _bad_cfg("pod_overlay", overlay_raw, f"a JSON object ({e})", cfg)
-            if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
-                _bad_cfg(
-                    "pod_overlay", overlay_raw, "a JSON object with 'metadata' and/or 'spec'", cfg
-                )
+        overlay = _pod_overlay(cfg)
         return KubernetesOptions(
             namespace=namespace,
             queue=queue,
-            service_account=text("service_account"),
-            priority_class=text("priority_class"),
+            service_account=_text(cfg, "service_account"),
+            priority_class=_text(cfg, "priority_class"),
             node_selector=node_selector,
-            tolerations=tuple(parse_toleration(t, cfg) for t in strings("tolerations")),
+            tolerations=tuple(parse_toleration(t, cfg) for t in _strings(cfg, "tolerations")),
             image_pull_secrets=tuple(secrets),
             image_pull_policy=policy,
             labels=labels,
             pod_overlay=overlay,
             rank0_localhost=cfg.get("rank0_localhost") is not False,
         )
+
+
+def _text(cfg: Mapping[str, CfgVal], key: str) -> str | None:
+    value = cfg.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def _strings(cfg: Mapping[str, CfgVal], key: str) -> list[str]:
+    value = cfg.get(key)
+    return list(value) if isinstance(value, list) else []
+
+
+def _label_map(cfg: Mapping[str, CfgVal], key: str) -> dict[str, str]:
+    """A ``key:value`` option whose pairs must be valid label keys and values."""
+    value = cfg.get(key)
+    pairs = dict(value) if isinstance(value, dict) else {}
+    for k, v in pairs.items():
+        if not n.is_label_key(k):
+            _bad_cfg(key, f"{k}:{v}", f"label keys like 'example.com/name', got key {k!r}", cfg)
+        if not n.is_label_value(v):
+            _bad_cfg(key, f"{k}:{v}", f"label values of at most 63 [A-Za-z0-9_.-], got {v!r}", cfg)
+    return pairs
+
+
+def _queue(cfg: Mapping[str, CfgVal], labels: Mapping[str, str]) -> str | None:
+    """The Kueue queue: the ``queue`` option, or the queue label given with ``labels``."""
+    queue = _text(cfg, "queue")
+    labelled = labels.get(n.LABEL_KUEUE_QUEUE)
+    if queue is not None and not (n.is_label_value(queue) and n.is_dns1123_subdomain(queue)):
+        _bad_cfg("queue", queue, "the name of a Kueue LocalQueue (a DNS label)", cfg)
+    if queue is not None and labelled is not None and labelled != queue:
+        _bad_cfg(
+            "queue",
+            queue,
+            f"the same queue as labels' {n.LABEL_KUEUE_QUEUE}:{labelled} (give one of them)",
+            cfg,
+        )
+    return queue or labelled or None
+
+
+def _pod_overlay(cfg: Mapping[str, CfgVal]) -> dict[str, Any] | None:
+    raw = _text(cfg, "pod_overlay")
+    if raw is None:
+        return None
+    try:
+        overlay = json.loads(raw)
+    except ValueError as e:
+        _bad_cfg("pod_overlay", raw, f"a JSON object ({e})", cfg)
+    if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
+        _bad_cfg("pod_overlay", raw, "a JSON object with 'metadata' and/or 'spec'", cfg)
+    return overlay
 
 
 def _bad_cfg(key: str, value: object, expected: str, cfg: Mapping[str, CfgVal]) -> NoReturn:
@@ -542,29 +610,7 @@ def pod_template(
         is_rank0_role: the role holding rank 0 (its replica 0 sees ``localhost``).
     """
     volumes, volume_mounts, privileged = _volumes(role)
-    command = [role.entrypoint]
-    rank0_env = rank0_host
-    if is_rank0_role and opts.rank0_localhost:
-        if role.num_replicas == 1:
-            rank0_env = "localhost"
-        else:
-            command = ["/bin/sh", "-c", _RANK0_SCRIPT, "asynctorchx-rank0", role.entrypoint]
-    container: dict[str, Any] = {
-        "name": role_dns,
-        "image": role.image,
-        "command": command,
-        "args": list(role.args),
-        "env": _env(role, {RANK0_ENV: rank0_env}),
-        "resources": resource_requirements(role),
-        "volumeMounts": volume_mounts,
-        "terminationMessagePath": TERMINATION_LOG,
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if opts.image_pull_policy:
-        container["imagePullPolicy"] = opts.image_pull_policy
-    ports = _ports(role)
-    if ports:
-        container["ports"] = ports
+    container = _container(role, role_dns, opts, rank0_host, is_rank0_role, volume_mounts)
     if privileged:
         container["securityContext"] = {"privileged": True}
     spec: dict[str, Any] = {
@@ -597,6 +643,41 @@ def pod_template(
         if overlay:
             template = merge_overlay(template, overlay)
     return template
+
+
+def _container(
+    role: Role,
+    role_dns: str,
+    opts: KubernetesOptions,
+    rank0_host: str,
+    is_rank0_role: bool,
+    volume_mounts: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The pod's one container (rank 0's replica 0 sees ``localhost`` as its rank 0 host)."""
+    command = [role.entrypoint]
+    rank0_env = rank0_host
+    if is_rank0_role and opts.rank0_localhost:
+        if role.num_replicas == 1:
+            rank0_env = "localhost"
+        else:
+            command = ["/bin/sh", "-c", _RANK0_SCRIPT, "asynctorchx-rank0", role.entrypoint]
+    container: dict[str, Any] = {
+        "name": role_dns,
+        "image": role.image,
+        "command": command,
+        "args": list(role.args),
+        "env": _env(role, {RANK0_ENV: rank0_env}),
+        "resources": resource_requirements(role),
+        "volumeMounts": volume_mounts,
+        "terminationMessagePath": TERMINATION_LOG,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    if opts.image_pull_policy:
+        container["imagePullPolicy"] = opts.image_pull_policy
+    ports = _ports(role)
+    if ports:
+        container["ports"] = ports
+    return container
 
 
 def _job_retry_spec(role: Role) -> dict[str, Any]:
@@ -636,7 +717,6 @@ def build_request(
     name = app_name or new_app_name(app, role_dns)
     common = {**opts.labels, n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_VERSION: __version__}
     app_labels = {**common, n.LABEL_APP_ID: name}
-    rank0_host = f"{n.pod_hostname(name, role_dns[0], 0)}.{name}"
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -656,54 +736,11 @@ def build_request(
             "selector": {n.LABEL_APP_ID: name},
         },
     }
-    jobs = []
-    for i, (role, dns) in enumerate(zip(app.roles, role_dns, strict=True)):
-        values = macros.Values(
-            img_root="", app_id=name, replica_id=f"$({REPLICA_INDEX_ENV})", rank0_env=RANK0_ENV
-        )
-        expanded = values.apply(role)
-        labels = {
-            **app_labels,
-            n.LABEL_ROLE: dns,
-            n.LABEL_APP_ATTEMPT: "0",
-            n.LABEL_ROLE_ATTEMPT: "0",
-        }
-        template = pod_template(
-            expanded,
-            dns,
-            app_name=name,
-            labels=labels,
-            opts=opts,
-            rank0_host=rank0_host,
-            is_rank0_role=i == 0,
-        )
-        job_labels = dict(labels)
-        queued: dict[str, Any] = {}
-        if opts.queue:
-            # Kueue admits the Job by unsuspending it; pods and the Service are not labelled, so
-            # that Kueue's pod integration never takes the Job's pods for workloads of their own
-            job_labels[n.LABEL_KUEUE_QUEUE] = opts.queue
-            queued["suspend"] = True
-        jobs.append(
-            {
-                "apiVersion": "batch/v1",
-                "kind": "Job",
-                "metadata": {
-                    "name": n.job_name(name, dns),
-                    "namespace": opts.namespace,
-                    "labels": job_labels,
-                    "annotations": {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(i)},
-                },
-                "spec": {
-                    "completionMode": "Indexed",
-                    "completions": role.num_replicas,
-                    "parallelism": role.num_replicas,
-                    **queued,
-                    **_job_retry_spec(role),
-                    "template": template,
-                },
-            }
-        )
+    rank0_host = f"{n.pod_hostname(name, role_dns[0], 0)}.{name}"
+    jobs = [
+        _job(role, i, dns, name, app_labels, opts, rank0_host)
+        for i, (role, dns) in enumerate(zip(app.roles, role_dns, strict=True))
+    ]
     request = KubernetesRequest(
         namespace=opts.namespace, name=name, service=service, jobs=jobs, roles=list(app.roles)
     )
@@ -714,6 +751,61 @@ def build_request(
             field_name="kubernetes",
         )
     return request
+
+
+def _job(
+    role: Role,
+    index: int,
+    role_dns: str,
+    app_name: str,
+    app_labels: Mapping[str, str],
+    opts: KubernetesOptions,
+    rank0_host: str,
+) -> dict[str, Any]:
+    """The Indexed Job of the role at ``index`` (macros expanded per pod by Kubernetes)."""
+    values = macros.Values(
+        img_root="", app_id=app_name, replica_id=f"$({REPLICA_INDEX_ENV})", rank0_env=RANK0_ENV
+    )
+    labels = {
+        **app_labels,
+        n.LABEL_ROLE: role_dns,
+        n.LABEL_APP_ATTEMPT: "0",
+        n.LABEL_ROLE_ATTEMPT: "0",
+    }
+    template = pod_template(
+        values.apply(role),
+        role_dns,
+        app_name=app_name,
+        labels=labels,
+        opts=opts,
+        rank0_host=rank0_host,
+        is_rank0_role=index == 0,
+    )
+    job_labels = dict(labels)
+    queued: dict[str, Any] = {}
+    if opts.queue:
+        # Kueue admits the Job by unsuspending it; pods and the Service are not labelled, so
+        # that Kueue's pod integration never takes the Job's pods for workloads of their own
+        job_labels[n.LABEL_KUEUE_QUEUE] = opts.queue
+        queued["suspend"] = True
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": n.job_name(app_name, role_dns),
+            "namespace": opts.namespace,
+            "labels": job_labels,
+            "annotations": {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(index)},
+        },
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": role.num_replicas,
+            "parallelism": role.num_replicas,
+            **queued,
+            **_job_retry_spec(role),
+            "template": template,
+        },
+    }
 
 
 def with_attempts(job: Mapping[str, Any], app_attempt: int, role_attempt: int) -> dict[str, Any]:
@@ -812,66 +904,76 @@ def lint(objs: list[dict[str, Any]]) -> list[str]:
     """
     problems: list[str] = []
     service = next((o for o in objs if o.get("kind") == "Service"), None)
-    service_name = ""
     if service is None:
         problems.append("no Service")
     else:
-        meta = service["metadata"]
-        service_name = meta.get("name", "")
-        if not n.is_dns1035_label(service_name):
-            problems.append(f"Service name {service_name!r} is not a DNS-1035 label (max 63)")
-        _lint_meta("Service", meta, problems)
-        spec = service.get("spec") or {}
-        if spec.get("clusterIP") != "None":
-            problems.append(
-                f"Service clusterIP must be the string 'None', got {spec.get('clusterIP')!r}"
-            )
-        if spec.get("publishNotReadyAddresses") is not True:
-            problems.append("Service publishNotReadyAddresses must be true")
-        if not spec.get("selector"):
-            problems.append("Service has no selector")
+        _lint_service(service, problems)
     for job in (o for o in objs if o.get("kind") == "Job"):
-        meta = job["metadata"]
-        name = meta.get("name", "")
-        _lint_meta(f"Job {name}", meta, problems)
-        if not n.is_dns1123_label(name):
-            problems.append(f"Job name {name!r} is not a DNS label of at most 63 characters")
-        spec = job["spec"]
-        completions = spec.get("completions")
-        if spec.get("completionMode") != "Indexed":
-            problems.append(f"Job {name} completionMode must be Indexed")
-        if (
-            not isinstance(completions, int)
-            or completions < 1
-            or spec.get("parallelism") != completions
-        ):
-            problems.append(f"Job {name} completions and parallelism must be the same positive int")
-        else:
-            host = f"{name}-{completions - 1}"
-            if not n.is_dns1123_label(host):
-                problems.append(f"pod hostname {host!r} of Job {name} exceeds 63 characters")
-        if spec.get("podReplacementPolicy") not in (None, "Failed", "TerminatingOrFailed"):
-            problems.append(f"Job {name} podReplacementPolicy {spec.get('podReplacementPolicy')!r}")
-        if "podFailurePolicy" in spec and spec.get("podReplacementPolicy") not in (None, "Failed"):
-            problems.append(f"Job {name} with a podFailurePolicy needs podReplacementPolicy Failed")
-        for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
-            if rule.get("action") not in ("Ignore", "FailJob", "FailIndex", "Count"):
-                problems.append(f"Job {name} podFailurePolicy action {rule.get('action')!r}")
-        if "maxFailedIndexes" in spec and "backoffLimitPerIndex" not in spec:
-            problems.append(f"Job {name} maxFailedIndexes needs backoffLimitPerIndex")
-        template = spec.get("template") or {}
-        _lint_meta(f"Job {name} template", template.get("metadata") or {}, problems)
-        pod_spec = template.get("spec") or {}
-        _lint_pod_spec(f"Job {name}", pod_spec, problems)
-        if (spec.get("podFailurePolicy") or "backoffLimitPerIndex" in spec) and pod_spec.get(
-            "restartPolicy"
-        ) != "Never":
-            problems.append(f"Job {name} needs restartPolicy Never for its failure policies")
-        if service is not None:
-            if pod_spec.get("subdomain") != service_name:
-                problems.append(f"Job {name} pods' subdomain must be the Service {service_name!r}")
-            selector = (service.get("spec") or {}).get("selector") or {}
-            labels = (template.get("metadata") or {}).get("labels") or {}
-            if any(labels.get(k) != v for k, v in selector.items()):
-                problems.append(f"Job {name} pods are not selected by the Service")
+        _lint_job(job, service, problems)
     return problems
+
+
+def _lint_service(service: Mapping[str, Any], problems: list[str]) -> None:
+    meta = service["metadata"]
+    service_name = meta.get("name", "")
+    if not n.is_dns1035_label(service_name):
+        problems.append(f"Service name {service_name!r} is not a DNS-1035 label (max 63)")
+    _lint_meta("Service", meta, problems)
+    spec = service.get("spec") or {}
+    if spec.get("clusterIP") != "None":
+        problems.append(
+            f"Service clusterIP must be the string 'None', got {spec.get('clusterIP')!r}"
+        )
+    if spec.get("publishNotReadyAddresses") is not True:
+        problems.append("Service publishNotReadyAddresses must be true")
+    if not spec.get("selector"):
+        problems.append("Service has no selector")
+
+
+def _lint_job(
+    job: Mapping[str, Any], service: Mapping[str, Any] | None, problems: list[str]
+) -> None:
+    meta = job["metadata"]
+    name = meta.get("name", "")
+    _lint_meta(f"Job {name}", meta, problems)
+    if not n.is_dns1123_label(name):
+        problems.append(f"Job name {name!r} is not a DNS label of at most 63 characters")
+    spec = job["spec"]
+    completions = spec.get("completions")
+    if spec.get("completionMode") != "Indexed":
+        problems.append(f"Job {name} completionMode must be Indexed")
+    if (
+        not isinstance(completions, int)
+        or completions < 1
+        or spec.get("parallelism") != completions
+    ):
+        problems.append(f"Job {name} completions and parallelism must be the same positive int")
+    else:
+        host = f"{name}-{completions - 1}"
+        if not n.is_dns1123_label(host):
+            problems.append(f"pod hostname {host!r} of Job {name} exceeds 63 characters")
+    if spec.get("podReplacementPolicy") not in (None, "Failed", "TerminatingOrFailed"):
+        problems.append(f"Job {name} podReplacementPolicy {spec.get('podReplacementPolicy')!r}")
+    if "podFailurePolicy" in spec and spec.get("podReplacementPolicy") not in (None, "Failed"):
+        problems.append(f"Job {name} with a podFailurePolicy needs podReplacementPolicy Failed")
+    for rule in (spec.get("podFailurePolicy") or {}).get("rules") or []:
+        if rule.get("action") not in ("Ignore", "FailJob", "FailIndex", "Count"):
+            problems.append(f"Job {name} podFailurePolicy action {rule.get('action')!r}")
+    if "maxFailedIndexes" in spec and "backoffLimitPerIndex" not in spec:
+        problems.append(f"Job {name} maxFailedIndexes needs backoffLimitPerIndex")
+    template = spec.get("template") or {}
+    _lint_meta(f"Job {name} template", template.get("metadata") or {}, problems)
+    pod_spec = template.get("spec") or {}
+    _lint_pod_spec(f"Job {name}", pod_spec, problems)
+    if (spec.get("podFailurePolicy") or "backoffLimitPerIndex" in spec) and pod_spec.get(
+        "restartPolicy"
+    ) != "Never":
+        problems.append(f"Job {name} needs restartPolicy Never for its failure policies")
+    if service is not None:
+        service_name = service["metadata"].get("name", "")
+        if pod_spec.get("subdomain") != service_name:
+            problems.append(f"Job {name} pods' subdomain must be the Service {service_name!r}")
+        selector = (service.get("spec") or {}).get("selector") or {}
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        if any(labels.get(k) != v for k, v in selector.items()):
+            problems.append(f"Job {name} pods are not selected by the Service")

@@ -17,20 +17,34 @@ Rules:
 - ``num_restarts`` counts application restarts, role restarts (the attempt labels the backend puts on
   recreated Jobs) and replica restarts (the per-index failure counts the Job controller records on
   each replacement pod, disruptions included).
+
+Follow-ups (``follow_up``), for an app the scheduler submitted and looks after (``ManagedApp``): a
+failed role with a ROLE or APPLICATION retry left is restarted (``Restart``: its Jobs, or all the
+app's, deleted and recreated as the next attempt); a role failed for good stops the others
+(``StopRoles``: their Jobs suspended); a finished or deleted app is no longer looked after
+(``Forget``).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from typing import Any
 
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._k8s import names as n
-from asynctorchx.schedulers._k8s.manifests import role_from_json
+from asynctorchx.schedulers._k8s.manifests import KubernetesRequest, role_from_json
 from asynctorchx.schedulers.api import DescribeAppResponse
-from asynctorchx.specs.api import NONE, AppState, ReplicaStatus, Role, RoleStatus
+from asynctorchx.specs.api import (
+    NONE,
+    AppState,
+    ReplicaStatus,
+    RetryPolicy,
+    Role,
+    RoleStatus,
+    is_terminal,
+)
 
 Obj = Mapping[str, Any]
 
@@ -40,34 +54,17 @@ _POD_PHASES = {
     "Succeeded": AppState.SUCCEEDED,
     "Failed": AppState.FAILED,
 }
-_TIME = re.compile(
-    r"(\d{4})-(\d\d)-(\d\d)[Tt](\d\d):(\d\d):(\d\d)(?:\.(\d{1,9}))?([Zz]|[+-]\d\d:\d\d)"
-)
 
 
 def parse_time_ns(value: str | None) -> int | None:
-    """An RFC 3339 time (with up to nanoseconds) as integer nanoseconds since the epoch."""
+    """An RFC 3339 time (with up to nanoseconds) as integer nanoseconds since the epoch, or None
+    when it is missing or malformed (the shared parser of ``asynctorchx.logs``)."""
     if not value:
         return None
-    m = _TIME.fullmatch(value.strip())
-    if not m:
-        return None
-    year, month, day, hour, minute, second, frac, tz = m.groups()
-    if tz in ("Z", "z"):
-        tzinfo = timezone.utc
-    else:
-        sign = 1 if tz[0] == "+" else -1
-        from datetime import timedelta
-
-        tzinfo = timezone(sign * timedelta(hours=int(tz[1:3]), minutes=int(tz[4:6])))
     try:
-        whole = datetime(
-            int(year), int(month), int(day), int(hour), int(minute), int(second), tzinfo=tzinfo
-        )
+        return parse_rfc3339_ns(value.strip())
     except ValueError:
         return None
-    nanos = int((frac or "").ljust(9, "0")) if frac else 0
-    return int(whole.timestamp()) * 1_000_000_000 + nanos
 
 
 def meta(obj: Obj) -> Obj:
@@ -298,6 +295,93 @@ def _replica(
     )
 
 
+@dataclass
+class _Roles:
+    """What ``describe_app`` gathers from the app's Jobs, in role order."""
+
+    roles: list[Role] = field(default_factory=list)
+    statuses: list[RoleStatus] = field(default_factory=list)
+    states: list[AppState] = field(default_factory=list)
+    restarts: int = 0
+    #: the first failure: (role, replica or -1, exit code, termination message, Job condition)
+    failure: tuple[str, int, int | None, str, str] | None = None
+
+
+def _read_roles(app_name: str, jobs: Sequence[Obj], pods: Sequence[Obj]) -> _Roles:
+    out = _Roles()
+    restarts_app = 0
+    for job in jobs:
+        role = job_role(job)
+        role_dns = labels_of(job).get(n.LABEL_ROLE, "")
+        role_name = role.name if role else role_dns
+        if role:
+            out.roles.append(role)
+        jpods = pods_of_job(job, pods)
+        st = job_state(job, jpods)
+        out.states.append(st)
+        app_attempt, role_attempt = job_attempts(job)
+        restarts_app = max(restarts_app, app_attempt)
+        newest = newest_pods(jpods)
+        out.restarts += role_attempt + sum(pod_restarts(p) for p in newest.values())
+        completions = _int(
+            (job.get("spec") or {}).get("completions"), role.num_replicas if role else 0
+        )
+        replicas = []
+        for idx in range(completions):
+            host = f"{n.pod_hostname(app_name, role_dns, idx)}.{app_name}"
+            replica = _replica(role_name, idx, newest.get(idx), job, st, host)
+            replicas.append(replica)
+            if out.failure is None and replica.state == AppState.FAILED:
+                out.failure = (
+                    role_name,
+                    idx,
+                    replica.exit_code,
+                    replica.structured_error_msg,
+                    job_condition_message(job),
+                )
+        if st == AppState.FAILED and out.failure is None:
+            out.failure = (role_name, -1, None, NONE, job_condition_message(job))
+        out.statuses.append(RoleStatus(role=role_name, replicas=replicas))
+    out.restarts += restarts_app
+    return out
+
+
+def _failure_message(failure: tuple[str, int, int | None, str, str] | None) -> tuple[str, str]:
+    """``(msg, structured error)`` of a failed app."""
+    if failure is None:
+        return NONE, NONE
+    role_name, idx, code, message, reason = failure
+    where = f"role {role_name!r}" + (f" replica {idx}" if idx >= 0 else "")
+    msg = f"{where} failed" + (f" with exit code {code}" if code is not None else "")
+    if reason:
+        msg += f" ({reason})"
+    return msg, message if message != NONE and _is_json_error(message) else NONE
+
+
+def _app_state(
+    read: _Roles, expected: int, jobs: int, deleting: bool, restarting: bool
+) -> tuple[AppState, str, str]:
+    """The app's state, message and structured error (see the module docstring)."""
+    states = read.states
+    if states and len(states) == expected and all(s == AppState.SUCCEEDED for s in states):
+        return AppState.SUCCEEDED, NONE, NONE
+    if deleting:
+        return AppState.CANCELLED, "cancelled: the app's objects are being deleted", NONE
+    if AppState.FAILED in states:
+        if restarting:
+            return AppState.RUNNING, "restarting after a failure", NONE
+        return (AppState.FAILED, *_failure_message(read.failure))
+    if AppState.CANCELLED in states:
+        return (AppState.RUNNING if restarting else AppState.CANCELLED), NONE, NONE
+    if jobs < expected:
+        return (AppState.RUNNING if restarting else AppState.PENDING), NONE, NONE
+    if AppState.RUNNING in states or AppState.SUCCEEDED in states:
+        return AppState.RUNNING, NONE, NONE
+    if AppState.UNKNOWN in states:
+        return AppState.UNKNOWN, NONE, NONE
+    return AppState.PENDING, NONE, NONE
+
+
 def describe_app(
     service: Obj,
     jobs: Sequence[Obj],
@@ -316,89 +400,11 @@ def describe_app(
     """
     smeta = meta(service)
     name = str(smeta.get("name", ""))
-    namespace = str(smeta.get("namespace", "default"))
-    app_id = n.make_app_id(namespace, name)
     jobs = sorted(jobs, key=job_role_index)
-    role_names = service_role_names(service)
-    roles: list[Role] = []
-    role_statuses: list[RoleStatus] = []
-    states: list[AppState] = []
-    restarts_app = 0
-    restarts_roles = 0
-    restarts_replicas = 0
-    failure: tuple[str, int, int | None, str, str] | None = None
-    for job in jobs:
-        role = job_role(job)
-        role_dns = labels_of(job).get(n.LABEL_ROLE, "")
-        role_name = role.name if role else role_dns
-        if role:
-            roles.append(role)
-        jpods = pods_of_job(job, pods)
-        st = job_state(job, jpods)
-        states.append(st)
-        app_attempt, role_attempt = job_attempts(job)
-        restarts_app = max(restarts_app, app_attempt)
-        restarts_roles += role_attempt
-        newest = newest_pods(jpods)
-        restarts_replicas += sum(pod_restarts(p) for p in newest.values())
-        completions = _int(
-            (job.get("spec") or {}).get("completions"), role.num_replicas if role else 0
-        )
-        replicas = []
-        for idx in range(completions):
-            replica = _replica(
-                role_name,
-                idx,
-                newest.get(idx),
-                job,
-                st,
-                f"{n.pod_hostname(name, role_dns, idx)}.{name}",
-            )
-            replicas.append(replica)
-            if failure is None and replica.state == AppState.FAILED:
-                failure = (
-                    role_name,
-                    idx,
-                    replica.exit_code,
-                    replica.structured_error_msg,
-                    job_condition_message(job),
-                )
-        if st == AppState.FAILED and failure is None:
-            failure = (role_name, -1, None, NONE, job_condition_message(job))
-        role_statuses.append(RoleStatus(role=role_name, replicas=replicas))
-
-    expected = max(len(role_names), len(jobs))
-    msg = NONE
-    structured = NONE
-    if states and len(states) == expected and all(s == AppState.SUCCEEDED for s in states):
-        state = AppState.SUCCEEDED
-    elif smeta.get("deletionTimestamp"):
-        state = AppState.CANCELLED
-        msg = "cancelled: the app's objects are being deleted"
-    elif AppState.FAILED in states:
-        if restarting:
-            state = AppState.RUNNING
-            msg = "restarting after a failure"
-        else:
-            state = AppState.FAILED
-            if failure is not None:
-                role_name, idx, code, message, reason = failure
-                where = f"role {role_name!r}" + (f" replica {idx}" if idx >= 0 else "")
-                msg = f"{where} failed" + (f" with exit code {code}" if code is not None else "")
-                if reason:
-                    msg += f" ({reason})"
-                if message != NONE and _is_json_error(message):
-                    structured = message
-    elif AppState.CANCELLED in states:
-        state = AppState.RUNNING if restarting else AppState.CANCELLED
-    elif len(jobs) < expected:
-        state = AppState.RUNNING if restarting else AppState.PENDING
-    elif AppState.RUNNING in states or AppState.SUCCEEDED in states:
-        state = AppState.RUNNING
-    elif AppState.UNKNOWN in states:
-        state = AppState.UNKNOWN
-    else:
-        state = AppState.PENDING
+    read = _read_roles(name, jobs, pods)
+    expected = max(len(service_role_names(service)), len(jobs))
+    deleting = bool(smeta.get("deletionTimestamp"))
+    state, msg, structured = _app_state(read, expected, len(jobs), deleting, restarting)
     if state == AppState.PENDING:
         waiting = sorted(
             {labels_of(j)[n.LABEL_KUEUE_QUEUE] for j in jobs if is_queued(j) and _suspended(j)}
@@ -406,13 +412,13 @@ def describe_app(
         if waiting:
             msg = f"waiting for Kueue to admit it (queue {', '.join(waiting)})"
     return DescribeAppResponse(
-        app_id=app_id,
+        app_id=n.make_app_id(str(smeta.get("namespace", "default")), name),
         state=state,
-        num_restarts=restarts_app + restarts_roles + restarts_replicas,
+        num_restarts=read.restarts,
         msg=msg,
         structured_error_msg=structured,
-        roles_statuses=role_statuses,
-        roles=roles,
+        roles_statuses=read.statuses,
+        roles=read.roles,
         name=str(annotations_of(service).get(n.ANN_APP_NAME, name)),
     )
 
@@ -422,3 +428,95 @@ def _is_json_error(text: str) -> bool:
         return isinstance(json.loads(text), dict)
     except ValueError:
         return False
+
+
+# -- follow-ups ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ManagedApp:
+    """An app this scheduler submitted and looks after (restarts, stopping roles after a failure).
+
+    Args:
+        request: what was submitted (the Jobs are recreated from it).
+        service: the Service as created (the recreated Jobs' owner).
+        app_attempt: APPLICATION restarts done so far.
+        role_attempts: ROLE restarts done so far, per role.
+        restarting: a restart is under way (the app then reads RUNNING, not FAILED).
+    """
+
+    request: KubernetesRequest
+    service: dict[str, Any]
+    app_attempt: int = 0
+    role_attempts: list[int] = field(default_factory=list)
+    restarting: bool = False
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Delete these roles' Jobs and recreate them as the next attempt (the whole app's, or each
+    role's)."""
+
+    roles: tuple[int, ...]
+    whole_app: bool
+
+
+@dataclass(frozen=True)
+class StopRoles:
+    """The app failed for good: suspend these Jobs (their pods stop) and stop looking after it."""
+
+    jobs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Stop looking after the app: it succeeded, or it is gone or being deleted."""
+
+
+#: A follow-up the backend owes an app it looks after.
+KubeAction = Restart | StopRoles | Forget
+
+
+def restart_plan(managed: ManagedApp, jobs: Sequence[Obj], pods: Sequence[Obj]) -> list[int] | None:
+    """The role indexes to restart for the app's failed Jobs, or None when none can restart."""
+    failed = [
+        job_role_index(j) for j in jobs if job_state(j, pods_of_job(j, pods)) == AppState.FAILED
+    ]
+    roles = managed.request.roles
+    for i in failed:
+        if not 0 <= i < len(roles):
+            return None
+        role = roles[i]
+        policy = RetryPolicy(role.retry_policy)
+        if policy == RetryPolicy.APPLICATION and managed.app_attempt < role.max_retries:
+            return list(range(len(roles)))
+        if policy == RetryPolicy.ROLE and managed.role_attempts[i] < role.max_retries:
+            continue
+        return None
+    return failed or None
+
+
+def follow_up(
+    managed: ManagedApp, service: Obj | None, jobs: Sequence[Obj], pods: Sequence[Obj]
+) -> KubeAction | None:
+    """What the backend owes an app it looks after, from the app's objects (None: nothing now)."""
+    if service is None or meta(service).get("deletionTimestamp"):
+        return Forget()
+    states = [job_state(j, pods_of_job(j, pods)) for j in jobs]
+    roles = managed.request.roles
+    if len(jobs) == len(roles) and all(s == AppState.SUCCEEDED for s in states):
+        return Forget()
+    if AppState.FAILED not in states:
+        return None
+    plan = restart_plan(managed, jobs, pods)
+    if plan is None:
+        running = [
+            str(meta(j).get("name", ""))
+            for j, st in zip(jobs, states, strict=True)
+            if not is_terminal(st) and not (j.get("spec") or {}).get("suspend")
+        ]
+        return StopRoles(tuple(running))
+    whole_app = len(plan) == len(roles) and any(
+        RetryPolicy(roles[i].retry_policy) == RetryPolicy.APPLICATION for i in plan
+    )
+    return Restart(tuple(plan), whole_app)
