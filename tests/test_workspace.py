@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 from _workspace_env import make_workspace, run_as_unprivileged_reader
 
@@ -622,6 +623,31 @@ async def test_registry_credentials_from_a_credential_helper(
         "serveraddress": "reg.example.com",
     }
     assert await registry_auth("elsewhere.io") is None
+
+
+async def test_a_credential_helper_that_never_answers_fails_the_submit_and_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper stuck (e.g. on a keyring prompt) fails after the timeout, naming it, and is
+    killed: it does not outlive the submit."""
+    import json
+
+    from asynctorchx.schedulers._docker import engine
+
+    pid_file = tmp_path / "helper.pid"
+    helper = tmp_path / "bin" / "docker-credential-stuck"
+    helper.parent.mkdir()
+    helper.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 600\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{helper.parent}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "config.json").write_text(json.dumps({"credsStore": "stuck"}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    monkeypatch.setattr(engine, "CREDENTIAL_HELPER_TIMEOUT", 0.5)
+    with anyio.fail_after(20), pytest.raises(engine.DockerSchedulerError, match="did not answer"):
+        await engine.registry_auth("reg.example.com")
+    pid = int(pid_file.read_text())
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"  # gone, or dead and unreaped
 
 
 async def test_a_broken_docker_config_is_an_error_that_quotes_no_secret(

@@ -39,6 +39,8 @@ from contextlib import asynccontextmanager
 from types import ModuleType
 from typing import Any, TypeVar
 
+import anyio
+
 from asynctorchx.schedulers._docker.frames import FrameDecoder
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,8 @@ T = TypeVar("T")
 
 #: The Docker Hub's key in ``auths`` (what ``docker login`` writes for it).
 DOCKER_HUB_AUTH_KEY = "https://index.docker.io/v1/"
+#: How long a Docker credential helper may take to answer (one may wait for a keyring prompt).
+CREDENTIAL_HELPER_TIMEOUT = 30.0
 
 _TAIL_LINES = 20
 _PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -240,7 +244,19 @@ async def _from_helper(helper: str, server: str, registry: str) -> dict[str, str
             f"the Docker credential helper {program!r} for registry {registry!r} cannot run: "
             f"{e.strerror or e}"
         ) from None
-    out, err = await proc.communicate(server.encode())
+    try:
+        with anyio.fail_after(CREDENTIAL_HELPER_TIMEOUT):
+            out, err = await proc.communicate(server.encode())
+    except TimeoutError:
+        raise DockerSchedulerError(
+            f"the Docker credential helper {program!r} for registry {registry!r} did not answer "
+            f"within {CREDENTIAL_HELPER_TIMEOUT:g} s (is it waiting for a keyring to be unlocked?)"
+        ) from None
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: it must not outlive the submit
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
     if proc.returncode != 0:
         if b"credentials not found" in (out + err).lower():
             return None
@@ -671,7 +687,7 @@ class DockerEngine:
                 raise
             raise engine_error(what, e) from None
 
-    async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:
+    async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:  # noqa: ASYNC109 - the engine's stop timeout, passed on
         """Stops a container: SIGTERM, then SIGKILL after ``timeout`` seconds (default: its own
         stop timeout). A container already stopped or gone is left alone."""
         client = await self.client()
