@@ -20,8 +20,10 @@ import tempfile
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +38,24 @@ _APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 _PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
 
 
-def default_root() -> Path:
-    """``$ASYNCTORCHX_LOCAL_ROOT``, else ``{temp dir}/asynctorchx-{uid}``."""
+def root_dir() -> str:
+    """``$ASYNCTORCHX_LOCAL_ROOT`` (absolute), else ``{temp dir}/asynctorchx-{uid}``."""
     env = os.environ.get(ROOT_ENV)
     if env:
-        return Path(os.path.abspath(os.path.expanduser(env)))
-    return Path(tempfile.gettempdir()) / f"asynctorchx-{os.getuid()}"
+        return os.path.abspath(os.path.expanduser(env))
+    return os.path.join(tempfile.gettempdir(), f"asynctorchx-{os.getuid()}")
 
 
-def records_dir(root: Path) -> Path:
+def default_root() -> Path:
+    """``root_dir()`` as a path."""
+    from pathlib import Path
+
+    return Path(root_dir())
+
+
+def records_dir(root: str | os.PathLike[str]) -> str:
     """The directory of the app records under the state root ``root``."""
-    return root / ".apps"
+    return os.path.join(root, ".apps")
 
 
 def is_app_id(app_id: object) -> bool:
@@ -54,7 +63,7 @@ def is_app_id(app_id: object) -> bool:
     return isinstance(app_id, str) and _APP_ID_RE.fullmatch(app_id) is not None
 
 
-def list_ids(directory: Path) -> list[str]:
+def list_ids(directory: str | os.PathLike[str]) -> list[str]:
     """The ids of every app recorded in the records directory ``directory`` (unchecked)."""
     try:
         names = os.listdir(directory)
@@ -63,7 +72,7 @@ def list_ids(directory: Path) -> list[str]:
     return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
 
 
-def read_record(path: Path, parse: Callable[[Any], T]) -> T | None:
+def read_record(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T | None:
     """``parse`` of the JSON document in ``path``, or None when there is none or it is unreadable.
 
     A document ``parse`` rejects (ValueError) is read again twice, 2 ms apart: it may have been caught
@@ -71,7 +80,8 @@ def read_record(path: Path, parse: Callable[[Any], T]) -> T | None:
     """
     for attempt in range(3):
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = f.read()
         except FileNotFoundError:
             return None
         except OSError as e:

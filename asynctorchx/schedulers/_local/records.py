@@ -251,7 +251,7 @@ class RecordStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.records_dir = recordfile.records_dir(root)
+        self.records_dir = Path(recordfile.records_dir(root))
         self._ready = False
         self._lock = threading.Lock()
         self._ticks: dict[tuple[int, Any], int | None] = {}
