@@ -14,6 +14,8 @@ Only what needs nothing else is answered here: a handle (or ``-s``) of ``local_c
 ``local_dir`` with a non-empty session, no ``.torchxconfig`` at all (a config file may hold launch
 limits or be invalid, which the runner reports), and a kernel with pidfds (without them the local
 backends refuse to start). Anything else returns None, and the command takes the runner path.
+``ASYNCTORCHX_CLI_FASTPATH=0`` in the environment sends every command the runner path (to compare
+the two, or should they ever disagree).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ DEFAULT_SCHEDULER = "local_cwd"
 #: ``asynctorchx.runner.config``'s names: the variable naming the one config file, and the file name.
 ENV_TORCHXCONFIG = "TORCHXCONFIG"
 CONFIG_FILE = ".torchxconfig"
+#: Set to ``0``, every command takes the runner path.
+SWITCH_ENV = "ASYNCTORCHX_CLI_FASTPATH"
 
 _RECORDFILE = "asynctorchx.schedulers._local.recordfile"
 
@@ -83,6 +87,8 @@ def _no_config() -> bool:
 def usable(scheduler: str, session: str | None = None) -> bool:
     """Whether a command for ``scheduler`` (and a handle's ``session``) can be answered here."""
     if scheduler not in LOCAL_BACKENDS or not hasattr(os, "pidfd_open"):
+        return False
+    if os.environ.get(SWITCH_ENV) == "0":
         return False
     if session is not None and (not session or ":" in session):
         return False  # the runner path maps an empty session, or rejects the name
