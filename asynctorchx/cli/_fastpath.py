@@ -52,6 +52,7 @@ def _recordfile() -> ModuleType:
     """
     module = sys.modules.get(_RECORDFILE)
     if module is None:
+        import importlib
         import importlib.util
 
         path = os.path.join(
@@ -60,6 +61,8 @@ def _recordfile() -> ModuleType:
             "_local",
             "recordfile.py",
         )
+        if not os.path.isfile(path):  # not installed as files (a zip...): the slow way
+            return importlib.import_module(_RECORDFILE)
         spec = importlib.util.spec_from_file_location(_RECORDFILE, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -43,6 +42,8 @@ def root_dir() -> str:
     env = os.environ.get(ROOT_ENV)
     if env:
         return os.path.abspath(os.path.expanduser(env))
+    import tempfile  # (and with it shutil, random: a few ms of the CLI's start-up)
+
     return os.path.join(tempfile.gettempdir(), f"asynctorchx-{os.getuid()}")
 
 
