@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli_commands import _script
 
 from asynctorchx.cli import _fastpath
 from asynctorchx.schedulers._local import recordfile
@@ -85,16 +85,6 @@ async def main():
 
 anyio.run(main)
 """
-
-
-def _script() -> str:
-    candidate = Path(sys.executable).parent / "asynctorchx"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("asynctorchx")
-    if found is None:
-        pytest.fail("the asynctorchx console script is not installed: pip install -e .")
-    return found
 
 
 def _dead_pid() -> int:

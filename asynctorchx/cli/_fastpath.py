@@ -20,9 +20,11 @@ the two, or should they ever disagree).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +75,20 @@ def _recordfile() -> ModuleType:
             del sys.modules[_RECORDFILE]
             raise
     return module
+
+
+def answer(
+    args: argparse.Namespace,
+    query: Callable[[str], tuple[Any, ...] | None],
+    show: Callable[..., int],
+) -> int | None:
+    """``show(args, handle, *found)`` of what ``query(args.handle)`` found, or None (the runner path
+    must answer) when it found nothing it can answer for."""
+    found = query(args.handle)
+    if found is None:
+        return None
+    args.scheduler = args.handle.split("://", 1)[0]
+    return show(args, args.handle, *found)
 
 
 def _no_config() -> bool:

@@ -31,11 +31,7 @@ def execute_fast(args: argparse.Namespace) -> int | None:
     """Prints the AppDef of a local app read from its record; None when the runner must answer."""
     from asynctorchx.cli import _fastpath
 
-    found = _fastpath.describe(args.handle)
-    if found is None:
-        return None
-    args.scheduler = args.handle.split("://", 1)[0]
-    return _print(args, args.handle, *found)
+    return _fastpath.answer(args, _fastpath.describe, _print)
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:

@@ -37,11 +37,7 @@ def execute_fast(args: argparse.Namespace) -> int | None:
     """Prints the status of a local app read from its record; None when the runner must answer."""
     from asynctorchx.cli import _fastpath
 
-    found = _fastpath.status(args.handle)
-    if found is None:
-        return None
-    args.scheduler = args.handle.split("://", 1)[0]
-    return _print(args, args.handle, found[0])
+    return _fastpath.answer(args, _fastpath.status, _print)
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
