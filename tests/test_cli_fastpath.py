@@ -191,6 +191,8 @@ def _add_hand_written_records(apps: Apps) -> None:
     apps.handles["weird"] = apps.write("weird-1", weird)
     badstate = {**apps.doc("succeeded"), "app_id": "badstate-1", "state": "EXPLODED"}
     apps.handles["badstate"] = apps.write("badstate-1", badstate)
+    badowner = {**apps.doc("succeeded"), "app_id": "badowner-1", "owner": [1]}
+    apps.handles["badowner"] = apps.write("badowner-1", badowner)
 
 
 def _same(apps: Apps, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -259,6 +261,7 @@ def test_unknown_corrupt_and_foreign_handles_match_the_runner_path(apps: Apps) -
         ("corrupt", apps.handles["corrupt"]),
         ("weird", apps.handles["weird"]),
         ("badstate", apps.handles["badstate"]),
+        ("badowner", apps.handles["badowner"]),
         ("badapp", apps.handles["badapp"]),
         ("session", f"local_cwd://someone-else/{app_id}"),
         ("backend", f"local_dir://asynctorchx/{app_id}"),
@@ -270,13 +273,15 @@ def test_unknown_corrupt_and_foreign_handles_match_the_runner_path(apps: Apps) -
             codes[name, command] = _same(apps, command, handle).returncode
     assert codes["unknown", "status"] == codes["corrupt", "describe"] == 4
     assert codes["weird", "status"] == codes["badstate", "status"] == 4
+    assert codes["badowner", "describe"] == 4
     assert codes["session", "status"] == codes["backend", "describe"] == 0
     assert codes["malformed", "status"] == 2
     assert codes["badapp", "status"] != 0
 
 
 def test_list_matches_the_runner_path(apps: Apps) -> None:
-    """list (default scheduler, -s local_cwd, -s local_dir, --json) matches the runner path."""
+    """list (default scheduler, -s local_cwd, -s local_dir, --json) matches the runner path, and
+    corrupt records are skipped with a warning rather than failing the list."""
     for argv in (
         ("list",),
         ("list", "-s", "local_cwd"),
@@ -289,6 +294,8 @@ def test_list_matches_the_runner_path(apps: Apps) -> None:
     ids = [row["app_id"] for row in listed]
     assert ids[:2] == ["lost-1", "orphan-1"] and apps.app_id("running") in ids
     assert "corrupt-1" not in ids and apps.app_id("dir") not in ids
+    warned = apps.run("list").stderr
+    assert "ignoring corrupt app record" in warned and "badowner-1.json" in warned
 
 
 def test_colours_match_the_runner_path(apps: Apps) -> None:
