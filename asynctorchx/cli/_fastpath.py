@@ -21,10 +21,10 @@ the two, or should they ever disagree).
 from __future__ import annotations
 
 import argparse
-import logging
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,34 @@ SWITCH_ENV = "ASYNCTORCHX_CLI_FASTPATH"
 
 _RECORDFILE = "asynctorchx.schedulers._local.recordfile"
 
-logger = logging.getLogger(__name__)
+#: Sets logging up, while ``main`` defers that until something is logged (``deferred_logging``).
+_deferred_logging: Callable[[], None] | None = None
+
+
+@contextlib.contextmanager
+def deferred_logging(setup: Callable[[], None] | None) -> Iterator[None]:
+    """Within the block, ``setup()`` (unless None: logging is set up already) is called, once is
+    enough, before anything here is logged: an answer that logs nothing never imports ``logging``."""
+    global _deferred_logging
+    _deferred_logging = setup
+    try:
+        yield
+    finally:
+        _deferred_logging = None
+
+
+def _warn(message: str, *args: object) -> None:
+    """A warning of the record reader, logged as the scheduler logs it (after setting logging up)."""
+    if _deferred_logging is not None:
+        _deferred_logging()
+    _recordfile().log_warning(message, *args)
+
+
+def _debug(message: str, *args: object) -> None:
+    if _deferred_logging is None:  # deferred: the level is WARNING or above, nothing would show
+        import logging
+
+        logging.getLogger(__name__).debug(message, *args)
 
 
 def _recordfile() -> ModuleType:
@@ -138,9 +165,9 @@ def _read(rf: ModuleType, app_id: str, log: bool = True) -> dict[str, Any] | Non
         return None
     path = os.path.join(rf.records_dir(rf.root_dir()), f"{app_id}.json")
     if log:
-        logger.debug("reading the app record %s (no runner, no event loop)", path)
+        _debug("reading the app record %s (no runner, no event loop)", path)
     fields: dict[str, Any] | None = rf.read_record(
-        path, lambda d: rf.parse_app(d, AppState.__members__)
+        path, lambda d: rf.parse_app(d, AppState.__members__), _warn
     )
     if fields is None:
         return None
@@ -233,7 +260,7 @@ def list_apps(scheduler: str) -> list[tuple[str, str, str, str]] | None:
     from asynctorchx.specs.api import make_app_handle
 
     rf = _recordfile()
-    logger.debug("listing the app records of %s (no runner, no event loop)", rf.root_dir())
+    _debug("listing the app records of %s (no runner, no event loop)", rf.root_dir())
     read = {
         app_id: _read(rf, app_id, log=False)
         for app_id in rf.list_ids(rf.records_dir(rf.root_dir()))

@@ -236,19 +236,25 @@ def _split_argv(parser: CliParser, argv: list[str]) -> tuple[list[str], list[str
     return argv[:cut], argv[cut:]
 
 
+#: ``logging.WARNING``, the default level (known without importing ``logging``).
+WARNING = 30
+
+
 def parse_log_level(value: str) -> int:
     """A logging level from a name (any case) or a number.
 
     Raises:
         CliError: not a level.
     """
-    import logging
-
     from asynctorchx.cli._errors import CliError
 
     text = value.strip()
     if text.isdigit():
         return int(text)
+    if text.upper() == "WARNING":
+        return WARNING
+    import logging
+
     level = logging.getLevelName(text.upper())
     if isinstance(level, int) and text:
         return level
@@ -258,9 +264,21 @@ def parse_log_level(value: str) -> int:
     )
 
 
+def _logging_setup(debug: bool, level: int) -> Callable[[], None]:
+    """A function setting logging up for ``debug`` and ``level`` at its first call only."""
+    done = False
+
+    def setup() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            _setup_logging(debug, level)
+
+    return setup
+
+
 def _setup_logging(debug: bool, level: int) -> None:
     import logging
-    import warnings
 
     logging.basicConfig(
         level=logging.DEBUG if debug else level,
@@ -269,6 +287,11 @@ def _setup_logging(debug: bool, level: int) -> None:
         else f"{PROG}: %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def _setup_warnings(debug: bool) -> None:
+    """Python warnings as one line ``asynctorchx: warning: ...`` (with where with ``debug``)."""
+    import warnings
 
     def show(
         message: Warning | str,
@@ -336,17 +359,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = message.replace("--log_level", "LOGLEVEL", 1)
         print_error(PROG, message, hint)
         return code
-    _setup_logging(debug, level)
+    _setup_warnings(debug)
+    setup_logging = _logging_setup(debug, level)
+    fast: SyncFastHandler | None = getattr(args, "fast", None)
+    # a fast answer usually logs nothing at these levels: logging is set up only if it does
+    lazy = fast is not None and not debug and level >= WARNING
+    if not lazy:
+        setup_logging()
     try:
-        fast: SyncFastHandler | None = getattr(args, "fast", None)
-        answer = None if fast is None else fast(args)
+        answer = None
+        if fast is not None:
+            from asynctorchx.cli._fastpath import deferred_logging
+
+            with deferred_logging(setup_logging if lazy else None):
+                answer = fast(args)
         if answer is not None:
             code = answer
         elif getattr(args, "is_async", False):
             import asyncio
 
+            setup_logging()
             code = asyncio.run(_run_async(handler, args))
         else:
+            setup_logging()
             code = handler(args)
         _flush_stdout()
         return code

@@ -13,7 +13,6 @@ Parsed records are plain dicts of ``AppRecord``'s fields (``parse_app``), states
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import time
@@ -23,8 +22,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -73,11 +70,23 @@ def list_ids(directory: str | os.PathLike[str]) -> list[str]:
     return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
 
 
-def read_record(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T | None:
+def log_warning(message: str, *args: object) -> None:
+    """Logs a warning on this module's logger (``logging`` is imported at the first one)."""
+    import logging
+
+    logging.getLogger(__name__).warning(message, *args)
+
+
+def read_record(
+    path: str | os.PathLike[str],
+    parse: Callable[[Any], T],
+    warn: Callable[..., None] = log_warning,
+) -> T | None:
     """``parse`` of the JSON document in ``path``, or None when there is none or it is unreadable.
 
     A document ``parse`` rejects (ValueError) is read again twice, 2 ms apart: it may have been caught
-    halfway through an in-place rewrite (full disk). Unreadable and corrupt records are logged.
+    halfway through an in-place rewrite (full disk). Unreadable and corrupt records are reported
+    with ``warn(message, *args)`` (``logging``'s arguments).
     """
     for attempt in range(3):
         try:
@@ -86,7 +95,7 @@ def read_record(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T | 
         except FileNotFoundError:
             return None
         except OSError as e:
-            logger.warning("cannot read app record %s: %s", path, e)
+            warn("cannot read app record %s: %s", path, e)
             return None
         try:
             return parse(json.loads(data))
@@ -94,7 +103,7 @@ def read_record(path: str | os.PathLike[str], parse: Callable[[Any], T]) -> T | 
             if attempt < 2:
                 time.sleep(0.002)
                 continue
-            logger.warning("ignoring corrupt app record %s: %s", path, e)
+            warn("ignoring corrupt app record %s: %s", path, e)
     return None
 
 
