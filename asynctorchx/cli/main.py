@@ -67,19 +67,19 @@ class CliParser(argparse.ArgumentParser):
 
 #: The builtin commands, in the order ``--help`` lists them, and the module that registers each.
 BUILTIN_COMMANDS: Mapping[str, str] = {
-    name: f"asynctorchx.cli.cmd_{module}"
-    for name, module in (
-        ("run", "run"),
-        ("status", "status"),
-        ("describe", "describe"),
-        ("log", "log"),
-        ("wait", "wait"),
-        ("cancel", "cancel"),
-        ("list", "list"),
-        ("runopts", "runopts"),
-        ("builtins", "builtins"),
-        ("configure", "configure"),
-        ("tracker", "tracker"),
+    name: f"asynctorchx.cli.cmd_{name}"
+    for name in (
+        "run",
+        "status",
+        "describe",
+        "log",
+        "wait",
+        "cancel",
+        "list",
+        "runopts",
+        "builtins",
+        "configure",
+        "tracker",
     )
 }
 
