@@ -326,14 +326,24 @@ def test_plugin_commands_run(cli: Cli, plugin_site: Path) -> None:
 def test_plugin_commands_are_listed_never_replace_builtins(
     cli: Cli, plugin_site: Path, finished: str
 ) -> None:
-    """--help lists the plugins; a plugin named like a builtin is ignored with a warning."""
-    helped = cli("--help", **plug_env(plugin_site))
+    """--plugins lists the plugins; a plugin named like a builtin is ignored with a warning."""
+    helped = cli("--plugins", **plug_env(plugin_site))
     assert helped.returncode == 0
     assert "hello" in helped.stdout and "(plugin atx_plug:Hello)" in helped.stdout
     assert "ignoring plugin command status = atx_plug:Shadow" in helped.stderr
     status = cli("status", finished, **plug_env(plugin_site))
     assert status.returncode == 0 and "shadowed" not in status.stdout
     assert status.stderr == ""  # a builtin command reads no entry point at all
+
+
+def test_help_reads_no_entry_point_and_points_to_plugins(cli: Cli, plugin_site: Path) -> None:
+    """--help, --version and a missing command read no entry point; --help names --plugins."""
+    helped = cli("--help", **plug_env(plugin_site))
+    assert helped.returncode == 0 and helped.stderr == ""
+    assert "atx_plug" not in helped.stdout and "'asynctorchx --plugins'" in helped.stdout
+    for args in (("--version",), ()):
+        result = cli(*args, **plug_env(plugin_site))
+        assert "ignoring plugin command" not in result.stderr, args
 
 
 def test_broken_plugin_fails_only_its_command(cli: Cli, plugin_site: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Coroutine, Iterable
 from datetime import datetime, timedelta
@@ -115,6 +114,8 @@ async def run_all(coros: Iterable[Coroutine[Any, Any, Any]]) -> None:
     Raises:
         Exception: the first error any of them raised (the others are cancelled and awaited).
     """
+    import asyncio
+
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import textwrap
 
 
 class HelpFormatter(argparse.HelpFormatter):
     """Wraps paragraphs of plain prose; keeps paragraphs with indented lines (examples) verbatim."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap  # only to print a help: not at every start-up
+
         paragraphs = text.split("\n\n")
         out = []
         for para in paragraphs:

@@ -24,23 +24,35 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
     )
     p.add_argument("handle", metavar="HANDLE", help="the app handle printed by 'asynctorchx run'")
     p.add_argument("--json", action="store_true", help="print the app as a JSON object")
-    p.set_defaults(handler=execute, is_async=True, command="describe")
+    p.set_defaults(handler=execute, is_async=True, fast=execute_fast, command="describe")
+
+
+def execute_fast(args: argparse.Namespace) -> int | None:
+    """Prints the AppDef of a local app read from its record; None when the runner must answer."""
+    from asynctorchx.cli import _fastpath
+
+    return _fastpath.answer(args, _fastpath.describe, _print)
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints the AppDef of ``args.handle``."""
-    from asynctorchx.cli._common import runner_for_handle, unknown_app
+    from asynctorchx.cli._common import runner_for_handle
 
     runner, handle = runner_for_handle(args.handle)
     args.scheduler = handle.split("://", 1)[0]
     async with runner:
         app = await runner.describe(handle)
         status = await runner.status(handle) if app is not None else None
-    if app is None:
-        raise unknown_app(handle)
+    return _print(args, handle, app, status.state.name if status is not None else "UNKNOWN")
+
+
+def _print(args: argparse.Namespace, handle: str, app: AppDef | None, state: str) -> int:
     import json
 
-    state = status.state.name if status is not None else "UNKNOWN"
+    from asynctorchx.cli._common import unknown_app
+
+    if app is None:
+        raise unknown_app(handle)
     if args.json:
         print(json.dumps(app_to_json(handle, app, state), indent=2, default=_json_default))
     else:

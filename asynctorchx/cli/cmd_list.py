@@ -28,24 +28,47 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         help="the scheduler (default: [cli:run] scheduler in .torchxconfig, else local_cwd)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON array of apps")
-    p.set_defaults(handler=execute, is_async=True, command="list")
+    p.set_defaults(handler=execute, is_async=True, fast=execute_fast, command="list")
+
+
+def execute_fast(args: argparse.Namespace) -> int | None:
+    """Prints the apps of a local scheduler read from their records; None when the runner must
+    answer."""
+    from asynctorchx.cli import _fastpath
+
+    scheduler = args.scheduler
+    if not scheduler:
+        if not _fastpath.usable(_fastpath.DEFAULT_SCHEDULER):
+            return None  # the default may come from [cli:run] of a config file
+        scheduler = _fastpath.DEFAULT_SCHEDULER
+    rows = _fastpath.list_apps(scheduler)
+    if rows is None:
+        return None
+    args.scheduler = scheduler
+    return _print(args, rows)
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints the apps of ``args.scheduler``."""
-    import json
-
     from asynctorchx.cli._common import runner_for_session
     from asynctorchx.cli._config import default_scheduler
-    from asynctorchx.cli._output import format_table, out_styler
 
     args.scheduler = args.scheduler or default_scheduler()
     async with runner_for_session(None) as runner:
         apps = await runner.list(args.scheduler)
+    return _print(args, [(a.app_handle, a.app_id, a.state.name, a.name) for a in apps])
+
+
+def _print(args: argparse.Namespace, apps: list[tuple[str, str, str, str]]) -> int:
+    """Prints ``(handle, app_id, state, name)`` rows as a table or a JSON array."""
+    import json
+
+    from asynctorchx.cli._output import format_table, out_styler
+
     if args.json:
         rows = [
-            {"handle": a.app_handle, "app_id": a.app_id, "state": a.state.name, "name": a.name}
-            for a in apps
+            {"handle": handle, "app_id": app_id, "state": state, "name": name}
+            for handle, app_id, state, name in apps
         ]
         print(json.dumps(rows, indent=2))
         return 0
@@ -56,7 +79,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         return 0
     table = format_table(
         ("HANDLE", "STATE", "NAME"),
-        [(a.app_handle, a.state.name, a.name) for a in apps],
+        [(handle, state, name) for handle, _, state, name in apps],
         out_styler(),
         state_col=1,
     )

@@ -9,6 +9,7 @@ from asynctorchx.cli._help import HelpFormatter
 
 if TYPE_CHECKING:
     from asynctorchx.cli._interrupt import Interrupts
+    from asynctorchx.specs.api import AppStatus
 
 
 def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentParser) -> None:
@@ -29,20 +30,33 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         metavar="ROLE,...",
         help="only show these roles (comma-separated); an unknown role is an error",
     )
-    p.set_defaults(handler=execute, is_async=True, command="status")
+    p.set_defaults(handler=execute, is_async=True, fast=execute_fast, command="status")
+
+
+def execute_fast(args: argparse.Namespace) -> int | None:
+    """Prints the status of a local app read from its record; None when the runner must answer."""
+    from asynctorchx.cli import _fastpath
+
+    return _fastpath.answer(args, _fastpath.status, _print)
 
 
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints the status of ``args.handle``."""
-    import json
-
-    from asynctorchx.cli._common import runner_for_handle, unknown_app
-    from asynctorchx.cli._output import out_styler
+    from asynctorchx.cli._common import runner_for_handle
 
     runner, handle = runner_for_handle(args.handle)
     args.scheduler = handle.split("://", 1)[0]
     async with runner:
         status = await runner.status(handle)
+    return _print(args, handle, status)
+
+
+def _print(args: argparse.Namespace, handle: str, status: AppStatus | None) -> int:
+    import json
+
+    from asynctorchx.cli._common import unknown_app
+    from asynctorchx.cli._output import out_styler
+
     if status is None:
         raise unknown_app(handle)
     roles = _roles(args.roles, [r.role for r in status.roles], handle)

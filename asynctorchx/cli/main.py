@@ -2,7 +2,11 @@
 
 Start-up cost matters (``asynctorchx --help``, ``asynctorchx status`` in scripts): this module and the
 command modules import only the standard library's argparse at import time; the runner, backends,
-components and asyncio itself are imported by the command that runs.
+components and asyncio itself are imported by the command that runs. When the command line names a
+builtin command, only that command's module is imported and its parser built; the entry points of
+plugin commands are read only when the command is not a builtin one, or for ``--plugins``. A command
+may answer without the runner (``fast`` handlers: ``status``, ``describe`` and ``list`` of local
+apps, see ``_fastpath``); logging is then set up only if something is logged.
 """
 
 from __future__ import annotations
@@ -10,22 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from asynctorchx.cli import (
-    cmd_builtins,
-    cmd_cancel,
-    cmd_configure,
-    cmd_describe,
-    cmd_list,
-    cmd_log,
-    cmd_run,
-    cmd_runopts,
-    cmd_status,
-    cmd_tracker,
-    cmd_wait,
-)
 from asynctorchx.cli._errors import ExitCode, classify
 from asynctorchx.cli._help import HelpFormatter
 
@@ -36,6 +27,8 @@ PROG = "asynctorchx"
 
 AsyncHandler = Callable[[argparse.Namespace, "Interrupts"], Awaitable[int]]
 SyncHandler = Callable[[argparse.Namespace], int]
+#: A command's answer without the runner (see ``_fastpath``), or None when the runner must answer.
+SyncFastHandler = Callable[[argparse.Namespace], "int | None"]
 
 _DESCRIPTION = """\
 Launch, follow and cancel distributed PyTorch apps on local processes, Docker, Slurm or Kubernetes.
@@ -50,6 +43,10 @@ examples:
 
 exit codes: 0 succeeded, 1 failed, 2 usage or spec error, 3 cancelled, 4 unknown or lost app,
 124 wait timed out, 130 interrupted.
+"""
+
+_EPILOG = """Installed packages can add commands (entry-point group asynctorchx.cli.cmds): 'asynctorchx \
+--plugins' lists them with the builtin ones.
 """
 
 
@@ -68,19 +65,23 @@ class CliParser(argparse.ArgumentParser):
         raise SystemExit(ExitCode.USAGE)
 
 
-_BUILTIN_COMMANDS = (
-    cmd_run,
-    cmd_status,
-    cmd_describe,
-    cmd_log,
-    cmd_wait,
-    cmd_cancel,
-    cmd_list,
-    cmd_runopts,
-    cmd_builtins,
-    cmd_configure,
-    cmd_tracker,
-)
+#: The builtin commands, in the order ``--help`` lists them, and the module that registers each.
+BUILTIN_COMMANDS: Mapping[str, str] = {
+    name: f"asynctorchx.cli.cmd_{name}"
+    for name in (
+        "run",
+        "status",
+        "describe",
+        "log",
+        "wait",
+        "cancel",
+        "list",
+        "runopts",
+        "builtins",
+        "configure",
+        "tracker",
+    )
+}
 
 # commands whose arguments after the first positional one (the component) are passed on verbatim
 _COMPONENT_COMMANDS = ("run",)
@@ -90,8 +91,13 @@ _LOG_LEVEL_HELP = (
 )
 
 
-def build_parser() -> CliParser:
-    """The parser of every builtin command (``add_plugins`` adds the plugin commands)."""
+def build_parser(commands: Sequence[str] | None = None) -> CliParser:
+    """The parser of the builtin ``commands`` (default: all of them); ``add_commands`` adds more
+    builtin commands, ``add_plugins`` the plugin commands.
+
+    A command line naming a builtin command is parsed alike with that command alone: only the help
+    listing every command, and the error for a command that does not exist, need the others.
+    """
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--debug",
@@ -106,17 +112,48 @@ def build_parser() -> CliParser:
         prog=PROG,
         description=_DESCRIPTION,
         formatter_class=HelpFormatter,
+        epilog=_EPILOG,
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--log_level", default=None, metavar="LEVEL", help=_LOG_LEVEL_HELP)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=CliParser)
-    for module in _BUILTIN_COMMANDS:
-        module.register(sub, common)
-    parser.subcommands = sub
+    parser.add_argument(
+        "--plugins",
+        action=_PluginsHelp,
+        help="show this help with the commands installed packages add (entry-point group "
+        "asynctorchx.cli.cmds) and exit",
+    )
+    parser.subcommands = parser.add_subparsers(
+        title="commands", metavar="COMMAND", parser_class=CliParser
+    )
     parser.common = common
-    parser.command_parsers = sub.choices
+    parser.command_parsers = parser.subcommands.choices
+    add_commands(parser, BUILTIN_COMMANDS if commands is None else commands)
     return parser
+
+
+def add_commands(parser: CliParser, commands: Iterable[str]) -> None:
+    """Imports the modules of the builtin ``commands`` and adds their parsers to ``parser``."""
+    import importlib
+
+    assert parser.subcommands is not None and parser.common is not None
+    for name in commands:
+        module = importlib.import_module(BUILTIN_COMMANDS[name])
+        module.register(parser.subcommands, parser.common)
+
+
+class _PluginsHelp(argparse.Action):
+    """``--plugins``: the help with the plugin commands listed too (reading them costs tens of ms,
+    which plain ``--help`` does not pay)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        assert isinstance(parser, CliParser)
+        add_plugins(parser, None)
+        parser.print_help()
+        parser.exit()
 
 
 def add_plugins(parser: CliParser, command: str | None) -> None:
@@ -199,19 +236,25 @@ def _split_argv(parser: CliParser, argv: list[str]) -> tuple[list[str], list[str
     return argv[:cut], argv[cut:]
 
 
+#: ``logging.WARNING``, the default level (known without importing ``logging``).
+WARNING = 30
+
+
 def parse_log_level(value: str) -> int:
     """A logging level from a name (any case) or a number.
 
     Raises:
         CliError: not a level.
     """
-    import logging
-
     from asynctorchx.cli._errors import CliError
 
     text = value.strip()
     if text.isdigit():
         return int(text)
+    if text.upper() == "WARNING":
+        return WARNING
+    import logging
+
     level = logging.getLevelName(text.upper())
     if isinstance(level, int) and text:
         return level
@@ -221,9 +264,21 @@ def parse_log_level(value: str) -> int:
     )
 
 
+def _logging_setup(debug: bool, level: int) -> Callable[[], None]:
+    """A function setting logging up for ``debug`` and ``level`` at its first call only."""
+    done = False
+
+    def setup() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            _setup_logging(debug, level)
+
+    return setup
+
+
 def _setup_logging(debug: bool, level: int) -> None:
     import logging
-    import warnings
 
     logging.basicConfig(
         level=logging.DEBUG if debug else level,
@@ -232,6 +287,11 @@ def _setup_logging(debug: bool, level: int) -> None:
         else f"{PROG}: %(levelname)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+def _setup_warnings(debug: bool) -> None:
+    """Python warnings as one line ``asynctorchx: warning: ...`` (with where with ``debug``)."""
+    import warnings
 
     def show(
         message: Warning | str,
@@ -267,12 +327,16 @@ async def _run_async(handler: AsyncHandler, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(())
     at = first_positional(parser, argv)
     command = argv[at] if at < len(argv) else None
-    if command not in parser.command_parsers:
-        # a plugin command, or none (usage, --help): only then are the entry points read
-        add_plugins(parser, command)
+    if command is not None and command in BUILTIN_COMMANDS:
+        add_commands(parser, (command,))
+    else:
+        add_commands(parser, BUILTIN_COMMANDS)
+        if command is not None:
+            # a plugin command, or a mistake: only then are the entry points read
+            add_plugins(parser, command)
     parse_argv, component_args = _split_argv(parser, argv)
     args, extras = parser.parse_known_args(parse_argv)
     if component_args is not None:
@@ -295,13 +359,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = message.replace("--log_level", "LOGLEVEL", 1)
         print_error(PROG, message, hint)
         return code
-    _setup_logging(debug, level)
+    _setup_warnings(debug)
+    setup_logging = _logging_setup(debug, level)
+    fast: SyncFastHandler | None = getattr(args, "fast", None)
+    # a fast answer usually logs nothing at these levels: logging is set up only if it does
+    lazy = fast is not None and not debug and level >= WARNING
+    if not lazy:
+        setup_logging()
     try:
-        if getattr(args, "is_async", False):
+        answer = None
+        if fast is not None:
+            from asynctorchx.cli._fastpath import deferred_logging
+
+            with deferred_logging(setup_logging if lazy else None):
+                answer = fast(args)
+        if answer is not None:
+            code = answer
+        elif getattr(args, "is_async", False):
             import asyncio
 
+            setup_logging()
             code = asyncio.run(_run_async(handler, args))
         else:
+            setup_logging()
             code = handler(args)
         _flush_stdout()
         return code

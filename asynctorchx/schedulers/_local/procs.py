@@ -20,7 +20,8 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from asynctorchx.schedulers._local import contain
+from asynctorchx.schedulers._local.recordfile import pid_alive as pid_alive
+from asynctorchx.schedulers._local.recordfile import proc_start_ticks as proc_start_ticks
 
 _RESET_SIGNALS = tuple(
     s for s in (getattr(signal, "SIGPIPE", None), getattr(signal, "SIGXFSZ", None)) if s is not None
@@ -76,27 +77,6 @@ class Spawned:
     pid: int
     stdout_fd: int
     stderr_fd: int
-
-
-def proc_start_ticks(pid: int) -> int | None:
-    """When ``pid`` started (clock ticks since boot), or None when it does not exist or is a zombie.
-
-    Two processes with the same pid and start time are the same process, so this guards signals sent
-    from another process against pid reuse.
-    """
-    data = contain.read_file(f"/proc/{pid}/stat")
-    if not data:
-        return None
-    fields = data[data.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
-    """True when ``pid`` runs (not a zombie) and, if given, started at ``start_ticks``."""
-    ticks = proc_start_ticks(pid)
-    return ticks is not None and (start_ticks is None or ticks == start_ticks)
 
 
 def check_cwd(cwd: str, role: str) -> None:

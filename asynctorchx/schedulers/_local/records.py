@@ -18,19 +18,19 @@ full rewrites the record in place when it fits in the space the file already hol
 from __future__ import annotations
 
 import json
-import logging
 import os
-import re
-import tempfile
 import threading
-import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asynctorchx.schedulers._local import protocol
+from asynctorchx.schedulers._local import protocol, recordfile
 from asynctorchx.schedulers._local.procs import proc_start_ticks
+from asynctorchx.schedulers._local.recordfile import ROOT_ENV as ROOT_ENV
+from asynctorchx.schedulers._local.recordfile import TERMINAL_NAMES as TERMINAL_NAMES
+from asynctorchx.schedulers._local.recordfile import Owner as Owner
+from asynctorchx.schedulers._local.recordfile import default_root as default_root
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
     NONE,
@@ -41,20 +41,7 @@ from asynctorchx.specs.api import (
 )
 from asynctorchx.specs.serialize import appdef_from_dict, appdef_to_dict
 
-logger = logging.getLogger(__name__)
-
 RECORD_FORMAT = 1
-TERMINAL_NAMES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
-ROOT_ENV = "ASYNCTORCHX_LOCAL_ROOT"
-_APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
-
-
-def default_root() -> Path:
-    """``$ASYNCTORCHX_LOCAL_ROOT``, else ``{temp dir}/asynctorchx-{uid}``."""
-    env = os.environ.get(ROOT_ENV)
-    if env:
-        return Path(os.path.abspath(os.path.expanduser(env)))
-    return Path(tempfile.gettempdir()) / f"asynctorchx-{os.getuid()}"
 
 
 # -- the AppDef as JSON --------------------------------------------------------------------------
@@ -121,20 +108,11 @@ class ReplicaRecord:
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> ReplicaRecord:
         """The record ``to_json`` wrote."""
-        return ReplicaRecord(
-            role=d["role"],
-            id=int(d["id"]),
-            state=AppState[d.get("state", "UNKNOWN")],
-            pid=d.get("pid"),
-            start_ticks=d.get("start_ticks"),
-            exit_code=d.get("exit_code"),
-            attempts=int(d.get("attempts", 0)),
-            started_at=d.get("started_at"),
-            ended_at=d.get("ended_at"),
-            log_dir=d.get("log_dir", ""),
-            error_file=d.get("error_file", ""),
-            structured_error_msg=d.get("structured_error_msg", NONE),
-        )
+        return ReplicaRecord._of(recordfile.parse_replica(d, AppState.__members__))
+
+    @staticmethod
+    def _of(fields: Mapping[str, Any]) -> ReplicaRecord:
+        return ReplicaRecord(**{**fields, "state": AppState[fields["state"]]})
 
     def to_status(self) -> ReplicaStatus:
         """The ``ReplicaStatus`` view of this record."""
@@ -146,35 +124,6 @@ class ReplicaRecord:
             structured_error_msg=self.structured_error_msg,
             exit_code=self.exit_code,
             pid=self.pid,
-        )
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The process that launched an app (and its watchdog), identified by pid and start time."""
-
-    pid: int
-    start_ticks: int | None
-    watchdog_pid: int | None = None
-    watchdog_start_ticks: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {
-            "pid": self.pid,
-            "start_ticks": self.start_ticks,
-            "watchdog_pid": self.watchdog_pid,
-            "watchdog_start_ticks": self.watchdog_start_ticks,
-        }
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> Owner:
-        """The owner ``to_json`` wrote."""
-        return Owner(
-            pid=int(d.get("pid", 0)),
-            start_ticks=d.get("start_ticks"),
-            watchdog_pid=d.get("watchdog_pid"),
-            watchdog_start_ticks=d.get("watchdog_start_ticks"),
         )
 
 
@@ -261,27 +210,14 @@ class AppRecord:
         Raises:
             ValueError: the document is not an app record this version understands.
         """
-        try:
-            return AppRecord(
-                app_id=d["app_id"],
-                name=d.get("name", ""),
-                backend=d.get("backend", "local_cwd"),
-                session=d.get("session", ""),
-                state=AppState[d["state"]],
-                msg=d.get("msg", ""),
-                structured_error_msg=d.get("structured_error_msg", NONE),
-                num_restarts=int(d.get("num_restarts", 0)),
-                submitted_at=float(d.get("submitted_at", 0.0)),
-                ended_at=d.get("ended_at"),
-                app_dir=d.get("app_dir", ""),
-                grace_period=float(d.get("grace_period", 5.0)),
-                owner=Owner.from_json(d.get("owner") or {}),
-                replicas=tuple(ReplicaRecord.from_json(r) for r in d.get("replicas", [])),
-                app=d.get("app") or {},
-                cgroup=d.get("cgroup") if isinstance(d.get("cgroup"), str) else None,
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"not an app record: {e!r}") from None
+        fields = recordfile.parse_app(d, AppState.__members__)
+        return AppRecord(
+            **{
+                **fields,
+                "state": AppState[fields["state"]],
+                "replicas": tuple(ReplicaRecord._of(r) for r in fields["replicas"]),
+            }
+        )
 
     def to_response(self, roles: list[Role] | None = None) -> DescribeAppResponse:
         """The ``DescribeAppResponse`` of this record (``roles`` parsed from it when not given)."""
@@ -315,7 +251,7 @@ class RecordStore:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.records_dir = root / ".apps"
+        self.records_dir = Path(recordfile.records_dir(root))
         self._ready = False
         self._lock = threading.Lock()
         self._ticks: dict[tuple[int, Any], int | None] = {}
@@ -337,7 +273,7 @@ class RecordStore:
 
     def path(self, app_id: str) -> Path | None:
         """The record file of ``app_id``, or None when ``app_id`` cannot be a local app id."""
-        if not isinstance(app_id, str) or not _APP_ID_RE.fullmatch(app_id):
+        if not recordfile.is_app_id(app_id):
             return None
         return self.records_dir / f"{app_id}.json"
 
@@ -392,24 +328,7 @@ class RecordStore:
     def read(self, app_id: str) -> AppRecord | None:
         """The record of ``app_id``, or None when there is none (or it is unreadable)."""
         path = self.path(app_id)
-        if path is None:
-            return None
-        for attempt in range(3):
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                return None
-            except OSError as e:
-                logger.warning("cannot read app record %s: %s", path, e)
-                return None
-            try:
-                return AppRecord.from_json(json.loads(data))
-            except ValueError as e:
-                if attempt < 2:  # caught halfway through an in-place rewrite (full disk)?
-                    time.sleep(0.002)
-                    continue
-                logger.warning("ignoring corrupt app record %s: %s", path, e)
-        return None
+        return None if path is None else recordfile.read_record(path, AppRecord.from_json)
 
     def read_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
         """``read`` for each id."""
@@ -417,11 +336,7 @@ class RecordStore:
 
     def list_ids(self) -> list[str]:
         """The ids of every recorded app."""
-        try:
-            names = os.listdir(self.records_dir)
-        except FileNotFoundError:
-            return []
-        return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
+        return recordfile.list_ids(self.records_dir)
 
     def remove(self, app_id: str) -> None:
         """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind)."""

@@ -1,0 +1,256 @@
+"""Reading app records without the scheduler: where they are, how one is read and parsed, and when
+the app it describes is lost. Stdlib-only and standalone.
+
+``records.py`` builds its typed records (``AppRecord``, ``ReplicaRecord``) on the parsing here, and
+the CLI's read-only commands (``status``, ``describe``, ``list`` of local apps) use it directly: they
+load this file by path, without importing the ``asynctorchx.schedulers`` package (and with it
+asyncio and anyio), so that answering from one small file costs no event loop. Both therefore accept
+the same documents, log the same warnings and find the same apps lost.
+
+Parsed records are plain dicts of ``AppRecord``'s fields (``parse_app``), states given by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Container, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+T = TypeVar("T")
+
+ROOT_ENV = "ASYNCTORCHX_LOCAL_ROOT"
+#: The states after which nothing changes (``AppState`` names).
+TERMINAL_NAMES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
+#: What a record holds where there is no structured error (``asynctorchx.specs.NONE``).
+NONE = "<NONE>"
+_APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+_PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
+
+
+def root_dir() -> str:
+    """``$ASYNCTORCHX_LOCAL_ROOT`` (absolute), else ``{temp dir}/asynctorchx-{uid}``."""
+    env = os.environ.get(ROOT_ENV)
+    if env:
+        return os.path.abspath(os.path.expanduser(env))
+    import tempfile  # (and with it shutil, random: a few ms of the CLI's start-up)
+
+    return os.path.join(tempfile.gettempdir(), f"asynctorchx-{os.getuid()}")
+
+
+def default_root() -> Path:
+    """``root_dir()`` as a path."""
+    from pathlib import Path
+
+    return Path(root_dir())
+
+
+def records_dir(root: str | os.PathLike[str]) -> str:
+    """The directory of the app records under the state root ``root``."""
+    return os.path.join(root, ".apps")
+
+
+def is_app_id(app_id: object) -> bool:
+    """True when ``app_id`` can be the id of a local app (and so names a file in the records dir)."""
+    return isinstance(app_id, str) and _APP_ID_RE.fullmatch(app_id) is not None
+
+
+def list_ids(directory: str | os.PathLike[str]) -> list[str]:
+    """The ids of every app recorded in the records directory ``directory`` (unchecked)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
+
+
+def log_warning(message: str, *args: object) -> None:
+    """Logs a warning on this module's logger (``logging`` is imported at the first one)."""
+    import logging
+
+    logging.getLogger(__name__).warning(message, *args)
+
+
+def read_record(
+    path: str | os.PathLike[str],
+    parse: Callable[[Any], T],
+    warn: Callable[..., None] = log_warning,
+) -> T | None:
+    """``parse`` of the JSON document in ``path``, or None when there is none or it is unreadable.
+
+    A document ``parse`` rejects (ValueError) is read again twice, 2 ms apart: it may have been caught
+    halfway through an in-place rewrite (full disk). Unreadable and corrupt records are reported
+    with ``warn(message, *args)`` (``logging``'s arguments).
+    """
+    for attempt in range(3):
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            warn("cannot read app record %s: %s", path, e)
+            return None
+        try:
+            return parse(json.loads(data))
+        except ValueError as e:
+            if attempt < 2:
+                time.sleep(0.002)
+                continue
+            warn("ignoring corrupt app record %s: %s", path, e)
+    return None
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The process that launched an app (and its watchdog), identified by pid and start time."""
+
+    pid: int
+    start_ticks: int | None
+    watchdog_pid: int | None = None
+    watchdog_start_ticks: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {
+            "pid": self.pid,
+            "start_ticks": self.start_ticks,
+            "watchdog_pid": self.watchdog_pid,
+            "watchdog_start_ticks": self.watchdog_start_ticks,
+        }
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> Owner:
+        """The owner ``to_json`` wrote."""
+        return Owner(
+            pid=int(d.get("pid", 0)),
+            start_ticks=d.get("start_ticks"),
+            watchdog_pid=d.get("watchdog_pid"),
+            watchdog_start_ticks=d.get("watchdog_start_ticks"),
+        )
+
+
+def _state(name: Any, states: Container[str]) -> str:
+    if name not in states:
+        raise KeyError(name)
+    return str(name)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def parse_replica(d: Mapping[str, Any], states: Container[str]) -> dict[str, Any]:
+    """The fields of ``ReplicaRecord`` from its JSON; the state is a name, one of ``states``.
+
+    Raises:
+        KeyError, TypeError, ValueError, AttributeError: not a replica record.
+    """
+    return {
+        "role": d["role"],
+        "id": int(d["id"]),
+        "state": _state(d.get("state", "UNKNOWN"), states),
+        "pid": d.get("pid"),
+        "start_ticks": d.get("start_ticks"),
+        "exit_code": d.get("exit_code"),
+        "attempts": int(d.get("attempts", 0)),
+        "started_at": d.get("started_at"),
+        "ended_at": d.get("ended_at"),
+        "log_dir": d.get("log_dir", ""),
+        "error_file": d.get("error_file", ""),
+        "structured_error_msg": d.get("structured_error_msg", NONE),
+    }
+
+
+def parse_app(d: Any, states: Container[str]) -> dict[str, Any]:
+    """The fields of ``AppRecord`` from its JSON: the state a name (one of ``states``), ``owner`` an
+    ``Owner`` and ``replicas`` a list of ``parse_replica`` dicts.
+
+    Raises:
+        ValueError: the document is not an app record this version understands.
+    """
+    try:
+        return {
+            "app_id": d["app_id"],
+            "name": d.get("name", ""),
+            "backend": d.get("backend", "local_cwd"),
+            "session": d.get("session", ""),
+            "state": _state(d["state"], states),
+            "msg": d.get("msg", ""),
+            "structured_error_msg": d.get("structured_error_msg", NONE),
+            "num_restarts": int(d.get("num_restarts", 0)),
+            "submitted_at": float(d.get("submitted_at", 0.0)),
+            "ended_at": d.get("ended_at"),
+            "app_dir": d.get("app_dir", ""),
+            "grace_period": float(d.get("grace_period", 5.0)),
+            "owner": Owner.from_json(d.get("owner") or {}),
+            "replicas": [parse_replica(r, states) for r in d.get("replicas", [])],
+            "app": d.get("app") or {},
+            "cgroup": _str_or_none(d.get("cgroup")),
+        }
+    except _PARSE_ERRORS as e:
+        raise ValueError(f"not an app record: {e!r}") from None
+
+
+# -- processes and lost apps -----------------------------------------------------------------------
+
+
+def proc_start_ticks(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot), or None when it does not exist or is a zombie.
+
+    Two processes with the same pid and start time are the same process, so this guards signals sent
+    from another process against pid reuse.
+    """
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not data:
+        return None
+    fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def pid_alive(pid: int, start_ticks: int | None = None) -> bool:
+    """True when ``pid`` runs (not a zombie) and, if given, started at ``start_ticks``."""
+    ticks = proc_start_ticks(pid)
+    return ticks is not None and (start_ticks is None or ticks == start_ticks)
+
+
+def lost_message(
+    state: str, owner: Owner, replicas: Iterable[tuple[int | None, int | None]]
+) -> str | None:
+    """Why an app recorded in ``state`` is lost, or None when it is not.
+
+    An app is lost when its record is not terminal but its launcher, its watchdog and all its
+    replicas (``(pid, start_ticks)`` pairs) are gone: nobody is left to record how it ended.
+    """
+    if state in TERMINAL_NAMES:
+        return None
+    if pid_alive(owner.pid, owner.start_ticks):
+        return None
+    if owner.watchdog_pid and pid_alive(owner.watchdog_pid, owner.watchdog_start_ticks):
+        return None
+    if any(pid and pid_alive(pid, ticks) for pid, ticks in replicas):
+        return None
+    return (
+        f"lost: its launching process (pid {owner.pid}) and watchdog exited without recording "
+        "how it ended"
+    )
