@@ -14,8 +14,6 @@ are read once per process (``_plugins.cache_clear()`` re-reads them).
 
 from __future__ import annotations
 
-import difflib
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -26,7 +24,6 @@ from asynctorchx.specs.named_resources_aws import NAMED_RESOURCES as AWS_NAMED_R
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
 
-logger = logging.getLogger(__name__)
 
 GiB = 1024
 
@@ -94,7 +91,10 @@ def _plugin_factory(ep: EntryPoint) -> Callable[[], Resource]:
 
 @cache
 def _plugins() -> Mapping[str, Callable[[], Resource]]:
+    import logging
     from importlib.metadata import entry_points  # costly to import: only when a lookup needs it
+
+    logger = logging.getLogger(__name__)
 
     found: dict[str, Callable[[], Resource]] = {}
     origin: dict[str, str] = {}
@@ -135,6 +135,8 @@ def get_named_resource(name: str) -> Resource:
     """
     factory = _BUILTIN.get(name) or _plugins().get(name)
     if factory is None:
+        import difflib
+
         known = named_resource_names()
         close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
