@@ -10,7 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,76 @@ async def test_watch_by_parent_picks_up_children_launched_later(tmp_path: Path) 
     async with following(reader.watch_metadata(parent_run_id="sweep"), 3) as got:
         await anyio.to_thread.run_sync(write)
     assert sorted(u.run_id for u in got) == ["trial-0", "trial-1", "trial-2"]
+
+
+class WriterBetweenLooks:
+    """The reader's storage, letting a writer finish right after the reader's ``after``-th look
+    (isdir, exists, listdir) into one run directory: one exact interleaving of the two."""
+
+    def __init__(self, inner: Any, run_dir: str, after: int, write: Callable[[], None]) -> None:
+        self.inner = inner
+        self.run_dir = run_dir
+        self.after = after
+        self.write = write
+        self.looks = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def _looked(self, path: str, answer: Any) -> Any:
+        if path == self.run_dir or path.startswith(self.run_dir + os.sep):
+            self.looks += 1
+            if self.looks == self.after:
+                self.write()
+        return answer
+
+    def isdir(self, path: str) -> Any:
+        return self._looked(path, self.inner.isdir(path))
+
+    def exists(self, path: str) -> Any:
+        return self._looked(path, self.inner.exists(path))
+
+    def listdir(self, path: str) -> Any:
+        return self._looked(path, self.inner.listdir(path))
+
+
+@pytest.mark.parametrize("inotify", [True, False], ids=["inotify", "scan"])
+@pytest.mark.parametrize(
+    ("mode", "after"), [("parent", n) for n in range(1, 6)] + [("fixed", n) for n in (1, 2)]
+)
+async def test_watch_yields_a_child_that_writes_while_the_reader_looks_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inotify: bool, mode: str, after: int
+) -> None:
+    """A run that records its parent and metadata between two of the reader's looks into its
+    directory (it has only an empty sources/ before) is yielded, not dropped as a non-child."""
+    if inotify:
+        require_inotify()
+    else:
+        monkeypatch.setenv(_inotify.DISABLE_ENV, "1")
+    writer = FsspecTracker(None, tmp_path)
+    writer.add_source("trial-0", "sweep")
+    writer.add_metadata("trial-0", loss=0)
+    os.makedirs(writer.category_dir("trial-1", "sources"))
+
+    def finish_trial_1() -> None:
+        writer.add_source("trial-1", "sweep")
+        writer.add_metadata("trial-1", loss=1)
+
+    tracker = FsspecTracker(None, tmp_path)
+    storage = WriterBetweenLooks(tracker._fs, writer.run_dir("trial-1"), after, finish_trial_1)
+    monkeypatch.setattr(tracker, "_fs", storage)
+    reader = AsyncTrackerReader(tracker, poll_interval=0.05)
+    if mode == "parent":
+        watch = reader.watch_metadata(parent_run_id="sweep")
+    else:
+        watch = reader.watch_metadata(["trial-0", "trial-1"])
+    async with following(watch, 2) as got:
+        pass
+    assert storage.looks >= after  # the write happened where the test says
+    assert sorted((u.run_id, dict(u.entry)) for u in got) == [
+        ("trial-0", {"loss": 0}),
+        ("trial-1", {"loss": 1}),
+    ]
 
 
 async def test_watch_waits_for_files_written_in_place(tmp_path: Path) -> None:

@@ -445,22 +445,19 @@ class _FileFollower:
         run_dir = self.tracker.run_dir(run_id)
         if not fs.isdir(run_dir):
             return _Scan(name, False, False, False, False, None, [])
-        sources_dir = fs.isdir(self.tracker.category_dir(run_id, SOURCES))
+        sources = self.tracker.category_dir(run_id, SOURCES)
+        sources_dir = fs.isdir(sources)
         if not confirmed and self.parent_name is not None:
-            confirmed = sources_dir and fs.exists(
-                fs.join(self.tracker.category_dir(run_id, SOURCES), self.parent_name)
-            )
-        else:
-            confirmed = True
-        if not confirmed:
             # A job records its parent before anything else (app_run_from_env), so a run that has
             # other sources, or metadata, without the parent never becomes a child: stop watching it.
-            sources = self.tracker.category_dir(run_id, SOURCES)
-            others = sources_dir and any(
-                decode_run_id(n) is not None for n, _ in fs.listdir(sources)
+            # That evidence is read before the parent is looked for: read after, it could be what a
+            # child wrote since its parent was looked for, and the child would be rejected.
+            evidence = bool(self.tracker.entry_names(run_id, METADATA)) or any(
+                n != self.parent_name and decode_run_id(n) is not None
+                for n, _ in fs.listdir(sources)
             )
-            rejected = others or bool(self.tracker.entry_names(run_id, METADATA))
-            return _Scan(name, True, False, sources_dir, False, None, [], rejected)
+            if not fs.exists(fs.join(sources, self.parent_name)):
+                return _Scan(name, True, False, sources_dir, False, None, [], evidence)
         metadata_dir = self.tracker.category_dir(run_id, METADATA)
         new_mtime: int | None = None
         if fs.local:
