@@ -15,7 +15,14 @@ from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
 from asynctorchx.logs._files import INDEX_FILE, LOG_FILES, TimingIndex, read_index_blocking
-from asynctorchx.logs._query import Stream, compile_log_regex
+from asynctorchx.logs._notify import Wake
+from asynctorchx.logs._query import (
+    ALL_STREAMS,
+    Stream,
+    check_window_order,
+    compile_log_regex,
+    parse_stream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +51,7 @@ Segment = tuple[bytes, int, int, int]
 class _LongLine:
     """One line of the file, ``[start, end)``, too long to have been held while its end was sought.
 
-    It is read back from the file in one piece (``_Cursor.read_long_blocking``), so a line of N bytes
+    It is read back from the file in one piece (``_LogFile.read_long_blocking``), so a line of N bytes
     costs N bytes of buffer plus its decoded ``str`` while it is decoded, then the ``str`` alone:
     never the chunks it was read in plus their concatenation.
     """
@@ -112,8 +119,9 @@ def _batches(segment: Segment) -> Iterator[list[str]]:
         a = cut
 
 
-class _Cursor:
-    """One log file (and its timing index) read incrementally.
+class _LogFile:
+    """One log file (and its timing index) read incrementally: the reader's position in it, the
+    partial last line, and the index read so far.
 
     Methods named ``*_blocking`` do file I/O and run in a worker thread (``run``); the others are cheap
     and run on the event loop. ``close`` waits for an in-flight worker call before closing the files.
@@ -301,14 +309,6 @@ class _Cursor:
         return item
 
 
-def _check_stream(stream: Stream | str) -> Stream:
-    try:
-        return Stream(stream)
-    except ValueError:
-        known = ", ".join(s.value for s in Stream)
-        raise ValueError(f"unsupported log stream {stream!r} (supported: {known})") from None
-
-
 def _to_ns(value: float | None, name: str) -> int | None:
     if value is None:
         return None
@@ -367,12 +367,11 @@ def iter_log_lines(
             ``since`` is after ``until``.
         TypeError: ``since``/``until`` are not numbers.
     """
-    stream = _check_stream(stream)
+    stream = parse_stream(stream, ALL_STREAMS, "iter_log_lines")
     if isinstance(regex, str):
         regex = compile_log_regex(regex)
     since_ns, until_ns = _to_ns(since, "since"), _to_ns(until, "until")
-    if since_ns is not None and until_ns is not None and since_ns > until_ns:
-        raise ValueError(f"since ({since}) is after until ({until})")
+    check_window_order(since_ns, until_ns, since, until)
     if poll_interval is not None and not poll_interval > 0:
         raise ValueError(
             f"poll_interval must be a positive number of seconds, got {poll_interval!r}"
@@ -383,8 +382,8 @@ def iter_log_lines(
     return _read_now(directory, stream, regex, since_ns, until_ns)
 
 
-def _new_cursor(directory: pathlib.Path, stream: Stream, windowed: bool) -> _Cursor:
-    return _Cursor(
+def _open_log(directory: pathlib.Path, stream: Stream, windowed: bool) -> _LogFile:
+    return _LogFile(
         os.path.join(directory, LOG_FILES[stream]),
         os.path.join(directory, INDEX_FILE) if windowed else None,
         stream,
@@ -392,25 +391,25 @@ def _new_cursor(directory: pathlib.Path, stream: Stream, windowed: bool) -> _Cur
 
 
 def _plan_blocking(
-    cursor: _Cursor, since_ns: int | None, until_ns: int | None
+    log: _LogFile, since_ns: int | None, until_ns: int | None
 ) -> tuple[int, int] | None:
     """Opens the file and finds the byte range written within the window (None: nothing to read).
 
-    The cursor is left at the start of the range's first line.
+    The file's position is left at the start of the range's first line.
     """
-    if not cursor.refresh_blocking():
+    if not log.refresh_blocking():
         return None
     if since_ns is None and until_ns is None:
-        return 0, cursor.size
-    lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+        return 0, log.size
+    lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
     if lo >= hi:
         return None
-    cursor.pos = cursor.line_start_blocking(lo)
+    log.pos = log.line_start_blocking(lo)
     return lo, hi
 
 
 async def _read_long(
-    cursor: _Cursor,
+    log: _LogFile,
     line: _LongLine,
     lo: int,
     hi: int,
@@ -419,7 +418,7 @@ async def _read_long(
     """The long line (read in a worker thread) if it touches ``[lo, hi)`` and matches ``search``."""
     if not (line.start < hi and line.end > lo):
         return []
-    lines = await cursor.run(cursor.read_long_blocking, line)
+    lines = await log.run(log.read_long_blocking, line)
     return lines if search is None else [text for text in lines if search(text)]
 
 
@@ -437,32 +436,28 @@ async def _read_now(
     until_ns: int | None,
 ) -> AsyncGenerator[str, None]:
     windowed = since_ns is not None or until_ns is not None
-    cursor = _new_cursor(directory, stream, windowed)
+    log = _open_log(directory, stream, windowed)
     search = regex.search if regex is not None else None
     future: asyncio.Future[bytes] | None = None
     try:
-        plan = await cursor.run(_plan_blocking, cursor, since_ns, until_ns)
+        plan = await log.run(_plan_blocking, log, since_ns, until_ns)
         if plan is None:
             return
         lo, hi = plan
-        size = cursor.size
-        if cursor.pos < size:
-            future = cursor.run(
-                cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
-            )
+        size = log.size
+        if log.pos < size:
+            future = log.run(log.pread_blocking, min(_READ_BLOCK, size - log.pos), log.pos)
         while future is not None:
             data = await future
             future = None
-            segments = cursor.take(data)
-            if data and cursor.pos < size and cursor.pending_start < hi:
-                future = cursor.run(
-                    cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
-                )
-            elif cursor.pending_len:
-                segments.append(cursor.flush())  # the unterminated last line
+            segments = log.take(data)
+            if data and log.pos < size and log.pending_start < hi:
+                future = log.run(log.pread_blocking, min(_READ_BLOCK, size - log.pos), log.pos)
+            elif log.pending_len:
+                segments.append(log.flush())  # the unterminated last line
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
                         yield long_lines.pop(0)
                     continue
@@ -471,7 +466,7 @@ async def _read_now(
                         yield line
     finally:
         _forget(future)
-        cursor.close()
+        log.close()
 
 
 class _DirectoryWatch:
@@ -520,7 +515,7 @@ class _DirectoryWatch:
         if mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW) or not _notify.live_writers(
             self._key
         ):
-            self._waker.set("closed" if mask & _inotify.IN_CLOSE_WRITE else "inotify")
+            self._waker.set(Wake.CLOSED if mask & _inotify.IN_CLOSE_WRITE else Wake.INOTIFY)
 
     def _ancestor_callback(self, path: str) -> _inotify.WatchCallback:
         rel = os.path.relpath(self._directory, path)
@@ -528,7 +523,7 @@ class _DirectoryWatch:
 
         def on_event(name: str, mask: int) -> None:
             if name == child or mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW):
-                self._waker.set("inotify")
+                self._waker.set(Wake.INOTIFY)
 
         return on_event
 
@@ -561,7 +556,7 @@ async def _follow(
     loop = asyncio.get_running_loop()
     key = _notify.directory_key(directory)
     windowed = since_ns is not None or until_ns is not None
-    cursor = _new_cursor(directory, stream, windowed)
+    log = _open_log(directory, stream, windowed)
     names = frozenset({LOG_FILES[stream], INDEX_FILE} if windowed else {LOG_FILES[stream]})
     waker = _notify.Waker(loop, stream)
     watch = _DirectoryWatch(key, key, names, waker)
@@ -569,26 +564,26 @@ async def _follow(
     _notify.add_waker(key, waker)
     delay = _FINISH_CHECK_MIN
     next_check = loop.time()
-    reason = "start"
+    reason = Wake.START
     finishing = False
     future: asyncio.Future[bytes] | None = None
     try:
         while True:
             waker.clear()
             watch.ensure()
-            future = cursor.run(cursor.poll_blocking, _READ_BLOCK)
+            future = log.run(log.poll_blocking, _READ_BLOCK)
             data = await future
             future = None
-            segments = cursor.take(data)
-            more = cursor.pos < cursor.size
-            if finishing and not more and cursor.pending_len:
-                segments.append(cursor.flush())
-            lo, hi = 0, cursor.size
+            segments = log.take(data)
+            more = log.pos < log.size
+            if finishing and not more and log.pending_len:
+                segments.append(log.flush())
+            lo, hi = 0, log.size
             if windowed:
-                lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+                lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
                         yield long_lines.pop(0)
                     continue
@@ -596,23 +591,23 @@ async def _follow(
                     for line in lines if search is None else filter(search, lines):
                         yield line
             if more:
-                reason = "more"
+                reason = Wake.MORE
                 continue
             if finishing:
                 return
-            if until_ns is not None and _past_until(cursor, hi, until_ns):
+            if until_ns is not None and _past_until(log, hi, until_ns):
                 return
             got = bool(data)
             if is_finished is not None and (
-                (not got and reason not in ("timer", "more"))
-                or reason in _notify.STATE_REASONS
+                (not got and reason not in (Wake.TIMER, Wake.MORE))
+                or reason.may_be_done
                 or loop.time() >= next_check
             ):
                 if await is_finished():
                     await _drain_writers(key, loop)
                     finishing = True
                     continue
-                if reason in _notify.STATE_REASONS or not (got or reason in ("timer", "more")):
+                if reason.may_be_done or not (got or reason in (Wake.TIMER, Wake.MORE)):
                     delay = _FINISH_CHECK_MIN
                 else:
                     delay = min(delay * 2, _FINISH_CHECK_MAX)
@@ -626,18 +621,18 @@ async def _follow(
                 left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
                 timeout = min(timeout, max(0.0, left) + 0.01)
             reason = await waker.wait(timeout)
-            logger.debug("follower of %s woken by %s", cursor.path, reason)
+            logger.debug("follower of %s woken by %s", log.path, reason.value)
     finally:
         _forget(future)
         _notify.remove_waker(key, waker)
         watch.cancel()
-        cursor.close()
+        log.close()
 
 
-def _past_until(cursor: _Cursor, hi: int, until_ns: int) -> bool:
+def _past_until(log: _LogFile, hi: int, until_ns: int) -> bool:
     """True when no line touching the window's end can still come (a follower with ``until`` stops)."""
-    if cursor.pending_len > 0 and cursor.pending_start < hi:
+    if log.pending_len > 0 and log.pending_start < hi:
         return False
-    if hi < cursor.size:
+    if hi < log.size:
         return True
     return time.time_ns() > until_ns + _UNTIL_SLACK_NS
