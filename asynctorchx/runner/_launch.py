@@ -19,24 +19,66 @@ import contextlib
 import contextvars
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.specs.api import AppDef, AppHandle, AppState, AppStatus, CfgVal
 
-if TYPE_CHECKING:
-    from asynctorchx.runner.api import AsyncRunner
-    from asynctorchx.runner.hub import _Entry
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_CLEANUP_TIMEOUT = 60.0
+
+#: ``watch_final(handle, on_final)`` calls ``on_final(status)`` once the app is final (at once if it
+#: is already) and returns the function that stops watching.
+WatchFinal = Callable[[AppHandle, Callable[[AppStatus | None], None]], Callable[[], None]]
+
+
+class Launcher(Protocol):
+    """What a launch block needs of the runner (``AsyncRunner`` is one)."""
+
+    async def run(
+        self,
+        app: AppDef,
+        scheduler: str,
+        cfg: Mapping[str, CfgVal] | None = None,
+        workspace: Any = None,
+        parent_run_id: str | None = None,
+        *,
+        progress: Any = None,
+    ) -> AppHandle: ...
+
+    async def run_component(
+        self,
+        component: str,
+        component_args: Sequence[str] | Mapping[str, Any],
+        scheduler: str,
+        cfg: Mapping[str, CfgVal] | None = None,
+        workspace: Any = None,
+        parent_run_id: str | None = None,
+        *,
+        progress: Any = None,
+    ) -> AppHandle: ...
+
+    async def cancel(self, app_handle: AppHandle) -> None: ...
+
+    async def wait(
+        self,
+        app_handle: AppHandle,
+        timeout: float | None = None,  # noqa: ASYNC109
+        wait_interval: float | None = None,
+    ) -> AppStatus | None: ...
+
+    async def wait_all(
+        self,
+        app_handles: Iterable[AppHandle],
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> dict[AppHandle, AppStatus | None]: ...
 
 
 class GangFailedError(Exception):
@@ -137,8 +179,7 @@ def _check_timeout(value: object) -> float:
 @dataclass
 class _Member:
     handle: AppHandle
-    entry: _Entry | None = None
-    listener: Callable[[_Entry], None] | None = None
+    stop_watching: Callable[[], None] | None = None
 
 
 @dataclass
@@ -149,8 +190,10 @@ class LaunchGroup:
     inside the block).
     """
 
-    _runner: AsyncRunner
+    _runner: Launcher
     gang: bool
+    _supervisor: TaskSupervisor
+    _watch_final: WatchFinal
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     _members: dict[AppHandle, _Member] = field(default_factory=dict)
     _failure: tuple[AppHandle, AppStatus | None] | None = None
@@ -206,19 +249,10 @@ class LaunchGroup:
         """Called by the runner as soon as the backend returned the app's id (before any await)."""
         member = _Member(handle)
         self._members[handle] = member
-        if not self.gang:
-            return
-        backend, app_id = self._runner._split(handle)
-        entry = self._runner._hub(backend).track(app_id, submitted=True)
-
-        def on_change(e: _Entry, handle: AppHandle = handle) -> None:
-            if e.final:
-                self._on_final(handle, e.status)
-
-        member.entry, member.listener = entry, on_change
-        entry.listeners.append(on_change)
-        if entry.final:
-            self._on_final(handle, entry.status)
+        if self.gang:
+            member.stop_watching = self._watch_final(
+                handle, lambda status: self._on_final(handle, status)
+            )
 
     def _on_final(self, handle: AppHandle, status: AppStatus | None) -> None:
         if self._closing or self._failure is not None:
@@ -239,8 +273,8 @@ class LaunchGroup:
 
     def _detach(self) -> None:
         for member in self._members.values():
-            if member.entry is not None and member.listener in member.entry.listeners:
-                member.entry.listeners.remove(member.listener)
+            if member.stop_watching is not None:
+                member.stop_watching()
 
     async def _stop_all(self, handles: list[AppHandle], seconds: float) -> list[AppHandle]:
         """Cancels ``handles`` and waits for them to be terminal; returns those not confirmed in time."""
@@ -266,7 +300,7 @@ class LaunchGroup:
             return []
         try:
             return await shielded(
-                self._runner._supervisor,
+                self._supervisor,
                 self._stop_all(handles, seconds),
                 name="cancel launched apps",
             )
@@ -279,17 +313,24 @@ class LaunchGroup:
 
 @contextlib.asynccontextmanager
 async def launch_group(
-    runner: AsyncRunner,
+    runner: Launcher,
+    supervisor: TaskSupervisor,
+    watch_final: WatchFinal,
     *,
     gang: bool = False,
     cancel_on_exit: bool = True,
     cancel_on_normal_exit: bool = False,
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT,
 ) -> AsyncIterator[LaunchGroup]:
-    """See ``AsyncRunner.launch_group``."""
+    """See ``AsyncRunner.launch_group``.
+
+    Args:
+        runner: submits, cancels and waits.
+        supervisor: runs the clean-up (so a cancellation of the block's task cannot cut it short).
+        watch_final: tells a gang when one of its apps is final.
+    """
     timeout = _check_timeout(cleanup_timeout)
-    runner._check_open()
-    group = LaunchGroup(runner, gang)
+    group = LaunchGroup(runner, gang, supervisor, watch_final)
     ended_normally = False
     try:
         with group._scope:
@@ -324,7 +365,9 @@ async def launch_group(
 
 @contextlib.asynccontextmanager
 async def launched(
-    runner: AsyncRunner,
+    runner: Launcher,
+    supervisor: TaskSupervisor,
+    watch_final: WatchFinal,
     app: AppDef | str,
     scheduler: str,
     cfg: Mapping[str, CfgVal] | None = None,
@@ -338,6 +381,8 @@ async def launched(
     """See ``AsyncRunner.launched``."""
     async with launch_group(
         runner,
+        supervisor,
+        watch_final,
         cancel_on_exit=cancel_on_exit,
         cancel_on_normal_exit=cancel_on_normal_exit,
         cleanup_timeout=cleanup_timeout,
