@@ -108,7 +108,9 @@ class FakeScheduler(Scheduler[AppDef]):
     async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         app = self.apps.get(query.app_id)
         if app is None:
-            raise UnknownAppException(make_app_handle(self.backend, self.session_name, query.app_id))
+            raise UnknownAppException(
+                make_app_handle(self.backend, self.session_name, query.app_id)
+            )
         check_replica(query.app_id, role_replica_counts(app.roles), query.role, query.k)
         for i in range(3):
             yield f"{query.role}/{query.k} line {i}\n"

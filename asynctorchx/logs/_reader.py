@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
-from asynctorchx.logs._files import INDEX_FILE, LOG_FILES, TimingIndex, read_index_blocking
+from asynctorchx.logs._files import (
+    INDEX_FILE,
+    LOG_FILES,
+    SAMPLED_INDEX_FILE,
+    SampledIndex,
+    TimingIndex,
+)
 from asynctorchx.logs._notify import Wake
 from asynctorchx.logs._query import (
     ALL_STREAMS,
@@ -127,12 +133,12 @@ class _LogFile:
     and run on the event loop. ``close`` waits for an in-flight worker call before closing the files.
     """
 
-    def __init__(self, path: str, index_path: str | None, stream: Stream) -> None:
+    def __init__(self, path: str, index_dir: str | None, stream: Stream) -> None:
         self.path = path
-        self.index_path = index_path
+        self.index_dir = index_dir
         self.fd = -1
         self.index_fd = -1
-        self.index = TimingIndex(stream)
+        self.index: TimingIndex | SampledIndex = TimingIndex(stream)
         self.pos = 0
         self.pending: list[bytes] = []
         self.pending_len = 0
@@ -189,19 +195,27 @@ class _LogFile:
                 self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except (FileNotFoundError, NotADirectoryError):
                 return False
-        if self.index_path is not None and self.index_fd < 0:
-            try:
-                self.index_fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+        if self.index_dir is not None and self.index_fd < 0:
+            self._open_index_blocking(self.index_dir)
         return True
+
+    def _open_index_blocking(self, directory: str) -> None:
+        """Opens the timing index: ``index.bin`` (our writer's), else ``index.txt`` (samples)."""
+        for name in (INDEX_FILE, SAMPLED_INDEX_FILE):
+            try:
+                self.index_fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if name == SAMPLED_INDEX_FILE:
+                self.index = SampledIndex(self.index.stream)
+            return
 
     def refresh_blocking(self) -> bool:
         """Reads new index records (first: they are written before the data), then the file's size."""
         if not self.open_blocking():
             return False
         if self.index_fd >= 0:
-            read_index_blocking(self.index_fd, self.index)
+            self.index.read_blocking(self.index_fd)
         st = os.fstat(self.fd)
         if st.st_size < self.pos:
             logger.warning(
@@ -334,9 +348,11 @@ def iter_log_lines(
     yielded (when not following, or once finished), and a line is never split however long it is.
 
     ``since``/``until`` keep the lines of which some part was written within ``[since, until]``, using
-    the timing index (each chunk's time is when it was read from the pipe, within a few ms of when the
-    replica wrote it). A file without an index (e.g. written by Slurm) has nothing finer than its mtime:
-    all of it is inside the window when the mtime is, none of it otherwise.
+    the timing index ``index.bin`` (each chunk's time is when it was read from the pipe, within a few
+    ms of when the replica wrote it), else the timing samples ``index.txt`` of a file written by
+    another program (a Slurm job: each chunk is dated to an interval between two samples, and kept
+    when that interval meets the window). A file with neither has nothing finer than its mtime: all
+    of it is inside the window when the mtime is, none of it otherwise.
 
     With ``follow=True`` the lines that exist are yielded, then new ones as they arrive: a writer in
     this process wakes the reader directly, writes by other processes wake it through inotify (or a
@@ -384,9 +400,7 @@ def iter_log_lines(
 
 def _open_log(directory: pathlib.Path, stream: Stream, windowed: bool) -> _LogFile:
     return _LogFile(
-        os.path.join(directory, LOG_FILES[stream]),
-        os.path.join(directory, INDEX_FILE) if windowed else None,
-        stream,
+        os.path.join(directory, LOG_FILES[stream]), str(directory) if windowed else None, stream
     )
 
 
@@ -557,7 +571,8 @@ async def _follow(
     key = _notify.directory_key(directory)
     windowed = since_ns is not None or until_ns is not None
     log = _open_log(directory, stream, windowed)
-    names = frozenset({LOG_FILES[stream], INDEX_FILE} if windowed else {LOG_FILES[stream]})
+    index_names = {INDEX_FILE, SAMPLED_INDEX_FILE} if windowed else set()
+    names = frozenset({LOG_FILES[stream], *index_names})
     waker = _notify.Waker(loop, stream)
     watch = _DirectoryWatch(key, key, names, waker)
     search = regex.search if regex is not None else None

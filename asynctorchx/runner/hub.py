@@ -425,4 +425,3 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-
