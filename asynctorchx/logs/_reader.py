@@ -331,8 +331,13 @@ def _to_ns(value: float | None, name: str) -> int | None:
     return int(value * 1_000_000_000)
 
 
+#: A replica's log directory, or an async function that finds it (a backend's lookup, whose errors
+#: are then raised at the first iteration without a generator layer of its own).
+LogLocation = pathlib.Path | Callable[[], Awaitable[pathlib.Path]]
+
+
 def iter_log_lines(
-    directory: pathlib.Path,
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
     stream: Stream = Stream.COMBINED,
     *,
     regex: re.Pattern[str] | str | None = None,
@@ -367,7 +372,8 @@ def iter_log_lines(
     ``until`` has been read.
 
     Args:
-        directory: the replica's log directory.
+        directory: the replica's log directory, or an async function that returns it: it is
+            awaited at the first iteration, and what it raises is raised there.
         stream: which file to read: stdout, stderr or combined.
         regex: only lines where ``regex.search`` matches (a string is compiled).
         since: POSIX timestamp; only lines written at or after it.
@@ -392,10 +398,14 @@ def iter_log_lines(
         raise ValueError(
             f"poll_interval must be a positive number of seconds, got {poll_interval!r}"
         )
-    directory = pathlib.Path(directory)
+    where = directory if callable(directory) else pathlib.Path(directory)
     if follow:
-        return _follow(directory, stream, regex, since_ns, until_ns, is_finished, poll_interval)
-    return _read_now(directory, stream, regex, since_ns, until_ns)
+        return _follow(where, stream, regex, since_ns, until_ns, is_finished, poll_interval)
+    return _read_now(where, stream, regex, since_ns, until_ns)
+
+
+async def _located(where: LogLocation) -> pathlib.Path:
+    return pathlib.Path(await where()) if callable(where) else where
 
 
 def _open_log(directory: pathlib.Path, stream: Stream, windowed: bool) -> _LogFile:
@@ -443,12 +453,13 @@ def _forget(future: asyncio.Future[Any] | None) -> None:
 
 
 async def _read_now(
-    directory: pathlib.Path,
+    where: LogLocation,
     stream: Stream,
     regex: re.Pattern[str] | None,
     since_ns: int | None,
     until_ns: int | None,
 ) -> AsyncGenerator[str, None]:
+    directory = await _located(where)
     windowed = since_ns is not None or until_ns is not None
     log = _open_log(directory, stream, windowed)
     search = regex.search if regex is not None else None
@@ -559,7 +570,7 @@ async def _drain_writers(key: str, loop: asyncio.AbstractEventLoop) -> None:
 
 
 async def _follow(
-    directory: pathlib.Path,
+    where: LogLocation,
     stream: Stream,
     regex: re.Pattern[str] | None,
     since_ns: int | None,
@@ -567,6 +578,7 @@ async def _follow(
     is_finished: Callable[[], Awaitable[bool]] | None,
     poll_interval: float | None,
 ) -> AsyncGenerator[str, None]:
+    directory = await _located(where)
     loop = asyncio.get_running_loop()
     key = _notify.directory_key(directory)
     windowed = since_ns is not None or until_ns is not None

@@ -17,6 +17,7 @@ full rewrites the record in place when it fits in the space the file already hol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from asynctorchx.schedulers._local import protocol
-from asynctorchx.schedulers._local.procs import proc_start_ticks
+from asynctorchx.schedulers._local.procs import pid_alive, proc_start_ticks
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
     NONE,
@@ -415,6 +416,16 @@ class RecordStore:
         """``read`` for each id."""
         return {app_id: self.read(app_id) for app_id in app_ids}
 
+    def read_checked(self, app_id: str) -> AppRecord | None:
+        """``read``, with an app whose launcher, watchdog and replicas are all gone reported
+        FAILED (``check_lost``)."""
+        record = self.read(app_id)
+        return None if record is None else check_lost(record)
+
+    def read_checked_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
+        """``read_checked`` for each id."""
+        return {app_id: self.read_checked(app_id) for app_id in app_ids}
+
     def list_ids(self) -> list[str]:
         """The ids of every recorded app."""
         try:
@@ -468,9 +479,25 @@ class RecordStore:
             return None
         except OSError:
             return set()
-        out = set()
-        for line in data.split():
-            head = line.partition(b":")[0]
-            if head.isdigit():
-                out.add(int(head))
-        return out
+        specs = (protocol.parse_group_spec(word) for word in data.split())
+        return {spec[0] for spec in specs if spec is not None}
+
+
+def check_lost(record: AppRecord) -> AppRecord:
+    """``record``, or a FAILED copy when it is not terminal but its launcher, its watchdog and all
+    its replicas are gone (nobody is left to record how it ended)."""
+    if record.state.name in TERMINAL_NAMES:
+        return record
+    owner = record.owner
+    if pid_alive(owner.pid, owner.start_ticks):
+        return record
+    if owner.watchdog_pid and pid_alive(owner.watchdog_pid, owner.watchdog_start_ticks):
+        return record
+    if any(r.pid and pid_alive(r.pid, r.start_ticks) for r in record.replicas):
+        return record
+    return dataclasses.replace(
+        record,
+        state=AppState.FAILED,
+        msg=f"lost: its launching process (pid {owner.pid}) and watchdog exited without recording "
+        "how it ended",
+    )
