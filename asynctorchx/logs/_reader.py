@@ -569,6 +569,36 @@ async def _drain_writers(key: str, loop: asyncio.AbstractEventLoop) -> None:
                 logger.warning("%r did not drain within %.0f s", writer, _DRAIN_TIMEOUT)
 
 
+class _FinishChecks:
+    """When a follower asks whether the replica finished: once the existing lines are read, then
+    only when a wake-up brought no new data or may say the writer is done, and otherwise on a timer
+    backing off from ``_FINISH_CHECK_MIN`` to ``_FINISH_CHECK_MAX`` (never on every empty read)."""
+
+    __slots__ = ("_delay", "_loop", "_next")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._delay = _FINISH_CHECK_MIN
+        self._next = loop.time()
+
+    def due(self, got: bool, reason: Wake) -> bool:
+        """True when a read that ``got`` data (or not) after ``reason`` calls for a check."""
+        quiet = not got and reason not in (Wake.TIMER, Wake.MORE)
+        return quiet or reason.may_be_done or self._loop.time() >= self._next
+
+    def not_finished(self, got: bool, reason: Wake) -> None:
+        """A check said no: the next is soon after a state wake-up or a quiet read, later else."""
+        if reason.may_be_done or not (got or reason in (Wake.TIMER, Wake.MORE)):
+            self._delay = _FINISH_CHECK_MIN
+        else:
+            self._delay = min(self._delay * 2, _FINISH_CHECK_MAX)
+        self._next = self._loop.time() + self._delay
+
+    def timeout(self) -> float:
+        """Seconds until the next check is due."""
+        return self._next - self._loop.time()
+
+
 async def _follow(
     where: LogLocation,
     stream: Stream,
@@ -589,8 +619,7 @@ async def _follow(
     watch = _DirectoryWatch(key, key, names, waker)
     search = regex.search if regex is not None else None
     _notify.add_waker(key, waker)
-    delay = _FINISH_CHECK_MIN
-    next_check = loop.time()
+    checks = _FinishChecks(loop)
     reason = Wake.START
     finishing = False
     future: asyncio.Future[bytes] | None = None
@@ -625,35 +654,33 @@ async def _follow(
             if until_ns is not None and _past_until(log, hi, until_ns):
                 return
             got = bool(data)
-            if is_finished is not None and (
-                (not got and reason not in (Wake.TIMER, Wake.MORE))
-                or reason.may_be_done
-                or loop.time() >= next_check
-            ):
+            if is_finished is not None and checks.due(got, reason):
                 if await is_finished():
                     await _drain_writers(key, loop)
                     finishing = True
                     continue
-                if reason.may_be_done or not (got or reason in (Wake.TIMER, Wake.MORE)):
-                    delay = _FINISH_CHECK_MIN
-                else:
-                    delay = min(delay * 2, _FINISH_CHECK_MAX)
-                next_check = loop.time() + delay
-            timeout = next_check - loop.time() if is_finished is not None else 3600.0
-            if poll_interval is not None:
-                timeout = min(timeout, poll_interval)
-            elif not watch.watching and not _notify.live_writers(key):
-                timeout = min(timeout, _FALLBACK_POLL)
-            if until_ns is not None:
-                left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
-                timeout = min(timeout, max(0.0, left) + 0.01)
-            reason = await waker.wait(timeout)
+                checks.not_finished(got, reason)
+            timeout = checks.timeout() if is_finished is not None else 3600.0
+            poll = poll_interval
+            if poll is None and not watch.watching and not _notify.live_writers(key):
+                poll = _FALLBACK_POLL
+            reason = await waker.wait(_bounded(timeout, poll, until_ns))
             logger.debug("follower of %s woken by %s", log.path, reason.value)
     finally:
         _forget(future)
         _notify.remove_waker(key, waker)
         watch.cancel()
         log.close()
+
+
+def _bounded(timeout: float, poll_interval: float | None, until_ns: int | None) -> float:
+    """``timeout``, shortened to the poll interval and to just past ``until`` (with its slack)."""
+    if poll_interval is not None:
+        timeout = min(timeout, poll_interval)
+    if until_ns is not None:
+        left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
+        timeout = min(timeout, max(0.0, left) + 0.01)
+    return timeout
 
 
 def _past_until(log: _LogFile, hi: int, until_ns: int) -> bool:
