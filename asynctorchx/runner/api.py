@@ -203,9 +203,9 @@ class AsyncRunner:
             for queue in self._readers:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
-            self._closing = asyncio.get_running_loop().create_task(
-                self._close(), name=f"runner:{self._name}:close"
-            )
+            # its own supervisor: the runner's is closed by the clean-up itself
+            closer = TaskSupervisor(f"runner:{self._name}")
+            self._closing = closer.spawn(self._close(), name="close")
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
