@@ -19,9 +19,9 @@ import contextlib
 import contextvars
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
@@ -39,46 +39,18 @@ DEFAULT_CLEANUP_TIMEOUT = 60.0
 WatchFinal = Callable[[AppHandle, Callable[[AppStatus | None], None]], Callable[[], None]]
 
 
-class Launcher(Protocol):
-    """What a launch block needs of the runner (``AsyncRunner`` is one)."""
+@dataclass(frozen=True)
+class Launcher:
+    """What a launch block needs of the runner: its calls (bound methods of ``AsyncRunner``), the
+    supervisor its clean-up runs in, and a way to hear that an app is final."""
 
-    async def run(
-        self,
-        app: AppDef,
-        scheduler: str,
-        cfg: Mapping[str, CfgVal] | None = None,
-        workspace: Any = None,
-        parent_run_id: str | None = None,
-        *,
-        progress: Any = None,
-    ) -> AppHandle: ...
-
-    async def run_component(
-        self,
-        component: str,
-        component_args: Sequence[str] | Mapping[str, Any],
-        scheduler: str,
-        cfg: Mapping[str, CfgVal] | None = None,
-        workspace: Any = None,
-        parent_run_id: str | None = None,
-        *,
-        progress: Any = None,
-    ) -> AppHandle: ...
-
-    async def cancel(self, app_handle: AppHandle) -> None: ...
-
-    async def wait(
-        self,
-        app_handle: AppHandle,
-        timeout: float | None = None,  # noqa: ASYNC109
-        wait_interval: float | None = None,
-    ) -> AppStatus | None: ...
-
-    async def wait_all(
-        self,
-        app_handles: Iterable[AppHandle],
-        timeout: float | None = None,  # noqa: ASYNC109
-    ) -> dict[AppHandle, AppStatus | None]: ...
+    run: Callable[..., Awaitable[AppHandle]]
+    run_component: Callable[..., Awaitable[AppHandle]]
+    cancel: Callable[[AppHandle], Awaitable[None]]
+    wait: Callable[[AppHandle], Awaitable[AppStatus | None]]
+    wait_all: Callable[..., Awaitable[dict[AppHandle, AppStatus | None]]]
+    supervisor: TaskSupervisor
+    watch_final: WatchFinal
 
 
 class GangFailedError(Exception):
@@ -192,8 +164,6 @@ class LaunchGroup:
 
     _runner: Launcher
     gang: bool
-    _supervisor: TaskSupervisor
-    _watch_final: WatchFinal
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     _members: dict[AppHandle, _Member] = field(default_factory=dict)
     _failure: tuple[AppHandle, AppStatus | None] | None = None
@@ -250,7 +220,7 @@ class LaunchGroup:
         member = _Member(handle)
         self._members[handle] = member
         if self.gang:
-            member.stop_watching = self._watch_final(
+            member.stop_watching = self._runner.watch_final(
                 handle, lambda status: self._on_final(handle, status)
             )
 
@@ -300,7 +270,7 @@ class LaunchGroup:
             return []
         try:
             return await shielded(
-                self._supervisor,
+                self._runner.supervisor,
                 self._stop_all(handles, seconds),
                 name="cancel launched apps",
             )
@@ -314,23 +284,15 @@ class LaunchGroup:
 @contextlib.asynccontextmanager
 async def launch_group(
     runner: Launcher,
-    supervisor: TaskSupervisor,
-    watch_final: WatchFinal,
     *,
     gang: bool = False,
     cancel_on_exit: bool = True,
     cancel_on_normal_exit: bool = False,
     cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT,
 ) -> AsyncIterator[LaunchGroup]:
-    """See ``AsyncRunner.launch_group``.
-
-    Args:
-        runner: submits, cancels and waits.
-        supervisor: runs the clean-up (so a cancellation of the block's task cannot cut it short).
-        watch_final: tells a gang when one of its apps is final.
-    """
+    """See ``AsyncRunner.launch_group``."""
     timeout = _check_timeout(cleanup_timeout)
-    group = LaunchGroup(runner, gang, supervisor, watch_final)
+    group = LaunchGroup(runner, gang)
     ended_normally = False
     try:
         with group._scope:
@@ -366,8 +328,6 @@ async def launch_group(
 @contextlib.asynccontextmanager
 async def launched(
     runner: Launcher,
-    supervisor: TaskSupervisor,
-    watch_final: WatchFinal,
     app: AppDef | str,
     scheduler: str,
     cfg: Mapping[str, CfgVal] | None = None,
@@ -381,8 +341,6 @@ async def launched(
     """See ``AsyncRunner.launched``."""
     async with launch_group(
         runner,
-        supervisor,
-        watch_final,
         cancel_on_exit=cancel_on_exit,
         cancel_on_normal_exit=cancel_on_normal_exit,
         cleanup_timeout=cleanup_timeout,

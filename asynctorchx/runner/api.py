@@ -570,9 +570,7 @@ class AsyncRunner:
         """
         self._check_open()
         return _launch.launched(
-            self,
-            self._supervisor,
-            self._watch_final,
+            self._launcher(),
             app,
             scheduler,
             cfg,
@@ -606,9 +604,7 @@ class AsyncRunner:
         """
         self._check_open()
         return _launch.launch_group(
-            self,
-            self._supervisor,
-            self._watch_final,
+            self._launcher(),
             gang=gang,
             cancel_on_exit=cancel_on_exit,
             cancel_on_normal_exit=cancel_on_normal_exit,
@@ -629,6 +625,17 @@ class AsyncRunner:
         """The limits this runner applies to ``scheduler`` (None: none)."""
         limiter = self._limiters.get(scheduler)
         return None if limiter is None else limiter.limits
+
+    def _launcher(self) -> _launch.Launcher:
+        return _launch.Launcher(
+            run=self.run,
+            run_component=self.run_component,
+            cancel=self.cancel,
+            wait=self.wait,
+            wait_all=self.wait_all,
+            supervisor=self._supervisor,
+            watch_final=self._watch_final,
+        )
 
     def _watch_final(
         self, handle: AppHandle, on_final: Callable[[AppStatus | None], None]
