@@ -24,6 +24,7 @@ from asynctorchx.logs._files import (
 from asynctorchx.logs._notify import Wake
 from asynctorchx.logs._query import (
     ALL_STREAMS,
+    LogQuery,
     Stream,
     check_window_order,
     compile_log_regex,
@@ -406,6 +407,25 @@ def iter_log_lines(
 
 async def _located(where: LogLocation) -> pathlib.Path:
     return pathlib.Path(await where()) if callable(where) else where
+
+
+def iter_query_lines(
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
+    query: LogQuery,
+    is_finished: Callable[[], Awaitable[bool]] | None,
+    stream: Stream | None = None,
+) -> AsyncGenerator[str, None]:
+    """``iter_log_lines`` of what a backend's ``LogQuery`` asks for (its stream, unless ``stream``
+    names another: a backend that reads one file after another)."""
+    return iter_log_lines(
+        directory,
+        query.stream if stream is None else stream,
+        regex=query.regex,
+        since=query.since,
+        until=query.until,
+        follow=query.follow,
+        is_finished=is_finished,
+    )
 
 
 def _open_log(directory: pathlib.Path, stream: Stream, windowed: bool) -> _LogFile:

@@ -50,7 +50,7 @@ import anyio
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded
-from asynctorchx.logs import LogQuery, iter_log_lines
+from asynctorchx.logs import LogQuery, iter_query_lines
 from asynctorchx.schedulers._slurm import workspace as slurm_workspace
 from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
 from asynctorchx.schedulers._slurm.parse import (
@@ -498,14 +498,8 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         ):
             streams = [Stream.STDOUT, Stream.STDERR]
         for stream in streams:
-            lines = iter_log_lines(
-                directory,
-                stream,
-                regex=query.regex,
-                since=query.since,
-                until=query.until,
-                follow=query.follow,
-                is_finished=functools.partial(self._is_finished, app_id),
+            lines = iter_query_lines(
+                directory, query, functools.partial(self._is_finished, app_id), stream
             )
             try:
                 async for line in lines:

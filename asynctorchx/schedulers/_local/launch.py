@@ -216,7 +216,7 @@ class AppLauncher:
         self._check_open()
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._spawner.start(app, app.replicas)
-            app.state = AppState.RUNNING
+            app.set_app_state(AppState.RUNNING, time.time())
         app.task = rt.supervisor.spawn(self._supervision.run(app), f"app:{app_id}")
         await rt.writer.write(app_id, lambda: rt.snapshot(app).to_json())
 

@@ -17,7 +17,7 @@ from asynctorchx.schedulers._local.request import (
     ReplicaRequest,
 )
 from asynctorchx.schedulers._local.state import Exit, Progress
-from asynctorchx.specs.api import NONE, AppState, RetryPolicy, Role
+from asynctorchx.specs.api import NONE, AppState, RetryPolicy, Role, is_terminal
 
 
 class Countdown:
@@ -180,6 +180,13 @@ class LiveApp:
             policy=self.policies[role],
             num_restarts=self.num_restarts,
         )
+
+    def set_app_state(self, state: AppState, now: float) -> None:
+        """Sets the app's state (the only place it changes); a terminal one is its end, at
+        ``now``."""
+        self.state = state
+        if is_terminal(state):
+            self.ended_at = now
 
     def set_state(self, rep: Replica, state: AppState) -> None:
         """Sets a replica's state (the only place it changes), keeping the count of succeeded

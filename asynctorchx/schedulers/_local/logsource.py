@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anyio.to_thread
 
-from asynctorchx.logs import LogQuery, iter_log_lines
+from asynctorchx.logs import LogQuery, iter_query_lines
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers.api import check_replica
 from asynctorchx.specs.api import UnknownAppException, is_terminal, make_app_handle
@@ -33,14 +33,10 @@ class LocalLogSource:
     def lines(self, query: LogQuery) -> AsyncIterator[str]:
         """The lines ``query`` asks for: the reader's own generator, with the app looked up at its
         first iteration (no generator layer of our own: each costs as much again per line)."""
-        return iter_log_lines(
+        return iter_query_lines(
             functools.partial(self._directory, query),
-            query.stream,
-            regex=query.regex,
-            since=query.since,
-            until=query.until,
-            follow=query.follow,
-            is_finished=functools.partial(self._is_finished, query.app_id),
+            query,
+            functools.partial(self._is_finished, query.app_id),
         )
 
     async def _directory(self, query: LogQuery) -> Path:

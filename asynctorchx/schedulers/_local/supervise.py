@@ -100,7 +100,8 @@ class AppSupervision:
         if app.discard or app.cancel_reason is not None:
             return
         app.foreign_cancel = True
-        self._rt.supervisor.spawn(self._stop_for_marker(app), f"cancel-marker:{app.app_id}")
+        with contextlib.suppress(RuntimeError):  # closing: the app is being stopped anyway
+            self._rt.supervisor.spawn(self._stop_for_marker(app), f"cancel-marker:{app.app_id}")
 
     async def _stop_for_marker(self, app: LiveApp) -> None:
         signalled = await anyio.to_thread.run_sync(self._rt.store.cancel_requested, app.app_id)
@@ -234,8 +235,7 @@ class AppSupervision:
     def end(self, app: LiveApp, final: AppState) -> None:
         """Records that the app ended ``final`` (its replicas already have their end states)."""
         app.close_logs()
-        app.state = final
-        app.ended_at = time.time()
+        app.set_app_state(final, time.time())
         self._rt.record_end(app)
 
     # -- stopping -----------------------------------------------------------------------------
