@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from asynctorchx.logs import ReplicaLogWriter
 from asynctorchx.schedulers._local import protocol
@@ -105,8 +105,7 @@ class Replica:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class OwnApp:
+class OwnApp(NamedTuple):
     """An app this scheduler launched, as it describes it: its record now and its roles as
     submitted (a copy: the caller's AppDef is never shared)."""
 

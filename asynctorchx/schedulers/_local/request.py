@@ -14,6 +14,7 @@ import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from asynctorchx.specs.api import (
     AppDef,
@@ -240,8 +241,7 @@ def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_i
     return os.path.join(base, session or "default", app_id)
 
 
-@dataclass(frozen=True)
-class _Context:
+class _Context(NamedTuple):
     """What every replica's request of one app is built from."""
 
     app_id: str

@@ -20,30 +20,28 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from asynctorchx.specs.api import AppState, RetryPolicy, is_terminal
 
 
-@dataclass(frozen=True, slots=True)
-class Exit:
+class Exit(NamedTuple):
     """A replica whose main process exited.
 
     Args:
-        index: its index in the app (role order).
+        position: its index in the app (role order).
         role: its role.
         label: ``role[replica]``, for messages.
         code: its exit code (negative: killed by that signal; None: unknown).
     """
 
-    index: int
+    position: int
     role: str
     label: str
     code: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class Progress:
+class Progress(NamedTuple):
     """Where the app stands when an exit is judged.
 
     Args:
@@ -61,8 +59,7 @@ class Progress:
     num_restarts: int
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(NamedTuple):
     """What an exit (or a cancel, or a failed restart) means.
 
     Args:
