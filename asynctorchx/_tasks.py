@@ -58,6 +58,11 @@ class TaskSupervisor:
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.error("background task %s failed", task.get_name(), exc_info=exc)
 
+    async def join(self) -> None:
+        """Waits until every task started so far, and every task those start, has finished."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
     async def aclose(self) -> None:
         """Cancels every task still running and waits until they have all finished. Idempotent."""
         self._closed = True

@@ -171,8 +171,8 @@ async def fanout_scheduler(root: Path, n: int, rounds: int) -> dict[str, Any]:
             def on_change(
                 app_id: str, pending: set[str] = pending, all_done: asyncio.Event = all_done
             ) -> None:
-                own = s._own(app_id)
-                if own is not None and is_terminal(own[0].state):
+                state = s._runtime.state_of(app_id)
+                if state is not None and is_terminal(state):
                     pending.discard(app_id)
                     if not pending:
                         all_done.set()
@@ -406,8 +406,8 @@ async def mass_exit(root: Path, sizes: list[int]) -> dict[str, Any]:
                     a: str, s: LocalScheduler = s, app_id: str = app_id, done: asyncio.Event = done
                 ) -> None:
                     # O(1): a describe per notification would add its own O(N) to what is measured
-                    live = s._apps.get(a)
-                    if a == app_id and (live is None or is_terminal(live.state)):
+                    state = s._runtime.state_of(a)
+                    if a == app_id and (state is None or is_terminal(state)):
                         done.set()
 
                 unsubscribe = s.subscribe(on_change)

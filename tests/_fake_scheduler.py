@@ -9,20 +9,27 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import anyio
 
+from asynctorchx.logs import LogQuery
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
     ListAppResponse,
     Scheduler,
-    Stream,
     check_replica,
     role_replica_counts,
 )
-from asynctorchx.specs.api import AppDef, AppDryRunInfo, AppState, CfgVal, runopts
+from asynctorchx.specs.api import (
+    AppDef,
+    AppDryRunInfo,
+    AppState,
+    CfgVal,
+    UnknownAppException,
+    make_app_handle,
+    runopts,
+)
 
 
 class FakeScheduler(Scheduler[AppDef]):
@@ -98,20 +105,15 @@ class FakeScheduler(Scheduler[AppDef]):
     async def list(self) -> list[ListAppResponse]:
         return [ListAppResponse(app_id=a, state=r.state) for a, r in self.apps.items()]
 
-    async def log_iter(
-        self,
-        app_id: str,
-        role_name: str,
-        k: int = 0,
-        regex: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        should_tail: bool = False,
-        streams: Stream | None = None,
-    ) -> AsyncIterator[str]:
-        check_replica(app_id, role_replica_counts(self.apps[app_id].roles), role_name, k)
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        app = self.apps.get(query.app_id)
+        if app is None:
+            raise UnknownAppException(
+                make_app_handle(self.backend, self.session_name, query.app_id)
+            )
+        check_replica(query.app_id, role_replica_counts(app.roles), query.role, query.k)
         for i in range(3):
-            yield f"{role_name}/{k} line {i}\n"
+            yield f"{query.role}/{query.k} line {i}\n"
 
     async def close(self) -> None:
         self.closed = True

@@ -25,8 +25,7 @@ from test_cli_commands import _script
 
 from asynctorchx.cli import _fastpath
 from asynctorchx.schedulers._local import recordfile
-from asynctorchx.schedulers._local.records import AppRecord
-from asynctorchx.schedulers.local import _check_lost
+from asynctorchx.schedulers._local.records import AppRecord, check_lost
 from asynctorchx.specs import NONE, AppState, is_terminal
 
 REPO = Path(__file__).resolve().parent.parent
@@ -401,7 +400,7 @@ def test_the_lost_check_agrees_with_the_scheduler(apps: Apps) -> None:
     found = []
     for doc in cases:
         record = AppRecord.from_json(doc)
-        checked = _check_lost(record)
+        checked = check_lost(record)
         lost = recordfile.lost_message(
             record.state.name, record.owner, [(r.pid, r.start_ticks) for r in record.replicas]
         )

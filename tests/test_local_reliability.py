@@ -163,7 +163,7 @@ LAUNCHER = textwrap.dedent(
                     env=spec["env"], num_replicas=spec["n"])
         app_id = await s.submit(AppDef("victim", [role]), {"cancel_grace_period": spec["grace"]})
         desc = await s.describe(app_id)
-        print(json.dumps({"app_id": app_id, "watchdog": s._watchdog.pid,
+        print(json.dumps({"app_id": app_id, "watchdog": s.watchdog_pid,
                           "pids": [r.pid for r in desc.roles_statuses[0].replicas]}), flush=True)
         await asyncio.Event().wait()
 
@@ -295,11 +295,11 @@ STUCK_WATCHDOG_LAUNCHER = textwrap.dedent(
         env = {"ATX_TOKEN": token}
         first = await s.submit(AppDef("first", [Role("main", image="x", entrypoint="sleep",
                                                      args=["1000"], env=env)]), {})
-        print(json.dumps({"watchdog": s._watchdog.pid}), flush=True)
+        print(json.dumps({"watchdog": s.watchdog_pid}), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         big = Role("main", image="x", entrypoint="sleep", args=["1000"], env=env, num_replicas=300)
         second = await s.submit(AppDef("second", [big]), {})
-        print(json.dumps({"watchdog": s._watchdog.pid, "apps": [first, second]}), flush=True)
+        print(json.dumps({"watchdog": s.watchdog_pid, "apps": [first, second]}), flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main(sys.argv[1], sys.argv[2]))

@@ -455,18 +455,19 @@ async def test_log_tail_follows_until_terminal(sched: LocalScheduler, tmp_path: 
 
 
 async def test_log_iter_bad_input(sched: LocalScheduler) -> None:
-    """Unknown app, role or replica, unsupported stream, since > until and bad regexes raise."""
+    """Unknown app, role or replica raise at the first iteration; a negative replica index, an
+    unsupported stream, since > until and bad regexes raise at the call."""
     app_id = await sched.submit(app(sh("echo hi", num_replicas=2)), {})
     await wait_for(sched, app_id)
     with pytest.raises(UnknownAppException):
-        sched.log_iter("no-such-app-1", "main")
-    with pytest.raises(UnknownAppException):
         await lines(sched, "no-such-app-1")
+    with pytest.raises(UnknownAppException):
+        await lines(sched, "no-such-app-1", should_tail=True)
     with pytest.raises(UnknownRoleException, match="nope"):
-        sched.log_iter(app_id, "nope")
+        await lines(sched, app_id, "nope")
     with pytest.raises(UnknownRoleException, match="k=2"):
-        sched.log_iter(app_id, "main", 2)
-    with pytest.raises(UnknownRoleException):
+        await lines(sched, app_id, "main", 2)
+    with pytest.raises(ValueError, match="k must be >= 0"):
         sched.log_iter(app_id, "main", -1)
     with pytest.raises(ValueError, match="stream"):
         sched.log_iter(app_id, "main", streams="journal")  # type: ignore[arg-type]
@@ -485,9 +486,9 @@ async def test_log_iter_of_app_from_another_scheduler(root: Path, sched: LocalSc
         assert await lines(reader, app_id) == ["hello\n"]
         assert await lines(reader, app_id, should_tail=True) == ["hello\n"]
         with pytest.raises(UnknownRoleException):
-            reader.log_iter(app_id, "nope")
+            await lines(reader, app_id, "nope")
         with pytest.raises(UnknownRoleException):
-            reader.log_iter(app_id, "main", 1)
+            await lines(reader, app_id, "main", 1)
 
 
 async def test_structured_error_from_error_file(sched: LocalScheduler) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from asynctorchx.logs import Stream
-from asynctorchx.logs._files import RECORD, TimingIndex
+from asynctorchx.logs._files import RECORD, SampledIndex, TimingIndex, stat_time_ns
 
 Chunk = tuple[int, int, int]
 """(time_ns, stream id, length)"""
@@ -100,3 +102,101 @@ def test_window_is_exactly_the_bytes_written_inside(
         assert (lo, hi) == (inside[0], inside[-1] + 1)
     else:
         assert lo >= hi
+
+
+# -- timing samples (index.txt, written by the Slurm wrapper's sampler) -----------------------
+
+
+def stat_words(ns: int) -> str:
+    """``ns`` printed as ``stat -c %y`` does, in a +0200 zone (three words)."""
+    local = datetime.fromtimestamp(ns // 1_000_000_000, timezone(timedelta(hours=2)))
+    return f"{local:%Y-%m-%d %H:%M:%S}.{ns % 1_000_000_000:09d} +0200"
+
+
+def test_stat_time_ns_reads_what_stat_prints() -> None:
+    """A ``stat -c %y`` time (any zone, with or without a fraction) is its POSIX time in ns."""
+    ns = 1_700_000_000_123_456_789
+    assert stat_time_ns(*stat_words(ns).split()) == ns
+    assert stat_time_ns("2023-11-14", "22:13:20", "+0000") == 1_700_000_000 * 10**9
+    assert (
+        stat_time_ns("2023-11-14", "22:13:20.5", "-0130")
+        == (1_700_000_000 + 5400) * 10**9 + 5 * 10**8
+    )
+
+
+def sampled(writes: list[tuple[int, int]], ticks: list[int], eps: int = 1) -> str:
+    """The ``index.txt`` the wrapper's sampler writes when ``writes`` ((time, length) on stdout,
+    also on combined) happen and it samples at ``ticks`` (as ``_slurm/script.py`` does: "a" at the
+    tick, the stat ``eps`` later, "b" ``eps`` after the stat; a sample is written when the sizes
+    changed, with the one before it and the one after it)."""
+    lines = []
+    prev_line, last_sizes, after_change = "", "", False
+    b = ticks[0] - 1 if ticks else 0
+    for tick in ticks:
+        size = sum(n for t, n in writes if t <= tick + eps)
+        line = f"{stat_words(tick)} {stat_words(b)} {size} 0 {size}"
+        b = tick + 2 * eps
+        if str(size) != last_sizes:
+            if prev_line:
+                lines.append(prev_line)
+            lines.append(line)
+            prev_line, after_change = "", True
+        elif after_change:
+            lines.append(line)
+            prev_line, after_change = "", False
+        else:
+            prev_line = line
+        last_sizes = str(size)
+    return "".join(f"{ln}\n" for ln in lines)
+
+
+def test_samples_give_each_chunk_the_interval_it_was_written_in() -> None:
+    """A chunk a sample finds is dated from the sample before it to the sample after it."""
+    index = SampledIndex(Stream.STDOUT)
+    for line in sampled([(150, 4), (610, 2)], list(range(0, 1000, 100))).splitlines():
+        index.feed_line(line)
+    assert (index.starts, index.ends) == ([0, 4], [4, 6])
+    assert (index.lows, index.highs) == ([100, 600], [202, 702])
+    assert index.window(None, None, 6, 999) == (0, 6)
+    assert index.window(300, 500, 6, 999)[0] == index.window(300, 500, 6, 999)[1]
+    assert index.window(650, None, 6, 999) == (4, 6)
+    assert index.window(None, 180, 6, 999) == (0, 4)
+
+
+def test_a_malformed_sample_is_skipped() -> None:
+    """A line that is not a sample (a torn write, garbage) changes nothing."""
+    index = SampledIndex(Stream.STDOUT)
+    index.feed_line("garbage")
+    index.feed_line("2023-11-14 22:13:20 +0000 2023-11-14 nope +0000 1 2 3")
+    assert index.starts == [] and index.covered == 0
+
+
+@given(
+    writes=st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 5)), max_size=25).map(sorted),
+    since=st.none() | st.integers(-100, 5200),
+    until=st.none() | st.integers(-100, 5200),
+    cut=st.integers(0, 54),
+)
+def test_sampled_window_keeps_every_byte_written_inside_and_little_else(
+    writes: list[tuple[int, int]], since: int | None, until: int | None, cut: int
+) -> None:
+    """Whatever the writes, [lo, hi) holds every byte written within [since, until], and no byte
+    written more than two sampling intervals outside it (samples every 100, the last ``cut`` of
+    them lost as when the job is killed: those bytes then take the file's mtime)."""
+    ticks = list(range(-50, 5300, 100))
+    ticks = ticks[: len(ticks) - cut]
+    index = SampledIndex(Stream.COMBINED)
+    for line in sampled(writes, ticks).splitlines():
+        index.feed_line(line)
+    times = [t for t, n in writes for _ in range(n)]
+    mtime = times[-1] if times else 0
+    lo, hi = index.window(since, until, len(times), mtime)
+    for i, t in enumerate(times):
+        if (since is None or t >= since) and (until is None or t <= until):
+            assert lo <= i < hi, (i, t)
+        elif lo <= i < hi and i >= index.covered:  # past the samples: [last sample, mtime]
+            assert since is None or mtime >= since, (i, t)
+            assert until is None or index._last_a <= until, (i, t)
+        elif lo <= i < hi:
+            assert since is None or t >= since - 200, (i, t)
+            assert until is None or t <= until + 200, (i, t)

@@ -311,33 +311,49 @@ async def test_sacct_failure_for_forgotten_apps_raises() -> None:
 # -- cancel and list ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("key", ["scancel_unknown_job", "scancel_finished_job"])
-async def test_cancel_is_idempotent(key: str) -> None:
-    """scancel of an unknown or finished job (recorded answers) is not an error."""
-    fake = FakeSlurm("")
-    fake.scancel = _error(key)
-    await SlurmScheduler("s", runner=fake).cancel("123")
-    assert fake.calls == [("scancel", "123")]
+@pytest.mark.parametrize(
+    ("squeue", "app_id"), [("squeue-final.json", "999"), ("squeue-final.json", "38")]
+)
+async def test_cancel_of_an_unknown_or_finished_app_runs_no_scancel(
+    squeue: str, app_id: str
+) -> None:
+    """Cancelling an app Slurm does not know (999) or that has finished (38) is a no-op: the
+    template's exists() asks squeue (and sacct), and no scancel runs."""
+    fake = FakeSlurm(_recorded(squeue))
+    await SlurmScheduler("s", runner=fake, accounting=False).cancel(app_id)
+    assert fake.count("scancel") == 0 and fake.count("squeue") == 1
 
 
-async def test_cancel_invalid_job_id_message_is_ignored() -> None:
-    """Older scancel exits 1 with 'Invalid job id specified': still not an error."""
-    fake = FakeSlurm("")
-    fake.scancel = CommandResult(
-        ("scancel",),
-        1,
-        "",
-        "scancel: error: Kill job error on job id 5: Invalid job id specified\n",
+@pytest.mark.parametrize("key", ["scancel_unknown_job", "scancel_finished_job", "invalid_job_id"])
+async def test_cancel_of_a_job_that_ends_meanwhile_is_not_an_error(key: str) -> None:
+    """A running app (33) that ends between squeue and scancel: scancel's answers for an unknown or
+    finished job (recorded), or older scancels' 'Invalid job id specified', are not errors."""
+    fake = FakeSlurm(_recorded("squeue-live.json"))
+    fake.scancel = (
+        CommandResult(
+            ("scancel",),
+            1,
+            "",
+            "scancel: error: Kill job error on job id 33: Invalid job id specified\n",
+        )
+        if key == "invalid_job_id"
+        else _error(key)
     )
-    await SlurmScheduler("s", runner=fake).cancel("5")
+    await SlurmScheduler("s", runner=fake, accounting=False).cancel("33")
+    assert fake.calls[-1] == ("scancel", "33")
 
 
 async def test_cancel_with_controller_down_raises() -> None:
-    """scancel failing for another reason raises, carrying scancel's message."""
-    fake = FakeSlurm("")
+    """scancel failing for another reason raises, carrying scancel's message; so does a squeue that
+    cannot reach the controller (nothing is scancelled then)."""
+    fake = FakeSlurm(_recorded("squeue-live.json"))
     fake.scancel = _error("scancel_controller_down")
     with pytest.raises(SlurmCommandError, match="Unable to contact slurm controller"):
-        await SlurmScheduler("s", runner=fake).cancel("22")
+        await SlurmScheduler("s", runner=fake, accounting=False).cancel("33")
+    down = FakeSlurm(_error("squeue_controller_down").stdout)
+    with pytest.raises(SlurmCommandError, match="squeue failed"):
+        await SlurmScheduler("s", runner=down, accounting=False).cancel("33")
+    assert down.count("scancel") == 0
 
 
 async def test_cancel_of_malformed_id_does_nothing() -> None:
@@ -362,11 +378,12 @@ async def test_list_merges_squeue_and_sacct_with_handles() -> None:
 
 
 async def test_log_iter_rejects_an_unknown_stream() -> None:
-    """An unknown stream is a ValueError naming the supported ones."""
+    """An unknown stream is a ValueError naming the supported ones, raised by the call."""
     sched = SlurmScheduler("s", runner=FakeSlurm(_recorded("squeue-final.json")))
-    with pytest.raises(ValueError, match=r"unsupported log stream 'both' \(supported: stdout"):
-        async for _ in sched.log_iter(APPS["single"]["app_id"], "solo", streams="both"):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(
+        ValueError, match=r"unsupported log stream 'both'; the slurm scheduler reads stdout"
+    ):
+        sched.log_iter(APPS["single"]["app_id"], "solo", streams="both")  # type: ignore[arg-type]
 
 
 async def test_log_iter_unknown_app_and_role() -> None:

@@ -121,11 +121,10 @@ def parse_cfg(
     """
     from asynctorchx.cli._config import apply_scheduler_defaults
     from asynctorchx.cli._errors import CliError
-    from asynctorchx.specs.api import _split_cfg
 
     literals = [cfg_strs] if isinstance(cfg_strs, str) else list(cfg_strs or [])
     opts = runner.scheduler_run_opts(scheduler)
-    unknown = [k for literal in literals for k in _split_cfg(literal) if opts.get(k) is None]
+    unknown = [k for literal in literals for k in opts.unknown_keys(literal)]
     if unknown:
         known = ", ".join(k for k, _ in opts) or "none"
         raise CliError(

@@ -19,6 +19,7 @@ from asynctorchx.logs._query import compile_log_regex as compile_log_regex
 from asynctorchx.logs._query import parse_stream as parse_stream
 from asynctorchx.logs._reader import decode_lines as decode_lines
 from asynctorchx.logs._reader import iter_log_lines as iter_log_lines
+from asynctorchx.logs._reader import iter_query_lines as iter_query_lines
 from asynctorchx.logs._writer import ReplicaLogWriter as ReplicaLogWriter
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "compile_log_regex",
     "decode_lines",
     "iter_log_lines",
+    "iter_query_lines",
     "log_file_name",
     "parse_stream",
     "wake_readers",

@@ -11,10 +11,15 @@ chunk, written *before* the chunk's bytes so that every byte a reader can see ha
     uint32  length           the chunk's size in bytes
     uint8   stream           0 = stdout, 1 = stderr
     3 bytes padding
+
+Logs written by other programs (the ``tee``s of a Slurm job) have no such records; their writer
+samples the files instead and appends to ``index.txt`` a line per sample that matters (see
+``SampledIndex``): when each byte was written is then known to within a sampling interval.
 """
 
 from __future__ import annotations
 
+import calendar
 import os
 import struct
 import sys
@@ -26,6 +31,8 @@ from itertools import compress
 from asynctorchx.logs._query import Stream
 
 INDEX_FILE = "index.bin"
+#: The timing samples of logs written by another program (``SampledIndex``).
+SAMPLED_INDEX_FILE = "index.txt"
 INDEX_MAGIC = b"ATXIDX1\n"
 RECORD = struct.Struct("<qQQIB3x")
 RECORD_SIZE = RECORD.size
@@ -126,6 +133,10 @@ class TimingIndex:
                 hi = covered
         return lo, max(lo, hi)
 
+    def read_blocking(self, fd: int) -> None:
+        """Reads the records appended to the index file ``fd`` since the last call (blocking)."""
+        read_index_blocking(fd, self)
+
 
 def read_index_blocking(fd: int, index: TimingIndex) -> None:
     """Reads the records appended to the index file ``fd`` since the last call (blocking)."""
@@ -145,3 +156,122 @@ def read_index_blocking(fd: int, index: TimingIndex) -> None:
         index.read_pos += used
         if len(data) < 1 << 20:
             return
+
+
+_SAMPLED_STREAMS = {Stream.STDOUT: 6, Stream.STDERR: 7, Stream.COMBINED: 8}
+_NS = 1_000_000_000
+_MIN_NS = -(1 << 62)
+_MAX_NS = 1 << 62
+
+
+def stat_time_ns(date: str, clock: str, zone: str) -> int:
+    """The POSIX ns of a time as ``stat -c %y`` prints it (``2024-05-01 12:00:00.123456789 +0200``).
+
+    Raises:
+        ValueError: it is not such a time.
+    """
+    year, month, day = (int(x) for x in date.split("-"))
+    hms, _, fraction = clock.partition(".")
+    hour, minute, second = (int(x) for x in hms.split(":"))
+    if len(zone) != 5 or zone[0] not in "+-" or not zone[1:].isdigit():
+        raise ValueError(f"not a time zone offset: {zone!r}")
+    offset = (int(zone[1:3]) * 3600 + int(zone[3:5]) * 60) * (1 if zone[0] == "+" else -1)
+    seconds = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0)) - offset
+    ns = int(fraction.ljust(9, "0")[:9]) if fraction else 0
+    return seconds * _NS + ns
+
+
+@dataclass
+class SampledIndex:
+    """When the bytes of one stream's file were written, from the samples in ``index.txt``.
+
+    Each line of ``index.txt`` is one sample: ``A B OUT ERR COMBINED``, where A and B are times
+    printed by ``stat -c %y`` (three words each) and the rest the three files' sizes. A sample that
+    finds a file grown says those bytes were written after the ``A`` of the sample written before it
+    and before the ``B`` of the sample written after it (its writer takes that sample right after).
+    So each chunk has an interval ``[low, high]`` instead of one time; ``window`` keeps a chunk when
+    its interval meets ``[since, until]``: no byte written in the window is left out, and bytes
+    written up to one interval outside it may be kept. Bytes past the last sample get ``[the last
+    A, the file's mtime]``.
+
+    Args:
+        stream: the stream whose file this indexes.
+    """
+
+    stream: Stream
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    lows: list[int] = field(default_factory=list)
+    highs: list[int] = field(default_factory=list)  # the last may be _MAX_NS: not closed yet
+    covered: int = 0
+    read_pos: int = 0
+    present: bool = False
+    _last_a: int = _MIN_NS
+    _open: bool = False
+
+    def feed_line(self, line: str) -> None:
+        """Adds one sample (a malformed line is skipped)."""
+        words = line.split()
+        if len(words) != 9:
+            return
+        try:
+            a = stat_time_ns(*words[0:3])
+            b = stat_time_ns(*words[3:6])
+            size = int(words[_SAMPLED_STREAMS[self.stream]])
+        except ValueError:
+            return
+        if self._open:  # this sample is the one right after the last chunk's: it closes it
+            before = self.highs[-2] if len(self.highs) > 1 else _MIN_NS
+            self.highs[-1] = max(b, self.lows[-1], before)
+            self._open = False
+        if size > self.covered:
+            self.starts.append(self.covered)
+            self.ends.append(size)
+            low = self._last_a if not self.lows else max(self._last_a, self.lows[-1])
+            self.lows.append(low)
+            self.highs.append(_MAX_NS)
+            self._open = True
+            self.covered = size
+        self._last_a = max(a, self._last_a)
+
+    def read_blocking(self, fd: int) -> None:
+        """Reads the complete lines appended to ``index.txt`` (``fd``) since the last call."""
+        self.present = True
+        while True:
+            data = os.pread(fd, 1 << 20, self.read_pos)
+            end = data.rfind(b"\n") + 1
+            if end == 0:
+                return
+            for line in data[:end].decode("ascii", "replace").splitlines():
+                self.feed_line(line)
+            self.read_pos += end
+            if len(data) < 1 << 20:
+                return
+
+    def window(
+        self, since_ns: int | None, until_ns: int | None, size: int, tail_ns: int
+    ) -> tuple[int, int]:
+        """The byte range ``[lo, hi)`` of the file that may have been written within
+        ``[since, until]`` (see the class docstring); ``tail_ns`` is the file's mtime."""
+        starts, ends, lows, highs = self.starts, self.ends, self.lows, self.highs
+        covered = min(self.covered, size)
+        tail_low = max(self._last_a, lows[-1]) if lows else self._last_a
+        lo = 0
+        if since_ns is not None:
+            i = bisect_left(highs, since_ns)  # the open chunk's high (_MAX_NS) is the file's mtime
+            if i == len(starts) - 1 and self._open and tail_ns < since_ns:
+                i += 1
+            if i < len(starts):
+                lo = starts[i]
+            elif covered < size and tail_ns >= since_ns:
+                lo = covered
+            else:
+                lo = size
+        hi = size
+        if until_ns is not None:
+            j = bisect_right(lows, until_ns)
+            if j < len(starts):
+                hi = ends[j - 1] if j else 0
+            elif covered < size and tail_low > until_ns:
+                hi = covered
+        return lo, max(lo, min(hi, size))

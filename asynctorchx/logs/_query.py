@@ -67,18 +67,26 @@ def check_time_window(
         TypeError: one of them is not a datetime.
     """
     lo, hi = to_timestamp(since, "since"), to_timestamp(until, "until")
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"since ({since}) is after until ({until})")
+    check_window_order(lo, hi, since, until)
     return lo, hi
 
 
+def check_window_order(lo: float | None, hi: float | None, since: object, until: object) -> None:
+    """Raises ValueError, naming ``since`` and ``until`` as given, when ``lo`` is after ``hi``."""
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"since ({since}) is after until ({until})")
+
+
 def parse_stream(
-    streams: Stream | str | None, supported: Collection[Stream], backend: str
+    streams: Stream | str | None, supported: Collection[Stream], reader: str
 ) -> Stream:
-    """The stream asked for (COMBINED when None), checked against what ``backend`` can read.
+    """The stream asked for (COMBINED when None), checked against what ``reader`` can read.
+
+    Args:
+        reader: who reads, for the error message (e.g. ``"the slurm scheduler"``).
 
     Raises:
-        ValueError: an unknown stream, or one the backend cannot read (lists those it can).
+        ValueError: an unknown stream, or one the reader cannot read (lists those it can).
     """
     if streams is None:
         stream: Stream | None = Stream.COMBINED
@@ -87,7 +95,7 @@ def parse_stream(
         stream = _STREAMS.get(value) if isinstance(value, str) else None
     if stream is None or stream not in supported:
         can = ", ".join(s.value for s in Stream if s in supported)
-        raise ValueError(f"unsupported log stream {streams!r}; the {backend} scheduler reads {can}")
+        raise ValueError(f"unsupported log stream {streams!r}; {reader} reads {can}")
     return stream
 
 
@@ -143,7 +151,7 @@ class LogQuery:
             raise TypeError(f"the replica index k must be an int, got {k!r}")
         if k < 0:
             raise ValueError(f"the replica index k must be >= 0, got {k}")
-        stream = parse_stream(streams, supported, backend)
+        stream = parse_stream(streams, supported, f"the {backend} scheduler")
         pattern = compile_log_regex(regex)
         lo, hi = check_time_window(since, until)
         return cls(app_id, role_name, k, pattern, lo, hi, bool(should_tail), stream)

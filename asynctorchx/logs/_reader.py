@@ -14,8 +14,22 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
-from asynctorchx.logs._files import INDEX_FILE, LOG_FILES, TimingIndex, read_index_blocking
-from asynctorchx.logs._query import Stream, compile_log_regex
+from asynctorchx.logs._files import (
+    INDEX_FILE,
+    LOG_FILES,
+    SAMPLED_INDEX_FILE,
+    SampledIndex,
+    TimingIndex,
+)
+from asynctorchx.logs._notify import Wake
+from asynctorchx.logs._query import (
+    ALL_STREAMS,
+    LogQuery,
+    Stream,
+    check_window_order,
+    compile_log_regex,
+    parse_stream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +58,7 @@ Segment = tuple[bytes, int, int, int]
 class _LongLine:
     """One line of the file, ``[start, end)``, too long to have been held while its end was sought.
 
-    It is read back from the file in one piece (``_Cursor.read_long_blocking``), so a line of N bytes
+    It is read back from the file in one piece (``_LogFile.read_long_blocking``), so a line of N bytes
     costs N bytes of buffer plus its decoded ``str`` while it is decoded, then the ``str`` alone:
     never the chunks it was read in plus their concatenation.
     """
@@ -112,19 +126,20 @@ def _batches(segment: Segment) -> Iterator[list[str]]:
         a = cut
 
 
-class _Cursor:
-    """One log file (and its timing index) read incrementally.
+class _LogFile:
+    """One log file (and its timing index) read incrementally: the reader's position in it, the
+    partial last line, and the index read so far.
 
     Methods named ``*_blocking`` do file I/O and run in a worker thread (``run``); the others are cheap
     and run on the event loop. ``close`` waits for an in-flight worker call before closing the files.
     """
 
-    def __init__(self, path: str, index_path: str | None, stream: Stream) -> None:
+    def __init__(self, path: str, index_dir: str | None, stream: Stream) -> None:
         self.path = path
-        self.index_path = index_path
+        self.index_dir = index_dir
         self.fd = -1
         self.index_fd = -1
-        self.index = TimingIndex(stream)
+        self.index: TimingIndex | SampledIndex = TimingIndex(stream)
         self.pos = 0
         self.pending: list[bytes] = []
         self.pending_len = 0
@@ -181,19 +196,27 @@ class _Cursor:
                 self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
             except (FileNotFoundError, NotADirectoryError):
                 return False
-        if self.index_path is not None and self.index_fd < 0:
-            try:
-                self.index_fd = os.open(self.index_path, os.O_RDONLY | os.O_CLOEXEC)
-            except (FileNotFoundError, NotADirectoryError):
-                pass
+        if self.index_dir is not None and self.index_fd < 0:
+            self._open_index_blocking(self.index_dir)
         return True
+
+    def _open_index_blocking(self, directory: str) -> None:
+        """Opens the timing index: ``index.bin`` (our writer's), else ``index.txt`` (samples)."""
+        for name in (INDEX_FILE, SAMPLED_INDEX_FILE):
+            try:
+                self.index_fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if name == SAMPLED_INDEX_FILE:
+                self.index = SampledIndex(self.index.stream)
+            return
 
     def refresh_blocking(self) -> bool:
         """Reads new index records (first: they are written before the data), then the file's size."""
         if not self.open_blocking():
             return False
         if self.index_fd >= 0:
-            read_index_blocking(self.index_fd, self.index)
+            self.index.read_blocking(self.index_fd)
         st = os.fstat(self.fd)
         if st.st_size < self.pos:
             logger.warning(
@@ -301,14 +324,6 @@ class _Cursor:
         return item
 
 
-def _check_stream(stream: Stream | str) -> Stream:
-    try:
-        return Stream(stream)
-    except ValueError:
-        known = ", ".join(s.value for s in Stream)
-        raise ValueError(f"unsupported log stream {stream!r} (supported: {known})") from None
-
-
 def _to_ns(value: float | None, name: str) -> int | None:
     if value is None:
         return None
@@ -317,8 +332,13 @@ def _to_ns(value: float | None, name: str) -> int | None:
     return int(value * 1_000_000_000)
 
 
+#: A replica's log directory, or an async function that finds it (a backend's lookup, whose errors
+#: are then raised at the first iteration without a generator layer of its own).
+LogLocation = pathlib.Path | Callable[[], Awaitable[pathlib.Path]]
+
+
 def iter_log_lines(
-    directory: pathlib.Path,
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
     stream: Stream = Stream.COMBINED,
     *,
     regex: re.Pattern[str] | str | None = None,
@@ -334,9 +354,11 @@ def iter_log_lines(
     yielded (when not following, or once finished), and a line is never split however long it is.
 
     ``since``/``until`` keep the lines of which some part was written within ``[since, until]``, using
-    the timing index (each chunk's time is when it was read from the pipe, within a few ms of when the
-    replica wrote it). A file without an index (e.g. written by Slurm) has nothing finer than its mtime:
-    all of it is inside the window when the mtime is, none of it otherwise.
+    the timing index ``index.bin`` (each chunk's time is when it was read from the pipe, within a few
+    ms of when the replica wrote it), else the timing samples ``index.txt`` of a file written by
+    another program (a Slurm job: each chunk is dated to an interval between two samples, and kept
+    when that interval meets the window). A file with neither has nothing finer than its mtime: all
+    of it is inside the window when the mtime is, none of it otherwise.
 
     With ``follow=True`` the lines that exist are yielded, then new ones as they arrive: a writer in
     this process wakes the reader directly, writes by other processes wake it through inotify (or a
@@ -351,7 +373,8 @@ def iter_log_lines(
     ``until`` has been read.
 
     Args:
-        directory: the replica's log directory.
+        directory: the replica's log directory, or an async function that returns it: it is
+            awaited at the first iteration, and what it raises is raised there.
         stream: which file to read: stdout, stderr or combined.
         regex: only lines where ``regex.search`` matches (a string is compiled).
         since: POSIX timestamp; only lines written at or after it.
@@ -367,50 +390,70 @@ def iter_log_lines(
             ``since`` is after ``until``.
         TypeError: ``since``/``until`` are not numbers.
     """
-    stream = _check_stream(stream)
+    stream = parse_stream(stream, ALL_STREAMS, "iter_log_lines")
     if isinstance(regex, str):
         regex = compile_log_regex(regex)
     since_ns, until_ns = _to_ns(since, "since"), _to_ns(until, "until")
-    if since_ns is not None and until_ns is not None and since_ns > until_ns:
-        raise ValueError(f"since ({since}) is after until ({until})")
+    check_window_order(since_ns, until_ns, since, until)
     if poll_interval is not None and not poll_interval > 0:
         raise ValueError(
             f"poll_interval must be a positive number of seconds, got {poll_interval!r}"
         )
-    directory = pathlib.Path(directory)
+    where = directory if callable(directory) else pathlib.Path(directory)
     if follow:
-        return _follow(directory, stream, regex, since_ns, until_ns, is_finished, poll_interval)
-    return _read_now(directory, stream, regex, since_ns, until_ns)
+        return _follow(where, stream, regex, since_ns, until_ns, is_finished, poll_interval)
+    return _read_now(where, stream, regex, since_ns, until_ns)
 
 
-def _new_cursor(directory: pathlib.Path, stream: Stream, windowed: bool) -> _Cursor:
-    return _Cursor(
-        os.path.join(directory, LOG_FILES[stream]),
-        os.path.join(directory, INDEX_FILE) if windowed else None,
-        stream,
+async def _located(where: LogLocation) -> pathlib.Path:
+    return pathlib.Path(await where()) if callable(where) else where
+
+
+def iter_query_lines(
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
+    query: LogQuery,
+    is_finished: Callable[[], Awaitable[bool]] | None,
+    stream: Stream | None = None,
+) -> AsyncGenerator[str, None]:
+    """``iter_log_lines`` of what a backend's ``LogQuery`` asks for (its stream, unless ``stream``
+    names another: a backend that reads one file after another)."""
+    return iter_log_lines(
+        directory,
+        query.stream if stream is None else stream,
+        regex=query.regex,
+        since=query.since,
+        until=query.until,
+        follow=query.follow,
+        is_finished=is_finished,
+    )
+
+
+def _open_log(directory: pathlib.Path, stream: Stream, windowed: bool) -> _LogFile:
+    return _LogFile(
+        os.path.join(directory, LOG_FILES[stream]), str(directory) if windowed else None, stream
     )
 
 
 def _plan_blocking(
-    cursor: _Cursor, since_ns: int | None, until_ns: int | None
+    log: _LogFile, since_ns: int | None, until_ns: int | None
 ) -> tuple[int, int] | None:
     """Opens the file and finds the byte range written within the window (None: nothing to read).
 
-    The cursor is left at the start of the range's first line.
+    The file's position is left at the start of the range's first line.
     """
-    if not cursor.refresh_blocking():
+    if not log.refresh_blocking():
         return None
     if since_ns is None and until_ns is None:
-        return 0, cursor.size
-    lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+        return 0, log.size
+    lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
     if lo >= hi:
         return None
-    cursor.pos = cursor.line_start_blocking(lo)
+    log.pos = log.line_start_blocking(lo)
     return lo, hi
 
 
 async def _read_long(
-    cursor: _Cursor,
+    log: _LogFile,
     line: _LongLine,
     lo: int,
     hi: int,
@@ -419,7 +462,7 @@ async def _read_long(
     """The long line (read in a worker thread) if it touches ``[lo, hi)`` and matches ``search``."""
     if not (line.start < hi and line.end > lo):
         return []
-    lines = await cursor.run(cursor.read_long_blocking, line)
+    lines = await log.run(log.read_long_blocking, line)
     return lines if search is None else [text for text in lines if search(text)]
 
 
@@ -430,39 +473,36 @@ def _forget(future: asyncio.Future[Any] | None) -> None:
 
 
 async def _read_now(
-    directory: pathlib.Path,
+    where: LogLocation,
     stream: Stream,
     regex: re.Pattern[str] | None,
     since_ns: int | None,
     until_ns: int | None,
 ) -> AsyncGenerator[str, None]:
+    directory = await _located(where)
     windowed = since_ns is not None or until_ns is not None
-    cursor = _new_cursor(directory, stream, windowed)
+    log = _open_log(directory, stream, windowed)
     search = regex.search if regex is not None else None
     future: asyncio.Future[bytes] | None = None
     try:
-        plan = await cursor.run(_plan_blocking, cursor, since_ns, until_ns)
+        plan = await log.run(_plan_blocking, log, since_ns, until_ns)
         if plan is None:
             return
         lo, hi = plan
-        size = cursor.size
-        if cursor.pos < size:
-            future = cursor.run(
-                cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
-            )
+        size = log.size
+        if log.pos < size:
+            future = log.run(log.pread_blocking, min(_READ_BLOCK, size - log.pos), log.pos)
         while future is not None:
             data = await future
             future = None
-            segments = cursor.take(data)
-            if data and cursor.pos < size and cursor.pending_start < hi:
-                future = cursor.run(
-                    cursor.pread_blocking, min(_READ_BLOCK, size - cursor.pos), cursor.pos
-                )
-            elif cursor.pending_len:
-                segments.append(cursor.flush())  # the unterminated last line
+            segments = log.take(data)
+            if data and log.pos < size and log.pending_start < hi:
+                future = log.run(log.pread_blocking, min(_READ_BLOCK, size - log.pos), log.pos)
+            elif log.pending_len:
+                segments.append(log.flush())  # the unterminated last line
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
                         yield long_lines.pop(0)
                     continue
@@ -471,7 +511,7 @@ async def _read_now(
                         yield line
     finally:
         _forget(future)
-        cursor.close()
+        log.close()
 
 
 class _DirectoryWatch:
@@ -520,7 +560,7 @@ class _DirectoryWatch:
         if mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW) or not _notify.live_writers(
             self._key
         ):
-            self._waker.set("closed" if mask & _inotify.IN_CLOSE_WRITE else "inotify")
+            self._waker.set(Wake.CLOSED if mask & _inotify.IN_CLOSE_WRITE else Wake.INOTIFY)
 
     def _ancestor_callback(self, path: str) -> _inotify.WatchCallback:
         rel = os.path.relpath(self._directory, path)
@@ -528,7 +568,7 @@ class _DirectoryWatch:
 
         def on_event(name: str, mask: int) -> None:
             if name == child or mask & (_inotify.IN_IGNORED | _inotify.IN_Q_OVERFLOW):
-                self._waker.set("inotify")
+                self._waker.set(Wake.INOTIFY)
 
         return on_event
 
@@ -549,8 +589,38 @@ async def _drain_writers(key: str, loop: asyncio.AbstractEventLoop) -> None:
                 logger.warning("%r did not drain within %.0f s", writer, _DRAIN_TIMEOUT)
 
 
+class _FinishChecks:
+    """When a follower asks whether the replica finished: once the existing lines are read, then
+    only when a wake-up brought no new data or may say the writer is done, and otherwise on a timer
+    backing off from ``_FINISH_CHECK_MIN`` to ``_FINISH_CHECK_MAX`` (never on every empty read)."""
+
+    __slots__ = ("_delay", "_loop", "_next")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._delay = _FINISH_CHECK_MIN
+        self._next = loop.time()
+
+    def due(self, got: bool, reason: Wake) -> bool:
+        """True when a read that ``got`` data (or not) after ``reason`` calls for a check."""
+        quiet = not got and reason not in (Wake.TIMER, Wake.MORE)
+        return quiet or reason.may_be_done or self._loop.time() >= self._next
+
+    def not_finished(self, got: bool, reason: Wake) -> None:
+        """A check said no: the next is soon after a state wake-up or a quiet read, later else."""
+        if reason.may_be_done or not (got or reason in (Wake.TIMER, Wake.MORE)):
+            self._delay = _FINISH_CHECK_MIN
+        else:
+            self._delay = min(self._delay * 2, _FINISH_CHECK_MAX)
+        self._next = self._loop.time() + self._delay
+
+    def timeout(self) -> float:
+        """Seconds until the next check is due."""
+        return self._next - self._loop.time()
+
+
 async def _follow(
-    directory: pathlib.Path,
+    where: LogLocation,
     stream: Stream,
     regex: re.Pattern[str] | None,
     since_ns: int | None,
@@ -558,37 +628,38 @@ async def _follow(
     is_finished: Callable[[], Awaitable[bool]] | None,
     poll_interval: float | None,
 ) -> AsyncGenerator[str, None]:
+    directory = await _located(where)
     loop = asyncio.get_running_loop()
     key = _notify.directory_key(directory)
     windowed = since_ns is not None or until_ns is not None
-    cursor = _new_cursor(directory, stream, windowed)
-    names = frozenset({LOG_FILES[stream], INDEX_FILE} if windowed else {LOG_FILES[stream]})
+    log = _open_log(directory, stream, windowed)
+    index_names = {INDEX_FILE, SAMPLED_INDEX_FILE} if windowed else set()
+    names = frozenset({LOG_FILES[stream], *index_names})
     waker = _notify.Waker(loop, stream)
     watch = _DirectoryWatch(key, key, names, waker)
     search = regex.search if regex is not None else None
     _notify.add_waker(key, waker)
-    delay = _FINISH_CHECK_MIN
-    next_check = loop.time()
-    reason = "start"
+    checks = _FinishChecks(loop)
+    reason = Wake.START
     finishing = False
     future: asyncio.Future[bytes] | None = None
     try:
         while True:
             waker.clear()
             watch.ensure()
-            future = cursor.run(cursor.poll_blocking, _READ_BLOCK)
+            future = log.run(log.poll_blocking, _READ_BLOCK)
             data = await future
             future = None
-            segments = cursor.take(data)
-            more = cursor.pos < cursor.size
-            if finishing and not more and cursor.pending_len:
-                segments.append(cursor.flush())
-            lo, hi = 0, cursor.size
+            segments = log.take(data)
+            more = log.pos < log.size
+            if finishing and not more and log.pending_len:
+                segments.append(log.flush())
+            lo, hi = 0, log.size
             if windowed:
-                lo, hi = cursor.index.window(since_ns, until_ns, cursor.size, cursor.mtime_ns)
+                lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(cursor, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
                         yield long_lines.pop(0)
                     continue
@@ -596,48 +667,46 @@ async def _follow(
                     for line in lines if search is None else filter(search, lines):
                         yield line
             if more:
-                reason = "more"
+                reason = Wake.MORE
                 continue
             if finishing:
                 return
-            if until_ns is not None and _past_until(cursor, hi, until_ns):
+            if until_ns is not None and _past_until(log, hi, until_ns):
                 return
             got = bool(data)
-            if is_finished is not None and (
-                (not got and reason not in ("timer", "more"))
-                or reason in _notify.STATE_REASONS
-                or loop.time() >= next_check
-            ):
+            if is_finished is not None and checks.due(got, reason):
                 if await is_finished():
                     await _drain_writers(key, loop)
                     finishing = True
                     continue
-                if reason in _notify.STATE_REASONS or not (got or reason in ("timer", "more")):
-                    delay = _FINISH_CHECK_MIN
-                else:
-                    delay = min(delay * 2, _FINISH_CHECK_MAX)
-                next_check = loop.time() + delay
-            timeout = next_check - loop.time() if is_finished is not None else 3600.0
-            if poll_interval is not None:
-                timeout = min(timeout, poll_interval)
-            elif not watch.watching and not _notify.live_writers(key):
-                timeout = min(timeout, _FALLBACK_POLL)
-            if until_ns is not None:
-                left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
-                timeout = min(timeout, max(0.0, left) + 0.01)
-            reason = await waker.wait(timeout)
-            logger.debug("follower of %s woken by %s", cursor.path, reason)
+                checks.not_finished(got, reason)
+            timeout = checks.timeout() if is_finished is not None else 3600.0
+            poll = poll_interval
+            if poll is None and not watch.watching and not _notify.live_writers(key):
+                poll = _FALLBACK_POLL
+            reason = await waker.wait(_bounded(timeout, poll, until_ns))
+            logger.debug("follower of %s woken by %s", log.path, reason.value)
     finally:
         _forget(future)
         _notify.remove_waker(key, waker)
         watch.cancel()
-        cursor.close()
+        log.close()
 
 
-def _past_until(cursor: _Cursor, hi: int, until_ns: int) -> bool:
+def _bounded(timeout: float, poll_interval: float | None, until_ns: int | None) -> float:
+    """``timeout``, shortened to the poll interval and to just past ``until`` (with its slack)."""
+    if poll_interval is not None:
+        timeout = min(timeout, poll_interval)
+    if until_ns is not None:
+        left = (until_ns + _UNTIL_SLACK_NS) / 1e9 - time.time()
+        timeout = min(timeout, max(0.0, left) + 0.01)
+    return timeout
+
+
+def _past_until(log: _LogFile, hi: int, until_ns: int) -> bool:
     """True when no line touching the window's end can still come (a follower with ``until`` stops)."""
-    if cursor.pending_len > 0 and cursor.pending_start < hi:
+    if log.pending_len > 0 and log.pending_start < hi:
         return False
-    if hi < cursor.size:
+    if hi < log.size:
         return True
     return time.time_ns() > until_ns + _UNTIL_SLACK_NS

@@ -18,6 +18,7 @@ from asynctorchx.logs._files import (
     RECORD_SIZE,
     STREAM_IDS,
 )
+from asynctorchx.logs._notify import Wake
 from asynctorchx.logs._query import Stream
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class ReplicaLogWriter:
         self._unmarked: dict[Stream, int] = {}
         self._loss_reason = ""
         _notify.add_writer(self._key, self)
-        _notify.wake_key(self._key, "created")
+        _notify.wake_key(self._key, Wake.CREATED)
 
     def _init_index(self) -> int:
         """Writes the index header, or drops a torn last record; returns the last record's time."""
@@ -235,9 +236,9 @@ class ReplicaLogWriter:
         if eof:
             self._detach(fd)
         if eof:
-            _notify.wake_key(self._key, "eof")
+            _notify.wake_key(self._key, Wake.EOF)
         elif chunks:
-            _notify.wake_key(self._key, "data", stream)
+            _notify.wake_key(self._key, Wake.DATA, stream)
 
     def _append(self, stream: Stream, data: bytes) -> None:
         now = time.time_ns()
@@ -346,7 +347,7 @@ class ReplicaLogWriter:
                 self._write_marker(target)
         self._close_files()
         _notify.remove_writer(self._key, self)
-        _notify.wake_key(self._key, "closed")
+        _notify.wake_key(self._key, Wake.CLOSED)
 
     def _close_files(self) -> None:
         for fd in [*self._files.values(), self._index_fd]:

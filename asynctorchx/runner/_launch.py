@@ -19,24 +19,38 @@ import contextlib
 import contextvars
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.specs.api import AppDef, AppHandle, AppState, AppStatus, CfgVal
 
-if TYPE_CHECKING:
-    from asynctorchx.runner.api import AsyncRunner
-    from asynctorchx.runner.hub import _Entry
-
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_CLEANUP_TIMEOUT = 60.0
+
+#: ``watch_final(handle, on_final)`` calls ``on_final(status)`` once the app is final (at once if it
+#: is already) and returns the function that stops watching.
+WatchFinal = Callable[[AppHandle, Callable[[AppStatus | None], None]], Callable[[], None]]
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """What a launch block needs of the runner: its calls (bound methods of ``AsyncRunner``), the
+    supervisor its clean-up runs in, and a way to hear that an app is final."""
+
+    run: Callable[..., Awaitable[AppHandle]]
+    run_component: Callable[..., Awaitable[AppHandle]]
+    cancel: Callable[[AppHandle], Awaitable[None]]
+    wait: Callable[[AppHandle], Awaitable[AppStatus | None]]
+    wait_all: Callable[..., Awaitable[dict[AppHandle, AppStatus | None]]]
+    supervisor: TaskSupervisor
+    watch_final: WatchFinal
 
 
 class GangFailedError(Exception):
@@ -140,8 +154,7 @@ def _check_timeout(value: object) -> float:
 @dataclass
 class _Member:
     handle: AppHandle
-    entry: _Entry | None = None
-    listener: Callable[[_Entry], None] | None = None
+    stop_watching: Callable[[], None] | None = None
 
 
 @dataclass
@@ -152,7 +165,7 @@ class LaunchGroup:
     inside the block).
     """
 
-    _runner: AsyncRunner
+    _runner: Launcher
     gang: bool
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     _members: dict[AppHandle, _Member] = field(default_factory=dict)
@@ -210,19 +223,10 @@ class LaunchGroup:
         """Called by the runner as soon as the backend returned the app's id (before any await)."""
         member = _Member(handle)
         self._members[handle] = member
-        if not self.gang:
-            return
-        backend, app_id = self._runner._split(handle)
-        entry = self._runner._hub(backend).track(app_id, submitted=True)
-
-        def on_change(e: _Entry, handle: AppHandle = handle) -> None:
-            if e.final:
-                self._on_final(handle, e.status)
-
-        member.entry, member.listener = entry, on_change
-        entry.listeners.append(on_change)
-        if entry.final:
-            self._on_final(handle, entry.status)
+        if self.gang:
+            member.stop_watching = self._runner.watch_final(
+                handle, lambda status: self._on_final(handle, status)
+            )
 
     def _on_final(self, handle: AppHandle, status: AppStatus | None) -> None:
         if self._closing or self._failure is not None:
@@ -243,8 +247,8 @@ class LaunchGroup:
 
     def _detach(self) -> None:
         for member in self._members.values():
-            if member.entry is not None and member.listener in member.entry.listeners:
-                member.entry.listeners.remove(member.listener)
+            if member.stop_watching is not None:
+                member.stop_watching()
 
     async def _stop_all(self, handles: list[AppHandle], seconds: float) -> list[AppHandle]:
         """Cancels ``handles`` and waits for them to be terminal; returns those not confirmed in time."""
@@ -270,7 +274,7 @@ class LaunchGroup:
             return []
         try:
             return await shielded(
-                self._runner._supervisor,
+                self._runner.supervisor,
                 self._stop_all(handles, seconds),
                 name="cancel launched apps",
             )
@@ -292,7 +296,7 @@ class LaunchGroup:
 
 @contextlib.asynccontextmanager
 async def launch_group(
-    runner: AsyncRunner,
+    runner: Launcher,
     *,
     gang: bool = False,
     cancel_on_exit: bool = True,
@@ -301,7 +305,6 @@ async def launch_group(
 ) -> AsyncIterator[LaunchGroup]:
     """See ``AsyncRunner.launch_group``."""
     timeout = _check_timeout(cleanup_timeout)
-    runner._check_open()
     group = LaunchGroup(runner, gang)
     ended_normally = False
     try:
@@ -330,7 +333,7 @@ async def launch_group(
 
 @contextlib.asynccontextmanager
 async def launched(
-    runner: AsyncRunner,
+    runner: Launcher,
     app: AppDef | str,
     scheduler: str,
     cfg: Mapping[str, CfgVal] | None = None,

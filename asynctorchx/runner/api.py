@@ -14,7 +14,7 @@ import inspect
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -24,7 +24,7 @@ import anyio
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.runner import _launch
-from asynctorchx.runner.hub import PollSettings, StatusHub, _Entry
+from asynctorchx.runner.hub import AppEntry, PollSettings, StatusHub
 from asynctorchx.runner.limits import (
     BackendLimiter,
     Clock,
@@ -206,9 +206,9 @@ class AsyncRunner:
             for queue in self._readers:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
-            self._closing = asyncio.get_running_loop().create_task(
-                self._close(), name=f"runner:{self._name}:close"
-            )
+            # its own supervisor: the runner's is closed by the clean-up itself
+            closer = TaskSupervisor(f"runner:{self._name}")
+            self._closing = closer.spawn(self._close(), name="close")
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
@@ -600,8 +600,9 @@ class AsyncRunner:
                 cancel the app (logged likewise on other exits).
             ValueError: ``cleanup_timeout`` is not a finite number > 0.
         """
+        self._check_open()
         return _launch.launched(
-            self,
+            self._launcher(),
             app,
             scheduler,
             cfg,
@@ -633,8 +634,9 @@ class AsyncRunner:
             GangFailedError: in a gang, an app did not succeed (the others were cancelled).
             TimeoutError: as for ``launched``.
         """
+        self._check_open()
         return _launch.launch_group(
-            self,
+            self._launcher(),
             gang=gang,
             cancel_on_exit=cancel_on_exit,
             cancel_on_normal_exit=cancel_on_normal_exit,
@@ -655,6 +657,30 @@ class AsyncRunner:
         """The limits this runner applies to ``scheduler`` (None: none)."""
         limiter = self._limiters.get(scheduler)
         return None if limiter is None else limiter.limits
+
+    def _launcher(self) -> _launch.Launcher:
+        return _launch.Launcher(
+            run=self.run,
+            run_component=self.run_component,
+            cancel=self.cancel,
+            wait=self.wait,
+            wait_all=self.wait_all,
+            supervisor=self._supervisor,
+            watch_final=self._watch_final,
+        )
+
+    def _watch_final(
+        self, handle: AppHandle, on_final: Callable[[AppStatus | None], None]
+    ) -> Callable[[], None]:
+        """Calls ``on_final(status)`` once the app (just submitted) is final; returns the function
+        that stops watching it."""
+        backend, app_id = self._split(handle)
+        hub = self._hub(backend)
+        entry = hub.track(app_id, submitted=True)
+        if entry.final:
+            on_final(entry.status)
+            return lambda: None
+        return hub.listen(entry, lambda e: on_final(e.status) if e.final else None)
 
     # -- status ---------------------------------------------------------------------------------
 
@@ -765,33 +791,32 @@ class AsyncRunner:
         if not handles:
             return
         deadline = math.inf if timeout is None else time.monotonic() + timeout
-        done: asyncio.Queue[tuple[AppHandle, _Entry]] = asyncio.Queue()
-        entries: list[tuple[AppHandle, StatusHub, _Entry]] = []
+        done: asyncio.Queue[tuple[AppHandle, AppEntry]] = asyncio.Queue()
+        entries: list[tuple[AppHandle, StatusHub, AppEntry]] = []
         for handle in handles:
             backend, app_id = self._split(handle)
             hub = self._hub(backend)
             entries.append((handle, hub, hub.track(app_id)))
 
         pending = len(entries)
-        listeners: list[tuple[_Entry, Any]] = []
-        for handle, _hub, entry in entries:
+        stop_listening: list[Callable[[], None]] = []
+        for handle, hub, entry in entries:
             if entry.final:
                 done.put_nowait((handle, entry))
                 continue
 
-            def on_change(e: _Entry, handle: AppHandle = handle) -> None:
+            def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
                 if e.final:
                     done.put_nowait((handle, e))
 
-            entry.listeners.append(on_change)
-            listeners.append((entry, on_change))
+            stop_listening.append(hub.listen(entry, on_change))
         seen: set[AppHandle] = set()
         asked = False
         self._readers.add(done)
         try:
             while pending:
                 remaining = deadline - time.monotonic()
-                item: tuple[AppHandle, _Entry] | None = None
+                item: tuple[AppHandle, AppEntry] | None = None
                 if remaining > 0:
                     with anyio.move_on_after(remaining):
                         item = await self._next_item(done, "waiting for apps")
@@ -819,9 +844,8 @@ class AsyncRunner:
                 yield handle, entry.status
         finally:
             self._readers.discard(done)
-            for entry, listener in listeners:
-                if listener in entry.listeners:
-                    entry.listeners.remove(listener)
+            for stop in stop_listening:
+                stop()
 
     async def _next_item(self, queue: asyncio.Queue[T], what: str) -> T:
         """The next item of a queue that ``close()`` ends with ``_CLOSED``."""
@@ -837,11 +861,11 @@ class AsyncRunner:
         """
         self._check_open()
         queue: asyncio.Queue[AppEvent] = asyncio.Queue()
-        live: dict[AppHandle, _Entry] = {}
-        registered: list[tuple[_Entry, Any]] = []
+        live: dict[AppHandle, AppEntry] = {}
+        stop_listening: list[Callable[[], None]] = []
         last: dict[AppHandle, tuple[AppState, int] | None] = {}
 
-        def emit(handle: AppHandle, entry: _Entry) -> None:
+        def emit(handle: AppHandle, entry: AppEntry) -> None:
             resp = entry.response
             key = None if resp is None else (resp.state, resp.num_restarts)
             if handle in last and last[handle] == key and not (entry.final and resp is None):
@@ -862,14 +886,14 @@ class AsyncRunner:
 
         for handle in dict.fromkeys(app_handles):
             backend, app_id = self._split(handle)
-            entry = self._hub(backend).track(app_id)
+            hub = self._hub(backend)
+            entry = hub.track(app_id)
             live[handle] = entry
 
-            def on_change(e: _Entry, handle: AppHandle = handle) -> None:
+            def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
                 emit(handle, e)
 
-            entry.listeners.append(on_change)
-            registered.append((entry, on_change))
+            stop_listening.append(hub.listen(entry, on_change))
             if entry.known:
                 emit(handle, entry)
         self._readers.add(queue)
@@ -882,9 +906,8 @@ class AsyncRunner:
                 yield event
         finally:
             self._readers.discard(queue)
-            for entry, listener in registered:
-                if listener in entry.listeners:
-                    entry.listeners.remove(listener)
+            for stop in stop_listening:
+                stop()
 
     # -- control and inspection -----------------------------------------------------------------
 
@@ -933,9 +956,6 @@ class AsyncRunner:
         self._check_open()
         backend, app_id = self._split(app_handle)
         scheduler = self._scheduler(backend)
-        await self._call(backend)
-        if not await scheduler.exists(app_id):
-            raise UnknownAppException(app_handle)
         await self._call(backend)
         lines = scheduler.log_iter(app_id, role_name, k, regex, since, until, should_tail, streams)
         # one plain async-generator layer: cheaper per line than any hand-written __anext__

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -56,8 +56,15 @@ class PollSettings:
 
 
 @dataclass
-class _Entry:
-    """What the hub knows of one app."""
+class AppEntry:
+    """What the hub knows of one app (read it; the hub alone changes it).
+
+    Args:
+        app_id: the app.
+        response: its last description (None: not described yet, or unknown).
+        known: described at least once.
+        final: terminal, or unknown to the backend: no more rounds for it.
+    """
 
     app_id: str
     response: DescribeAppResponse | None = None
@@ -66,7 +73,9 @@ class _Entry:
     submitted_at: float | None = None  # set when this runner submitted it
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     version: int = 0
-    listeners: list[Callable[[_Entry], None]] = field(default_factory=list)
+    _listeners: list[Callable[[AppEntry], None]] = field(
+        default_factory=list, init=False, repr=False
+    )
     # the number (``StatusHub.rounds``) of the last round that included this app, answered or failed
     consulted: int = 0
     # set after each such round; created only for an app someone waits on with a deadline
@@ -74,7 +83,13 @@ class _Entry:
 
     @property
     def status(self) -> AppStatus | None:
+        """Its status (None when unknown)."""
         return None if self.response is None else self.response.to_status()
+
+    @property
+    def state(self) -> AppState | None:
+        """Its state (None when unknown)."""
+        return None if self.response is None else self.response.state
 
 
 _MAX_FINAL_ENTRIES = 100_000
@@ -105,7 +120,7 @@ class StatusHub:
         self.settings = settings or PollSettings()
         self._before_round = before_round
         self._supervisor = supervisor
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, AppEntry] = {}
         # the apps still followed, in the order they were first tracked (an ordered set)
         self._live: dict[str, None] = {}
         # final entries, oldest first: the oldest are forgotten beyond _MAX_FINAL_ENTRIES
@@ -123,12 +138,12 @@ class StatusHub:
 
     # -- tracking -------------------------------------------------------------------------------
 
-    def track(self, app_id: str, *, submitted: bool = False) -> _Entry:
+    def track(self, app_id: str, *, submitted: bool = False) -> AppEntry:
         """Starts following ``app_id`` (idempotent) and returns its entry."""
         self._check_open()
         entry = self._entries.get(app_id)
         if entry is None:
-            entry = _Entry(app_id, submitted_at=time.monotonic() if submitted else None)
+            entry = AppEntry(app_id, submitted_at=time.monotonic() if submitted else None)
             self._entries[app_id] = entry
             self._live[app_id] = None
             self._mark_dirty(app_id)
@@ -147,9 +162,24 @@ class StatusHub:
         self.track(app_id)
         self._mark_dirty(app_id)
 
-    def entry(self, app_id: str) -> _Entry | None:
+    def entry(self, app_id: str) -> AppEntry | None:
         """The hub's entry for ``app_id``, if tracked."""
         return self._entries.get(app_id)
+
+    def listen(self, entry: AppEntry, callback: Callable[[AppEntry], None]) -> Callable[[], None]:
+        """Calls ``callback(entry)`` after every change of ``entry`` (on the event loop, inside the
+        round that saw it) until the returned function is called (idempotent).
+
+        While someone listens, a final entry is not forgotten, and a polled backend is asked at
+        least every ``PollSettings.max_interval`` whatever the waits' hints.
+        """
+        entry._listeners.append(callback)
+
+        def stop() -> None:
+            if callback in entry._listeners:
+                entry._listeners.remove(callback)
+
+        return stop
 
     def record(self, app_id: str, response: DescribeAppResponse | None) -> None:
         """Feeds a description obtained elsewhere (e.g. by ``runner.status``) into the hub."""
@@ -173,7 +203,7 @@ class StatusHub:
 
     # -- waiting --------------------------------------------------------------------------------
 
-    def consult(self, app_id: str) -> tuple[_Entry, int]:
+    def consult(self, app_id: str) -> tuple[AppEntry, int]:
         """Tracks ``app_id`` and asks the next round to describe it (a waiter's deadline passed).
 
         Returns:
@@ -185,7 +215,7 @@ class StatusHub:
             self._mark_dirty(app_id)
         return entry, self.rounds
 
-    async def wait_consulted(self, entry: _Entry, token: int) -> None:
+    async def wait_consulted(self, entry: AppEntry, token: int) -> None:
         """Returns once ``entry`` is final or a round numbered above ``token`` has answered for it."""
         while not entry.final and entry.consulted <= token:
             self._check_open()
@@ -199,7 +229,7 @@ class StatusHub:
         app_id: str,
         timeout: float | None = None,  # noqa: ASYNC109
         poll_hint: float | None = None,
-    ) -> _Entry:
+    ) -> AppEntry:
         """Returns the entry once the app is terminal or known to be unknown.
 
         Args:
@@ -244,7 +274,6 @@ class StatusHub:
             else:
                 self._hints.remove(poll_hint)
         return entry
-        return entry
 
     def max_interval(self) -> float:
         """The longest the loop waits between rounds of a polled backend, now.
@@ -258,7 +287,7 @@ class StatusHub:
         if not self._hints:
             return s.max_interval
         cap = min(self._hints)
-        if self._unhinted_waits or any(self._entries[i].listeners for i in self._live):
+        if self._unhinted_waits or any(self._entries[i]._listeners for i in self._live):
             cap = min(cap, s.max_interval)
         return cap
 
@@ -266,21 +295,12 @@ class StatusHub:
         if self._closed:
             raise RuntimeError("the runner was closed while waiting for an app")
 
-    async def wait_change(self, entry: _Entry, seen_version: int) -> None:
-        """Returns once ``entry.version`` differs from ``seen_version``."""
-        while entry.version == seen_version:
-            self._check_open()
-            entry.changed.clear()
-            if entry.version != seen_version:
-                break
-            await entry.changed.wait()
-
     # -- the loop -------------------------------------------------------------------------------
 
     def _live_ids(self) -> list[str]:
         return list(self._live)
 
-    def _finalized(self, entry: _Entry) -> None:
+    def _finalized(self, entry: AppEntry) -> None:
         """Stops following ``entry``; forgets the oldest final entries nobody listens to, so that a
         long-lived runner does not keep every app it ever waited on (a forgotten app that is asked
         about again is simply described again)."""
@@ -290,7 +310,7 @@ class StatusHub:
             oldest = next(iter(self._finals))
             del self._finals[oldest]
             old = self._entries.get(oldest)
-            if old is not None and old.final and not old.listeners:
+            if old is not None and old.final and not old._listeners:
                 del self._entries[oldest]
 
     async def _run(self) -> None:
@@ -357,7 +377,7 @@ class StatusHub:
                 if entry.answered is not None:
                     entry.answered.set()
 
-    def _apply(self, entry: _Entry, response: DescribeAppResponse | None) -> bool:
+    def _apply(self, entry: AppEntry, response: DescribeAppResponse | None) -> bool:
         if response is None:
             grace = self.settings.unknown_grace
             if entry.submitted_at is not None and time.monotonic() - entry.submitted_at < grace:
@@ -388,7 +408,7 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-            for listener in list(entry.listeners):
+            for listener in list(entry._listeners):
                 listener(entry)
         return changed
 
@@ -405,8 +425,3 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-
-
-def states_of(entries: Iterable[_Entry]) -> dict[str, AppState | None]:
-    """``{app_id: state}`` of entries (None where unknown)."""
-    return {e.app_id: None if e.response is None else e.response.state for e in entries}

@@ -17,10 +17,11 @@ Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stde
 ``_slurm/script.py``) under the job directory (the ``job_dir`` run option, default: the current
 directory at submit time), which is recorded by Slurm, so ``log_iter`` finds them from any directory.
 ``log_iter`` reads ``combined.log`` unless ``streams`` asks for one stream (TorchX reads stderr by
-default; everything the replica wrote is what the local and Docker backends give). The files carry no
-timestamps: ``since``/``until`` can only use a file's modification time, so a file is read whole when
-its last write is inside the window and not at all otherwise. An app submitted before the job wrote
-``combined.log`` is read as its ``stdout.log`` then its ``stderr.log``.
+default; everything the replica wrote is what every backend here gives). ``since``/``until`` are
+honoured per line, to within the sampling interval of the job's timing samples (``index.txt``,
+``SAMPLE_INTERVAL`` = 0.25 s): a line is kept when the interval in which it was written meets the
+window. An app submitted before the job wrote ``combined.log`` is read as its ``stdout.log`` then
+its ``stderr.log``, and one without timing samples by its files' modification times.
 
 Workspaces (``_slurm/workspace.py``): the workspace is copied into the job directory (``job_dir``,
 which must be new or empty), where every role runs.
@@ -34,6 +35,7 @@ whatever the roles' ``retry_policy``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import re
@@ -41,14 +43,14 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
-from asynctorchx.logs import iter_log_lines
+from asynctorchx._tasks import TaskSupervisor, await_shielded
+from asynctorchx.logs import LogQuery, iter_query_lines
 from asynctorchx.schedulers._slurm import workspace as slurm_workspace
 from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
 from asynctorchx.schedulers._slurm.parse import (
@@ -75,9 +77,7 @@ from asynctorchx.schedulers.api import (
     Scheduler,
     Stream,
     check_replica,
-    compile_log_regex,
     role_replica_counts,
-    to_timestamp,
 )
 from asynctorchx.schedulers.workspace import WorkspacePlan, current_progress
 from asynctorchx.specs.api import (
@@ -118,6 +118,8 @@ _GONE = re.compile(
     r"invalid job id|already completing or completed|job/step already completed", re.IGNORECASE
 )
 _FINAL_CACHE_SIZE = 10_000
+#: How long ``close()`` waits for the sbatch (or scancel of a withdrawn job) still running.
+CLOSE_WAIT = 30.0
 
 
 class SlurmCommandError(RuntimeError):
@@ -180,6 +182,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._final: OrderedDict[str, DescribeAppResponse] = OrderedDict()
         self._workdirs: dict[str, str] = {}
         self._seen: dict[str, tuple[float, AppState]] = {}
+        self._tasks = TaskSupervisor(f"slurm:{session_name}")
 
     @property
     def accounting(self) -> bool | None:
@@ -274,13 +277,13 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
     async def _submit(self, req: SlurmBatchRequest) -> str:
         await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
-        submit = asyncio.ensure_future(self._run(req.cmd, stdin=req.materialize()))
+        submit = self._tasks.spawn(self._run(req.cmd, stdin=req.materialize()), "sbatch")
         try:
             result = await asyncio.shield(submit)
         except asyncio.CancelledError:
             # The caller gave up while sbatch ran: let it finish and withdraw the job it queued,
             # so that nothing runs that nobody knows about.
-            await asyncio.shield(self._withdraw(submit))
+            await await_shielded(self._tasks.spawn(self._withdraw(submit), "withdraw"))
             raise
         if result.returncode != 0:
             raise SlurmSubmitError("sbatch rejected the job; nothing was queued", result)
@@ -418,23 +421,33 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             _apply_exit_code(replica, code)
 
     async def exists(self, app_id: str) -> bool:
-        """True when ``squeue`` or ``sacct`` knows the app."""
-        return await self.describe(app_id) is not None
+        """True when ``squeue`` or ``sacct`` knows the app (a finished app remembered here costs no
+        command; something that is not a job id costs none either)."""
+        if not app_id.isdigit():
+            return False
+        return app_id in self._final or await self.describe(app_id) is not None
 
-    async def cancel(self, app_id: str) -> None:
-        """Cancels the app with ``scancel``. Idempotent: unknown or finished apps are left alone.
+    async def _cancel_existing(self, app_id: str) -> None:
+        """``scancel`` unless the app was just seen finished. A job that ends meanwhile is not an
+        error (scancel then says it is completed, or an unknown job id).
 
         Raises:
             SlurmCommandError: scancel failed for another reason (e.g. the controller is down).
         """
-        if not app_id.isdigit() or app_id in self._final:
+        seen = self._seen.get(app_id)
+        if app_id in self._final or (seen is not None and is_terminal(seen[1])):
             return
-        await self._cancel_existing(app_id)
-
-    async def _cancel_existing(self, app_id: str) -> None:
         result = await self._run(["scancel", app_id])
         if result.returncode != 0 and not _GONE.search(result.stderr):
             raise SlurmCommandError(f"scancel {app_id} failed", result)
+
+    async def close(self) -> None:
+        """Lets the submissions in flight finish (at most ``CLOSE_WAIT`` seconds: a job is never
+        queued without its id reaching the caller, or being withdrawn), then stops what is left."""
+        with anyio.move_on_after(CLOSE_WAIT):
+            await self._tasks.join()
+        await self._tasks.aclose()
+        await super().close()
 
     async def list(self) -> list[ListAppResponse]:
         """This user's apps: the jobs ``squeue`` holds, plus today's from ``sacct`` (if any)."""
@@ -459,75 +472,34 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
     # -- logs ----------------------------------------------------------------------------------
 
-    def log_iter(
-        self,
-        app_id: str,
-        role_name: str,
-        k: int = 0,
-        regex: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        should_tail: bool = False,
-        streams: Stream | None = None,
-    ) -> AsyncIterator[str]:
-        """The lines of replica ``k`` of ``role_name``: everything it wrote, or one of its streams.
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        """The lines of one replica: everything it wrote (``combined.log``), or one of its streams.
 
-        ``streams`` is COMBINED (the default: stdout and stderr in the order they were read from the
-        replica's pipes), STDOUT or STDERR. The files carry no timestamps, so ``since``/``until``
-        compare with the file's modification time: the whole file is inside the window or none of
-        it. While following, ``squeue`` is asked at most every ``state_check_interval`` seconds
-        (less when a status round of the runner already described the app).
-
-        Raises:
-            ValueError: ``streams`` is unknown; a bad regex; ``since`` after ``until``.
-            UnknownAppException: Slurm does not know the app (or its working directory).
-            UnknownRoleException: no such role or replica.
+        ``since``/``until`` use the timing samples the job wrote next to the logs (see
+        ``_slurm/script.py``): a line is kept when the interval in which it was written overlaps
+        the window. While following, ``squeue`` is asked at most every ``state_check_interval``
+        seconds (less when a status round of the runner already described the app).
         """
-        return self._log_lines(app_id, role_name, k, regex, since, until, should_tail, streams)
-
-    async def _log_lines(
-        self,
-        app_id: str,
-        role_name: str,
-        k: int,
-        regex: str | None,
-        since: datetime | None,
-        until: datetime | None,
-        should_tail: bool,
-        streams: Stream | None,
-    ) -> AsyncIterator[str]:
-        stream = _check_stream(streams)
-        pattern = compile_log_regex(regex)
-        since_ts, until_ts = to_timestamp(since, "since"), to_timestamp(until, "until")
-        if since_ts is not None and until_ts is not None and since_ts > until_ts:
-            raise ValueError(f"since ({since}) is after until ({until})")
-        handle = make_app_handle(self.backend, self.session_name, app_id)
+        app_id = query.app_id
         resp = await self.describe(app_id)
         if resp is None:
-            raise UnknownAppException(handle)
-        check_replica(app_id, role_replica_counts(resp.roles), role_name, k)
+            raise UnknownAppException(make_app_handle(self.backend, self.session_name, app_id))
+        check_replica(app_id, role_replica_counts(resp.roles), query.role, query.k)
         workdir = self._workdirs.get(app_id)
         if not workdir:
-            raise UnknownAppException(handle, "Slurm does not say where its logs are")
-        directory = Path(workdir, log_dir(app_id, role_name, k))
-
-        async def is_finished() -> bool:
-            return await self._is_finished(app_id)
-
-        streams_read = [stream]
-        if stream == Stream.COMBINED and await anyio.to_thread.run_sync(
+            raise UnknownAppException(
+                make_app_handle(self.backend, self.session_name, app_id),
+                "Slurm does not say where its logs are",
+            )
+        directory = Path(workdir, log_dir(app_id, query.role, query.k))
+        streams = [query.stream]
+        if query.stream == Stream.COMBINED and await anyio.to_thread.run_sync(
             _predates_combined, directory
         ):
-            streams_read = [Stream.STDOUT, Stream.STDERR]
-        for one in streams_read:
-            lines = iter_log_lines(
-                directory,
-                one,
-                regex=pattern,
-                since=since_ts,
-                until=until_ts,
-                follow=should_tail,
-                is_finished=is_finished,
+            streams = [Stream.STDOUT, Stream.STDERR]
+        for stream in streams:
+            lines = iter_query_lines(
+                directory, query, functools.partial(self._is_finished, app_id), stream
             )
             try:
                 async for line in lines:
@@ -548,16 +520,6 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _check_stream(streams: Stream | str | None) -> Stream:
-    if streams is None:
-        return Stream.COMBINED
-    try:
-        return Stream(streams)
-    except ValueError:
-        known = ", ".join(s.value for s in Stream)
-        raise ValueError(f"unsupported log stream {streams!r} (supported: {known})") from None
 
 
 def _predates_combined(directory: Path) -> bool:

@@ -893,6 +893,15 @@ class runopts:
             out[key] = _cast(key, raw, opt.opt_type, cfg_str)
         return out
 
+    def unknown_keys(self, cfg_str: str) -> list[str]:
+        """The keys of ``"k1=v1,k2=v2"`` that are not options here, in order (``cfg_from_str``
+        drops them).
+
+        Raises:
+            InvalidRunConfigException: the string is not ``key=value`` pairs.
+        """
+        return [key for key in _split_cfg(cfg_str) if key not in self._opts]
+
     def cfg_from_json_repr(self, json_repr: str) -> dict[str, CfgVal]:
         """Parses a JSON object into a cfg, keeping only known keys (lists and dicts as they are)."""
         data = json.loads(json_repr)

@@ -8,19 +8,16 @@ import collections
 import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import anyio
 
+from asynctorchx.logs import LogQuery, Stream
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
     ListAppResponse,
     Scheduler,
-    Stream,
     check_replica,
-    check_time_window,
-    compile_log_regex,
     role_replica_counts,
     split_lines,
 )
@@ -551,16 +548,16 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
         apps = self.scripted.apps
         return {a: (apps[a].describe() if a in apps else None) for a in dict.fromkeys(app_ids)}
 
-    async def cancel(self, app_id: str) -> None:
+    async def exists(self, app_id: str) -> bool:
+        """True when the backend holds the app (in memory: no ``describe`` call is counted)."""
+        self._check_open()
+        return app_id in self.scripted.apps
+
+    async def _cancel_existing(self, app_id: str) -> None:
         self._check_open()
         fault = self.scripted._call("cancel", (app_id,))
         if fault is not None:
             raise fault
-        app = self.scripted.apps.get(app_id)
-        if app is not None:
-            app._cancel()
-
-    async def _cancel_existing(self, app_id: str) -> None:
         self.scripted.app(app_id)._cancel()
 
     async def list(self) -> list[ListAppResponse]:
@@ -578,49 +575,31 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
             for a in self.scripted.apps.values()
         ]
 
-    def log_iter(
-        self,
-        app_id: str,
-        role_name: str,
-        k: int = 0,
-        regex: str | None = None,
-        since: datetime | None = None,
-        until: datetime | None = None,
-        should_tail: bool = False,
-        streams: Stream | None = None,
-    ) -> AsyncIterator[str]:
-        """The script's lines of replica ``k`` of ``role_name`` written so far (combined by default).
-
-        Every error is raised by this call, before iterating.
-
-        Raises:
-            ValueError: an unsupported stream, an invalid regex, or ``since`` after ``until``.
-            UnknownAppException: no such app.
-            UnknownRoleException: no such role, or ``k`` is out of range.
-        """
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        """The script's lines of the replica written so far (a ``log_iter`` fault raises at the
+        first iteration, with the unknown app, role and replica errors)."""
         self._check_open()
-        fault = self.scripted._call("log_iter", (app_id,))
+        fault = self.scripted._call("log_iter", (query.app_id,))
         if fault is not None:
             raise fault
-        stream = Stream.COMBINED if streams is None else streams
-        if not isinstance(stream, Stream):
-            try:
-                stream = Stream(stream)
-            except ValueError:
-                raise ValueError(
-                    f"unsupported log stream {streams!r}; use one of "
-                    f"{', '.join(s.value for s in Stream)}"
-                ) from None
-        pattern = compile_log_regex(regex)
-        lo, hi = check_time_window(since, until)
-        app = self.scripted.apps.get(app_id)
+        app = self.scripted.apps.get(query.app_id)
         if app is None:
             raise UnknownAppException(
-                make_app_handle(self.backend, self.session_name, app_id),
-                f"no scripted app {app_id!r}",
+                make_app_handle(self.backend, self.session_name, query.app_id),
+                f"no scripted app {query.app_id!r}",
             )
-        check_replica(app_id, role_replica_counts(app.app.roles), role_name, k)
-        return app._read(role_name, k, stream, pattern, lo, hi, should_tail)
+        check_replica(query.app_id, role_replica_counts(app.app.roles), query.role, query.k)
+        lines = app._read(
+            query.role,
+            query.k,
+            query.stream,
+            query.regex,
+            query.since,
+            query.until,
+            query.follow,
+        )
+        async for line in lines:
+            yield line
 
     async def close(self) -> None:
         if self in self.scripted._views:

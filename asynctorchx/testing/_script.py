@@ -238,8 +238,10 @@ class Fault:
     """Makes the ``call``-th call of ``operation`` on the backend raise ``error``.
 
     Calls are counted per operation over the whole backend, from 1. A failing submit creates no
-    app; ``describe`` counts ``status``, ``describe`` and the existence check of ``log_lines``;
-    ``describe_many`` counts the runner's status rounds.
+    app; ``describe`` counts ``status`` and ``describe``; ``describe_many`` counts the runner's
+    status rounds; ``cancel`` counts the cancels of apps the backend holds (cancelling an unknown
+    app does nothing, as on every backend); ``log_iter`` counts the log reads, and its fault
+    raises when the first line is asked for.
 
     Args:
         operation: one of submit, describe, describe_many, cancel, list, log_iter.

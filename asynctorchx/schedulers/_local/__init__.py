@@ -1,13 +1,18 @@
-"""Internals of the local backends (``local_cwd``, ``local_dir``).
+"""Internals of the local backends (``local_cwd``, ``local_dir``), the four parts of a backend:
 
-- ``request``: the pure dry run (AppDef + cfg -> one launch request per replica).
-- ``procs``: starting replicas in their own process groups, exit codes, signalling groups.
-- ``records``: the app records persisted on disk, so other processes can see and cancel apps.
-- ``recordfile``: (stdlib-only) where records are, reading and parsing one, lost apps; the CLI's
-  read-only commands load it by path, without this package.
-- ``protocol``: (stdlib-only) the replica marker, the watchdog's line protocol, record locks.
-- ``contain``: (stdlib-only) cgroup v2 containment of each replica, and the marker scan fallback.
-- ``watchdog``: a stdlib-only script that stops a launcher's apps when the launcher dies, and that
-  finishes a cancel started by a short-lived process.
-- ``guard``: the launcher's side of the watchdog and of containment, and batched record writes.
+- request builder: ``request`` (pure: AppDef + cfg -> one launch request per replica);
+- status assessor: ``state`` (pure: what an exit, a cancel or a failed restart means: the app's and
+  the replicas' states, what to restart or stop);
+- engine wrapper, the processes: ``launch`` (starting and undoing an app), ``spawn`` (starting
+  replicas, hearing their exits), ``supervise`` (each app's task: judging exits, stopping, restarting),
+  over ``procs`` (process groups, exit codes), ``contain`` (stdlib-only: cgroups, the marker scan),
+  ``guard`` (the watchdog's launcher side, containment, batched record writes), ``watchdog``
+  (stdlib-only script: stops the apps of a launcher that died, finishes another process's cancel)
+  and ``protocol`` (stdlib-only: the replica marker, the watchdog's lines, record locks);
+- log source: ``logsource`` (over ``asynctorchx.logs``).
+
+Besides: ``live`` (the apps in memory), ``runtime`` (what the parts share), ``records`` (the app
+records other processes read) over ``recordfile`` (stdlib-only: finding, reading and judging one
+record; the CLI's read-only commands load it by path, without this package) and
+``workspace`` (workspaces).
 """

@@ -20,6 +20,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from asynctorchx.schedulers._local import contain
 from asynctorchx.schedulers._local.recordfile import pid_alive as pid_alive
 from asynctorchx.schedulers._local.recordfile import proc_start_ticks as proc_start_ticks
 
@@ -68,6 +69,79 @@ def fd_exhaustion_message() -> str:
         f"this process ran out of file descriptors (limit {soft}, RLIMIT_NOFILE); "
         "raise it with `ulimit -n` or run fewer replicas at once"
     )
+
+
+def launch_error(app_id: str, e: OSError, what: str, records_dir: object) -> LaunchError:
+    """The LaunchError that says why ``what`` of app ``app_id`` could not be created or started
+    (``records_dir`` is named when ``what`` is the app's record)."""
+    why = e.strerror or str(e)
+    if e.errno in FD_ERRNOS:
+        return LaunchError(f"cannot start app {app_id!r}: {fd_exhaustion_message()}")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LaunchError(
+            f"cannot create {what} of app {app_id!r}: {why} (its file system is full)"
+        )
+    if what.startswith("the log") and e.errno in SPEC_ERRNOS:
+        return LaunchSpecError(
+            f"cannot create {what} of app {app_id!r}: {why} "
+            "(set the log_dir run option to a writable directory)"
+        )
+    if what == "the app's record":
+        return LaunchError(f"cannot write the record of app {app_id!r} under {records_dir}: {why}")
+    return LaunchError(f"cannot create {what} of app {app_id!r}: {why}")
+
+
+#: File descriptors a running replica holds in the launching process: two pipes, a pidfd, three
+#: log files and the timing index (the last four opened before the others).
+FDS_PER_REPLICA = 7
+#: Of those, the ones opened with its log files (before it starts).
+FDS_PER_REPLICA_FILES = 4
+#: Descriptors an app's launch needs for a moment besides (a spawn's pipe write ends, records).
+FDS_PER_LAUNCH = 4
+#: Descriptors kept free for everything else in the process (the event loop, worker threads).
+FD_SPARE = 32
+_fd_reserved = 0  # descriptors promised to launches in progress (every scheduler of the process)
+
+
+def raise_fd_limit() -> None:
+    """Raises the soft limit of open files to the hard limit (up to 65536): each running replica
+    holds ``FDS_PER_REPLICA`` descriptors (pipes, pidfd, log files)."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def reserve_fds(app_id: str, replicas: int) -> int:
+    """Promises the descriptors an app of ``replicas`` replicas needs, or raises LaunchError when
+    they do not fit under RLIMIT_NOFILE with what is open and promised already."""
+    global _fd_reserved
+    need = FDS_PER_REPLICA * replicas + FDS_PER_LAUNCH
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ValueError, OSError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 0
+    free = soft - FD_SPARE - contain.open_fds() - _fd_reserved
+    if need > free:
+        raise LaunchError(
+            f"not enough file descriptors to start app {app_id!r}: its {replicas} replicas need "
+            f"{need} in this process ({FDS_PER_REPLICA} each for their output pipes, pidfd and "
+            f"log files), and only {max(free, 0)} of its limit of {soft} are free "
+            "(RLIMIT_NOFILE: raise it with `ulimit -n`, or run fewer replicas at once)"
+        )
+    _fd_reserved += need
+    return need
+
+
+def release_fds(reserved: int) -> None:
+    """Gives back descriptors ``reserve_fds`` promised (now open, or no longer needed)."""
+    global _fd_reserved
+    _fd_reserved -= reserved
 
 
 @dataclass(frozen=True)

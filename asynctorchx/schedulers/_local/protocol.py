@@ -16,6 +16,9 @@ It finds the processes of an app that are in no known process group or cgroup (s
 - ``- APP_ID PID``: that replica's main process exited and was reaped.
 - ``x APP_ID``: the app's terminal record is on disk (or the failed submit was undone): forget it.
 
+**Process groups** are named ``PGID:START_TICKS`` (``group_spec``) in a cancel marker and on the
+escalator's command line.
+
 **Record locks.** A process other than a live launcher changes a record only under
 ``.{app_id}.lock`` (``locked_record``); whoever holds it and finds the record terminal removes the
 lock file and the ``{app_id}.cancel`` marker, so neither outlives the app.
@@ -45,6 +48,22 @@ def replica_marker(app_id: str, role: str, replica_id: int) -> str:
 def app_marker_prefix(app_id: str) -> str:
     """What the marker of every replica of ``app_id`` starts with."""
     return f"{app_id}/"
+
+
+def group_spec(pgid: int, start_ticks: int | None) -> str:
+    """``PGID:START_TICKS``: a process group and when its leader started (0: unknown), as a cancel
+    marker lists the groups it signalled and the escalator is told them."""
+    return f"{pgid}:{start_ticks or 0}"
+
+
+def parse_group_spec(spec: str | bytes) -> tuple[int, int] | None:
+    """``(pgid, start_ticks)`` of a ``group_spec``, or None when it is not one (a bare pgid has
+    ticks 0)."""
+    text = spec.decode("ascii", "replace") if isinstance(spec, bytes) else spec
+    group, _, ticks = text.strip().partition(":")
+    if not group.isdigit() or (ticks and not ticks.isdigit()):
+        return None
+    return int(group), int(ticks or 0)
 
 
 # -- watchdog lines --------------------------------------------------------------------------------

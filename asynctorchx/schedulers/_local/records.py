@@ -17,6 +17,7 @@ full rewrites the record in place when it fits in the space the file already hol
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -334,6 +335,16 @@ class RecordStore:
         """``read`` for each id."""
         return {app_id: self.read(app_id) for app_id in app_ids}
 
+    def read_checked(self, app_id: str) -> AppRecord | None:
+        """``read``, with an app whose launcher, watchdog and replicas are all gone reported
+        FAILED (``check_lost``)."""
+        record = self.read(app_id)
+        return None if record is None else check_lost(record)
+
+    def read_checked_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
+        """``read_checked`` for each id."""
+        return {app_id: self.read_checked(app_id) for app_id in app_ids}
+
     def list_ids(self) -> list[str]:
         """The ids of every recorded app."""
         return recordfile.list_ids(self.records_dir)
@@ -383,9 +394,16 @@ class RecordStore:
             return None
         except OSError:
             return set()
-        out = set()
-        for line in data.split():
-            head = line.partition(b":")[0]
-            if head.isdigit():
-                out.add(int(head))
-        return out
+        specs = (protocol.parse_group_spec(word) for word in data.split())
+        return {spec[0] for spec in specs if spec is not None}
+
+
+def check_lost(record: AppRecord) -> AppRecord:
+    """``record``, or a FAILED copy when it is not terminal but its launcher, its watchdog and all
+    its replicas are gone (nobody is left to record how it ended; the CLI's fast path asks the same
+    ``recordfile.lost_message``)."""
+    replicas = ((r.pid, r.start_ticks) for r in record.replicas)
+    lost = recordfile.lost_message(record.state.name, record.owner, replicas)
+    if lost is None:
+        return record
+    return dataclasses.replace(record, state=AppState.FAILED, msg=lost)

@@ -14,6 +14,7 @@ import string
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from asynctorchx.specs.api import (
     AppDef,
@@ -240,6 +241,48 @@ def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_i
     return os.path.join(base, session or "default", app_id)
 
 
+class _Context(NamedTuple):
+    """What every replica's request of one app is built from."""
+
+    app_id: str
+    app_dir: str
+    handle: str
+    prepend_cwd: bool
+    parent_path: str | None
+    slices: dict[tuple[str, int], str] | None
+
+
+def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> ReplicaRequest:
+    """The request of replica ``i`` of ``role``, running in ``img_root``: macros substituted, the
+    environment TorchX gives a replica, its log directory and error file."""
+    values = macros.Values(
+        img_root=img_root, app_id=ctx.app_id, replica_id=str(i), rank0_env=RANK0_HOST_ENV
+    )
+    sub = _substituter(values)
+    env = {k: sub(v) for k, v in role.env.items()}
+    rep_dir = os.path.join(ctx.app_dir, role.name, str(i))
+    error_file = env.setdefault(ERROR_FILE_ENV, os.path.join(rep_dir, ERROR_FILE_NAME))
+    env[RANK0_HOST_ENV] = "localhost"
+    env.setdefault(PET_LOG_DIR_ENV, os.path.join(ctx.app_dir, "torchelastic", role.name))
+    env.setdefault(JOB_ID_ENV, ctx.handle)
+    if ctx.prepend_cwd:
+        env["PATH"] = join_path(img_root, env.get("PATH"), ctx.parent_path)
+    else:
+        env["PATH"] = join_path(env.get("PATH"), ctx.parent_path, img_root)
+    if ctx.slices is not None and (role.name, i) in ctx.slices:
+        env[CUDA_VISIBLE_DEVICES] = ctx.slices[(role.name, i)]
+    return ReplicaRequest(
+        role=role.name,
+        replica_id=i,
+        entrypoint=role.entrypoint,
+        args=tuple(sub(a) for a in role.args),
+        env=env,
+        cwd=img_root,
+        log_dir=rep_dir,
+        error_file=error_file,
+    )
+
+
 def build_request(
     app: AppDef,
     cfg: Mapping[str, CfgVal],
@@ -278,42 +321,11 @@ def build_request(
         count = detect_gpu_count() if gpu_count is None else gpu_count
         slices = cuda_slices(app, count)
 
-    roles: list[RoleRequest] = []
+    ctx = _Context(app_id, app_dir, handle, prepend_cwd, parent_path, slices)
+    roles = []
     for role in app.roles:
         img_root = (workdirs or {}).get(role.name) or resolve_image(backend, role)
-        replicas: list[ReplicaRequest] = []
-        for i in range(role.num_replicas):
-            values = macros.Values(
-                img_root=img_root,
-                app_id=app_id,
-                replica_id=str(i),
-                rank0_env=RANK0_HOST_ENV,
-            )
-            sub = _substituter(values)
-            env = {k: sub(v) for k, v in role.env.items()}
-            rep_dir = os.path.join(app_dir, role.name, str(i))
-            error_file = env.setdefault(ERROR_FILE_ENV, os.path.join(rep_dir, ERROR_FILE_NAME))
-            env[RANK0_HOST_ENV] = "localhost"
-            env.setdefault(PET_LOG_DIR_ENV, os.path.join(app_dir, "torchelastic", role.name))
-            env.setdefault(JOB_ID_ENV, handle)
-            if prepend_cwd:
-                env["PATH"] = join_path(img_root, env.get("PATH"), parent_path)
-            else:
-                env["PATH"] = join_path(env.get("PATH"), parent_path, img_root)
-            if slices is not None and (role.name, i) in slices:
-                env[CUDA_VISIBLE_DEVICES] = slices[(role.name, i)]
-            replicas.append(
-                ReplicaRequest(
-                    role=role.name,
-                    replica_id=i,
-                    entrypoint=role.entrypoint,
-                    args=tuple(sub(a) for a in role.args),
-                    env=env,
-                    cwd=img_root,
-                    log_dir=rep_dir,
-                    error_file=error_file,
-                )
-            )
+        replicas = [_replica_request(role, i, img_root, ctx) for i in range(role.num_replicas)]
         roles.append(
             RoleRequest(
                 name=role.name,

@@ -229,8 +229,9 @@ def escalate(
 ) -> None:
     groups: dict[int, int] = {}
     for spec in specs:
-        group, _, since = spec.partition(":")
-        groups[int(group)] = int(since)
+        parsed = protocol.parse_group_spec(spec)
+        if parsed is not None:
+            groups[parsed[0]] = parsed[1]
     prefix = protocol.app_marker_prefix(app_id)
     deadline = time.monotonic() + grace
     procs = contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix], pgids=set(groups))

@@ -18,6 +18,13 @@ wrapper waits for them (at most 5 s, in case a daemon it left keeps the pipes op
 ``exit_code``: when that file exists, the logs are complete. Where the node cannot make the pipes
 (no ``mktemp``/``mkfifo``), the replica writes straight to ``stdout.log``/``stderr.log`` and
 ``combined.log`` says so in its first line.
+
+Timing: the node has the job's image, ``sh`` and coreutils, not necessarily Python, so nothing
+stamps each line; instead the wrapper samples the three files every ``SAMPLE_INTERVAL`` seconds
+(one ``stat`` each time) and appends a line to ``index.txt`` when their sizes changed (format in
+``logs/_files.py: SampledIndex``). Each byte is then dated to the interval between two samples,
+which is what ``since``/``until`` use. An idle replica costs a ``stat`` and a ``sleep`` per
+interval and writes nothing.
 """
 
 from __future__ import annotations
@@ -61,10 +68,28 @@ COMBINED_FILE = "combined.log"
 #: The batch script's shell variable holding ``REPLICA_WRAPPER`` (expanded into each srun group).
 _WRAPPER_VAR = "asynctorchx_replica"
 
+#: The file in a replica's log directory holding the timing samples (``logs/_files.py``).
+TIMES_FILE = "index.txt"
+#: Seconds between two timing samples of a replica's log files.
+SAMPLE_INTERVAL = 0.25
+
 # Runs one replica (see the module docstring): ``sh -c REPLICA_WRAPPER LOG_DIR COMMAND ARGS...``.
 # Its exit status goes to LOG_DIR/exit_code once its output is written; a replica stopped by a
 # signal (scancel, --kill-on-bad-exit) writes none: the wrapper dies with it. Only double quotes
 # inside: the batch script holds it in single quotes.
+#
+# ``sample`` is one timing sample: it truncates "$t/a" (its mtime is then the time just before the
+# stat), stats both clock files and the three logs in one ``stat`` process, and truncates "$t/b"
+# (the time just after). A sample is written to index.txt as "A B SIZE_OUT SIZE_ERR SIZE_COMBINED"
+# (A: this sample's "a" time; B: the previous sample's "b" time, each printed by stat as "date time
+# zone") when the sizes changed, together with the sample before (if not written yet) and the
+# sample after (which closes the interval): the bytes a sample finds were written after the "a"
+# time of the sample before it and before the "b" time that the sample after it reports. The
+# sample not written yet is kept in "$t/p" too, for ``last``: the two last samples, written
+# whatever they find (with that one before them). The sampler ignores SIGTERM like the tees; after
+# a cancel it takes the last samples itself once both tees are gone, else the wrapper stops it
+# and takes them. "$t" (node-local) holds the clock files,
+# so that the shared file system sees only the appends to index.txt.
 REPLICA_WRAPPER = """d=$0
 if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" 2>/dev/null; then
     [ -n "$t" ] && rm -rf "$t"
@@ -74,16 +99,44 @@ fi
 (trap "" TERM INT HUP; exec tee -a "$d/stdout.log" <"$t/o" >>"$d/combined.log") & o=$!
 (trap "" TERM INT HUP; exec tee -a "$d/stderr.log" <"$t/e" >>"$d/combined.log") & e=$!
 exec 3>"$t/o" 4>"$t/e"
-rm -rf "$t"
+rm -f "$t/o" "$t/e"
+: >>"$d/stdout.log"; : >>"$d/stderr.log"; : >"$t/a"; : >"$t/b"
+sample() {
+    : >"$t/a"
+    set -- $(stat -c "%s %y" "$t/a" "$t/b" "$d/stdout.log" "$d/stderr.log" "$d/combined.log" 2>/dev/null)
+    : >"$t/b"
+    [ $# -eq 20 ] || return 0
+    l="$2 $3 $4 $6 $7 $8 $9 ${13} ${17}"
+    if [ "$9 ${13} ${17}" != "$z" ]; then
+        : >"$t/p"; [ -n "$p" ] && echo "$p" >>"$d/index.txt"
+        echo "$l" >>"$d/index.txt"; p=; n=1
+    elif [ -n "$n" ]; then
+        : >"$t/p"; echo "$l" >>"$d/index.txt"; p=; n=
+    else
+        echo "$l" >"$t/p"; p=$l
+    fi
+    z="$9 ${13} ${17}"
+}
+last() {
+    p=; z=; n=; [ -s "$t/p" ] && read -r p <"$t/p"
+    sample; sample; rm -rf "$t"
+}
+(
+    trap "" TERM INT HUP; p=; z=; n=
+    while kill -0 $o 2>/dev/null || kill -0 $e 2>/dev/null; do sample; sleep @INTERVAL@; done
+    last
+) 3>&- 4>&- >/dev/null 2>&1 & s=$!
 "$@" >&3 2>&4 3>&- 4>&-
 code=$?
 exec 3>&- 4>&-
 (sleep 5; kill -9 $o $e) 2>/dev/null & w=$!
 wait $o $e 2>/dev/null
 kill $w 2>/dev/null
+kill -9 $s 2>/dev/null; wait $s 2>/dev/null
+last
 echo "$code" >"$d/exit_code"
 exit "$code"
-"""
+""".replace("@INTERVAL@", f"{SAMPLE_INTERVAL:g}")
 
 
 def shell_word(arg: str) -> str:

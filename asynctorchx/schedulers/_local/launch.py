@@ -1,0 +1,296 @@
+"""Launching a local app: from its dry run (``request.py``) to running replicas with a record on
+disk, or to nothing at all.
+
+The state root is prepared once; the app's programs and working directories are checked, the file
+descriptors it needs are promised (``procs.reserve_fds``), its log directory and files are made,
+and it is registered with the watchdog (with a minimal record for the watchdog to write if the
+launcher dies first) before its first replica starts. A launch that fails for any reason, a
+cancellation included, stops what it started and removes the app's directory, record and cgroups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+
+import anyio.to_thread
+
+from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local import workspace as local_workspace
+from asynctorchx.schedulers._local.live import LiveApp
+from asynctorchx.schedulers._local.procs import (
+    FDS_PER_REPLICA_FILES,
+    LaunchError,
+    check_cwd,
+    launch_error,
+    proc_start_ticks,
+    raise_fd_limit,
+    release_fds,
+    reserve_fds,
+    resolve_executable,
+)
+from asynctorchx.schedulers._local.records import appdef_to_json
+from asynctorchx.schedulers._local.request import LocalRequest
+from asynctorchx.schedulers._local.runtime import LocalRuntime
+from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
+from asynctorchx.schedulers._local.supervise import CONTAIN_TIMEOUT, AppSupervision
+from asynctorchx.specs.api import AppDef, AppState, copy_app
+
+logger = logging.getLogger(__name__)
+
+
+class AppLauncher:
+    """Starts apps (``launch``) and undoes a failed start.
+
+    Args:
+        runtime: the scheduler's apps and guards.
+        spawner: starts the replicas.
+        supervision: runs each app's task.
+        session: the session the apps belong to.
+        on_prepared: called once the state root is ready (the scheduler watches its records).
+        check_open: raises RuntimeError once the scheduler is closed.
+    """
+
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        spawner: Spawner,
+        supervision: AppSupervision,
+        session: str,
+        on_prepared: Callable[[], None],
+        check_open: Callable[[], None],
+    ) -> None:
+        self._rt = runtime
+        self._spawner = spawner
+        self._supervision = supervision
+        self._session = session
+        self._on_prepared = on_prepared
+        self._check_open = check_open
+        self._prepared = False
+        self._prepare_lock = asyncio.Lock()
+        self._exe_cache: dict[tuple[str, str, str], str] = {}
+        self._session_dirs: set[str] = set()
+
+    async def prepare(self) -> None:
+        """Makes the state root ready (once; the first launch does it)."""
+        if not self._prepared:
+            async with self._prepare_lock:
+                if not self._prepared:
+                    await self._prepare()
+
+    async def launch(self, request: LocalRequest, appdef: AppDef) -> None:
+        """Starts the app of ``request`` (``appdef`` as submitted), once ``prepare`` was awaited;
+        see ``LocalScheduler.schedule``.
+
+        Raises:
+            LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left.
+        """
+        self._check_open()
+        app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
+        self._resolve(app)
+        reserved = reserve_fds(app.app_id, len(app.replicas))
+        try:
+            await self._make_app_dir(app)
+            opened = FDS_PER_REPLICA_FILES * len(app.replicas)  # counted as open from now on
+            release_fds(opened)
+            reserved -= opened
+            try:
+                await self._start_app(app)
+            except BaseException as e:
+                await self.undo(app)
+                if isinstance(e, OSError):
+                    records = self._rt.store.records_dir
+                    raise launch_error(app.app_id, e, "the app's record", records) from None
+                raise
+        finally:
+            release_fds(reserved)
+
+    async def _prepare(self) -> None:
+        rt = self._rt
+        try:
+            await anyio.to_thread.run_sync(self._prepare_blocking)
+        except OSError as e:
+            raise LaunchError(
+                f"cannot use the local state root {str(rt.root)!r}: {e} "
+                "(set ASYNCTORCHX_LOCAL_ROOT or local_root= to a writable directory)"
+            ) from None
+        raise_fd_limit()
+        rt.owner_ticks = proc_start_ticks(os.getpid())
+        rt.watchdog.base_cgroup = rt.contain.base
+        self._on_prepared()
+        self._spawner.stdin_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._prepared = True
+
+    def _prepare_blocking(self) -> None:
+        self._rt.store.ensure()
+        self._rt.contain.probe()
+
+    def close(self) -> None:
+        """Releases what ``launch`` kept open."""
+        if self._spawner.stdin_fd >= 0:
+            os.close(self._spawner.stdin_fd)
+            self._spawner.stdin_fd = -1
+
+    def _resolve(self, app: LiveApp) -> None:
+        """Checks the working directories and finds each replica's program (LaunchSpecError if
+        missing).
+
+        Lookups are cached per (entrypoint, PATH, cwd); a cached program is checked to still be
+        executable.
+        """
+        checked: set[str] = set()
+        cache = self._exe_cache
+        for rep in app.replicas:
+            req = rep.req
+            if req.cwd not in checked:
+                check_cwd(req.cwd, req.role)
+                checked.add(req.cwd)
+            key = (req.entrypoint, req.env.get("PATH", ""), req.cwd)
+            exe = cache.get(key)
+            if exe is None or not os.access(exe, os.X_OK):
+                exe = resolve_executable(*key, role=req.role)
+                if len(cache) > 256:
+                    cache.clear()
+                cache[key] = exe
+            rep.executable = exe
+
+    async def _make_app_dir(self, app: LiveApp) -> None:
+        """Creates ``{app_dir}/{role}/{replica}/`` and each replica's log files (a few system calls
+        per replica, on the event loop, which runs between chunks: a worker thread would only wait
+        for the GIL meanwhile).
+
+        Raises LaunchError (the app's directory removed) or ValueError (it exists already).
+        """
+        app_dir = app.request.app_dir
+        self._make_dir(app, app_dir)
+        try:
+            for role_dir in dict.fromkeys(os.path.dirname(r.req.log_dir) for r in app.replicas):
+                os.mkdir(role_dir)
+            for i, rep in enumerate(app.replicas):
+                if i and i % START_CHUNK == 0:
+                    await asyncio.sleep(0)
+                rep.writer = self._spawner.new_writer(app, rep)
+        except BaseException as e:
+            app.close_logs()
+            shutil.rmtree(app_dir, ignore_errors=True)
+            if isinstance(e, OSError):
+                what = f"the log directory {app_dir!r}"
+                raise launch_error(app.app_id, e, what, "") from None
+            raise
+
+    def _make_dir(self, app: LiveApp, app_dir: str) -> None:
+        session_dir = os.path.dirname(app_dir)
+        try:
+            if session_dir not in self._session_dirs:
+                os.makedirs(session_dir, exist_ok=True)
+                self._session_dirs.add(session_dir)
+            try:
+                os.mkdir(app_dir)
+            except FileNotFoundError:  # the session directory was removed since
+                os.makedirs(session_dir, exist_ok=True)
+                os.mkdir(app_dir)
+        except FileExistsError:
+            raise ValueError(
+                f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
+                "was this dry run already scheduled?"
+            ) from None
+        except OSError as e:
+            what = f"the log directory {app_dir!r}"
+            raise launch_error(app.app_id, e, what, "") from None
+
+    async def _start_app(self, app: LiveApp) -> None:
+        """Registers the app with the watchdog (with a minimal record to write if the launcher
+        dies before the real one is), starts its replicas, and writes its record."""
+        rt = self._rt
+        app_id = app.app_id
+        app.cgroup = rt.contain.app_dir(app_id)
+        rt.apps[app_id] = app
+        rt.watchdog.ensure_started()
+        rt.watchdog.send_now(rt.registration(app))
+        await self._prepare_cgroups(app)
+        self._check_open()
+        if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
+            await self._spawner.start(app, app.replicas)
+            app.set_app_state(AppState.RUNNING, time.time())
+        app.task = rt.supervisor.spawn(self._supervision.run(app), f"app:{app_id}")
+        await rt.writer.write(app_id, lambda: rt.snapshot(app).to_json())
+
+    async def _prepare_cgroups(self, app: LiveApp) -> None:
+        if app.cgroup is None:
+            return
+        contain = self._rt.contain
+        n = len(app.replicas)
+        dirs = [app.cgroup] + [
+            contain.replica_dir(app.cgroup, r.index, 1, n) or "" for r in app.replicas
+        ]
+        try:
+            await contain.prepare(dirs)
+        except OSError as e:
+            logger.warning("cannot create the cgroups of app %s (%s); using markers", app.app_id, e)
+            contain.remove_later(app.cgroup)
+            app.cgroup = None
+
+    # -- undoing a start ----------------------------------------------------------------------
+
+    async def undo(self, app: LiveApp) -> None:
+        """Undoes a failed or cancelled start; runs to completion even if the caller is cancelled."""
+        try:
+            task = self._rt.supervisor.spawn(self._discard(app), f"undo:{app.app_id}")
+        except RuntimeError:  # closing: the scheduler's own clean-up is running
+            await self._discard(app)
+            return
+        await asyncio.shield(task)
+
+    async def _discard(self, app: LiveApp) -> None:
+        """Kills what started of the app and removes its directory, record and cgroups."""
+        rt = self._rt
+        app.discard = True
+        rt.writer.forget(app.app_id)
+        task = app.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+        while any(r.reaping for r in app.replicas):
+            await self._spawner.exits.idle()
+        started = app.running()
+        loop = asyncio.get_running_loop()
+        for rep in started:
+            loop.remove_reader(rep.pidfd)
+            rt.contain.kill(rep.cgroup, rep.pid or 0)
+        await anyio.to_thread.run_sync(_wait_all_gone, app)
+        app.close_logs()
+        rt.apps.pop(app.app_id, None)
+        # nothing runs any more: the watchdog must not record it (a record would be a ghost)
+        rt.watchdog.send_now(protocol.forget_line(app.app_id))
+        await rt.writer.flush()  # a write in flight must not land after the removal
+        await anyio.to_thread.run_sync(
+            self._remove_app_files, app.app_id, app.request.app_dir, app.cgroup
+        )
+
+    def _remove_app_files(self, app_id: str, app_dir: str, cgroup: str | None) -> None:
+        shutil.rmtree(app_dir, ignore_errors=True)
+        local_workspace.remove_workdir(self._rt.root, self._session, app_id)
+        self._rt.store.remove(app_id)
+        if cgroup is not None:
+            deadline = time.monotonic() + CONTAIN_TIMEOUT
+            while not contain.remove_tree(cgroup) and time.monotonic() < deadline:
+                contain.kill(cgroup)
+                time.sleep(0.01)
+
+
+def _wait_all_gone(app: LiveApp) -> None:
+    """Reaps the replicas of an undone start (and, in marker mode, kills what they left)."""
+    for rep in app.running():
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PIDFD, rep.pidfd, os.WEXITED)
+        os.close(rep.pidfd)
+        rep.pidfd = -1
+    if app.cgroup is None:
+        prefix = protocol.app_marker_prefix(app.app_id)
+        found = contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix])
+        contain.kill_pids(p for p, _, _ in found)

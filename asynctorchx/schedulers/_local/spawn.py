@@ -1,0 +1,265 @@
+"""Starting a local app's replicas and learning that they exited: the process part of the local
+backend (``procs.py`` spawns, ``contain.py`` confines, the watchdog hears of each start and exit).
+
+A replica is confined and registered with the watchdog right after its spawn, before anything else
+happens on the event loop; its exit is learnt from its pidfd, and it is reaped on the loop (a few
+per iteration) or, when many exit at once, in batches in a worker thread. The exit is then queued
+on its app (``LiveApp.exited``) for the app's task (``supervise.py``) to judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import anyio.to_thread
+
+from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.logs import ReplicaLogWriter, Stream
+from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local.live import LiveApp, Replica
+from asynctorchx.schedulers._local.procs import (
+    FD_ERRNOS,
+    SPEC_ERRNOS,
+    LaunchError,
+    LaunchSpecError,
+    kill_and_reap_now,
+    launch_error,
+    reap,
+    spawn,
+)
+from asynctorchx.schedulers._local.runtime import LocalRuntime
+from asynctorchx.specs.api import NONE, AppState, is_terminal
+
+#: Replicas started between two yields to the event loop.
+START_CHUNK = 16
+
+
+def reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None, bool]]:
+    """Reaps ``(pid, pidfd, cgroup)`` each: ``(exit code or None, something was left)``.
+
+    Reaping first SIGKILLs what is left of the replica's process group (while its leader is a
+    zombie, so the group id cannot have been reused) and of its cgroup.
+    """
+    out: list[tuple[int | None, bool]] = []
+    for pid, pidfd, cgroup in jobs:
+        code = reap(pid, pidfd)  # SIGKILLs what is left of its process group first
+        leftovers = False
+        if code is not None and cgroup is not None and contain.populated(cgroup):
+            contain.kill(cgroup)
+            leftovers = True
+        out.append((code, leftovers))
+    return out
+
+
+class ExitReaper:
+    """Reaps replicas whose main process exited, in batches in a worker thread, and hands each
+    result to ``on_reaped`` on the event loop."""
+
+    MAX_BATCH = 512
+    #: Exits reaped on the event loop per iteration before the rest goes to the worker thread.
+    INLINE = 4
+
+    def __init__(
+        self,
+        supervisor: TaskSupervisor,
+        on_reaped: Callable[[LiveApp, Replica, int | None, bool], None],
+    ) -> None:
+        self._supervisor = supervisor
+        self._on_reaped = on_reaped
+        self._queue: list[tuple[LiveApp, Replica]] = []
+        self._inline = 0
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def busy(self) -> bool:
+        """True when this exit should be reaped in the worker thread: one is busy already, or this
+        loop iteration reaped ``INLINE`` exits inline."""
+        if self._queue or (self._idle is not None and not self._idle.is_set()):
+            return True
+        if self._inline == 0:
+            asyncio.get_running_loop().call_soon(self._reset_inline)
+        self._inline += 1
+        return self._inline > self.INLINE
+
+    def _reset_inline(self) -> None:
+        self._inline = 0
+
+    def add(self, app: LiveApp, rep: Replica) -> None:
+        self._queue.append((app, rep))
+        if self._wake is None:
+            self._wake = asyncio.Event()
+            self._idle = asyncio.Event()
+        assert self._idle is not None
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None:
+            self._task = self._supervisor.spawn(self._run(), "exit-reaper")
+
+    async def idle(self) -> None:
+        """Waits until every exit queued so far was handed over."""
+        if self._idle is not None and self._task is not None and not self._task.done():
+            await self._idle.wait()
+
+    async def _run(self) -> None:
+        assert self._wake is not None and self._idle is not None
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = self._queue[: self.MAX_BATCH]
+            del self._queue[: self.MAX_BATCH]
+            jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
+            results = await anyio.to_thread.run_sync(reap_batch, jobs)
+            for (app, rep), (code, leftovers) in zip(batch, results, strict=True):
+                self._on_reaped(app, rep, code, leftovers)
+
+
+class Spawner:
+    """Starts replicas and hears their exits.
+
+    Args:
+        runtime: the scheduler's apps and guards.
+        check_open: raises RuntimeError once the scheduler is closed.
+    """
+
+    def __init__(self, runtime: LocalRuntime, check_open: Callable[[], None]) -> None:
+        self._rt = runtime
+        self._check_open = check_open
+        self.exits = ExitReaper(runtime.supervisor, self._on_reaped)
+        self.stdin_fd = -1
+
+    def new_writer(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
+        """A log writer for ``rep`` (its directory and files created). Raises OSError."""
+
+        def on_loss(reason: str) -> None:
+            if not app.log_loss:
+                app.log_loss = reason
+                self._rt.changed(app)
+
+        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss)
+
+    async def start(self, app: LiveApp, replicas: Iterable[Replica]) -> None:
+        """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.
+
+        The event loop runs between chunks of ``START_CHUNK`` spawns, and starting stops there if
+        the app was cancelled meanwhile (RuntimeError if the scheduler was closed).
+        """
+        base_env = dict(os.environ)
+        for i, rep in enumerate(replicas):
+            if i and i % START_CHUNK == 0:
+                await asyncio.sleep(0)
+                if app.cancel_reason is not None:
+                    return
+                self._check_open()
+            self._start_one(app, rep, base_env)
+
+    def _start_one(self, app: LiveApp, rep: Replica, base_env: dict[str, str]) -> None:
+        req = rep.req
+        env = {**base_env, **req.env}
+        env.setdefault("PYTHONUNBUFFERED", "x")
+        env[protocol.MARKER_ENV] = rep.marker
+        writer = self._writer_for(app, rep)
+        cgroup = self._rt.contain.replica_dir(
+            app.cgroup, rep.index, rep.attempts + 1, len(app.replicas)
+        )
+        try:
+            spawned = spawn(
+                rep.executable, [req.entrypoint, *req.args], env, req.cwd, self.stdin_fd
+            )
+        except OSError as e:
+            if e.errno in FD_ERRNOS:
+                raise launch_error(app.app_id, e, f"the pipes of {rep.label}", "") from None
+            error = LaunchSpecError if e.errno in SPEC_ERRNOS else LaunchError
+            raise error(
+                f"role {req.role!r}: cannot start replica {req.replica_id} "
+                f"({rep.executable}): {e.strerror or e}"
+            ) from None
+        try:
+            pidfd = os.pidfd_open(spawned.pid)
+        except OSError as e:
+            kill_and_reap_now(spawned.pid)
+            os.close(spawned.stdout_fd)
+            os.close(spawned.stderr_fd)
+            if e.errno in FD_ERRNOS:
+                raise launch_error(app.app_id, e, f"the pidfd of {rep.label}", "") from None
+            raise LaunchError(f"cannot watch {rep.label} (pid {spawned.pid}): {e}") from None
+        rep.pid = spawned.pid
+        rep.pidfd = pidfd
+        rep.cgroup = self._rt.contain.adopt(cgroup, spawned.pid)
+        self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
+        writer.attach(spawned.stdout_fd, Stream.STDOUT)
+        writer.attach(spawned.stderr_fd, Stream.STDERR)
+        self._started(app, rep)
+        asyncio.get_running_loop().add_reader(pidfd, self._on_exit, app, rep)
+
+    def _writer_for(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
+        """The replica's log writer, opened again if a restart closed it."""
+        writer = rep.writer
+        if writer is not None and not writer.closed:
+            return writer
+        if writer is not None:
+            rep.lost_before = rep.lost_bytes()
+        try:
+            rep.writer = self.new_writer(app, rep)
+        except OSError as e:
+            what = f"the logs of {rep.label} ({rep.req.log_dir})"
+            raise launch_error(app.app_id, e, what, "") from None
+        return rep.writer
+
+    @staticmethod
+    def _started(app: LiveApp, rep: Replica) -> None:
+        rep.start_ticks = None  # the record writer looks it up, off the event loop
+        rep.exit_code = None
+        rep.ended_at = None
+        rep.started_at = time.time()
+        rep.attempts += 1
+        app.set_state(rep, AppState.RUNNING)
+        rep.term_sent = False
+        rep.exit_pending = False
+        rep.leftovers = False
+        rep.structured_error_msg = NONE
+        app.n_running += 1
+
+    def _on_exit(self, app: LiveApp, rep: Replica) -> None:
+        # the pidfd is readable: the main process exited. A few exits per loop iteration are
+        # reaped here; when many come at once, reaping (waitid, which then contends with every
+        # other exit for the kernel's task list) goes to a worker thread, in batches
+        asyncio.get_running_loop().remove_reader(rep.pidfd)
+        rep.reaping = True
+        if self.exits.busy():
+            self.exits.add(app, rep)
+            return
+        ((code, leftovers),) = reap_batch([(rep.pid or 0, rep.pidfd, rep.cgroup)])
+        self._on_reaped(app, rep, code, leftovers)
+
+    def _on_reaped(self, app: LiveApp, rep: Replica, code: int | None, leftovers: bool) -> None:
+        """Applies the reaping of ``rep`` (on the event loop, after ``_on_exit``)."""
+        rep.reaping = False
+        if rep.pidfd < 0:
+            return
+        if code is None:  # a spurious wake-up: it has not exited
+            asyncio.get_running_loop().add_reader(rep.pidfd, self._on_exit, app, rep)
+            return
+        os.close(rep.pidfd)
+        rep.pidfd = -1
+        rep.exit_code = code
+        rep.ended_at = time.time()
+        # in marker mode only a sweep can tell whether something it started is left
+        rep.leftovers = leftovers or rep.cgroup is None
+        self._rt.watchdog.send_later(protocol.exit_line(app.app_id, rep.pid or 0))
+        app.n_running -= 1
+        waiter = rep.stop_waiter
+        if waiter is not None:
+            rep.stop_waiter = None
+            waiter.one_exited()
+        if is_terminal(app.state):  # recorded already (its task was stopped)
+            return
+        rep.exit_pending = True
+        app.exited.append(rep)
+        app.wake.set()

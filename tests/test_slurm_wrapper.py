@@ -1,0 +1,141 @@
+"""The Slurm batch script's replica wrapper, run by plain ``sh`` (as ``srun`` runs it on a node, but
+without Slurm): the three logs, the exit code, and the timing samples that ``since``/``until``
+read. The same wrapper runs on the real cluster in test_slurm_engine.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from datetime import datetime
+from pathlib import Path
+
+import anyio
+import pytest
+from _local_env import poll_until
+
+from asynctorchx.logs import Stream, iter_log_lines
+from asynctorchx.schedulers._slurm.script import REPLICA_WRAPPER, SAMPLE_INTERVAL, TIMES_FILE
+
+#: Waits for the file named by $GO between its two lines.
+SCRIPT = 'echo early; echo oops >&2; while [ ! -e "$GO" ]; do sleep 0.01; done; echo late'
+
+
+async def run_wrapper(
+    log_dir: Path, script: str, env: dict[str, str]
+) -> asyncio.subprocess.Process:
+    """Starts ``sh -c REPLICA_WRAPPER LOG_DIR sh -c SCRIPT`` as srun would on a node."""
+    log_dir.mkdir(parents=True)
+    (log_dir / "combined.log").touch()  # the batch script creates it before srun
+    return await asyncio.create_subprocess_exec(
+        "sh", "-c", REPLICA_WRAPPER, str(log_dir), "sh", "-c", script, env=env
+    )
+
+
+async def lines(log_dir: Path, **kw: object) -> list[str]:
+    """What the log reader gives for ``log_dir``."""
+    return [ln async for ln in iter_log_lines(log_dir, **kw)]  # type: ignore[arg-type]
+
+
+def samples(log_dir: Path) -> list[str]:
+    """The lines of the replica's timing samples written so far."""
+    try:
+        return (log_dir / TIMES_FILE).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.timeout(60)
+async def test_since_and_until_split_the_lines_of_a_replica_by_when_they_were_written(
+    tmp_path: Path,
+) -> None:
+    """since/until on a wrapped replica's logs keep the lines written on their side of a moment
+    (the timing samples date each line to within a sampling interval), on every stream."""
+    log_dir, go = tmp_path / "slurm-1" / "w" / "0", tmp_path / "go"
+    env = {"PATH": "/usr/bin:/bin", "GO": str(go)}
+    proc = await run_wrapper(log_dir, SCRIPT, env)
+    try:
+        # the early lines are in a sample, and a later sample closed their interval
+        await poll_until(lambda: len(samples(log_dir)) >= 2, "the early lines to be sampled")
+        middle = datetime.now()
+        # the sample taken just before the late line must come after ``middle``: a few intervals
+        await asyncio.sleep(4 * SAMPLE_INTERVAL)
+        go.touch()
+        with anyio.fail_after(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    everything = await lines(log_dir)
+    assert sorted(everything) == ["early\n", "late\n", "oops\n"]
+    assert await lines(log_dir, since=middle.timestamp()) == ["late\n"]
+    assert await lines(log_dir, until=middle.timestamp()) == [
+        ln for ln in everything if ln != "late\n"
+    ]
+    assert await lines(log_dir, stream=Stream.STDOUT, until=middle.timestamp()) == ["early\n"]
+    assert await lines(log_dir, stream=Stream.STDERR, since=middle.timestamp()) == []
+    assert (log_dir / "exit_code").read_text() == "0\n"
+    assert not any(p.name.startswith(".") for p in log_dir.iterdir())
+
+
+@pytest.mark.timeout(60)
+async def test_the_last_samples_cover_everything_the_replica_wrote(tmp_path: Path) -> None:
+    """Once the wrapper ends, the samples cover every byte of every log (the wrapper takes two last
+    samples), and each sample line has the documented nine fields."""
+    log_dir = tmp_path / "slurm-2" / "w" / "0"
+    proc = await run_wrapper(log_dir, "seq 1 3000; seq 1 5 >&2", {"PATH": "/usr/bin:/bin"})
+    with anyio.fail_after(30):
+        assert await proc.wait() == 0
+    last = samples(log_dir)[-1].split()
+    assert len(last) == 9
+    sizes = [int(w) for w in last[6:]]
+    assert sizes == [
+        (log_dir / name).stat().st_size for name in ("stdout.log", "stderr.log", "combined.log")
+    ]
+    started = time.time() - 60
+    assert len(await lines(log_dir, since=started)) == 3005
+
+
+@pytest.mark.timeout(60)
+async def test_after_a_cancel_the_sampler_takes_the_last_samples_itself(tmp_path: Path) -> None:
+    """When scancel's SIGTERM reaches the whole step, the wrapper dies with the replica; the sampler
+    (which ignores it, like the tees) still writes the samples that cover what the replica wrote."""
+    log_dir = tmp_path / "slurm-3" / "w" / "0"
+    script = "echo started; trap 'echo stopping; exit 143' TERM; while :; do sleep 0.05; done"
+    log_dir.mkdir(parents=True)
+    (log_dir / "combined.log").touch()
+    proc = await asyncio.create_subprocess_exec(
+        "sh",
+        "-c",
+        REPLICA_WRAPPER,
+        str(log_dir),
+        "sh",
+        "-c",
+        script,
+        env={"PATH": "/usr/bin:/bin"},
+        start_new_session=True,
+    )
+    try:
+        await poll_until(lambda: samples(log_dir) != [], "the first sample")
+        os.killpg(proc.pid, signal.SIGTERM)
+        with anyio.fail_after(30):
+            await proc.wait()
+
+        def covered() -> bool:
+            last = samples(log_dir)[-1].split()
+            size = (log_dir / "combined.log").stat().st_size
+            return (
+                len(last) == 9
+                and int(last[8]) == size
+                and b"stopping" in (log_dir / "combined.log").read_bytes()
+            )
+
+        await poll_until(covered, "the last samples after the cancel")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not (log_dir / "exit_code").exists()  # stopped by a signal: no exit code, as documented
