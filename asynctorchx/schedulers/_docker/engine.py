@@ -456,28 +456,13 @@ class DockerEngine:
             "labels": json.dumps(dict(labels or {})),
         }
         failed: list[BaseException] = []
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for chunk in context:
-                    yield chunk
-            except BaseException as e:
-                failed.append(e)
-                raise
-
-        def lines(obj: Mapping[str, Any]) -> list[str]:
-            text = obj.get("stream")
-            if not isinstance(text, str):
-                return []
-            return [line.rstrip() for line in text.splitlines() if line.strip()]
-
         aux, tail = await self._progress_stream(
             f"building image {tag}",
             "build",
             params=params,
             headers={"Content-Type": "application/x-tar"},
-            data=body(),
-            lines=lines,
+            data=_noting_failure(context, failed),
+            lines=_build_output_lines,
             on_line=on_output,
             failed=failed,
         )
@@ -932,3 +917,24 @@ def _summary(container: Any) -> dict[str, Any]:
         except (KeyError, TypeError):
             continue
     return out
+
+
+async def _noting_failure(
+    context: AsyncIterable[bytes], failed: list[BaseException]
+) -> AsyncIterator[bytes]:
+    """``context``'s chunks; what producing them raised is appended to ``failed`` (and re-raised,
+    which cuts the upload off so the engine fails the build)."""
+    try:
+        async for chunk in context:
+            yield chunk
+    except BaseException as e:
+        failed.append(e)
+        raise
+
+
+def _build_output_lines(obj: Mapping[str, Any]) -> list[str]:
+    """The non-blank lines of one build progress object's ``stream`` text."""
+    text = obj.get("stream")
+    if not isinstance(text, str):
+        return []
+    return [line.rstrip() for line in text.splitlines() if line.strip()]
