@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from asynctorchx.logs import Stream
@@ -129,6 +129,14 @@ def sampled(writes: list[tuple[int, int]], ticks: list[int], eps: int = 1) -> st
     also on combined) happen and it samples at ``ticks`` (as ``_slurm/script.py`` does: "a" at the
     tick, the stat ``eps`` later, "b" ``eps`` after the stat; a sample is written when the sizes
     changed, with the one before it and the one after it)."""
+    return sampled_and_mtime(writes, ticks, eps)[0]
+
+
+def sampled_and_mtime(
+    writes: list[tuple[int, int]], ticks: list[int], eps: int = 1
+) -> tuple[str, int]:
+    """``sampled``, and when the sampler last appended to ``index.txt`` (the file's mtime)."""
+    mtime = -(10**18)
     lines = []
     prev_line, last_sizes, after_change = "", "", False
     b = ticks[0] - 1 if ticks else 0
@@ -140,14 +148,14 @@ def sampled(writes: list[tuple[int, int]], ticks: list[int], eps: int = 1) -> st
             if prev_line:
                 lines.append(prev_line)
             lines.append(line)
-            prev_line, after_change = "", True
+            prev_line, after_change, mtime = "", True, b
         elif after_change:
             lines.append(line)
-            prev_line, after_change = "", False
+            prev_line, after_change, mtime = "", False, b
         else:
             prev_line = line
         last_sizes = str(size)
-    return "".join(f"{ln}\n" for ln in lines)
+    return "".join(f"{ln}\n" for ln in lines), mtime
 
 
 def test_samples_give_each_chunk_the_interval_it_was_written_in() -> None:
@@ -177,16 +185,20 @@ def test_a_malformed_sample_is_skipped() -> None:
     until=st.none() | st.integers(-100, 5200),
     cut=st.integers(0, 54),
 )
+@example(writes=[(152, 1), (353, 1)], since=353, until=None, cut=50)
+@example(writes=[(152, 1), (5000, 1)], since=4000, until=None, cut=50)
 def test_sampled_window_keeps_every_byte_written_inside_and_little_else(
     writes: list[tuple[int, int]], since: int | None, until: int | None, cut: int
 ) -> None:
     """Whatever the writes, [lo, hi) holds every byte written within [since, until], and no byte
     written more than two sampling intervals outside it (samples every 100, the last ``cut`` of
-    them lost as when the job is killed: those bytes then take the file's mtime)."""
+    them lost as when the job is killed: those bytes then take the file's mtime, and the chunk no
+    sample closed ends at index.txt's mtime)."""
     ticks = list(range(-50, 5300, 100))
     ticks = ticks[: len(ticks) - cut]
     index = SampledIndex(Stream.COMBINED)
-    for line in sampled(writes, ticks).splitlines():
+    text, index.index_ns = sampled_and_mtime(writes, ticks)
+    for line in text.splitlines():
         index.feed_line(line)
     times = [t for t, n in writes for _ in range(n)]
     mtime = times[-1] if times else 0

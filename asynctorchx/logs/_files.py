@@ -192,7 +192,8 @@ class SampledIndex:
     So each chunk has an interval ``[low, high]`` instead of one time; ``window`` keeps a chunk when
     its interval meets ``[since, until]``: no byte written in the window is left out, and bytes
     written up to one interval outside it may be kept. Bytes past the last sample get ``[the last
-    A, the file's mtime]``.
+    A, the file's mtime]``. The last chunk, until a sample closes it (never, when the job was
+    killed), ends at ``index.txt``'s own mtime: its sample was appended after its "b" time.
 
     Args:
         stream: the stream whose file this indexes.
@@ -206,6 +207,7 @@ class SampledIndex:
     covered: int = 0
     read_pos: int = 0
     present: bool = False
+    index_ns: int = _MAX_NS  # index.txt's mtime when last read: bounds the open chunk's high
     _last_a: int = _MIN_NS
     _open: bool = False
 
@@ -241,12 +243,13 @@ class SampledIndex:
             data = os.pread(fd, 1 << 20, self.read_pos)
             end = data.rfind(b"\n") + 1
             if end == 0:
-                return
+                break
             for line in data[:end].decode("ascii", "replace").splitlines():
                 self.feed_line(line)
             self.read_pos += end
             if len(data) < 1 << 20:
-                return
+                break
+        self.index_ns = os.fstat(fd).st_mtime_ns  # after the reads: not older than what they saw
 
     def window(
         self, since_ns: int | None, until_ns: int | None, size: int, tail_ns: int
@@ -259,7 +262,7 @@ class SampledIndex:
         lo = 0
         if since_ns is not None:
             i = bisect_left(highs, since_ns)  # the open chunk's high (_MAX_NS) is the file's mtime
-            if i == len(starts) - 1 and self._open and tail_ns < since_ns:
+            if i == len(starts) - 1 and self._open and min(tail_ns, self.index_ns) < since_ns:
                 i += 1
             if i < len(starts):
                 lo = starts[i]
