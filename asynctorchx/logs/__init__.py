@@ -7,6 +7,7 @@ form of a ``log_iter`` request that every backend receives, and ``Stream`` names
 package sits below the backends and imports nothing of them (``schedulers.api`` re-exports ``Stream``).
 """
 
+from asynctorchx.logs._cursor import LogEntry as LogEntry
 from asynctorchx.logs._files import INDEX_FILE as INDEX_FILE
 from asynctorchx.logs._files import LOG_FILES as LOG_FILES
 from asynctorchx.logs._files import log_file_name as log_file_name
@@ -26,6 +27,7 @@ __all__ = [
     "ALL_STREAMS",
     "INDEX_FILE",
     "LOG_FILES",
+    "LogEntry",
     "LogQuery",
     "ReplicaLogWriter",
     "Stream",
