@@ -19,7 +19,9 @@ from asynctorchx.logs._query import check_time_window as check_time_window
 from asynctorchx.logs._query import compile_log_regex as compile_log_regex
 from asynctorchx.logs._query import parse_stream as parse_stream
 from asynctorchx.logs._reader import decode_lines as decode_lines
+from asynctorchx.logs._reader import iter_log_entries as iter_log_entries
 from asynctorchx.logs._reader import iter_log_lines as iter_log_lines
+from asynctorchx.logs._reader import iter_query_entries as iter_query_entries
 from asynctorchx.logs._reader import iter_query_lines as iter_query_lines
 from asynctorchx.logs._writer import ReplicaLogWriter as ReplicaLogWriter
 
@@ -34,7 +36,9 @@ __all__ = [
     "check_time_window",
     "compile_log_regex",
     "decode_lines",
+    "iter_log_entries",
     "iter_log_lines",
+    "iter_query_entries",
     "iter_query_lines",
     "log_file_name",
     "parse_stream",
