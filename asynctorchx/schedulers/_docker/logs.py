@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._query import LogQuery, Stream
 from asynctorchx.logs._timestamps import CursorPass, ResumeCursor, seconds_to_ns
 from asynctorchx.schedulers._docker.engine import (
@@ -85,6 +86,22 @@ class DockerLogSource:
             UnknownAppException: Docker has no container of the app.
             UnknownRoleException: no such role or replica.
         """
+        entries = self.entries(query)
+        async with contextlib.aclosing(entries):
+            async for _, text in entries:
+                yield text
+
+    async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
+
+        A position is ``(attempt, container id, timestamp, count)``: the container's cursor
+        (``ResumeCursor``) once the line was returned. Resuming skips the attempts before the
+        cursor's, and starts the cursor's container after its ``count`` lines of ``timestamp``.
+
+        Raises:
+            UnknownAppException: Docker has no container of the app.
+            UnknownRoleException: no such role or replica.
+        """
         containers = await self._list_app(query.app_id)
         a = assess(query.app_id, containers)
         if a is None:
@@ -97,6 +114,11 @@ class DockerLogSource:
             until_ns=None if query.until is None else seconds_to_ns(query.until),
         )
         cursors: dict[str, ResumeCursor] = {}
+        first_attempt = 0
+        if query.after is not None:
+            attempt, cid, ts, at_ts = query.after.position
+            first_attempt = int(attempt)
+            cursors[str(cid)] = ResumeCursor(int(ts) or None, int(at_ts))
         finished: set[str] = set()  # containers read to the end that will not write again
         while True:
             final = not query.follow or a is None or is_terminal(a.response.state) or window.past()
@@ -104,7 +126,9 @@ class DockerLogSource:
                 (
                     c
                     for c in containers
-                    if not c.is_marker and (c.role, c.replica_id) == (query.role, query.k)
+                    if not c.is_marker
+                    and (c.role, c.replica_id) == (query.role, query.k)
+                    and c.attempt >= first_attempt
                 ),
                 key=lambda c: c.attempt,
             )
@@ -119,7 +143,7 @@ class DockerLogSource:
                 async with contextlib.aclosing(read):
                     async for line in read:
                         if query.matches(line.text):
-                            yield line.text
+                            yield (c.attempt, c.id, cursor.last_ns or 0, cursor.at_last), line.text
                 if final or not latest:
                     finished.add(c.id)
             if final:

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.logs._timestamps import (
     ResumeCursor,
@@ -97,11 +98,31 @@ class KubeLogSource:
             UnknownAppException: no such app.
             UnknownRoleException: no such role or replica.
         """
+        entries = self.entries(query)
+        async with contextlib.aclosing(entries):
+            async for _, text in entries:
+                yield text
+
+    async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
+
+        A position is ``(pod uid, timestamp, count)``: that pod's ``ResumeCursor`` once the line
+        was returned. Resuming starts that pod's log after its ``count`` lines of ``timestamp``
+        (the API's ``sinceTime`` is rounded down to the second; the cursor skips the rest); a
+        newer pod of the replica is read from its start.
+
+        Raises:
+            UnknownAppException: no such app.
+            UnknownRoleException: no such role or replica.
+        """
         ns, app = await self._check(query)
         role_dns = n.role_dns_name(query.role)
         if query.follow:
             await self._watch(ns)
         state = _Follow()
+        if query.after is not None:
+            uid_at, ts, at_ts = query.after.position
+            state.cursors[str(uid_at)] = ResumeCursor(int(ts) or None, int(at_ts))
         while True:
             pods = await self._reader.replica_pods(ns, app, role_dns, query.k)
             pod = max(pods, key=pod_sort_key) if pods else None
@@ -113,7 +134,7 @@ class KubeLogSource:
                 pod_lines = self._read_pod(ns, pod, query, cursor, read)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
-                        yield line
+                        yield (uid, cursor.last_ns or 0, cursor.at_last), line
                 if read.past_until:
                     return
                 if not query.follow:
