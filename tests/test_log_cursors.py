@@ -1,0 +1,318 @@
+"""Log cursors on every backend: local, Docker and Slurm for real, Kubernetes on the fake API server.
+
+A cursor (``log_entries``) resumes a replica's log exactly after its line: the remainder, nothing
+repeated, nothing skipped, also while the app still writes, and across lines that share one engine
+timestamp (Docker and Kubernetes stamp a burst of lines alike; the cursor counts them). A cursor
+taken elsewhere (another app, role, replica or stream selection) or a damaged one is a one-line
+ValueError at the call, naming it. The backends and their fixtures are those of
+``test_backend_contract``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from _docker_env import busybox_image, docker_engine, docker_scheduler, docker_session  # noqa: F401
+from k8s_fake import PodScript
+from k8s_fake.cluster import format_ts
+from k8s_fake.testing import fake_k8s, k8s_scheduler  # noqa: F401
+from test_backend_contract import (  # noqa: F401
+    Backend,
+    KubernetesBackend,
+    docker_backend,
+    kubernetes_backend,
+    local_backend,
+    slurm_backend,
+)
+
+from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream
+from asynctorchx.logs._cursor import LogCursor, Position
+from asynctorchx.schedulers._docker.frames import format_api_time
+from asynctorchx.schedulers._docker.logs import DockerLogSource
+from asynctorchx.schedulers._docker.request import (
+    KIND_REPLICA,
+    LABEL_APP_ID,
+    LABEL_ATTEMPT,
+    LABEL_KIND,
+    LABEL_REPLICA_ID,
+    LABEL_ROLE_NAME,
+)
+from asynctorchx.schedulers._docker.state import ContainerInfo
+from asynctorchx.specs.api import AppDef, AppState, is_terminal
+
+#: lines of the big log: written in bursts of BURST lines by one write (Docker and the fake
+#: kubelet then stamp a burst's lines alike)
+LINES = 10_000
+BURST = 5
+
+
+def burst_script(first: int, count: int) -> str:
+    """A shell loop writing lines ``first..first+count-1`` (``line-N``), BURST per ``printf``."""
+    fmt = "\\n".join(f"line-%d-{j}" for j in range(BURST)) + "\\n"
+    args = " ".join("$i" for _ in range(BURST))
+    return (
+        f"i={first // BURST}; while [ $i -lt {(first + count) // BURST} ]; do "
+        f"printf '{fmt}' {args}; i=$((i+1)); done"
+    )
+
+
+def burst_lines(first: int, count: int) -> list[str]:
+    """What ``burst_script(first, count)`` writes, line by line."""
+    return [
+        f"line-{i}-{j}\n"
+        for i in range(first // BURST, (first + count) // BURST)
+        for j in range(BURST)
+    ]
+
+
+@pytest.fixture(params=["local", "docker", "slurm", "kubernetes"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each backend in turn (Docker and Slurm fail rather than skip with
+    ASYNCTORCHX_REQUIRE_ENGINES=1 when their engine is missing)."""
+    found: Backend = request.getfixturevalue(f"{request.param}_backend")
+    return found
+
+
+async def submit_script(backend: Backend, script: str, pod: PodScript) -> str:
+    """Submits a one-replica app running ``sh -c script`` (on Kubernetes: the scripted ``pod``)."""
+    role = dataclasses.replace(backend.role(()), args=["-c", script])
+    if isinstance(backend, KubernetesBackend):
+        backend.server.cluster.script = lambda ctx: pod
+    app = AppDef(f"cursor-{uuid.uuid4().hex[:6]}", [role])
+    return await backend.scheduler.submit(app, backend.cfg())
+
+
+async def entries(backend: Backend, app_id: str, **kw: Any) -> list[LogEntry]:
+    """Every entry ``log_entries`` gives."""
+    with anyio.fail_after(120):
+        return [e async for e in backend.scheduler.log_entries(app_id, "main", **kw)]
+
+
+async def lines_after(
+    backend: Backend, app_id: str, cursor: str, limit: int | None = None
+) -> list[str]:
+    """The lines ``log_iter`` gives after ``cursor`` (the first ``limit`` of them)."""
+    out: list[str] = []
+    with anyio.fail_after(120):
+        it = backend.scheduler.log_iter(app_id, "main", cursor=cursor)
+        try:
+            async for line in it:
+                out.append(line)
+                if limit is not None and len(out) >= limit:
+                    break
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.fixture
+async def big_log(backend: Backend) -> tuple[Backend, str, list[LogEntry]]:
+    """A finished app that wrote a 10 000-line log in bursts, and its entries."""
+    pod = PodScript(lines=burst_lines(0, LINES), line_interval=0, burst=BURST)
+    app_id = await submit_script(backend, burst_script(0, LINES), pod)
+    await backend.wait_for(app_id, timeout=180)
+    got = await entries(backend, app_id)
+    return backend, app_id, got
+
+
+@pytest.mark.timeout(600)
+async def test_a_cursor_at_any_line_of_a_10000_line_log_resumes_exactly(
+    big_log: tuple[Backend, str, list[LogEntry]],
+) -> None:
+    """The entries carry the whole log once, each cursor distinct; resuming from a cursor gives
+    exactly the lines after it: the next lines for a spread of cursors (every one on local), the
+    whole remainder for some, and nothing after the last."""
+    backend, app_id, got = big_log
+    lines = [e.line for e in got]
+    assert sorted(lines) == sorted(burst_lines(0, LINES))
+    assert len({e.cursor for e in got}) == LINES
+    full = await lines_after(backend, app_id, got[0].cursor)
+    assert full == lines[1:]
+    # every cursor on local (a resume is a pread); a spread on the engines (a resume is a request)
+    step = 1 if backend.scheduler.backend.startswith("local_") else 251
+    sample = sorted({*range(0, LINES, step), *range(1, 3 * BURST), LINES - 2})
+    for i in sample:
+        assert await lines_after(backend, app_id, got[i].cursor, limit=3) == lines[i + 1 : i + 4], i
+    for i in (BURST - 1, BURST + 2, LINES // 2 + 1, LINES - BURST - 1):
+        assert await lines_after(backend, app_id, got[i].cursor) == lines[i + 1 :], i
+    assert await lines_after(backend, app_id, got[-1].cursor) == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["kubernetes"], indirect=True)
+async def test_lines_sharing_a_timestamp_resume_by_their_count(
+    big_log: tuple[Backend, str, list[LogEntry]],
+) -> None:
+    """On Kubernetes (the fake kubelet stamps a burst's lines alike) lines sharing a timestamp have
+    cursors that differ only by the count of lines at it, and a cursor inside such a group resumes
+    at the group's next line (the API's sinceTime, rounded down to the second, sends the group
+    again)."""
+    backend, app_id, got = big_log
+    decoded = [LogCursor.decode(e.cursor) for e in got]
+    stamps = Counter(c.position[-2] for c in decoded)
+    shared = [
+        i for i, c in enumerate(decoded) if stamps[c.position[-2]] > 1 and int(c.position[-1]) > 1
+    ]
+    assert shared, f"no two lines share a timestamp on {backend.scheduler.backend}"
+    lines = [e.line for e in got]
+    for i in shared[:: max(1, len(shared) // 40)]:
+        assert decoded[i].position[-2] == decoded[i - 1].position[-2]
+        assert int(decoded[i].position[-1]) == int(decoded[i - 1].position[-1]) + 1
+        assert await lines_after(backend, app_id, got[i - 1].cursor, limit=2) == lines[i : i + 2], i
+
+
+@pytest.mark.timeout(300)
+async def test_a_cursor_resumes_a_tail_while_the_app_still_writes(backend: Backend) -> None:
+    """A tail read up to a cursor, closed, and resumed from it with the app still running gives
+    every line exactly once: the part before the cursor, then the rest as the app writes it."""
+    first, second = 300, 300
+    gate = asyncio.Event()
+    pod = PodScript(
+        lines=burst_lines(0, first + second),
+        line_interval=0,
+        burst=BURST,
+        gates={first: gate},
+    )
+    script = (
+        f"second() {{ {burst_script(first, second)}; exit 0; }}; trap second TERM; "
+        # (stderr closed: the shell's "Terminated" notice for the killed sleep is not a log line)
+        f"{burst_script(0, first)}; exec 2>/dev/null; while :; do sleep 0.05; done"
+    )
+    app_id = await submit_script(backend, script, pod)
+    s = backend.scheduler
+    head: list[LogEntry] = []
+    with anyio.fail_after(120):
+        async with contextlib.aclosing(s.log_entries(app_id, "main", should_tail=True)) as it:  # type: ignore[type-var]
+            async for e in it:
+                head.append(e)
+                if len(head) == first // 2:
+                    break
+    desc = await s.describe(app_id)
+    assert desc is not None and not is_terminal(desc.state)
+    rest: list[str] = []
+    with anyio.fail_after(180):
+        tail = s.log_iter(app_id, "main", should_tail=True, cursor=head[-1].cursor)
+        async for line in tail:
+            rest.append(line)
+            if len(rest) == first - len(head):
+                desc = await s.describe(app_id)
+                assert desc is not None and desc.state == AppState.RUNNING  # still writing
+                if isinstance(backend, KubernetesBackend):
+                    gate.set()
+                else:
+                    await s.cancel(app_id)
+    everything = [e.line for e in head] + rest
+    assert everything == burst_lines(0, first + second)
+
+
+@pytest.mark.timeout(300)
+async def test_cursors_from_elsewhere_or_damaged_raise_at_the_call(backend: Backend) -> None:
+    """A cursor of another app, role, replica or stream selection, a damaged one, or a non-cursor
+    raises a one-line ValueError at the call that names it."""
+    pod = PodScript(lines=["a\n", "b\n"], line_interval=0)
+    app_id = await submit_script(backend, "echo a; echo b", pod)
+    other_id = await submit_script(backend, "echo a; echo b", pod)
+    await backend.wait_for(app_id)
+    await backend.wait_for(other_id)
+    s = backend.scheduler
+    mine = (await entries(backend, app_id))[0].cursor
+    theirs = (await entries(backend, other_id))[0].cursor
+    bad = LogCursor.decode(mine)
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({}, theirs, f"was taken on app {other_id!r}, not {app_id!r}"),
+        ({"k": 1}, mine, "was taken on replica 0, not 1"),
+        ({}, "v1.not-base64!", "malformed log cursor"),
+        ({}, "hello", "malformed log cursor 'hello'"),
+        ({}, mine[:-6], "malformed log cursor"),
+        ({}, dataclasses.replace(bad, position=(-1,) * len(bad.position)).encode(), "malformed"),
+        ({}, dataclasses.replace(bad, role="other").encode(), "was taken on role 'other'"),
+    ]
+    if Stream.STDOUT in s.log_streams:
+        cases.append(({"streams": Stream.STDOUT}, mine, "was taken on streams 'combined'"))
+    for kw, cursor, message in cases:
+        with pytest.raises(ValueError) as info:
+            s.log_iter(app_id, "main", cursor=cursor, **kw)
+        text = str(info.value)
+        assert message in text and "\n" not in text, text
+        assert cursor[:40] in text, text
+        with pytest.raises(ValueError):
+            s.log_entries(app_id, "main", cursor=cursor, **kw)
+
+
+class _StampedEngine:
+    """A Docker engine's log endpoint over fixed ``(timestamp ns, line)`` pairs: ``since`` is
+    inclusive, as Docker's is. For the unit test below: a real engine stamps each line apart."""
+
+    def __init__(self, lines: list[tuple[int, str]]) -> None:
+        self.lines = lines
+        self.requests: list[dict[str, Any]] = []
+
+    async def container_log_frames(
+        self, cid: str, params: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        self.requests.append(dict(params))
+        since = params.get("since")
+        since_ns = None if since is None else int(since.replace(".", ""))
+        for ts, text in self.lines:
+            if since_ns is None or ts >= since_ns:
+                yield 1, f"{format_ts(ts)} {text}".encode()
+
+
+async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
+    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
+    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
+    lines at it is skipped."""
+    base = 1_700_000_000_000_000_000
+    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
+    engine = _StampedEngine(stamped)
+    labels = {
+        LABEL_APP_ID: "app1",
+        LABEL_ROLE_NAME: "main",
+        LABEL_REPLICA_ID: "0",
+        LABEL_ATTEMPT: "0",
+        LABEL_KIND: KIND_REPLICA,
+    }
+    container = ContainerInfo("c1", "app1-main-0", "img", labels, "exited", 0, 0)
+
+    async def list_app(app_id: str) -> list[ContainerInfo]:
+        return [container]
+
+    async def wait_app(app_id: str, timeout: float) -> None:
+        raise AssertionError("a finished app is not waited for")
+
+    source = DockerLogSource(engine, list_app, wait_app, lambda a: a)  # type: ignore[arg-type]
+
+    def query(cursor: str | None) -> LogQuery:
+        return LogQuery.build(
+            "local_docker",
+            ALL_STREAMS,
+            "app1",
+            "main",
+            0,
+            None,
+            None,
+            None,
+            False,
+            None,
+            cursor,
+            "docker",
+        )
+
+    def encode(position: Position) -> str:
+        return LogCursor("app1", "main", 0, Stream.COMBINED, "docker", position).encode()
+
+    with anyio.fail_after(30):
+        got = [(encode(p), line) async for p, line in source.entries(query(None))]
+        assert [line for _, line in got] == [t for _, t in stamped]
+        for i, (cursor, _) in enumerate(got):
+            rest = [line async for _, line in source.entries(query(cursor))]
+            assert rest == [t for _, t in stamped[i + 1 :]], i
+    assert engine.requests[-1]["since"] == format_api_time(stamped[-1][0])
