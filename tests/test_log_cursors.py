@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import pytest
 from _docker_env import busybox_image, docker_engine, docker_scheduler, docker_session  # noqa: F401
+from _fake_scheduler import FakeScheduler
 from k8s_fake import PodScript
 from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, k8s_scheduler  # noqa: F401
@@ -35,6 +36,7 @@ from test_backend_contract import (  # noqa: F401
 
 from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream
 from asynctorchx.logs._cursor import LogCursor, Position
+from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers._docker.frames import format_api_time
 from asynctorchx.schedulers._docker.logs import DockerLogSource
 from asynctorchx.schedulers._docker.request import (
@@ -46,7 +48,8 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_ROLE_NAME,
 )
 from asynctorchx.schedulers._docker.state import ContainerInfo
-from asynctorchx.specs.api import AppDef, AppState, is_terminal
+from asynctorchx.specs.api import AppDef, AppState, Role, is_terminal
+from asynctorchx.testing import AppScript, ScriptedBackend, lines
 
 #: lines of the big log: written in bursts of BURST lines by one write (Docker and the fake
 #: kubelet then stamp a burst's lines alike)
@@ -316,3 +319,46 @@ async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
             rest = [line async for _, line in source.entries(query(cursor))]
             assert rest == [t for _, t in stamped[i + 1 :]], i
     assert engine.requests[-1]["since"] == format_api_time(stamped[-1][0])
+
+
+async def test_the_testing_scheduler_resumes_from_any_cursor_of_each_stream() -> None:
+    """The scripted scheduler's cursors (line indexes of the stream selection) resume exactly from
+    every line, per stream and combined; an index past the script's log raises when iterated."""
+    script = AppScript(
+        states=[(0, AppState.SUCCEEDED)],
+        logs=[
+            *lines("r", [f"out {i}" for i in range(6)]),
+            *lines("r", [f"err {i}" for i in range(3)], stream=Stream.STDERR),
+        ],
+    )
+    scheduler = ScriptedBackend("scripted", script)("s")
+    app_id = await scheduler.submit(AppDef("a", [Role("r", image="i", entrypoint="true")]), {})
+    with anyio.fail_after(30):
+        for streams in (None, Stream.STDOUT, Stream.STDERR):
+            got = [e async for e in scheduler.log_entries(app_id, "r", streams=streams)]
+            assert len(got) == {None: 9, Stream.STDOUT: 6, Stream.STDERR: 3}[streams]
+            for i, e in enumerate(got):
+                rest = [
+                    ln
+                    async for ln in scheduler.log_iter(
+                        app_id, "r", streams=streams, cursor=e.cursor
+                    )
+                ]
+                assert rest == [x.line for x in got[i + 1 :]]
+        forged = dataclasses.replace(LogCursor.decode(got[0].cursor), position=(99,)).encode()
+        with pytest.raises(ValueError, match=r"^log cursor index 99 is past the end"):
+            await anext(scheduler.log_iter(app_id, "r", streams=Stream.STDERR, cursor=forged))
+
+
+async def test_a_backend_without_cursors_says_so_rather_than_ignore_one() -> None:
+    """A scheduler that cannot resume logs raises NotImplementedError naming it, for log_entries
+    and for a log_iter given a cursor (at the call), and through the runner."""
+    scheduler = FakeScheduler("s")
+    message = r"^the fake scheduler does not support log cursors$"
+    with pytest.raises(NotImplementedError, match=message):
+        scheduler.log_entries("app", "r")
+    with pytest.raises(NotImplementedError, match=message):
+        scheduler.log_iter("app", "r", cursor="v1.e30")
+    async with AsyncRunner("s", scheduler_factories={"fake": FakeScheduler}) as runner:
+        with anyio.fail_after(10), pytest.raises(NotImplementedError, match=message):
+            await anext(runner.log_entries("fake://s/app", "r"))
