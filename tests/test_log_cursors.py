@@ -310,7 +310,7 @@ async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
         )
 
     def encode(position: Position) -> str:
-        return LogCursor("app1", "main", 0, Stream.COMBINED, "docker", position).encode()
+        return LogCursor("app1", "main", 0, "combined", "docker", position).encode()
 
     with anyio.fail_after(30):
         got = [(encode(p), line) async for p, line in source.entries(query(None))]

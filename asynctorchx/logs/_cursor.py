@@ -24,11 +24,10 @@ import json
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from asynctorchx.logs._query import Stream
-
 CursorKind = Literal["file", "docker", "kubernetes", "index"]
 
 _PREFIX = "v1."
+_STREAMS = frozenset({"stdout", "stderr", "combined"})
 _MAX_LEN = 8192
 _SHAPES: dict[str, tuple[type, ...]] = {
     "file": (str, int),
@@ -62,7 +61,8 @@ class LogCursor:
         app_id: the app's id on its scheduler.
         role: the role's name.
         k: the replica's index.
-        stream: the stream selection it was taken with.
+        stream: the stream selection it was taken with (a ``Stream`` value: this module sits
+            below ``_query``, which decodes cursors).
         kind: which backend family made it (fixes the shape of ``position``).
         position: where the line it was taken at ends.
     """
@@ -70,7 +70,7 @@ class LogCursor:
     app_id: str
     role: str
     k: int
-    stream: Stream
+    stream: str
     kind: CursorKind
     position: Position
 
@@ -80,7 +80,7 @@ class LogCursor:
             "a": self.app_id,
             "r": self.role,
             "k": self.k,
-            "s": self.stream.value,
+            "s": self.stream,
             "x": self.kind,
             "p": list(self.position),
         }
@@ -109,7 +109,7 @@ class LogCursor:
                 doc["a"],
                 doc["r"],
                 doc["k"],
-                Stream(doc["s"]),
+                doc["s"],
                 doc["x"],
                 tuple(doc["p"]),
             )
@@ -119,6 +119,7 @@ class LogCursor:
         ok = (
             isinstance(app_id, str)
             and isinstance(role, str)
+            and stream in _STREAMS
             and _is_count(k)
             and shape is not None
             and len(position) == len(shape)
@@ -132,7 +133,7 @@ class LogCursor:
         return cls(app_id, role, k, stream, kind, position)
 
     def check(
-        self, text: str, kind: CursorKind, app_id: str, role: str, k: int, stream: Stream
+        self, text: str, kind: CursorKind, app_id: str, role: str, k: int, stream: str
     ) -> None:
         """Raises ValueError (naming the cursor) unless it was taken on this log and backend."""
         for what, mine, theirs in (
@@ -140,7 +141,7 @@ class LogCursor:
             ("app", self.app_id, app_id),
             ("role", self.role, role),
             ("replica", self.k, k),
-            ("streams", self.stream.value, stream.value),
+            ("streams", self.stream, stream),
         ):
             if mine != theirs:
                 raise ValueError(
@@ -159,7 +160,7 @@ def parse_cursor(
     app_id: str,
     role: str,
     k: int,
-    stream: Stream,
+    stream: str,
 ) -> LogCursor:
     """Decodes ``text`` and checks it was taken on this app, role, replica, streams and backend.
 

@@ -12,10 +12,8 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from asynctorchx.logs._cursor import CursorKind, LogCursor
+from asynctorchx.logs._cursor import CursorKind, LogCursor, parse_cursor
 
 
 class Stream(str, Enum):
@@ -166,9 +164,7 @@ class LogQuery:
         lo, hi = check_time_window(since, until)
         after = None
         if cursor is not None:
-            from asynctorchx.logs._cursor import parse_cursor
-
-            after = parse_cursor(cursor, cursor_kind, backend, app_id, role_name, k, stream)
+            after = parse_cursor(cursor, cursor_kind, backend, app_id, role_name, k, stream.value)
         return cls(app_id, role_name, k, pattern, lo, hi, bool(should_tail), stream, after)
 
     def matches(self, line: str) -> bool:

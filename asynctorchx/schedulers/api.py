@@ -437,7 +437,9 @@ class Scheduler(abc.ABC, Generic[T]):
         entries = self._log_entries(query)
         async with contextlib.aclosing(entries):
             async for position, line in entries:
-                cursor = LogCursor(query.app_id, query.role, query.k, query.stream, kind, position)
+                cursor = LogCursor(
+                    query.app_id, query.role, query.k, query.stream.value, kind, position
+                )
                 yield LogEntry(cursor.encode(), line)
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
