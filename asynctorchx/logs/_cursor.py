@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -174,3 +176,13 @@ def parse_cursor(
     assert isinstance(text, str)
     cursor.check(text, kind, app_id, role, k, stream)
     return cursor
+
+
+async def lines_of(
+    entries: AsyncGenerator[tuple[Position, str], None],
+) -> AsyncGenerator[str, None]:
+    """The lines of ``(position, line)`` pairs: a read that needs no cursors, over a backend that
+    reads with positions (closes ``entries`` when closed)."""
+    async with contextlib.aclosing(entries):
+        async for _, line in entries:
+            yield line

@@ -957,10 +957,7 @@ class AsyncRunner:
             ValueError: a malformed cursor, or one taken on another app, role, replica or
                 ``streams`` (and the other argument errors of ``Scheduler.log_iter``).
         """
-        self._check_open()
-        backend, app_id = self._split(app_handle)
-        scheduler = self._scheduler(backend)
-        await self._call(backend)
+        scheduler, app_id = await self._log_scheduler(app_handle)
         lines = scheduler.log_iter(
             app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
         )
@@ -998,21 +995,22 @@ class AsyncRunner:
             NotImplementedError: the backend cannot resume logs.
             ValueError, UnknownAppException, UnknownRoleException: as ``log_lines``.
         """
+        scheduler, app_id = await self._log_scheduler(app_handle)
+        entries = scheduler.log_entries(
+            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+        )
+        async with contextlib.aclosing(entries):  # type: ignore[type-var]
+            async for entry in entries:
+                yield entry
+                del entry
+
+    async def _log_scheduler(self, app_handle: AppHandle) -> tuple[Scheduler[Any], str]:
+        """The scheduler and app id of a handle whose log is opened (one call to the backend)."""
         self._check_open()
         backend, app_id = self._split(app_handle)
         scheduler = self._scheduler(backend)
         await self._call(backend)
-        entries = scheduler.log_entries(
-            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
-        )
-        try:
-            async for entry in entries:
-                yield entry
-                del entry
-        finally:
-            aclose = getattr(entries, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        return scheduler, app_id
 
     async def list(self, scheduler: str) -> list[ListAppResponse]:
         """The apps ``scheduler`` knows, with their handles filled in."""

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 import anyio
 import anyio.to_thread
 
-from asynctorchx.logs._cursor import CursorKind, LogCursor, Position
+from asynctorchx.logs._cursor import CursorKind, LogCursor, Position, lines_of
 from asynctorchx.logs._cursor import LogEntry as LogEntry
 from asynctorchx.logs._query import ALL_STREAMS, LogQuery
 from asynctorchx.logs._query import Stream as Stream
@@ -373,7 +373,7 @@ class Scheduler(abc.ABC, Generic[T]):
             app_id, role_name, k, regex, since, until, should_tail, streams, cursor
         )
         if query.after is not None:
-            return _lines_of(self._log_entries(query))
+            return lines_of(self._log_entries(query))
         return self._log_iter(query)
 
     def log_entries(
@@ -514,10 +514,3 @@ def check_replica(
 def role_replica_counts(roles: Iterable[Role]) -> dict[str, int]:
     """``{role name: num_replicas}`` for ``roles``."""
     return {r.name: r.num_replicas for r in roles}
-
-
-async def _lines_of(entries: AsyncGenerator[tuple[Position, str], None]) -> AsyncIterator[str]:
-    """The lines of ``(position, line)`` pairs (a resumed ``log_iter``)."""
-    async with contextlib.aclosing(entries):
-        async for _, line in entries:
-            yield line

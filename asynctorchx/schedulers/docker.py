@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.logs._cursor import Position
+from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps
 from asynctorchx.schedulers._docker.engine import (
@@ -345,7 +345,7 @@ class DockerScheduler(Scheduler[DockerJob]):
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """Lines of every attempt of the replica, oldest first (see ``_docker/logs.py``)."""
-        return self._logs.lines(query)
+        return lines_of(self._logs.entries(query))
 
     def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """The lines with their containers' cursors (see ``DockerLogSource.entries``)."""

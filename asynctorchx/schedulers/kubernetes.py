@@ -59,7 +59,7 @@ import anyio
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.logs._cursor import CursorKind, Position
+from asynctorchx.logs._cursor import CursorKind, Position, lines_of
 from asynctorchx.logs._query import LogQuery, Stream
 from asynctorchx.schedulers._k8s import names as n
 from asynctorchx.schedulers._k8s.client import (
@@ -396,7 +396,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The newest pod's log of the replica, across pod replacements (see ``_k8s/logs.py``)."""
-        return self._logs.lines(query)
+        return lines_of(self._logs.entries(query))
 
     def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """The lines with their pods' cursors (see ``KubeLogSource.entries``)."""

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 
 from asynctorchx.logs import LogQuery, Stream
-from asynctorchx.logs._cursor import Position
+from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
     ListAppResponse,
@@ -585,11 +585,10 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
             for a in self.scripted.apps.values()
         ]
 
-    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+    def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The script's lines of the replica written so far (a ``log_iter`` fault raises at the
         first iteration, with the unknown app, role and replica errors)."""
-        async for _, line in self._log_entries(query):
-            yield line
+        return lines_of(self._log_entries(query))
 
     async def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``_log_iter`` with positions: how many lines of the stream selection were read (the

@@ -79,18 +79,6 @@ class DockerLogSource:
         self._wait_app = wait_app
         self._handle_of = handle_of
 
-    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
-        """The lines ``query`` asks for (every attempt of the replica, oldest first).
-
-        Raises:
-            UnknownAppException: Docker has no container of the app.
-            UnknownRoleException: no such role or replica.
-        """
-        entries = self.entries(query)
-        async with contextlib.aclosing(entries):
-            async for _, text in entries:
-                yield text
-
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
 

@@ -91,18 +91,6 @@ class KubeLogSource:
         self._describe = describe
         self._handle_of = handle_of
 
-    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
-        """The lines ``query`` asks for.
-
-        Raises:
-            UnknownAppException: no such app.
-            UnknownRoleException: no such role or replica.
-        """
-        entries = self.entries(query)
-        async with contextlib.aclosing(entries):
-            async for _, text in entries:
-                yield text
-
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
 
