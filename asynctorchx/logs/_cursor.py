@@ -30,6 +30,8 @@ CursorKind = Literal["file", "docker", "kubernetes", "index"]
 
 _PREFIX = "v1."
 _STREAMS = frozenset({"stdout", "stderr", "combined"})
+# one encoder: json.dumps with separators= builds a new one per call (half the cost of a cursor)
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _MAX_LEN = 8192
 _SHAPES: dict[str, tuple[type, ...]] = {
     "file": (str, int),
@@ -78,16 +80,7 @@ class LogCursor:
 
     def encode(self) -> str:
         """The cursor as an opaque, URL-safe string."""
-        doc = {
-            "a": self.app_id,
-            "r": self.role,
-            "k": self.k,
-            "s": self.stream,
-            "x": self.kind,
-            "p": list(self.position),
-        }
-        raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
-        return _PREFIX + base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+        return CursorEncoder(self.app_id, self.role, self.k, self.stream, self.kind)(self.position)
 
     @classmethod
     def decode(cls, text: object) -> LogCursor:
@@ -149,6 +142,26 @@ class LogCursor:
                 raise ValueError(
                     f"log cursor {_show(text)} was taken on {what} {mine!r}, not {theirs!r}"
                 )
+
+
+class CursorEncoder:
+    """Encodes the cursors of one read (same app, role, replica, streams and kind) fast.
+
+    The JSON object's fixed part is padded with spaces (JSON whitespace) to a multiple of three
+    bytes, so its base64 is computed once and each cursor only encodes its position.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, app_id: str, role: str, k: int, stream: str, kind: CursorKind) -> None:
+        fixed = {"a": app_id, "r": role, "k": k, "s": stream, "x": kind}
+        head = json.dumps(fixed, separators=(",", ":"), ensure_ascii=False)[:-1].encode()
+        head += b" " * (-(len(head) + 5) % 3) + b',"p":'
+        self._head = _PREFIX + base64.urlsafe_b64encode(head).decode("ascii")
+
+    def __call__(self, position: Position) -> str:
+        tail = _JSON(position).encode() + b"}"
+        return self._head + base64.urlsafe_b64encode(tail).rstrip(b"=").decode("ascii")
 
 
 def _is_count(v: object) -> bool:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 import anyio
 import anyio.to_thread
 
-from asynctorchx.logs._cursor import CursorKind, LogCursor, Position, lines_of
+from asynctorchx.logs._cursor import CursorEncoder, CursorKind, Position, lines_of
 from asynctorchx.logs._cursor import LogEntry as LogEntry
 from asynctorchx.logs._query import ALL_STREAMS, LogQuery
 from asynctorchx.logs._query import Stream as Stream
@@ -434,13 +434,11 @@ class Scheduler(abc.ABC, Generic[T]):
         )
 
     async def _entries(self, query: LogQuery, kind: CursorKind) -> AsyncIterator[LogEntry]:
+        encode = CursorEncoder(query.app_id, query.role, query.k, query.stream.value, kind)
         entries = self._log_entries(query)
         async with contextlib.aclosing(entries):
             async for position, line in entries:
-                cursor = LogCursor(
-                    query.app_id, query.role, query.k, query.stream.value, kind, position
-                )
-                yield LogEntry(cursor.encode(), line)
+                yield LogEntry(encode(position), line)
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The backend's part of ``log_iter``: an async generator of the lines ``query`` asks for.
