@@ -251,6 +251,39 @@ async def test_cursors_from_elsewhere_or_damaged_raise_at_the_call(backend: Back
             s.log_entries(app_id, "main", cursor=cursor, **kw)
 
 
+@pytest.mark.timeout(300)
+async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
+    backend: Backend,
+) -> None:
+    """A well-formed cursor whose position cannot be of this log raises ValueError at the first
+    iteration (a file offset past the end or inside a line, an unknown Docker container); on
+    Kubernetes an unknown pod is a replaced one: the newest pod is read from its start."""
+    pod = PodScript(lines=["first\n", "second\n"], line_interval=0)
+    app_id = await submit_script(backend, "echo first; echo second", pod)
+    await backend.wait_for(app_id)
+    got = await entries(backend, app_id)
+    assert [e.line for e in got] == ["first\n", "second\n"]
+    real = LogCursor.decode(got[0].cursor)
+    forged: list[tuple[Position, str | None]]
+    if real.kind == "file":
+        forged = [
+            ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
+            ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
+        ]
+    elif real.kind == "docker":
+        forged = [((real.position[0], "f" * 64, *real.position[2:]), "'ffffffffffff' .* is not a")]
+    else:
+        forged = [(("no-such-pod", *real.position[1:]), None)]
+    for position, error in forged:
+        cursor = dataclasses.replace(real, position=position).encode()
+        lines = backend.scheduler.log_iter(app_id, "main", cursor=cursor)
+        if error is None:
+            assert [ln async for ln in lines] == ["first\n", "second\n"]
+            continue
+        with anyio.fail_after(60), pytest.raises(ValueError, match=error):
+            await anext(lines)
+
+
 class _StampedEngine:
     """A Docker engine's log endpoint over fixed ``(timestamp ns, line)`` pairs: ``since`` is
     inclusive, as Docker's is. For the unit test below: a real engine stamps each line apart."""

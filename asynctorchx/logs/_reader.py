@@ -247,11 +247,7 @@ class _LogFile:
             self.index.read_blocking(self.index_fd)
         st = os.fstat(self.fd)
         if self.resume_at is not None:
-            if st.st_size < self.resume_at:
-                raise ValueError(
-                    f"log cursor offset {self.resume_at} is past the end of {self.path} "
-                    f"({st.st_size} bytes): the cursor was not taken on this log"
-                )
+            self._check_resume_blocking(self.resume_at, st.st_size)
             self.pos, self.resume_at = self.resume_at, None
         if st.st_size < self.pos:
             logger.warning(
@@ -262,6 +258,19 @@ class _LogFile:
         self.size = st.st_size
         self.mtime_ns = st.st_mtime_ns
         return True
+
+    def _check_resume_blocking(self, offset: int, size: int) -> None:
+        """Raises ValueError unless ``offset`` ends a line of the file (or is its end)."""
+        if size < offset:
+            raise ValueError(
+                f"log cursor offset {offset} is past the end of {self.path} ({size} bytes): "
+                "the cursor was not taken on this log"
+            )
+        if 0 < offset < size and os.pread(self.fd, 1, offset - 1) != b"\n":
+            raise ValueError(
+                f"log cursor offset {offset} is not at the end of a line of {self.path}: "
+                "the cursor was not taken on this log"
+            )
 
     def line_start_blocking(self, offset: int) -> int:
         """The offset where the line holding byte ``offset`` starts."""

@@ -105,6 +105,14 @@ class DockerLogSource:
         first_attempt = 0
         if query.after is not None:
             attempt, cid, ts, at_ts = query.after.position
+            key = (query.role, query.k, attempt)
+            if not any(
+                c.id == cid and (c.role, c.replica_id, c.attempt) == key for c in containers
+            ):
+                raise ValueError(
+                    f"the log cursor's container {str(cid)[:12]!r} (attempt {attempt}) is not a "
+                    f"container of {query.app_id}/{query.role}/{query.k} (removed, or another log)"
+                )
             first_attempt = int(attempt)
             cursors[str(cid)] = ResumeCursor(int(ts) or None, int(at_ts))
         finished: set[str] = set()  # containers read to the end that will not write again
