@@ -11,8 +11,10 @@ ValueError at the call, naming it. The backends and their fixtures are those of
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import json
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -269,6 +271,7 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
         forged = [
             ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
             ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
+            (("stderr", real.position[1]), r"cursor's? (of )?file 'stderr'"),
         ]
     elif real.kind == "docker":
         forged = [((real.position[0], "f" * 64, *real.position[2:]), "'ffffffffffff' .* is not a")]
@@ -396,3 +399,57 @@ async def test_a_backend_without_cursors_says_so_rather_than_ignore_one() -> Non
     async with AsyncRunner("s", scheduler_factories={"fake": FakeScheduler}) as runner:
         with anyio.fail_after(10), pytest.raises(NotImplementedError, match=message):
             await anext(runner.log_entries("fake://s/app", "r"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        None,
+        42,
+        "",
+        "v2.e30",
+        "v1.",
+        "v1.%%%",
+        "v1." + base64.urlsafe_b64encode(b"[" * 5000).decode(),  # nested past the parser's depth
+        "v1." + "A" * 9000,
+        "v1." + base64.urlsafe_b64encode(b'["a","r",0]').decode(),  # not an object
+    ],
+)
+def test_a_malformed_cursor_is_one_line_value_error_naming_it(text: object) -> None:
+    """Whatever is not a v1 cursor (wrong type, prefix, base64, JSON, or too long) is a one-line
+    ValueError that names the value (shortened when long)."""
+    with pytest.raises(ValueError) as info:
+        LogCursor.decode(text)
+    message = str(info.value)
+    assert "\n" not in message and repr(text)[:40] in message, message
+
+
+def _raw(doc: dict[str, Any]) -> str:
+    return "v1." + base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()
+
+
+GOOD = {"a": "app", "r": "main", "k": 0, "s": "combined", "x": "file", "p": ["combined", 7]}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"k": -1},
+        {"k": True},
+        {"k": 1.0},
+        {"s": "both"},
+        {"x": "ftp"},
+        {"p": ["combined", -7]},
+        {"p": ["combined", 2**63]},
+        {"p": ["combined", 7.5]},
+        {"p": ["combined"]},
+        {"p": {"combined": 7}},
+        {"a": None},
+    ],
+)
+def test_a_cursor_with_fields_out_of_range_is_malformed(change: dict[str, Any]) -> None:
+    """A cursor whose fields have the wrong type or range (negative, bool or float counts, an
+    unknown stream or kind, a position of the wrong shape) is rejected when decoded."""
+    assert LogCursor.decode(_raw(GOOD)).position == ("combined", 7)
+    with pytest.raises(ValueError, match=r"^malformed log cursor 'v1\."):
+        LogCursor.decode(_raw({**GOOD, **change}))

@@ -12,8 +12,10 @@ position itself. The position depends on the backend:
 
 The engine backends' ``count`` is the tie-breaker of ``ResumeCursor``: how many lines carrying
 exactly that timestamp were read, so lines written in one burst with equal timestamps are neither
-repeated nor skipped. Decoding checks everything the reader relies on, so that a forged, damaged or
-foreign cursor is a one-line ValueError at the call rather than a wrong read.
+repeated nor skipped. Decoding checks the cursor's shape and what it is bound to, so that a damaged
+or foreign cursor is a one-line ValueError at the call rather than a wrong read; a forged position
+of the right shape is caught by the reader (a file offset that does not end a line, a container
+that is not the replica's), as a ValueError when read.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class LogCursor:
         try:
             raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
             doc = json.loads(raw)
-        except (binascii.Error, ValueError):
+        except (binascii.Error, ValueError, RecursionError):
             raise ValueError(f"malformed log cursor {_show(text)}: undecodable") from None
         try:
             app_id, role, k, stream, kind, position = (

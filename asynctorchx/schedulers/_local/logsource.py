@@ -44,10 +44,13 @@ class LocalLogSource:
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs, after ``query.after`` when set: the position is the file
         read (its stream) and the byte offset just past the line in it."""
+        name = query.stream.value
         start = 0
         if query.after is not None:
-            start = int(query.after.position[1])
-        name = query.stream.value
+            file, offset = query.after.position
+            if file != name:
+                raise ValueError(f"the log cursor's file {file!r} is not the one read ({name!r})")
+            start = int(offset)
         entries = iter_query_entries(
             functools.partial(self._directory, query),
             query,
