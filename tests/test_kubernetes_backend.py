@@ -16,10 +16,12 @@ The ``live`` tests (tests/test_kubernetes_live.py) check those on a real cluster
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import anyio
 import pytest
 from k8s_fake import FakeKubeApiServer, PodContext, PodScript
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
@@ -433,6 +435,38 @@ async def test_follow_across_a_pod_replacement(
     assert got == ["first 0\n", "first 1\n", "second 0\n", "second 1\n"]
     status = await runner.status(handle)
     assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_a_cursor_of_a_replaced_pod_resumes_its_rest_then_the_new_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A cursor taken in a pod that has since failed and been replaced (REPLICA retry) resumes
+    with the rest of that pod's log, then the replacement's, each line once (read and tailed)."""
+    read_first = asyncio.Event()
+
+    def script(ctx: PodContext) -> PodScript:
+        if ctx.index_attempt == 0:
+            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
+        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
+
+    fake_k8s.cluster.script = script
+    app = AppDef("cursor", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
+    handle = await runner.run(app, scheduler="kubernetes")
+    with anyio.fail_after(30):
+        async with contextlib.aclosing(
+            runner.log_entries(handle, "worker", should_tail=True)
+        ) as entries:
+            cursor, line = await anext(entries)
+        assert line == "first 0\n"
+        read_first.set()  # the first pod fails and is replaced
+        status = await runner.wait(handle)
+        assert status is not None and status.state == AppState.SUCCEEDED
+        for tail in (False, True):
+            rest = [
+                ln
+                async for ln in runner.log_lines(handle, "worker", should_tail=tail, cursor=cursor)
+            ]
+            assert rest == ["first 1\n", "second 0\n", "second 1\n"], tail
 
 
 async def test_follow_across_an_application_restart(
