@@ -271,7 +271,7 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
         forged = [
             ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
             ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
-            (("stderr", real.position[1]), r"cursor's? (of )?file 'stderr'"),
+            (("stderr", real.position[1]), r"^the log cursor's file 'stderr' is not"),
         ]
     elif real.kind == "docker":
         forged = [((real.position[0], "f" * 64, *real.position[2:]), "'ffffffffffff' .* is not a")]

@@ -503,7 +503,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             skip, start = str(query.after.position[0]), int(query.after.position[1])
             if skip not in {s.value for s in streams}:
                 raise ValueError(
-                    f"log cursor of file {skip!r} does not fit this replica's log files "
+                    f"the log cursor's file {skip!r} is not one of this replica's log files "
                     f"({', '.join(s.value for s in streams)})"
                 )
         for stream in streams:
