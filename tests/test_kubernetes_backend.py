@@ -410,6 +410,22 @@ async def test_logs_since_until_and_regex(fake_k8s: FakeKubeApiServer, runner: A
     assert local == lines[1:5]
 
 
+async def run_replaced_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner, read_first: asyncio.Event
+) -> str:
+    """Runs a one-replica app (REPLICA retry) whose first pod writes ``first 0``/``first 1`` and
+    fails once ``read_first`` is set; its replacement writes ``second 0``/``second 1``."""
+
+    def script(ctx: PodContext) -> PodScript:
+        if ctx.index_attempt == 0:
+            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
+        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
+
+    fake_k8s.cluster.script = script
+    app = AppDef("replaced", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
+    return await runner.run(app, scheduler="kubernetes")
+
+
 async def test_follow_across_a_pod_replacement(
     fake_k8s: FakeKubeApiServer, runner: AsyncRunner
 ) -> None:
@@ -418,15 +434,7 @@ async def test_follow_across_a_pod_replacement(
     # the first pod fails only once the follower has read it: a follower that started after the
     # replacement would read the newest pod only
     read_first = asyncio.Event()
-
-    def script(ctx: PodContext) -> PodScript:
-        if ctx.index_attempt == 0:
-            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
-        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
-
-    fake_k8s.cluster.script = script
-    app = AppDef("follow", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
-    handle = await runner.run(app, scheduler="kubernetes")
+    handle = await run_replaced_pod(fake_k8s, runner, read_first)
     got = []
     async for line in runner.log_lines(handle, "worker", should_tail=True):
         got.append(line)
@@ -443,15 +451,7 @@ async def test_a_cursor_of_a_replaced_pod_resumes_its_rest_then_the_new_pod(
     """A cursor taken in a pod that has since failed and been replaced (REPLICA retry) resumes
     with the rest of that pod's log, then the replacement's, each line once (read and tailed)."""
     read_first = asyncio.Event()
-
-    def script(ctx: PodContext) -> PodScript:
-        if ctx.index_attempt == 0:
-            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
-        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
-
-    fake_k8s.cluster.script = script
-    app = AppDef("cursor", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
-    handle = await runner.run(app, scheduler="kubernetes")
+    handle = await run_replaced_pod(fake_k8s, runner, read_first)
     with anyio.fail_after(30):
         async with contextlib.aclosing(
             runner.log_entries(handle, "worker", should_tail=True)
