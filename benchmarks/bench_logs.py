@@ -3,7 +3,10 @@
 Scenarios (real child processes writing to real pipes pumped by ReplicaLogWriter):
 
 - ``read_finished``: iterate the 200 000 lines of a finished log with ``iter_log_lines`` (first read in
-  this process, and the median of later reads); also with a ``since`` window (through the index).
+  this process, and the median of later reads); also with a ``since`` window (through the index);
+  with each line's byte offset (``iter_log_entries``, what log cursors are made of), plus encoding
+  every line's cursor as ``log_entries`` does; and the time to resume at the middle line's offset
+  (to its first line).
 - ``tail_latency_ms``: a child prints a time-stamped line every 100 ms +- 50 ms; latency from its
   write to the follower yielding the line, for a follower in the writing process (woken directly)
   and in a second process (woken through inotify).
@@ -27,7 +30,8 @@ import tempfile
 import time
 from typing import Any
 
-from asynctorchx.logs import INDEX_FILE, ReplicaLogWriter, Stream, iter_log_lines
+from asynctorchx.logs import INDEX_FILE, ReplicaLogWriter, Stream, iter_log_entries, iter_log_lines
+from asynctorchx.logs._cursor import CursorEncoder
 from asynctorchx.logs._files import INDEX_MAGIC, RECORD
 
 LINES_SCRIPT = (
@@ -118,10 +122,36 @@ async def read_finished(root: pathlib.Path, lines: int, repeats: int) -> dict[st
             count += 1
         return time.perf_counter() - t0, time.process_time() - c0, count
 
+    async def entries(encode: bool) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        last = 0
+        cursor = CursorEncoder("app", "role", 0, "combined", "file")  # as log_entries encodes
+        async for offset, _ in iter_log_entries(directory):
+            last = offset
+            if encode:
+                cursor(("combined", offset))
+        return time.perf_counter() - t0, last
+
+    async def resume(start: int) -> float:
+        t0 = time.perf_counter()
+        reader = iter_log_entries(directory, start=start)
+        await anext(reader)
+        elapsed = time.perf_counter() - t0
+        await reader.aclose()
+        return elapsed
+
     first, first_cpu, count = await once()
     assert count == lines, count
     runs = [await once() for _ in range(repeats)]
     since_runs = [await once(since=time.time() - 3600) for _ in range(repeats)]
+    entry_runs = [await entries(False) for _ in range(repeats)]
+    cursor_runs = [await entries(True) for _ in range(repeats)]
+    middle = entry_runs[0][1] // 2
+    async for offset, _ in iter_log_entries(directory):
+        if offset >= middle:
+            middle = offset
+            break
+    resumes = [await resume(middle) for _ in range(repeats)]
     return {
         "lines": count,
         "bytes": (directory / "combined.log").stat().st_size,
@@ -131,6 +161,9 @@ async def read_finished(root: pathlib.Path, lines: int, repeats: int) -> dict[st
         "best_s": round(min(r[0] for r in runs), 4),
         "median_cpu_s": round(statistics.median(r[1] for r in runs), 4),
         "with_since_median_s": round(statistics.median(r[0] for r in since_runs), 4),
+        "entries_median_s": round(statistics.median(r[0] for r in entry_runs), 4),
+        "entries_with_cursors_median_s": round(statistics.median(r[0] for r in cursor_runs), 4),
+        "resume_at_middle_ms": round(statistics.median(resumes) * 1000, 3),
     }
 
 

@@ -9,7 +9,9 @@ Endpoints (``{scheduler}/{app_id}`` are the last two parts of an app handle):
 - ``GET /apps/{scheduler}/{app_id}`` answers the app's status as JSON (404 when unknown);
 - ``GET /apps/{scheduler}/{app_id}/logs?role=R&replica=K`` streams the replica's log lines as
   Server-Sent Events, following the tail until the app ends (one ``data:`` event per line, then an
-  ``event: end`` with the final state);
+  ``event: end`` with the final state). Each line's event has the line's log cursor as its ``id:``,
+  so a browser's ``EventSource`` that reconnects sends it back as ``Last-Event-ID`` and the stream
+  resumes exactly after the last line it received (a cursor of another log: 400);
 - ``POST /apps/{scheduler}/{app_id}/wait`` waits for the app and answers its final status;
 - ``DELETE /apps/{scheduler}/{app_id}`` cancels the app;
 - ``POST /runs`` with the body of ``POST /apps`` (plus optional ``"role"`` and ``"replica"``) is an
@@ -135,30 +137,36 @@ async def logs(request: web.Request) -> web.StreamResponse:
         replica = int(request.query.get("replica", "0"))
     except ValueError:
         return _error(400, f"replica must be an integer, got {request.query.get('replica')!r}")
-    return await _stream_log(request, handle, role, replica)
+    cursor = request.headers.get("Last-Event-ID") or None
+    return await _stream_log(request, handle, role, replica, cursor)
 
 
 async def _stream_log(
-    request: web.Request, handle: str, role: str, replica: int
+    request: web.Request, handle: str, role: str, replica: int, cursor: str | None = None
 ) -> web.StreamResponse:
-    """Streams a replica's log as Server-Sent Events until the app ends, then its final state."""
+    """Streams a replica's log as Server-Sent Events until the app ends, then its final state.
+
+    With ``cursor`` (a ``Last-Event-ID``) the log resumes right after the line it names.
+    """
     runner = request.app[RUNNER]
     # aclosing: a client that goes away mid-stream stops the tail at once
     async with contextlib.aclosing(
-        runner.log_lines(handle, role, replica, should_tail=True)
-    ) as lines:
+        runner.log_entries(handle, role, replica, should_tail=True, cursor=cursor)
+    ) as entries:
         try:
-            first = await anext(lines, None)
-        except (LookupError, ValueError) as e:  # unknown app, role or replica
+            first = await anext(entries, None)
+        except ValueError as e:  # a Last-Event-ID that is not a cursor of this log
+            return _error(400 if cursor else 404, str(e))
+        except LookupError as e:  # unknown app, role or replica
             return _error(404, str(e))
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
         if first is not None:
-            await response.write(_sse(first))
-            async for line in lines:
-                await response.write(_sse(line))
+            await response.write(_sse(first.line, first.cursor))
+            async for entry in entries:
+                await response.write(_sse(entry.line, entry.cursor))
     final = await runner.wait(handle)
     state = final.state.name if final else "UNKNOWN"
     await response.write(f"event: end\ndata: {json.dumps({'state': state})}\n\n".encode())
@@ -201,9 +209,10 @@ async def attached_run(request: web.Request) -> web.StreamResponse:
         return await _stream_log(request, handle, str(role), replica)
 
 
-def _sse(line: str) -> bytes:
-    # one event per log line; JSON keeps '\r', the trailing '\n' and any other character intact
-    return f"data: {json.dumps(line)}\n\n".encode()
+def _sse(line: str, cursor: str) -> bytes:
+    # one event per log line; JSON keeps '\r', the trailing '\n' and any other character intact;
+    # the cursor is base64url text, safe on an SSE line
+    return f"id: {cursor}\ndata: {json.dumps(line)}\n\n".encode()
 
 
 def make_app(session_name: str = "service", **runner_options: Any) -> web.Application:

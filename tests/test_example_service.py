@@ -92,6 +92,8 @@ class SSE:
 
     def __init__(self, response: ClientResponse) -> None:
         self.response = response
+        #: the ``id:`` of the last event read (what a reconnecting client sends as Last-Event-ID)
+        self.last_id: str | None = None
 
     async def next(self) -> tuple[str, Any]:
         event, data = "message", ""
@@ -102,6 +104,8 @@ class SSE:
             text = raw.decode().rstrip("\n")
             if text.startswith("event: "):
                 event = text[len("event: ") :]
+            elif text.startswith("id: "):
+                self.last_id = text[len("id: ") :]
             elif text.startswith("data: "):
                 data = text[len("data: ") :]
             elif text == "":
@@ -189,6 +193,61 @@ async def test_20_clients_launch_and_stream_without_losing_lines(serve: Serve) -
         with anyio.fail_after(30):
             await asyncio.gather(*(one(client, c) for c in range(20)))
     assert len(backend.apps) == 20
+
+
+async def test_a_log_stream_resumes_from_last_event_id_with_every_line_once(serve: Serve) -> None:
+    """A client reads part of a running app's SSE log, disconnects, and reconnects with the last
+    event's id as Last-Event-ID while the app goes on writing: every line arrives exactly once."""
+    clock = VirtualClock()
+    script = AppScript(
+        states=[(0, AppState.RUNNING), (100, AppState.SUCCEEDED)],
+        logs=lines("sh", [f"line {i}" for i in range(1, 51)], start=0, every=1),
+    )
+    backend = ScriptedBackend("local_cwd", script, clock=clock)
+    expected = [f"line {i}\n" for i in range(1, 51)]
+    async with serve(backend) as client:
+        with anyio.fail_after(30):
+            resp = await client.post("/apps", json=sh("python", "train.py"))
+            path = f"/apps/local_cwd/{(await resp.json())['app_id']}/logs"
+            clock.advance(20.5)
+            first = SSE(await client.get(path, params={"role": "sh"}))
+            got = [(await first.next())[1] for _ in range(15)]
+            first.response.close()  # the client goes away mid-stream
+            clock.advance(10)  # the app writes on while no one reads
+            assert first.last_id is not None
+            again = SSE(
+                await client.get(
+                    path, params={"role": "sh"}, headers={"Last-Event-ID": first.last_id}
+                )
+            )
+            assert (await again.next())[1] == "line 16\n"
+            clock.advance(80)
+            rest, end = await again.rest()
+        assert [*got, "line 16\n", *rest] == expected
+        assert end == {"state": "SUCCEEDED"}
+        assert backend.calls["log_iter"] == 2
+
+
+async def test_a_last_event_id_of_another_log_is_a_bad_request(serve: Serve) -> None:
+    """A Last-Event-ID that is not a cursor, or one of another app's log, answers 400 naming it."""
+    backend = ScriptedBackend("local_cwd", LOG)
+    async with serve(backend) as client:
+        ids = []
+        for _ in range(2):
+            resp = await client.post("/apps", json=sh("python", "train.py"))
+            ids.append((await resp.json())["app_id"])
+        other = SSE(await client.get(f"/apps/local_cwd/{ids[1]}/logs", params={"role": "sh"}))
+        await other.next()
+        assert other.last_id is not None
+        other.response.close()
+        for bad in ("garbage", other.last_id):
+            resp = await client.get(
+                f"/apps/local_cwd/{ids[0]}/logs",
+                params={"role": "sh"},
+                headers={"Last-Event-ID": bad},
+            )
+            assert resp.status == 400
+            assert bad[:40] in (await resp.json())["error"]
 
 
 async def test_delete_cancels_and_wait_reports_cancelled(serve: Serve) -> None:

@@ -16,10 +16,12 @@ The ``live`` tests (tests/test_kubernetes_live.py) check those on a real cluster
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import anyio
 import pytest
 from k8s_fake import FakeKubeApiServer, PodContext, PodScript
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
@@ -408,6 +410,22 @@ async def test_logs_since_until_and_regex(fake_k8s: FakeKubeApiServer, runner: A
     assert local == lines[1:5]
 
 
+async def run_replaced_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner, read_first: asyncio.Event
+) -> str:
+    """Runs a one-replica app (REPLICA retry) whose first pod writes ``first 0``/``first 1`` and
+    fails once ``read_first`` is set; its replacement writes ``second 0``/``second 1``."""
+
+    def script(ctx: PodContext) -> PodScript:
+        if ctx.index_attempt == 0:
+            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
+        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
+
+    fake_k8s.cluster.script = script
+    app = AppDef("replaced", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
+    return await runner.run(app, scheduler="kubernetes")
+
+
 async def test_follow_across_a_pod_replacement(
     fake_k8s: FakeKubeApiServer, runner: AsyncRunner
 ) -> None:
@@ -416,15 +434,7 @@ async def test_follow_across_a_pod_replacement(
     # the first pod fails only once the follower has read it: a follower that started after the
     # replacement would read the newest pod only
     read_first = asyncio.Event()
-
-    def script(ctx: PodContext) -> PodScript:
-        if ctx.index_attempt == 0:
-            return PodScript(lines=["first 0\n", "first 1\n"], exit_code=1, hold=read_first)
-        return PodScript(lines=["second 0\n", "second 1\n"], line_interval=0.02)
-
-    fake_k8s.cluster.script = script
-    app = AppDef("follow", roles=[role(max_retries=1, retry_policy=RetryPolicy.REPLICA)])
-    handle = await runner.run(app, scheduler="kubernetes")
+    handle = await run_replaced_pod(fake_k8s, runner, read_first)
     got = []
     async for line in runner.log_lines(handle, "worker", should_tail=True):
         got.append(line)
@@ -433,6 +443,30 @@ async def test_follow_across_a_pod_replacement(
     assert got == ["first 0\n", "first 1\n", "second 0\n", "second 1\n"]
     status = await runner.status(handle)
     assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_a_cursor_of_a_replaced_pod_resumes_its_rest_then_the_new_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A cursor taken in a pod that has since failed and been replaced (REPLICA retry) resumes
+    with the rest of that pod's log, then the replacement's, each line once (read and tailed)."""
+    read_first = asyncio.Event()
+    handle = await run_replaced_pod(fake_k8s, runner, read_first)
+    with anyio.fail_after(30):
+        async with contextlib.aclosing(
+            runner.log_entries(handle, "worker", should_tail=True)
+        ) as entries:
+            cursor, line = await anext(entries)
+        assert line == "first 0\n"
+        read_first.set()  # the first pod fails and is replaced
+        status = await runner.wait(handle)
+        assert status is not None and status.state == AppState.SUCCEEDED
+        for tail in (False, True):
+            rest = [
+                ln
+                async for ln in runner.log_lines(handle, "worker", should_tail=tail, cursor=cursor)
+            ]
+            assert rest == ["first 1\n", "second 0\n", "second 1\n"], tail
 
 
 async def test_follow_across_an_application_restart(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
 
+from asynctorchx.logs._cursor import CursorKind, LogCursor, parse_cursor
+
 
 class Stream(str, Enum):
     """Which output of a replica ``log_iter`` reads."""
@@ -112,6 +114,8 @@ class LogQuery:
         until: only lines written at or before this POSIX time, or None.
         follow: follow the log until the app is terminal, then drain it (``should_tail``).
         stream: which output to read.
+        after: resume after the line this cursor was taken at (checked: it was taken on this
+            app, role, replica and stream selection), or None.
     """
 
     app_id: str
@@ -122,6 +126,7 @@ class LogQuery:
     until: float | None
     follow: bool
     stream: Stream
+    after: LogCursor | None = None
 
     @classmethod
     def build(
@@ -136,13 +141,16 @@ class LogQuery:
         until: datetime | None,
         should_tail: bool,
         streams: Stream | str | None,
+        cursor: str | None = None,
+        cursor_kind: CursorKind | None = None,
     ) -> LogQuery:
         """Checks ``log_iter``'s arguments for ``backend``.
 
         Raises:
-            ValueError: an unsupported stream, an invalid regex, ``since`` after ``until``, or a
-                negative replica index.
+            ValueError: an unsupported stream, an invalid regex, ``since`` after ``until``, a
+                negative replica index, or a cursor that is malformed or was taken elsewhere.
             TypeError: an argument of the wrong type (names it).
+            NotImplementedError: a cursor for a backend that cannot resume (``cursor_kind`` None).
         """
         for name, value in (("app_id", app_id), ("role_name", role_name)):
             if not isinstance(value, str):
@@ -154,7 +162,10 @@ class LogQuery:
         stream = parse_stream(streams, supported, f"the {backend} scheduler")
         pattern = compile_log_regex(regex)
         lo, hi = check_time_window(since, until)
-        return cls(app_id, role_name, k, pattern, lo, hi, bool(should_tail), stream)
+        after = None
+        if cursor is not None:
+            after = parse_cursor(cursor, cursor_kind, backend, app_id, role_name, k, stream.value)
+        return cls(app_id, role_name, k, pattern, lo, hi, bool(should_tail), stream, after)
 
     def matches(self, line: str) -> bool:
         """True when ``line`` passes the regex filter."""

@@ -110,20 +110,46 @@ def _narrow(segment: Segment, lo: int, hi: int) -> Segment:
     return buf, start, end, base + (start - a)
 
 
-def _batches(segment: Segment) -> Iterator[list[str]]:
-    """The lines of ``segment``, decoded in pieces of about ``_SPLIT_BLOCK`` bytes (cache-friendly)."""
+def _pieces(segment: Segment) -> Iterator[tuple[int, int]]:
+    """``segment`` cut at line ends into pieces of about ``_SPLIT_BLOCK`` bytes: their bounds."""
     buf, a, z, _ = segment
-    if a >= z:
-        return
-    view = memoryview(buf)
     while a < z:
         cut = z
         if z - a > _SPLIT_BLOCK:
             cut = buf.rfind(b"\n", a, a + _SPLIT_BLOCK) + 1
             if cut <= a:
                 cut = buf.find(b"\n", a + _SPLIT_BLOCK, z) + 1 or z
-        yield decode_lines(view[a:cut])
+        yield a, cut
         a = cut
+
+
+def _batches(segment: Segment) -> Iterator[list[str]]:
+    """The lines of ``segment``, decoded in pieces of about ``_SPLIT_BLOCK`` bytes (cache-friendly)."""
+    buf = segment[0]
+    if segment[1] >= segment[2]:
+        return
+    view = memoryview(buf)
+    for a, cut in _pieces(segment):
+        yield decode_lines(view[a:cut])
+
+
+def _entries(
+    segment: Segment, search: Callable[[str], re.Match[str] | None] | None
+) -> Iterator[tuple[int, str]]:
+    """``(file offset just past the line, line)`` for the lines of ``segment`` that match.
+
+    ``decode_lines`` splits on ``\\n`` only and replacement never makes or removes one, so the
+    n-th decoded line of a piece ends at the n-th ``\\n`` of its bytes (or at the piece's end).
+    """
+    buf, first, _, base = segment
+    view = memoryview(buf)
+    for a, cut in _pieces(segment):
+        p = a
+        for line in decode_lines(view[a:cut]):
+            q = buf.find(b"\n", p, cut)
+            p = cut if q < 0 else q + 1
+            if search is None or search(line):
+                yield base + (p - first), line
 
 
 class _LogFile:
@@ -147,6 +173,8 @@ class _LogFile:
         self.spilled = False
         self.size = 0
         self.mtime_ns = 0
+        # a cursor's offset: where reading starts, once the file is open (checked against its size)
+        self.resume_at: int | None = None
         self._lock = threading.Lock()
         self._busy = 0
         self._closing = False
@@ -218,6 +246,9 @@ class _LogFile:
         if self.index_fd >= 0:
             self.index.read_blocking(self.index_fd)
         st = os.fstat(self.fd)
+        if self.resume_at is not None:
+            self._check_resume_blocking(self.resume_at, st.st_size)
+            self.pos, self.resume_at = self.resume_at, None
         if st.st_size < self.pos:
             logger.warning(
                 "%s shrank to %d bytes; reading it from the start", self.path, st.st_size
@@ -227,6 +258,19 @@ class _LogFile:
         self.size = st.st_size
         self.mtime_ns = st.st_mtime_ns
         return True
+
+    def _check_resume_blocking(self, offset: int, size: int) -> None:
+        """Raises ValueError unless ``offset`` ends a line of the file (or is its end)."""
+        if size < offset:
+            raise ValueError(
+                f"log cursor offset {offset} is past the end of {self.path} ({size} bytes): "
+                "the cursor was not taken on this log"
+            )
+        if 0 < offset < size and os.pread(self.fd, 1, offset - 1) != b"\n":
+            raise ValueError(
+                f"log cursor offset {offset} is not at the end of a line of {self.path}: "
+                "the cursor was not taken on this log"
+            )
 
     def line_start_blocking(self, offset: int) -> int:
         """The offset where the line holding byte ``offset`` starts."""
@@ -390,6 +434,52 @@ def iter_log_lines(
             ``since`` is after ``until``.
         TypeError: ``since``/``until`` are not numbers.
     """
+    return _open_reader(
+        directory, stream, regex, since, until, follow, is_finished, poll_interval, None
+    )
+
+
+def iter_log_entries(
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
+    stream: Stream = Stream.COMBINED,
+    *,
+    start: int = 0,
+    regex: re.Pattern[str] | str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    follow: bool = False,
+    is_finished: Callable[[], Awaitable[bool]] | None = None,
+    poll_interval: float | None = None,
+) -> AsyncGenerator[tuple[int, str], None]:
+    """``iter_log_lines`` from byte ``start`` of the file, each line with the offset just past it.
+
+    Passing a line's offset back as ``start`` resumes exactly after that line (lines the regex or
+    the window drop still advance the offset: it is a position in the file). ``start`` must be an
+    offset this reader gave out for the same file.
+
+    Raises:
+        ValueError: as ``iter_log_lines``, or ``start`` is negative; (when iterated) ``start`` is
+            past the end of the file.
+    """
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a byte offset >= 0, got {start!r}")
+    return _open_reader(
+        directory, stream, regex, since, until, follow, is_finished, poll_interval, start
+    )
+
+
+def _open_reader(
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
+    stream: Stream,
+    regex: re.Pattern[str] | str | None,
+    since: float | None,
+    until: float | None,
+    follow: bool,
+    is_finished: Callable[[], Awaitable[bool]] | None,
+    poll_interval: float | None,
+    start: int | None,
+) -> AsyncGenerator[Any, None]:
+    """Checks the arguments; the reader of lines (``start`` None) or of ``(offset, line)``."""
     stream = parse_stream(stream, ALL_STREAMS, "iter_log_lines")
     if isinstance(regex, str):
         regex = compile_log_regex(regex)
@@ -401,8 +491,8 @@ def iter_log_lines(
         )
     where = directory if callable(directory) else pathlib.Path(directory)
     if follow:
-        return _follow(where, stream, regex, since_ns, until_ns, is_finished, poll_interval)
-    return _read_now(where, stream, regex, since_ns, until_ns)
+        return _follow(where, stream, regex, since_ns, until_ns, is_finished, poll_interval, start)
+    return _read_now(where, stream, regex, since_ns, until_ns, start)
 
 
 async def _located(where: LogLocation) -> pathlib.Path:
@@ -420,6 +510,26 @@ def iter_query_lines(
     return iter_log_lines(
         directory,
         query.stream if stream is None else stream,
+        regex=query.regex,
+        since=query.since,
+        until=query.until,
+        follow=query.follow,
+        is_finished=is_finished,
+    )
+
+
+def iter_query_entries(
+    directory: pathlib.Path | str | Callable[[], Awaitable[pathlib.Path]],
+    query: LogQuery,
+    is_finished: Callable[[], Awaitable[bool]] | None,
+    stream: Stream | None = None,
+    start: int = 0,
+) -> AsyncGenerator[tuple[int, str], None]:
+    """``iter_log_entries`` of what a backend's ``LogQuery`` asks for, from byte ``start``."""
+    return iter_log_entries(
+        directory,
+        query.stream if stream is None else stream,
+        start=start,
         regex=query.regex,
         since=query.since,
         until=query.until,
@@ -448,7 +558,7 @@ def _plan_blocking(
     lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
     if lo >= hi:
         return None
-    log.pos = log.line_start_blocking(lo)
+    log.pos = max(log.pos, log.line_start_blocking(lo))  # a cursor's offset may be further on
     return lo, hi
 
 
@@ -478,10 +588,13 @@ async def _read_now(
     regex: re.Pattern[str] | None,
     since_ns: int | None,
     until_ns: int | None,
-) -> AsyncGenerator[str, None]:
+    start: int | None,
+) -> AsyncGenerator[Any, None]:
     directory = await _located(where)
     windowed = since_ns is not None or until_ns is not None
     log = _open_log(directory, stream, windowed)
+    log.resume_at = start or None
+    offsets = start is not None
     search = regex.search if regex is not None else None
     future: asyncio.Future[bytes] | None = None
     try:
@@ -504,9 +617,15 @@ async def _read_now(
                 if isinstance(segment, _LongLine):
                     long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
-                        yield long_lines.pop(0)
+                        line = long_lines.pop(0)
+                        yield (segment.end, line) if offsets else line
                     continue
-                for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
+                part = _narrow(segment, lo, hi) if windowed else segment
+                if offsets:
+                    for entry in _entries(part, search):
+                        yield entry
+                    continue
+                for lines in _batches(part):
                     for line in lines if search is None else filter(search, lines):
                         yield line
     finally:
@@ -627,12 +746,15 @@ async def _follow(
     until_ns: int | None,
     is_finished: Callable[[], Awaitable[bool]] | None,
     poll_interval: float | None,
-) -> AsyncGenerator[str, None]:
+    start: int | None,
+) -> AsyncGenerator[Any, None]:
     directory = await _located(where)
     loop = asyncio.get_running_loop()
     key = _notify.directory_key(directory)
     windowed = since_ns is not None or until_ns is not None
     log = _open_log(directory, stream, windowed)
+    log.resume_at = start or None
+    offsets = start is not None
     index_names = {INDEX_FILE, SAMPLED_INDEX_FILE} if windowed else set()
     names = frozenset({LOG_FILES[stream], *index_names})
     waker = _notify.Waker(loop, stream)
@@ -661,9 +783,15 @@ async def _follow(
                 if isinstance(segment, _LongLine):
                     long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
-                        yield long_lines.pop(0)
+                        line = long_lines.pop(0)
+                        yield (segment.end, line) if offsets else line
                     continue
-                for lines in _batches(_narrow(segment, lo, hi) if windowed else segment):
+                part = _narrow(segment, lo, hi) if windowed else segment
+                if offsets:
+                    for entry in _entries(part, search):
+                        yield entry
+                    continue
+                for lines in _batches(part):
                     for line in lines if search is None else filter(search, lines):
                         yield line
             if more:

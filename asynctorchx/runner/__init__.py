@@ -1,5 +1,6 @@
 """The AsyncRunner and its StatusHub."""
 
+from asynctorchx.logs import LogEntry as LogEntry
 from asynctorchx.runner._launch import GangFailedError as GangFailedError
 from asynctorchx.runner._launch import LaunchGroup as LaunchGroup
 from asynctorchx.runner.api import AppEvent as AppEvent

@@ -41,7 +41,7 @@ from asynctorchx.schedulers import (
     builtin_scheduler_factory,
     get_scheduler_factories,
 )
-from asynctorchx.schedulers.api import ListAppResponse, Scheduler, Stream
+from asynctorchx.schedulers.api import ListAppResponse, LogEntry, Scheduler, Stream
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -943,21 +943,24 @@ class AsyncRunner:
         until: datetime | None = None,
         should_tail: bool = False,
         streams: Stream | None = None,
+        *,
+        cursor: str | None = None,
     ) -> AsyncGenerator[str, None]:
         """The log lines of replica ``k`` of ``role_name`` (see ``Scheduler.log_iter``).
 
         Nothing is checked or read until the first line is asked for; ``aclose()`` stops a tail at
-        once.
+        once. With ``cursor`` (from ``log_entries``) the log resumes exactly after that line.
 
         Raises:
             UnknownAppException: the scheduler does not know the app.
             UnknownRoleException: no such role or replica.
+            ValueError: a malformed cursor, or one taken on another app, role, replica or
+                ``streams`` (and the other argument errors of ``Scheduler.log_iter``).
         """
-        self._check_open()
-        backend, app_id = self._split(app_handle)
-        scheduler = self._scheduler(backend)
-        await self._call(backend)
-        lines = scheduler.log_iter(app_id, role_name, k, regex, since, until, should_tail, streams)
+        scheduler, app_id = await self._log_scheduler(app_handle)
+        lines = scheduler.log_iter(
+            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+        )
         # one plain async-generator layer: cheaper per line than any hand-written __anext__
         try:
             async for line in lines:
@@ -967,6 +970,47 @@ class AsyncRunner:
             aclose = getattr(lines, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def log_entries(
+        self,
+        app_handle: AppHandle,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+        *,
+        cursor: str | None = None,
+    ) -> AsyncGenerator[LogEntry, None]:
+        """``log_lines`` with each line's cursor: ``LogEntry(cursor, line)`` pairs.
+
+        A cursor is an opaque string (safe in URLs and HTTP headers, e.g. an SSE event id).
+        Passing it back as ``cursor=`` (same app, role, replica and ``streams``) resumes exactly
+        after its line: nothing repeated, nothing skipped, also while the app still writes and
+        when lines share a timestamp. Every built-in backend supports cursors.
+
+        Raises:
+            NotImplementedError: the backend cannot resume logs.
+            ValueError, UnknownAppException, UnknownRoleException: as ``log_lines``.
+        """
+        scheduler, app_id = await self._log_scheduler(app_handle)
+        entries = scheduler.log_entries(
+            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+        )
+        async with contextlib.aclosing(entries):  # type: ignore[type-var]
+            async for entry in entries:
+                yield entry
+                del entry
+
+    async def _log_scheduler(self, app_handle: AppHandle) -> tuple[Scheduler[Any], str]:
+        """The scheduler and app id of a handle whose log is opened (one call to the backend)."""
+        self._check_open()
+        backend, app_id = self._split(app_handle)
+        scheduler = self._scheduler(backend)
+        await self._call(backend)
+        return scheduler, app_id
 
     async def list(self, scheduler: str) -> list[ListAppResponse]:
         """The apps ``scheduler`` knows, with their handles filled in."""

@@ -18,8 +18,9 @@ changed; the runner's StatusHub subscribes with ``subscribe`` and re-describes j
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 import anyio
 import anyio.to_thread
 
+from asynctorchx.logs._cursor import CursorEncoder, CursorKind, Position, lines_of
+from asynctorchx.logs._cursor import LogEntry as LogEntry
 from asynctorchx.logs._query import ALL_STREAMS, LogQuery
 from asynctorchx.logs._query import Stream as Stream
 
@@ -321,6 +324,10 @@ class Scheduler(abc.ABC, Generic[T]):
     #: both streams in the order they arrived.
     log_streams: ClassVar[frozenset[Stream]] = ALL_STREAMS
 
+    #: What a log cursor of this backend holds (see ``logs/_cursor.py``); None: the backend
+    #: cannot resume a log, and ``log_entries`` or a ``cursor`` raise NotImplementedError.
+    log_cursor_kind: ClassVar[CursorKind | None] = None
+
     def log_iter(
         self,
         app_id: str,
@@ -331,6 +338,8 @@ class Scheduler(abc.ABC, Generic[T]):
         until: datetime | None = None,
         should_tail: bool = False,
         streams: Stream | None = None,
+        *,
+        cursor: str | None = None,
     ) -> AsyncIterator[str]:
         """The log lines of replica ``k`` of ``role_name``, each ending with its ``\\n``.
 
@@ -347,15 +356,69 @@ class Scheduler(abc.ABC, Generic[T]):
                 otherwise return what exists now.
             streams: which output to read; by default (None, or COMBINED) everything the replica
                 wrote, in the order it arrived.
+            cursor: resume exactly after the line this cursor was taken at (``log_entries``
+                gives each line's cursor); it must come from the same app, role, replica and
+                ``streams``. The other arguments apply to what follows it.
 
         Raises:
             ValueError: a stream this backend cannot read (``log_streams``), an invalid regex,
-                ``since`` after ``until``, or a negative ``k``.
+                ``since`` after ``until``, a negative ``k``, or a malformed cursor or one taken
+                on another app, role, replica or stream selection.
             TypeError: an argument of the wrong type.
+            NotImplementedError: a cursor for a backend that cannot resume logs.
             UnknownAppException: (when iterated) no such app.
             UnknownRoleException: (when iterated) no such role, or no replica ``k``.
         """
-        query = LogQuery.build(
+        query = self._log_query(
+            app_id, role_name, k, regex, since, until, should_tail, streams, cursor
+        )
+        if query.after is not None:
+            return lines_of(self._log_entries(query))
+        return self._log_iter(query)
+
+    def log_entries(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int = 0,
+        regex: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        should_tail: bool = False,
+        streams: Stream | None = None,
+        *,
+        cursor: str | None = None,
+    ) -> AsyncIterator[LogEntry]:
+        """Like ``log_iter``, with each line's cursor: ``LogEntry(cursor, line)`` pairs.
+
+        Passing an entry's ``cursor`` to ``log_iter``/``log_entries`` (same app, role, replica
+        and ``streams``) resumes exactly after its line: no line repeated, none skipped, also
+        while the app still writes. Cursors are opaque strings (safe in URLs and HTTP headers).
+
+        Raises:
+            NotImplementedError: the backend cannot resume logs (``log_cursor_kind`` is None).
+            ValueError, TypeError: as ``log_iter``.
+        """
+        if self.log_cursor_kind is None:
+            raise NotImplementedError(f"the {self.backend} scheduler does not support log cursors")
+        query = self._log_query(
+            app_id, role_name, k, regex, since, until, should_tail, streams, cursor
+        )
+        return self._entries(query, self.log_cursor_kind)
+
+    def _log_query(
+        self,
+        app_id: str,
+        role_name: str,
+        k: int,
+        regex: str | None,
+        since: datetime | None,
+        until: datetime | None,
+        should_tail: bool,
+        streams: Stream | None,
+        cursor: str | None,
+    ) -> LogQuery:
+        return LogQuery.build(
             self.backend,
             self.log_streams,
             app_id,
@@ -366,15 +429,32 @@ class Scheduler(abc.ABC, Generic[T]):
             until,
             should_tail,
             streams,
+            cursor,
+            self.log_cursor_kind,
         )
-        return self._log_iter(query)
+
+    async def _entries(self, query: LogQuery, kind: CursorKind) -> AsyncIterator[LogEntry]:
+        encode = CursorEncoder(query.app_id, query.role, query.k, query.stream.value, kind)
+        entries = self._log_entries(query)
+        async with contextlib.aclosing(entries):
+            async for position, line in entries:
+                yield LogEntry(encode(position), line)
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The backend's part of ``log_iter``: an async generator of the lines ``query`` asks for.
 
         It raises UnknownAppException/UnknownRoleException from its first iteration.
+        ``query.after`` is always None here: a resumed read goes to ``_log_entries``.
         """
         raise NotImplementedError(f"the {self.backend} scheduler does not read logs")
+
+    def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """The backend's part of ``log_entries``: ``(position, line)`` pairs, starting after
+        ``query.after`` when set (its position has this backend's ``log_cursor_kind`` shape).
+
+        Implemented by every backend whose ``log_cursor_kind`` is set.
+        """
+        raise NotImplementedError(f"the {self.backend} scheduler does not support log cursors")
 
     async def close(self) -> None:
         """Releases what the scheduler holds (clients, background tasks). Idempotent."""

@@ -39,12 +39,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps
 from asynctorchx.schedulers._docker.engine import (
@@ -114,6 +115,7 @@ class DockerScheduler(Scheduler[DockerJob]):
     """
 
     pushes_changes = True
+    log_cursor_kind = "docker"
     supports_workspace = True
 
     def __init__(
@@ -343,7 +345,11 @@ class DockerScheduler(Scheduler[DockerJob]):
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """Lines of every attempt of the replica, oldest first (see ``_docker/logs.py``)."""
-        return self._logs.lines(query)
+        return lines_of(self._logs.entries(query))
+
+    def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """The lines with their containers' cursors (see ``DockerLogSource.entries``)."""
+        return self._logs.entries(query)
 
     async def close(self) -> None:
         """Finishes the follow-ups under way (bounded), stops the event stream, closes an owned

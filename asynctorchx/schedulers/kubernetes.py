@@ -52,13 +52,14 @@ import builtins
 import copy
 import functools
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.logs._cursor import CursorKind, Position, lines_of
 from asynctorchx.logs._query import LogQuery, Stream
 from asynctorchx.schedulers._k8s import names as n
 from asynctorchx.schedulers._k8s.client import (
@@ -124,6 +125,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     supports_workspace: ClassVar[bool] = True
     #: Kubernetes keeps a container's stdout and stderr as one log.
     log_streams: ClassVar[frozenset[Stream]] = frozenset({Stream.COMBINED})
+    log_cursor_kind: ClassVar[CursorKind | None] = "kubernetes"
 
     def __init__(
         self,
@@ -394,7 +396,11 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
 
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The newest pod's log of the replica, across pod replacements (see ``_k8s/logs.py``)."""
-        return self._logs.lines(query)
+        return lines_of(self._logs.entries(query))
+
+    def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """The lines with their pods' cursors (see ``KubeLogSource.entries``)."""
+        return self._logs.entries(query)
 
     async def close(self) -> None:
         """Stops the watches and restart tasks, and closes the client it created. Idempotent."""

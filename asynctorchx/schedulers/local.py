@@ -60,7 +60,7 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,7 @@ import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.logs import LogQuery
+from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._inotify import (
     IN_CLOSE_WRITE,
     IN_DELETE_SELF,
@@ -153,6 +154,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
     """
 
     pushes_changes = True
+    log_cursor_kind = "file"
     supports_workspace = True
 
     def __init__(
@@ -467,6 +469,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
     def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The lines of one replica: combined stdout and stderr by default (see ``LocalLogSource``)."""
         return self._logs.lines(query)
+
+    def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """The lines with their byte offsets in the file read (see ``LocalLogSource.entries``)."""
+        return self._logs.entries(query)
 
     # -- closing ----------------------------------------------------------------------------------
 

@@ -35,13 +35,14 @@ whatever the roles' ``retry_policy``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import re
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ import anyio
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded
-from asynctorchx.logs import LogQuery, iter_query_lines
+from asynctorchx.logs import LogQuery, iter_query_entries, iter_query_lines
+from asynctorchx.logs._cursor import Position
 from asynctorchx.schedulers._slurm import workspace as slurm_workspace
 from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
 from asynctorchx.schedulers._slurm.parse import (
@@ -166,6 +168,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
     pushes_changes = False
     supports_workspace = True
+    log_cursor_kind = "file"
 
     def __init__(
         self,
@@ -480,6 +483,47 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         the window. While following, ``squeue`` is asked at most every ``state_check_interval``
         seconds (less when a status round of the runner already described the app).
         """
+        directory, streams = await self._log_files(query)
+        for stream in streams:
+            lines = iter_query_lines(
+                directory, query, functools.partial(self._is_finished, query.app_id), stream
+            )
+            try:
+                async for line in lines:
+                    yield line
+            finally:
+                await lines.aclose()
+
+    async def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``_log_iter`` with positions: the stream whose file is read and the byte offset just
+        past the line in it (a job older than ``combined.log`` has its two files in turn)."""
+        directory, streams = await self._log_files(query)
+        skip, start = None, 0
+        if query.after is not None:
+            skip, start = str(query.after.position[0]), int(query.after.position[1])
+            if skip not in {s.value for s in streams}:
+                raise ValueError(
+                    f"the log cursor's file {skip!r} is not one of this replica's log files "
+                    f"({', '.join(s.value for s in streams)})"
+                )
+        for stream in streams:
+            if skip is not None and stream.value != skip:
+                continue  # a file read to its end before the cursor was taken
+            entries = iter_query_entries(
+                directory,
+                query,
+                functools.partial(self._is_finished, query.app_id),
+                stream,
+                start if skip is not None else 0,
+            )
+            skip = None
+            async with contextlib.aclosing(entries):
+                async for offset, line in entries:
+                    yield (stream.value, offset), line
+
+    async def _log_files(self, query: LogQuery) -> tuple[Path, tuple[Stream, ...]]:
+        """The replica's log directory and the files to read in turn, once the app, role and
+        replica are known to exist."""
         app_id = query.app_id
         resp = await self.describe(app_id)
         if resp is None:
@@ -492,20 +536,12 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
                 "Slurm does not say where its logs are",
             )
         directory = Path(workdir, log_dir(app_id, query.role, query.k))
-        streams = [query.stream]
+        streams: tuple[Stream, ...] = (query.stream,)
         if query.stream == Stream.COMBINED and await anyio.to_thread.run_sync(
             _predates_combined, directory
         ):
-            streams = [Stream.STDOUT, Stream.STDERR]
-        for stream in streams:
-            lines = iter_query_lines(
-                directory, query, functools.partial(self._is_finished, app_id), stream
-            )
-            try:
-                async for line in lines:
-                    yield line
-            finally:
-                await lines.aclose()
+            streams = (Stream.STDOUT, Stream.STDERR)
+        return directory, streams
 
     async def _is_finished(self, app_id: str) -> bool:
         seen = self._seen.get(app_id)

@@ -17,7 +17,7 @@ container or a cluster job::
         clock.advance(60)  # a minute passes at once
 
 The scheduler implements the whole ``Scheduler`` contract (describe, describe_many, list, cancel,
-log_iter with regex/since/until/should_tail/streams) and pushes changes, so the runner's waiters
+log_iter with regex/since/until/should_tail/streams, log_entries and cursors) and pushes changes, so the runner's waiters
 wake as soon as the clock passes a transition. ``Fault`` makes the n-th call of an operation raise.
 """
 

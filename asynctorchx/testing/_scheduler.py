@@ -6,13 +6,14 @@ import asyncio
 import bisect
 import collections
 import re
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from asynctorchx.logs import LogQuery, Stream
+from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.schedulers.api import (
     DescribeAppResponse,
     ListAppResponse,
@@ -258,13 +259,20 @@ class ScriptedApp:
         lo: float | None,
         hi: float | None,
         follow: bool,
-    ) -> AsyncIterator[str]:
+        start: int = 0,
+    ) -> AsyncIterator[tuple[int, str]]:
+        """``(lines of the selection read, line)`` pairs from the ``start``-th line on."""
         entries = [
             ln
             for ln in self._lines.get((role, k), [])
             if stream == Stream.COMBINED or ln.stream == stream
         ]
-        i = 0
+        if start > len(entries):
+            raise ValueError(
+                f"log cursor index {start} is past the end of the script's log of {role}/{k} "
+                f"({len(entries)} lines): the cursor was not taken on this log"
+            )
+        i = start
         while True:
             changed = self._changed
             now = self.elapsed
@@ -277,7 +285,7 @@ class ScriptedApp:
                 if (lo is not None and ts < lo) or (hi is not None and ts > hi):
                     continue
                 if pattern is None or pattern.search(line.text):
-                    yield line.text
+                    yield i, line.text
             if not follow or (end is not None and end <= now):
                 return
             await changed.wait()
@@ -498,6 +506,8 @@ class ScriptedBackend:
 class ScriptedScheduler(Scheduler[ScriptedRequest]):
     """The view of a ``ScriptedBackend`` that one runner (session) uses; made by the backend."""
 
+    log_cursor_kind = "index"
+
     def __init__(self, backend: ScriptedBackend, session_name: str) -> None:
         super().__init__(backend.name, session_name)
         self.scripted = backend
@@ -575,9 +585,14 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
             for a in self.scripted.apps.values()
         ]
 
-    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+    def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         """The script's lines of the replica written so far (a ``log_iter`` fault raises at the
         first iteration, with the unknown app, role and replica errors)."""
+        return lines_of(self._log_entries(query))
+
+    async def _log_entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``_log_iter`` with positions: how many lines of the stream selection were read (the
+        index of the next one), after ``query.after`` when set."""
         self._check_open()
         fault = self.scripted._call("log_iter", (query.app_id,))
         if fault is not None:
@@ -597,9 +612,10 @@ class ScriptedScheduler(Scheduler[ScriptedRequest]):
             query.since,
             query.until,
             query.follow,
+            0 if query.after is None else int(query.after.position[0]),
         )
-        async for line in lines:
-            yield line
+        async for i, line in lines:
+            yield (i,), line
 
     async def close(self) -> None:
         if self in self.scripted._views:

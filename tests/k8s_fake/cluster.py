@@ -98,6 +98,8 @@ class PodScript:
         hold: when set, the container keeps running after its lines until this event is set
             (or the pod is deleted).
         message: the termination message (what the container wrote to /dev/termination-log).
+        burst: lines are stamped in groups of this many sharing one timestamp (lines written in
+            one burst, as a kubelet can stamp them alike).
     """
 
     lines: list[str | bytes] = field(default_factory=list)
@@ -108,6 +110,7 @@ class PodScript:
     gates: dict[int, asyncio.Event] = field(default_factory=dict)
     hold: asyncio.Event | None = None
     message: str = ""
+    burst: int = 1
 
 
 def default_script(ctx: PodContext) -> PodScript:
@@ -121,10 +124,10 @@ class PodLog:
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def append(self, text: str | bytes) -> None:
+    def append(self, text: str | bytes, same_stamp: bool = False) -> None:
         ts = time.time_ns()
-        if self.lines and ts <= self.lines[-1][0]:
-            ts = self.lines[-1][0] + 1
+        if self.lines and (same_stamp or ts <= self.lines[-1][0]):
+            ts = self.lines[-1][0] + (0 if same_stamp else 1)
         self.lines.append((ts, text.encode() if isinstance(text, str) else text))
         self._wake()
 
@@ -642,7 +645,7 @@ class FakeCluster:
                 gate = script.gates.get(i)
                 if gate is not None and not await _first(gate, stop):
                     return
-                log.append(line)
+                log.append(line, same_stamp=i % script.burst != 0)
                 if await _wait_or(stop, script.line_interval):
                     return
             if script.hold is not None and not await _first(script.hold, stop):

@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._query import LogQuery, Stream
 from asynctorchx.logs._timestamps import CursorPass, ResumeCursor, seconds_to_ns
 from asynctorchx.schedulers._docker.engine import (
@@ -78,8 +79,12 @@ class DockerLogSource:
         self._wait_app = wait_app
         self._handle_of = handle_of
 
-    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
-        """The lines ``query`` asks for (every attempt of the replica, oldest first).
+    async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
+
+        A position is ``(attempt, container id, timestamp, count)``: the container's cursor
+        (``ResumeCursor``) once the line was returned. Resuming skips the attempts before the
+        cursor's, and starts the cursor's container after its ``count`` lines of ``timestamp``.
 
         Raises:
             UnknownAppException: Docker has no container of the app.
@@ -97,6 +102,19 @@ class DockerLogSource:
             until_ns=None if query.until is None else seconds_to_ns(query.until),
         )
         cursors: dict[str, ResumeCursor] = {}
+        first_attempt = 0
+        if query.after is not None:
+            attempt, cid, ts, at_ts = query.after.position
+            key = (query.role, query.k, attempt)
+            if not any(
+                c.id == cid and (c.role, c.replica_id, c.attempt) == key for c in containers
+            ):
+                raise ValueError(
+                    f"the log cursor's container {str(cid)[:12]!r} (attempt {attempt}) is not a "
+                    f"container of {query.app_id}/{query.role}/{query.k} (removed, or another log)"
+                )
+            first_attempt = int(attempt)
+            cursors[str(cid)] = ResumeCursor(int(ts) or None, int(at_ts))
         finished: set[str] = set()  # containers read to the end that will not write again
         while True:
             final = not query.follow or a is None or is_terminal(a.response.state) or window.past()
@@ -104,7 +122,9 @@ class DockerLogSource:
                 (
                     c
                     for c in containers
-                    if not c.is_marker and (c.role, c.replica_id) == (query.role, query.k)
+                    if not c.is_marker
+                    and (c.role, c.replica_id) == (query.role, query.k)
+                    and c.attempt >= first_attempt
                 ),
                 key=lambda c: c.attempt,
             )
@@ -119,7 +139,7 @@ class DockerLogSource:
                 async with contextlib.aclosing(read):
                     async for line in read:
                         if query.matches(line.text):
-                            yield line.text
+                            yield (c.attempt, c.id, cursor.last_ns or 0, cursor.at_last), line.text
                 if final or not latest:
                     finished.add(c.id)
             if final:

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 
+from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.logs._timestamps import (
     ResumeCursor,
@@ -90,8 +91,14 @@ class KubeLogSource:
         self._describe = describe
         self._handle_of = handle_of
 
-    async def lines(self, query: LogQuery) -> AsyncGenerator[str, None]:
-        """The lines ``query`` asks for.
+    async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
+
+        A position is ``(pod uid, timestamp, count)``: that pod's ``ResumeCursor`` once the line
+        was returned. Resuming starts that pod's log after its ``count`` lines of ``timestamp``
+        (the API's ``sinceTime`` is rounded down to the second; the cursor skips the rest); when
+        that pod has been replaced since (and is still listed), the rest of its log comes first,
+        then the newest pod's from its start.
 
         Raises:
             UnknownAppException: no such app.
@@ -102,9 +109,21 @@ class KubeLogSource:
         if query.follow:
             await self._watch(ns)
         state = _Follow()
+        catch_up = None  # the cursor's pod, if since replaced: the rest of its log comes first
+        if query.after is not None:
+            uid_at, ts, at_ts = query.after.position
+            catch_up = str(uid_at)
+            state.cursors[catch_up] = ResumeCursor(int(ts) or None, int(at_ts))
         while True:
             pods = await self._reader.replica_pods(ns, app, role_dns, query.k)
             pod = max(pods, key=pod_sort_key) if pods else None
+            older = False
+            if catch_up is not None:
+                old = next((p for p in pods if meta(p).get("uid") == catch_up), None)
+                if old is not None and old is not pod and is_terminal(pod_state(old)):
+                    pod, older = old, True
+                else:
+                    catch_up = None
             uid = str(meta(pod).get("uid", "")) if pod is not None else ""
             if pod is not None and uid not in state.finished and pod_started(pod):
                 was_terminal = is_terminal(pod_state(pod))
@@ -113,9 +132,13 @@ class KubeLogSource:
                 pod_lines = self._read_pod(ns, pod, query, cursor, read)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
-                        yield line
+                        yield (uid, cursor.last_ns or 0, cursor.at_last), line
                 if read.past_until:
                     return
+                if older and read.clean:
+                    state.finished.add(uid)
+                    catch_up = None
+                    continue
                 if not query.follow:
                     if read.error is not None and read.error.status == 0:
                         state.drops += 1

@@ -4,13 +4,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import anyio.to_thread
 
-from asynctorchx.logs import LogQuery, iter_query_lines
+from asynctorchx.logs import LogQuery, iter_query_entries, iter_query_lines
+from asynctorchx.logs._cursor import Position
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers.api import check_replica
 from asynctorchx.specs.api import UnknownAppException, is_terminal, make_app_handle
@@ -38,6 +40,26 @@ class LocalLogSource:
             query,
             functools.partial(self._is_finished, query.app_id),
         )
+
+    async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
+        """``(position, line)`` pairs, after ``query.after`` when set: the position is the file
+        read (its stream) and the byte offset just past the line in it."""
+        name = query.stream.value
+        start = 0
+        if query.after is not None:
+            file, offset = query.after.position
+            if file != name:
+                raise ValueError(f"the log cursor's file {file!r} is not the one read ({name!r})")
+            start = int(offset)
+        entries = iter_query_entries(
+            functools.partial(self._directory, query),
+            query,
+            functools.partial(self._is_finished, query.app_id),
+            start=start,
+        )
+        async with contextlib.aclosing(entries):
+            async for offset, line in entries:
+                yield (name, offset), line
 
     async def _directory(self, query: LogQuery) -> Path:
         """The replica's log directory.

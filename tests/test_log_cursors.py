@@ -1,0 +1,455 @@
+"""Log cursors on every backend: local, Docker and Slurm for real, Kubernetes on the fake API server.
+
+A cursor (``log_entries``) resumes a replica's log exactly after its line: the remainder, nothing
+repeated, nothing skipped, also while the app still writes, and across lines that share one engine
+timestamp (Docker and Kubernetes stamp a burst of lines alike; the cursor counts them). A cursor
+taken elsewhere (another app, role, replica or stream selection) or a damaged one is a one-line
+ValueError at the call, naming it. The backends and their fixtures are those of
+``test_backend_contract``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import dataclasses
+import json
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from _docker_env import busybox_image, docker_engine, docker_scheduler, docker_session  # noqa: F401
+from _fake_scheduler import FakeScheduler
+from k8s_fake import PodScript
+from k8s_fake.cluster import format_ts
+from k8s_fake.testing import fake_k8s, k8s_scheduler  # noqa: F401
+from test_backend_contract import (  # noqa: F401
+    Backend,
+    KubernetesBackend,
+    LocalBackend,
+    docker_backend,
+    kubernetes_backend,
+    local_backend,
+    slurm_backend,
+)
+
+from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream
+from asynctorchx.logs._cursor import LogCursor, Position
+from asynctorchx.runner import AsyncRunner
+from asynctorchx.schedulers._docker.frames import format_api_time
+from asynctorchx.schedulers._docker.logs import DockerLogSource
+from asynctorchx.schedulers._docker.request import (
+    KIND_REPLICA,
+    LABEL_APP_ID,
+    LABEL_ATTEMPT,
+    LABEL_KIND,
+    LABEL_REPLICA_ID,
+    LABEL_ROLE_NAME,
+)
+from asynctorchx.schedulers._docker.state import ContainerInfo
+from asynctorchx.specs.api import AppDef, AppState, Role, is_terminal
+from asynctorchx.testing import AppScript, ScriptedBackend, lines
+
+#: lines of the big log: written in bursts of BURST lines by one write (Docker and the fake
+#: kubelet then stamp a burst's lines alike)
+LINES = 10_000
+BURST = 5
+
+
+def burst_script(first: int, count: int) -> str:
+    """A shell loop writing lines ``first..first+count-1`` (``line-N``), BURST per ``printf``."""
+    fmt = "\\n".join(f"line-%d-{j}" for j in range(BURST)) + "\\n"
+    args = " ".join("$i" for _ in range(BURST))
+    return (
+        f"i={first // BURST}; while [ $i -lt {(first + count) // BURST} ]; do "
+        f"printf '{fmt}' {args}; i=$((i+1)); done"
+    )
+
+
+def burst_lines(first: int, count: int) -> list[str]:
+    """What ``burst_script(first, count)`` writes, line by line."""
+    return [
+        f"line-{i}-{j}\n"
+        for i in range(first // BURST, (first + count) // BURST)
+        for j in range(BURST)
+    ]
+
+
+@pytest.fixture(params=["local", "docker", "slurm", "kubernetes"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """Each backend in turn (Docker and Slurm fail rather than skip with
+    ASYNCTORCHX_REQUIRE_ENGINES=1 when their engine is missing)."""
+    found: Backend = request.getfixturevalue(f"{request.param}_backend")
+    return found
+
+
+async def submit_script(backend: Backend, script: str, pod: PodScript) -> str:
+    """Submits a one-replica app running ``sh -c script`` (on Kubernetes: the scripted ``pod``)."""
+    role = dataclasses.replace(backend.role(()), args=["-c", script])
+    if isinstance(backend, KubernetesBackend):
+        backend.server.cluster.script = lambda ctx: pod
+    app = AppDef(f"cursor-{uuid.uuid4().hex[:6]}", [role])
+    return await backend.scheduler.submit(app, backend.cfg())
+
+
+async def entries(backend: Backend, app_id: str, **kw: Any) -> list[LogEntry]:
+    """Every entry ``log_entries`` gives."""
+    with anyio.fail_after(120):
+        return [e async for e in backend.scheduler.log_entries(app_id, "main", **kw)]
+
+
+async def lines_after(
+    backend: Backend, app_id: str, cursor: str, limit: int | None = None
+) -> list[str]:
+    """The lines ``log_iter`` gives after ``cursor`` (the first ``limit`` of them)."""
+    out: list[str] = []
+    with anyio.fail_after(120):
+        it = backend.scheduler.log_iter(app_id, "main", cursor=cursor)
+        try:
+            async for line in it:
+                out.append(line)
+                if limit is not None and len(out) >= limit:
+                    break
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+    return out
+
+
+@pytest.fixture
+async def big_log(backend: Backend) -> tuple[Backend, str, list[LogEntry]]:
+    """A finished app that wrote a 10 000-line log in bursts, and its entries."""
+    pod = PodScript(lines=burst_lines(0, LINES), line_interval=0, burst=BURST)
+    app_id = await submit_script(backend, burst_script(0, LINES), pod)
+    await backend.wait_for(app_id, timeout=180)
+    got = await entries(backend, app_id)
+    return backend, app_id, got
+
+
+@pytest.mark.timeout(600)
+async def test_a_cursor_at_any_line_of_a_10000_line_log_resumes_exactly(
+    big_log: tuple[Backend, str, list[LogEntry]],
+) -> None:
+    """The entries carry the whole log once, each cursor distinct; resuming from a cursor gives
+    exactly the lines after it: the next lines for a spread of cursors (every one on local), the
+    whole remainder for some, and nothing after the last."""
+    backend, app_id, got = big_log
+    lines = [e.line for e in got]
+    assert sorted(lines) == sorted(burst_lines(0, LINES))
+    assert len({e.cursor for e in got}) == LINES
+    full = await lines_after(backend, app_id, got[0].cursor)
+    assert full == lines[1:]
+    # every cursor on local (a resume is a pread); a spread on the engines (a resume is a request)
+    step = 1 if isinstance(backend, LocalBackend) else 251
+    sample = sorted({*range(0, LINES, step), *range(1, 3 * BURST), LINES - 2})
+    for i in sample:
+        assert await lines_after(backend, app_id, got[i].cursor, limit=3) == lines[i + 1 : i + 4], i
+    for i in (BURST - 1, BURST + 2, LINES // 2 + 1, LINES - BURST - 1):
+        assert await lines_after(backend, app_id, got[i].cursor) == lines[i + 1 :], i
+    assert await lines_after(backend, app_id, got[-1].cursor) == []
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["kubernetes"], indirect=True)
+async def test_lines_sharing_a_timestamp_resume_by_their_count(
+    big_log: tuple[Backend, str, list[LogEntry]],
+) -> None:
+    """On Kubernetes (the fake kubelet stamps a burst's lines alike) lines sharing a timestamp have
+    cursors that differ only by the count of lines at it, and a cursor inside such a group resumes
+    at the group's next line (the API's sinceTime, rounded down to the second, sends the group
+    again)."""
+    backend, app_id, got = big_log
+    decoded = [LogCursor.decode(e.cursor) for e in got]
+    stamps = Counter(c.position[-2] for c in decoded)
+    shared = [
+        i for i, c in enumerate(decoded) if stamps[c.position[-2]] > 1 and int(c.position[-1]) > 1
+    ]
+    assert shared, f"no two lines share a timestamp on {backend.scheduler.backend}"
+    lines = [e.line for e in got]
+    for i in shared[:: max(1, len(shared) // 40)]:
+        assert decoded[i].position[-2] == decoded[i - 1].position[-2]
+        assert int(decoded[i].position[-1]) == int(decoded[i - 1].position[-1]) + 1
+        assert await lines_after(backend, app_id, got[i - 1].cursor, limit=2) == lines[i : i + 2], i
+
+
+@pytest.mark.timeout(300)
+async def test_a_cursor_resumes_a_tail_while_the_app_still_writes(backend: Backend) -> None:
+    """A tail read up to a cursor, closed, and resumed from it with the app still running gives
+    every line exactly once: the part before the cursor, then the rest as the app writes it."""
+    first, second = 300, 300
+    gate = asyncio.Event()
+    pod = PodScript(
+        lines=burst_lines(0, first + second),
+        line_interval=0,
+        burst=BURST,
+        gates={first: gate},
+    )
+    script = (
+        f"second() {{ {burst_script(first, second)}; exit 0; }}; trap second TERM; "
+        # (stderr closed: the shell's "Terminated" notice for the killed sleep is not a log line)
+        f"{burst_script(0, first)}; exec 2>/dev/null; while :; do sleep 0.05; done"
+    )
+    app_id = await submit_script(backend, script, pod)
+    s = backend.scheduler
+    head: list[LogEntry] = []
+    with anyio.fail_after(120):
+        async with contextlib.aclosing(s.log_entries(app_id, "main", should_tail=True)) as it:  # type: ignore[type-var]
+            async for e in it:
+                head.append(e)
+                if len(head) == first // 2:
+                    break
+    desc = await s.describe(app_id)
+    assert desc is not None and not is_terminal(desc.state)
+    rest: list[str] = []
+    with anyio.fail_after(180):
+        tail = s.log_iter(app_id, "main", should_tail=True, cursor=head[-1].cursor)
+        async for line in tail:
+            rest.append(line)
+            if len(rest) == first - len(head):
+                desc = await s.describe(app_id)
+                assert desc is not None and desc.state == AppState.RUNNING  # still writing
+                if isinstance(backend, KubernetesBackend):
+                    gate.set()
+                else:
+                    await s.cancel(app_id)
+    everything = [e.line for e in head] + rest
+    assert everything == burst_lines(0, first + second)
+
+
+@pytest.mark.timeout(300)
+async def test_cursors_from_elsewhere_or_damaged_raise_at_the_call(backend: Backend) -> None:
+    """A cursor of another app, role, replica or stream selection, a damaged one, or a non-cursor
+    raises a one-line ValueError at the call that names it."""
+    pod = PodScript(lines=["a\n", "b\n"], line_interval=0)
+    app_id = await submit_script(backend, "echo a; echo b", pod)
+    other_id = await submit_script(backend, "echo a; echo b", pod)
+    await backend.wait_for(app_id)
+    await backend.wait_for(other_id)
+    s = backend.scheduler
+    mine = (await entries(backend, app_id))[0].cursor
+    theirs = (await entries(backend, other_id))[0].cursor
+    bad = LogCursor.decode(mine)
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({}, theirs, f"was taken on app {other_id!r}, not {app_id!r}"),
+        ({"k": 1}, mine, "was taken on replica 0, not 1"),
+        ({}, "v1.not-base64!", "malformed log cursor"),
+        ({}, "hello", "malformed log cursor 'hello'"),
+        ({}, mine[:-6], "malformed log cursor"),
+        ({}, dataclasses.replace(bad, position=(-1,) * len(bad.position)).encode(), "malformed"),
+        ({}, dataclasses.replace(bad, role="other").encode(), "was taken on role 'other'"),
+    ]
+    if Stream.STDOUT in s.log_streams:
+        cases.append(({"streams": Stream.STDOUT}, mine, "was taken on streams 'combined'"))
+    for kw, cursor, message in cases:
+        with pytest.raises(ValueError) as info:
+            s.log_iter(app_id, "main", cursor=cursor, **kw)
+        text = str(info.value)
+        assert message in text and "\n" not in text, text
+        assert cursor[:40] in text, text
+        with pytest.raises(ValueError):
+            s.log_entries(app_id, "main", cursor=cursor, **kw)
+
+
+@pytest.mark.timeout(300)
+async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
+    backend: Backend,
+) -> None:
+    """A well-formed cursor whose position cannot be of this log raises ValueError at the first
+    iteration (a file offset past the end or inside a line, an unknown Docker container); on
+    Kubernetes an unknown pod is a replaced one: the newest pod is read from its start."""
+    pod = PodScript(lines=["first\n", "second\n"], line_interval=0)
+    app_id = await submit_script(backend, "echo first; echo second", pod)
+    await backend.wait_for(app_id)
+    got = await entries(backend, app_id)
+    assert [e.line for e in got] == ["first\n", "second\n"]
+    real = LogCursor.decode(got[0].cursor)
+    forged: list[tuple[Position, str | None]]
+    if real.kind == "file":
+        forged = [
+            ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
+            ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
+            (("stderr", real.position[1]), r"^the log cursor's file 'stderr' is not"),
+        ]
+    elif real.kind == "docker":
+        forged = [((real.position[0], "f" * 64, *real.position[2:]), "'ffffffffffff' .* is not a")]
+    else:
+        forged = [(("no-such-pod", *real.position[1:]), None)]
+    for position, error in forged:
+        cursor = dataclasses.replace(real, position=position).encode()
+        lines = backend.scheduler.log_iter(app_id, "main", cursor=cursor)
+        if error is None:
+            assert [ln async for ln in lines] == ["first\n", "second\n"]
+            continue
+        with anyio.fail_after(60), pytest.raises(ValueError, match=error):
+            await anext(lines)
+
+
+class _StampedEngine:
+    """A Docker engine's log endpoint over fixed ``(timestamp ns, line)`` pairs: ``since`` is
+    inclusive, as Docker's is. For the unit test below: a real engine stamps each line apart."""
+
+    def __init__(self, lines: list[tuple[int, str]]) -> None:
+        self.lines = lines
+        self.requests: list[dict[str, Any]] = []
+
+    async def container_log_frames(
+        self, cid: str, params: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        self.requests.append(dict(params))
+        since = params.get("since")
+        since_ns = None if since is None else int(since.replace(".", ""))
+        for ts, text in self.lines:
+            if since_ns is None or ts >= since_ns:
+                yield 1, f"{format_ts(ts)} {text}".encode()
+
+
+async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
+    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
+    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
+    lines at it is skipped."""
+    base = 1_700_000_000_000_000_000
+    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
+    engine = _StampedEngine(stamped)
+    labels = {
+        LABEL_APP_ID: "app1",
+        LABEL_ROLE_NAME: "main",
+        LABEL_REPLICA_ID: "0",
+        LABEL_ATTEMPT: "0",
+        LABEL_KIND: KIND_REPLICA,
+    }
+    container = ContainerInfo("c1", "app1-main-0", "img", labels, "exited", 0, 0)
+
+    async def list_app(app_id: str) -> list[ContainerInfo]:
+        return [container]
+
+    async def wait_app(app_id: str, timeout: float) -> None:
+        raise AssertionError("a finished app is not waited for")
+
+    source = DockerLogSource(engine, list_app, wait_app, lambda a: a)  # type: ignore[arg-type]
+
+    def query(cursor: str | None) -> LogQuery:
+        return LogQuery.build(
+            "local_docker",
+            ALL_STREAMS,
+            "app1",
+            "main",
+            0,
+            None,
+            None,
+            None,
+            False,
+            None,
+            cursor,
+            "docker",
+        )
+
+    def encode(position: Position) -> str:
+        return LogCursor("app1", "main", 0, "combined", "docker", position).encode()
+
+    with anyio.fail_after(30):
+        got = [(encode(p), line) async for p, line in source.entries(query(None))]
+        assert [line for _, line in got] == [t for _, t in stamped]
+        for i, (cursor, _) in enumerate(got):
+            rest = [line async for _, line in source.entries(query(cursor))]
+            assert rest == [t for _, t in stamped[i + 1 :]], i
+    assert engine.requests[-1]["since"] == format_api_time(stamped[-1][0])
+
+
+async def test_the_testing_scheduler_resumes_from_any_cursor_of_each_stream() -> None:
+    """The scripted scheduler's cursors (line indexes of the stream selection) resume exactly from
+    every line, per stream and combined; an index past the script's log raises when iterated."""
+    script = AppScript(
+        states=[(0, AppState.SUCCEEDED)],
+        logs=[
+            *lines("r", [f"out {i}" for i in range(6)]),
+            *lines("r", [f"err {i}" for i in range(3)], stream=Stream.STDERR),
+        ],
+    )
+    scheduler = ScriptedBackend("scripted", script)("s")
+    app_id = await scheduler.submit(AppDef("a", [Role("r", image="i", entrypoint="true")]), {})
+    with anyio.fail_after(30):
+        for streams in (None, Stream.STDOUT, Stream.STDERR):
+            got = [e async for e in scheduler.log_entries(app_id, "r", streams=streams)]
+            assert len(got) == {None: 9, Stream.STDOUT: 6, Stream.STDERR: 3}[streams]
+            for i, e in enumerate(got):
+                rest = [
+                    ln
+                    async for ln in scheduler.log_iter(
+                        app_id, "r", streams=streams, cursor=e.cursor
+                    )
+                ]
+                assert rest == [x.line for x in got[i + 1 :]]
+        forged = dataclasses.replace(LogCursor.decode(got[0].cursor), position=(99,)).encode()
+        with pytest.raises(ValueError, match=r"^log cursor index 99 is past the end"):
+            await anext(scheduler.log_iter(app_id, "r", streams=Stream.STDERR, cursor=forged))
+
+
+async def test_a_backend_without_cursors_says_so_rather_than_ignore_one() -> None:
+    """A scheduler that cannot resume logs raises NotImplementedError naming it, for log_entries
+    and for a log_iter given a cursor (at the call), and through the runner."""
+    scheduler = FakeScheduler("s")
+    message = r"^the fake scheduler does not support log cursors$"
+    with pytest.raises(NotImplementedError, match=message):
+        scheduler.log_entries("app", "r")
+    with pytest.raises(NotImplementedError, match=message):
+        scheduler.log_iter("app", "r", cursor="v1.e30")
+    async with AsyncRunner("s", scheduler_factories={"fake": FakeScheduler}) as runner:
+        with anyio.fail_after(10), pytest.raises(NotImplementedError, match=message):
+            await anext(runner.log_entries("fake://s/app", "r"))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        None,
+        42,
+        "",
+        "v2.e30",
+        "v1.",
+        "v1.%%%",
+        "v1." + base64.urlsafe_b64encode(b"[" * 5000).decode(),  # nested past the parser's depth
+        "v1." + "A" * 9000,
+        "v1." + base64.urlsafe_b64encode(b'["a","r",0]').decode(),  # not an object
+    ],
+)
+def test_a_malformed_cursor_is_one_line_value_error_naming_it(text: object) -> None:
+    """Whatever is not a v1 cursor (wrong type, prefix, base64, JSON, or too long) is a one-line
+    ValueError that names the value (shortened when long)."""
+    with pytest.raises(ValueError) as info:
+        LogCursor.decode(text)
+    message = str(info.value)
+    assert "\n" not in message and repr(text)[:40] in message, message
+
+
+def _raw(doc: dict[str, Any]) -> str:
+    return "v1." + base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()
+
+
+GOOD = {"a": "app", "r": "main", "k": 0, "s": "combined", "x": "file", "p": ["combined", 7]}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"k": -1},
+        {"k": True},
+        {"k": 1.0},
+        {"s": "both"},
+        {"x": "ftp"},
+        {"p": ["combined", -7]},
+        {"p": ["combined", 2**63]},
+        {"p": ["combined", 7.5]},
+        {"p": ["combined"]},
+        {"p": {"combined": 7}},
+        {"a": None},
+    ],
+)
+def test_a_cursor_with_fields_out_of_range_is_malformed(change: dict[str, Any]) -> None:
+    """A cursor whose fields have the wrong type or range (negative, bool or float counts, an
+    unknown stream or kind, a position of the wrong shape) is rejected when decoded."""
+    assert LogCursor.decode(_raw(GOOD)).position == ("combined", 7)
+    with pytest.raises(ValueError, match=r"^malformed log cursor 'v1\."):
+        LogCursor.decode(_raw({**GOOD, **change}))
