@@ -267,6 +267,7 @@ class _FakeContainers:
 
     async def list(self, *, all: bool = False, filters: str = "{}") -> list[FakeContainer]:
         self.docker.calls.append(("list", filters))
+        await self.docker.reading()
         wanted = json.loads(filters).get("label", [])
         out = []
         for c in self.docker.containers_by_id.values():
@@ -286,6 +287,7 @@ class _FakeImages:
 
     async def inspect(self, name: str) -> dict[str, Any]:
         self.docker.calls.append(("image-inspect", name))
+        await self.docker.reading()
         if name not in self.docker.present_images:
             raise DockerError(404, f"No such image: {name}")
         return {"Id": f"sha256:{name}"}
@@ -339,6 +341,7 @@ class _FakeNetworks:
         return _FakeNetwork(d, nid)
 
     async def get(self, name_or_id: str) -> _FakeNetwork:
+        await self.docker.reading()
         for nid, n in self.docker.networks_by_id.items():
             if name_or_id in (nid, n["Name"]):
                 return _FakeNetwork(self.docker, nid)
@@ -364,13 +367,18 @@ class _FakeVolumes:
         self.docker = docker
 
     async def get(self, name: str) -> object:
+        await self.docker.reading()
         if name not in self.docker.volumes_present:
             raise DockerError(404, f"get {name}: no such volume")
         return object()
 
 
 class _FakeSystem:
+    def __init__(self, docker: FakeDocker) -> None:
+        self.docker = docker
+
     async def info(self) -> dict[str, Any]:
+        await self.docker.reading()
         return {"NCPU": 2}
 
 
@@ -383,6 +391,7 @@ class FakeDocker:
         fail_start: container names whose start fails.
         racy_networks: let concurrent creates of one network name all succeed (Docker 20.10 does).
         calls: every call made, in order, as ``(operation, argument)``.
+        most_reads_at_once: the most read requests (listings, inspections) in flight at once.
     """
 
     def __init__(self, images: set[str] | None = None) -> None:
@@ -400,8 +409,20 @@ class FakeDocker:
         self.images = _FakeImages(self)
         self.networks = _FakeNetworks(self)
         self.volumes = _FakeVolumes(self)
-        self.system = _FakeSystem()
+        self.system = _FakeSystem(self)
         self.closed = False
+        self._reads_in_flight = 0
+        self.most_reads_at_once = 0
+
+    async def reading(self) -> None:
+        """Counts a read request in flight while it yields once to the event loop (as a real
+        request does), so that reads asked at once are seen overlapping."""
+        self._reads_in_flight += 1
+        self.most_reads_at_once = max(self.most_reads_at_once, self._reads_in_flight)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._reads_in_flight -= 1
 
     async def close(self) -> None:
         self.closed = True

@@ -400,6 +400,40 @@ async def test_missing_volume_and_network_fail_before_creating_anything() -> Non
     assert not any(op in ("create", "network-create") for op, _ in docker.calls)
 
 
+async def test_preflight_asks_its_questions_at_once() -> None:
+    """The preflight's reads (app listing, images, volume, CPU count) are in flight together, so a
+    submit waits for the slowest one rather than their sum."""
+    docker = FakeDocker({IMAGE, "other:1"})
+    docker.volumes_present.add("data")
+    role = _role(mounts=[VolumeMount(src="data", dst_path="/v")], resource=Resource(1, 0, 64))
+    other = Role(name="o", image="other:1", entrypoint="true")
+    await _submit(docker, _app(role, other))
+    assert docker.most_reads_at_once >= 5
+
+
+async def test_bad_volume_fails_before_any_pull() -> None:
+    """A missing volume is reported before a missing image is pulled: bad input never costs a
+    pull, and nothing is created."""
+    docker = FakeDocker()
+    docker.pullable.add(IMAGE)
+    role = _role(mounts=[VolumeMount(src="nope", dst_path="/v")])
+    with pytest.raises(DockerSchedulerError, match=r"volume 'nope' does not exist"):
+        await _submit(docker, _app(role))
+    assert not any(op in ("pull", "create", "network-create") for op, _ in docker.calls)
+
+
+async def test_every_missing_image_is_pulled_and_a_failed_pull_names_its_role() -> None:
+    """Two missing images are both pulled; the one that cannot be pulled fails the submit naming
+    its role, and nothing is created."""
+    docker = FakeDocker()
+    docker.pullable.add(IMAGE)
+    other = Role(name="o", image="other:1", entrypoint="true")
+    with pytest.raises(DockerSchedulerError, match=r"role 'o': image 'other:1' .*could not be"):
+        await _submit(docker, _app(_role(), other))
+    assert {("pull", IMAGE), ("pull", "other:1")} <= set(docker.calls)
+    assert not any(op in ("create", "network-create") for op, _ in docker.calls)
+
+
 async def test_more_cpus_than_the_host_has_is_a_clear_error() -> None:
     """resource.cpu above the engine's CPU count fails the submit naming the field and value."""
     docker = FakeDocker({IMAGE})

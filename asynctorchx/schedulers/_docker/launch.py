@@ -40,51 +40,64 @@ class Launcher:
         """Checks, before creating anything, that the app is new and its images, volumes and
         network exist (a missing image is pulled), and that the engine has the CPUs asked for.
 
+        The questions are independent, so they are asked at once (a submit waits for the slowest
+        one rather than their sum); the answers are judged in a fixed order, and missing images
+        are pulled only once every other check has passed (bad input never costs a pull).
+
         Raises:
             DockerSchedulerError: what is missing or wrong (names the role and the value).
         """
-        if await self._engine.list_containers(f"{LABEL_APP_ID}={job.app_id}"):
+        images = list(job.images.items())
+        volumes = list(job.volumes.items())
+        wanted = _cpus_wanted(job)
+        shared = job.network_request is None and job.network not in ("bridge", "host", "none")
+        existing, ncpu, network_found, *found = await _gather_all(
+            [
+                self._engine.list_containers(f"{LABEL_APP_ID}={job.app_id}"),
+                self._engine.cpu_count() if wanted else _answer(None),
+                self._engine.network_exists(job.network) if shared else _answer(True),
+                *(self._has_image(image, role) for image, role in images),
+                *(self._engine.volume_exists(volume) for volume, _ in volumes),
+            ]
+        )
+        if existing:
             raise DockerSchedulerError(
                 f"app {job.app_id!r} already exists; a dry run can be scheduled only once"
             )
-        for image, role in job.images.items():
-            await self._ensure_image(image, role)
-        for volume, role in job.volumes.items():
-            if not await self._engine.volume_exists(volume):
+        for (volume, role), present in zip(volumes, found[len(images) :], strict=True):
+            if not present:
                 raise DockerSchedulerError(
                     f"role {role!r}: volume {volume!r} does not exist; create it first "
                     f"(docker volume create {volume})"
                 )
-        shared = job.network_request is None and job.network not in ("bridge", "host", "none")
-        if shared and not await self._engine.network_exists(job.network):
+        if not network_found:
             raise DockerSchedulerError(
                 f"network {job.network!r} (run option 'network') does not exist; create it "
                 f"first (docker network create {job.network}) or leave the option unset"
             )
-        await self._check_cpus(job)
-
-    async def _ensure_image(self, image: str, role: str) -> None:
-        try:
-            if await self._engine.inspect_image(image) is not None:
-                return
-            logger.info("image %s is not present locally; pulling it", image)
-            await self._engine.pull_image(image)
-        except DockerSchedulerError as e:
-            raise type(e)(f"role {role!r}: {e}") from None
-
-    async def _check_cpus(self, job: DockerJob) -> None:
-        wanted = [
-            (c.role, c.config["HostConfig"]["NanoCpus"] / 1e9)
-            for c in job.containers
-            if c.config["HostConfig"].get("NanoCpus")
-        ]
-        ncpu = await self._engine.cpu_count() if wanted else None
         for role, cpus in wanted:
             if ncpu is not None and cpus > ncpu:
                 raise DockerSchedulerError(
                     f"role {role!r}: resource.cpu={cpus:g} is more than the {ncpu:g} CPUs "
                     "of the Docker host"
                 )
+        missing = [
+            (image, role) for (image, role), ok in zip(images, found, strict=False) if not ok
+        ]
+        await _gather_all([self._pull(image, role) for image, role in missing])
+
+    async def _has_image(self, image: str, role: str) -> bool:
+        try:
+            return await self._engine.inspect_image(image) is not None
+        except DockerSchedulerError as e:
+            raise type(e)(f"role {role!r}: {e}") from None
+
+    async def _pull(self, image: str, role: str) -> None:
+        logger.info("image %s is not present locally; pulling it", image)
+        try:
+            await self._engine.pull_image(image)
+        except DockerSchedulerError as e:
+            raise type(e)(f"role {role!r}: {e}") from None
 
     async def launch(self, job: DockerJob) -> None:
         """Creates the app's network and containers, then starts them (rank 0 first).
@@ -164,6 +177,20 @@ class Launcher:
                 await remove_networks(self._engine, app_id)
         except Exception:
             logger.exception("cleaning up after the failed submit of %s", app_id)
+
+
+def _cpus_wanted(job: DockerJob) -> list[tuple[str, float]]:
+    """The roles that ask for CPUs, with how many (one entry per replica)."""
+    return [
+        (c.role, c.config["HostConfig"]["NanoCpus"] / 1e9)
+        for c in job.containers
+        if c.config["HostConfig"].get("NanoCpus")
+    ]
+
+
+async def _answer(value: Any) -> Any:
+    """``value``, as the answer of a question that needs no engine."""
+    return value
 
 
 async def _gather_all(coros: list[Any]) -> list[Any]:
