@@ -220,6 +220,20 @@ class FakeContainer:
 
     async def start(self) -> None:
         self.docker.calls.append(("start", self.name))
+        self.docker.start_asked(self.name).set()
+        network = self.config.get("HostConfig", {}).get("NetworkMode", "")
+        if network in self.docker.networks_by_id:
+            # As Docker does: the container joins its network early in its start.
+            self.docker.publish(
+                {
+                    "Type": "network",
+                    "Action": "connect",
+                    "Actor": {"ID": network, "Attributes": {"container": self.id}},
+                }
+            )
+        hold = self.docker.hold_start.get(self.name)
+        if hold is not None:
+            await hold.wait()
         if self.name in self.docker.fail_start:
             raise DockerError(500, f"failed to start {self.name}: exec: not found")
         self.state = "running"
@@ -382,6 +396,34 @@ class _FakeSystem:
         return {"NCPU": 2}
 
 
+class _FakeEventStream:
+    """A response of ``GET /events`` from ``FakeDocker`` (network events only), as aiohttp's."""
+
+    def __init__(self, docker: FakeDocker, filters: dict[str, list[str]]) -> None:
+        self.docker = docker
+        self.filters = filters
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.content = self
+
+    def offer(self, event: dict[str, Any]) -> None:
+        f = self.filters
+        if f.get("type", [event["Type"]]) != [event["Type"]]:
+            return
+        if event["Action"] not in f.get("event", [event["Action"]]):
+            return
+        if f.get("network") and event["Actor"]["ID"] not in f["network"]:
+            return
+        self.queue.put_nowait(event)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while True:
+            yield json.dumps(await self.queue.get()).encode() + b"\n"
+
+    def close(self) -> None:
+        if self in self.docker.event_streams:
+            self.docker.event_streams.remove(self)
+
+
 class FakeDocker:
     """An in-memory stand-in for ``aiodocker.Docker``, enough for the backend's submit path.
 
@@ -392,6 +434,8 @@ class FakeDocker:
         racy_networks: let concurrent creates of one network name all succeed (Docker 20.10 does).
         calls: every call made, in order, as ``(operation, argument)``.
         most_reads_at_once: the most read requests (listings, inspections) in flight at once.
+        hold_start: container name -> an event its start waits for once it has joined its network.
+        events_refused: ``GET /events`` fails (as an engine that refuses it would).
     """
 
     def __init__(self, images: set[str] | None = None) -> None:
@@ -413,6 +457,34 @@ class FakeDocker:
         self.closed = False
         self._reads_in_flight = 0
         self.most_reads_at_once = 0
+        self.hold_start: dict[str, asyncio.Event] = {}
+        self.events_refused = False
+        self.event_streams: list[_FakeEventStream] = []
+        self._start_asked: dict[str, asyncio.Event] = {}
+
+    def start_asked(self, name: str) -> asyncio.Event:
+        """The event set once the start of container ``name`` has been asked for."""
+        return self._start_asked.setdefault(name, asyncio.Event())
+
+    def publish(self, event: dict[str, Any]) -> None:
+        """Sends ``event`` to the open event streams that want it."""
+        for stream in list(self.event_streams):
+            stream.offer(event)
+
+    @contextlib.asynccontextmanager
+    async def _query(
+        self, path: str, *, params: dict[str, Any], timeout: object = None
+    ) -> AsyncIterator[_FakeEventStream]:
+        """``GET /events`` (the only streamed request the fake answers)."""
+        if path != "events" or self.events_refused:
+            raise DockerError(500, f"the fake engine does not serve {path}")
+        self.calls.append(("events", params["filters"]))
+        stream = _FakeEventStream(self, json.loads(params["filters"]))
+        self.event_streams.append(stream)
+        try:
+            yield stream
+        finally:
+            stream.close()
 
     async def reading(self) -> None:
         """Counts a read request in flight while it yields once to the event loop (as a real

@@ -8,6 +8,7 @@ import asyncio
 import struct
 from typing import Any
 
+import anyio
 import pytest
 from _docker_env import FakeDocker
 
@@ -386,6 +387,93 @@ async def test_failed_start_removes_every_container() -> None:
     with pytest.raises(DockerSchedulerError, match="did not start"):
         await scheduler.schedule(info)
     await scheduler.close()
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_other_ranks_start_once_rank0_has_joined_its_network() -> None:
+    """Ranks 1.. are started as soon as rank 0 has joined the app's network (Docker's connect
+    event), while rank 0's own start is still under way; the submit returns once all started."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 3)), {})
+    app_id = info.request.app_id
+    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
+    submit = asyncio.ensure_future(scheduler.schedule(info))
+    try:
+        with anyio.fail_after(10):
+            await docker.start_asked(f"{app_id}-a-1").wait()
+            await docker.start_asked(f"{app_id}-a-2").wait()
+        assert not submit.done()
+        release.set()
+        with anyio.fail_after(10):
+            assert await submit == app_id
+    finally:
+        release.set()
+        await asyncio.gather(submit, return_exceptions=True)
+        await scheduler.close()
+    assert all(c.state == "running" for c in docker.containers_by_id.values())
+
+
+async def test_rank0_failing_after_it_joined_leaves_nothing() -> None:
+    """Rank 0's start failing after it joined (the others already starting) fails the submit with
+    the engine's message for rank 0, and no container or network of the app is left."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 3)), {})
+    app_id = info.request.app_id
+    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
+    docker.fail_start.add(f"{app_id}-a-0")
+    submit = asyncio.ensure_future(scheduler.schedule(info))
+    try:
+        with anyio.fail_after(10):
+            await docker.start_asked(f"{app_id}-a-2").wait()
+        release.set()
+        with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 0: .*exec: not found"):
+            with anyio.fail_after(10):
+                await submit
+    finally:
+        release.set()
+        await asyncio.gather(submit, return_exceptions=True)
+        await scheduler.close()
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_rank1_failing_while_rank0_starts_leaves_nothing() -> None:
+    """Rank 1's start failing while rank 0's is still under way fails the submit (once rank 0's
+    start has ended) naming replica 1, and nothing of the app is left."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
+    app_id = info.request.app_id
+    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
+    docker.fail_start.add(f"{app_id}-a-1")
+    submit = asyncio.ensure_future(scheduler.schedule(info))
+    try:
+        with anyio.fail_after(10):
+            await docker.start_asked(f"{app_id}-a-1").wait()
+        release.set()
+        with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 1: .*exec: not found"):
+            with anyio.fail_after(10):
+                await submit
+    finally:
+        release.set()
+        await asyncio.gather(submit, return_exceptions=True)
+        await scheduler.close()
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_without_events_rank0_starts_alone_first() -> None:
+    """When the engine's events cannot be followed, the others wait for rank 0's start: a rank 0
+    that fails to start fails the submit, nothing else was started, and nothing is left."""
+    docker = FakeDocker({IMAGE})
+    docker.events_refused = True
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
+    docker.fail_start.add(f"{info.request.app_id}-a-0")
+    with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 0: the container did not"):
+        await scheduler.schedule(info)
+    await scheduler.close()
+    assert ("start", f"{info.request.app_id}-a-1") not in docker.calls
     assert not docker.containers_by_id and not docker.networks_by_id
 
 
