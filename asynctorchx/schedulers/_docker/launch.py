@@ -122,7 +122,7 @@ class Launcher:
         network, so the others never look for a TORCHX_RANK0_HOST that does not resolve yet.
 
         Docker announces the join (the network's ``connect`` event) once rank 0's endpoint is in
-        the network, about 10-50 ms into a start that takes 0.2-0.4 s (the rest is the runtime
+        the network, about 10-70 ms into a start that takes 0.2-0.4 s here (the rest is the runtime
         starting the process), so the others' starts overlap rank 0's instead of following it.
         Without that announcement (the events cannot be followed, or the stream ends) the others
         wait for rank 0's start to return, as they always did. A failed start of rank 0 before it
