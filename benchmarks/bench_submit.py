@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,8 @@ async def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     sys.path.insert(0, str(HERE.parent))
+    from bench_workspace import purge
+
     from asynctorchx.runner import AsyncRunner
     from asynctorchx.schedulers.docker import DockerScheduler
     from asynctorchx.specs import AppDef, Role
@@ -225,14 +228,8 @@ async def main() -> int:
         result["engine_floor"] = await engine_floor(args.rounds)
     finally:
         await sched.close()
-        ids = subprocess.run(
-            ["docker", "ps", "-aq", "--filter", f"label=asynctorchx.io/session={session}"],
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.split()
-        if ids:
-            subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, check=False)
+        await purge(session)
+        shutil.rmtree(workspace, ignore_errors=True)
         subprocess.run(
             [
                 "docker",

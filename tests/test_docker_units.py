@@ -414,45 +414,27 @@ async def test_other_ranks_start_once_rank0_has_joined_its_network() -> None:
     assert all(c.state == "running" for c in docker.containers_by_id.values())
 
 
-async def test_rank0_failing_after_it_joined_leaves_nothing() -> None:
-    """Rank 0's start failing after it joined (the others already starting) fails the submit with
-    the engine's message for rank 0, and no container or network of the app is left."""
+@pytest.mark.parametrize(("replicas", "failing"), [(3, 0), (2, 1)])
+async def test_a_start_failing_while_rank0_starts_leaves_nothing(
+    replicas: int, failing: int
+) -> None:
+    """A start failing while the starts overlap (rank 0's after it joined, the others already
+    asked for; or rank 1's while rank 0's is under way) fails the submit, once every start has
+    ended, with the engine's message for that replica, and no container or network is left."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
-    info = scheduler.submit_dryrun(_app(_role("a", 3)), {})
+    info = scheduler.submit_dryrun(_app(_role("a", replicas)), {})
     app_id = info.request.app_id
     docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
-    docker.fail_start.add(f"{app_id}-a-0")
+    docker.fail_start.add(f"{app_id}-a-{failing}")
     submit = asyncio.ensure_future(scheduler.schedule(info))
     try:
         with anyio.fail_after(10):
-            await docker.start_asked(f"{app_id}-a-2").wait()
+            await docker.start_asked(f"{app_id}-a-{replicas - 1}").wait()
         release.set()
-        with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 0: .*exec: not found"):
-            with anyio.fail_after(10):
-                await submit
-    finally:
-        release.set()
-        await asyncio.gather(submit, return_exceptions=True)
-        await scheduler.close()
-    assert not docker.containers_by_id and not docker.networks_by_id
-
-
-async def test_rank1_failing_while_rank0_starts_leaves_nothing() -> None:
-    """Rank 1's start failing while rank 0's is still under way fails the submit (once rank 0's
-    start has ended) naming replica 1, and nothing of the app is left."""
-    docker = FakeDocker({IMAGE})
-    scheduler = DockerScheduler("s", docker, watch_events=False)
-    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
-    app_id = info.request.app_id
-    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
-    docker.fail_start.add(f"{app_id}-a-1")
-    submit = asyncio.ensure_future(scheduler.schedule(info))
-    try:
-        with anyio.fail_after(10):
-            await docker.start_asked(f"{app_id}-a-1").wait()
-        release.set()
-        with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 1: .*exec: not found"):
+        with pytest.raises(
+            DockerSchedulerError, match=rf"role 'a' replica {failing}: .*exec: not found"
+        ):
             with anyio.fail_after(10):
                 await submit
     finally:
