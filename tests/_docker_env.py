@@ -220,6 +220,20 @@ class FakeContainer:
 
     async def start(self) -> None:
         self.docker.calls.append(("start", self.name))
+        self.docker.start_asked(self.name).set()
+        network = self.config.get("HostConfig", {}).get("NetworkMode", "")
+        if network in self.docker.networks_by_id:
+            # As Docker does: the container joins its network early in its start.
+            self.docker.publish(
+                {
+                    "Type": "network",
+                    "Action": "connect",
+                    "Actor": {"ID": network, "Attributes": {"container": self.id}},
+                }
+            )
+        hold = self.docker.hold_start.get(self.name)
+        if hold is not None:
+            await hold.wait()
         if self.name in self.docker.fail_start:
             raise DockerError(500, f"failed to start {self.name}: exec: not found")
         self.state = "running"
@@ -267,6 +281,7 @@ class _FakeContainers:
 
     async def list(self, *, all: bool = False, filters: str = "{}") -> list[FakeContainer]:
         self.docker.calls.append(("list", filters))
+        await self.docker.reading()
         wanted = json.loads(filters).get("label", [])
         out = []
         for c in self.docker.containers_by_id.values():
@@ -286,6 +301,7 @@ class _FakeImages:
 
     async def inspect(self, name: str) -> dict[str, Any]:
         self.docker.calls.append(("image-inspect", name))
+        await self.docker.reading()
         if name not in self.docker.present_images:
             raise DockerError(404, f"No such image: {name}")
         return {"Id": f"sha256:{name}"}
@@ -339,6 +355,7 @@ class _FakeNetworks:
         return _FakeNetwork(d, nid)
 
     async def get(self, name_or_id: str) -> _FakeNetwork:
+        await self.docker.reading()
         for nid, n in self.docker.networks_by_id.items():
             if name_or_id in (nid, n["Name"]):
                 return _FakeNetwork(self.docker, nid)
@@ -364,14 +381,47 @@ class _FakeVolumes:
         self.docker = docker
 
     async def get(self, name: str) -> object:
+        await self.docker.reading()
         if name not in self.docker.volumes_present:
             raise DockerError(404, f"get {name}: no such volume")
         return object()
 
 
 class _FakeSystem:
+    def __init__(self, docker: FakeDocker) -> None:
+        self.docker = docker
+
     async def info(self) -> dict[str, Any]:
+        await self.docker.reading()
         return {"NCPU": 2}
+
+
+class _FakeEventStream:
+    """A response of ``GET /events`` from ``FakeDocker`` (network events only), as aiohttp's."""
+
+    def __init__(self, docker: FakeDocker, filters: dict[str, list[str]]) -> None:
+        self.docker = docker
+        self.filters = filters
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.content = self
+
+    def offer(self, event: dict[str, Any]) -> None:
+        f = self.filters
+        if f.get("type", [event["Type"]]) != [event["Type"]]:
+            return
+        if event["Action"] not in f.get("event", [event["Action"]]):
+            return
+        if f.get("network") and event["Actor"]["ID"] not in f["network"]:
+            return
+        self.queue.put_nowait(event)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        while True:
+            yield json.dumps(await self.queue.get()).encode() + b"\n"
+
+    def close(self) -> None:
+        if self in self.docker.event_streams:
+            self.docker.event_streams.remove(self)
 
 
 class FakeDocker:
@@ -383,6 +433,9 @@ class FakeDocker:
         fail_start: container names whose start fails.
         racy_networks: let concurrent creates of one network name all succeed (Docker 20.10 does).
         calls: every call made, in order, as ``(operation, argument)``.
+        most_reads_at_once: the most read requests (listings, inspections) in flight at once.
+        hold_start: container name -> an event its start waits for once it has joined its network.
+        events_refused: ``GET /events`` fails (as an engine that refuses it would).
     """
 
     def __init__(self, images: set[str] | None = None) -> None:
@@ -400,8 +453,48 @@ class FakeDocker:
         self.images = _FakeImages(self)
         self.networks = _FakeNetworks(self)
         self.volumes = _FakeVolumes(self)
-        self.system = _FakeSystem()
+        self.system = _FakeSystem(self)
         self.closed = False
+        self._reads_in_flight = 0
+        self.most_reads_at_once = 0
+        self.hold_start: dict[str, asyncio.Event] = {}
+        self.events_refused = False
+        self.event_streams: list[_FakeEventStream] = []
+        self._start_asked: dict[str, asyncio.Event] = {}
+
+    def start_asked(self, name: str) -> asyncio.Event:
+        """The event set once the start of container ``name`` has been asked for."""
+        return self._start_asked.setdefault(name, asyncio.Event())
+
+    def publish(self, event: dict[str, Any]) -> None:
+        """Sends ``event`` to the open event streams that want it."""
+        for stream in list(self.event_streams):
+            stream.offer(event)
+
+    @contextlib.asynccontextmanager
+    async def _query(
+        self, path: str, *, params: dict[str, Any], timeout: object = None
+    ) -> AsyncIterator[_FakeEventStream]:
+        """``GET /events`` (the only streamed request the fake answers)."""
+        if path != "events" or self.events_refused:
+            raise DockerError(500, f"the fake engine does not serve {path}")
+        self.calls.append(("events", params["filters"]))
+        stream = _FakeEventStream(self, json.loads(params["filters"]))
+        self.event_streams.append(stream)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    async def reading(self) -> None:
+        """Counts a read request in flight while it yields once to the event loop (as a real
+        request does), so that reads asked at once are seen overlapping."""
+        self._reads_in_flight += 1
+        self.most_reads_at_once = max(self.most_reads_at_once, self._reads_in_flight)
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._reads_in_flight -= 1
 
     async def close(self) -> None:
         self.closed = True

@@ -488,6 +488,50 @@ async def test_bad_input_is_a_clear_error_and_leaves_nothing_behind(
             assert nets == []
 
 
+async def test_other_replicas_resolve_rank0_at_their_first_lookup(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Replicas 1 and 2, started while rank 0's start is still under way, resolve
+    TORCHX_RANK0_HOST at their first and only lookup."""
+    script = (
+        f"if [ {macros.replica_id} = 0 ]; then exec sleep 300; fi\n"
+        'nslookup "$TORCHX_RANK0_HOST" >/dev/null 2>&1 && echo resolved || echo unresolved'
+    )
+    app_id = await docker_scheduler.submit(AppDef("dns", [sh(busybox_image, script, n=3)]), {})
+    try:
+        await wait_for(
+            docker_scheduler,
+            app_id,
+            lambda r: all(is_terminal(x.state) for x in r.roles_statuses[0].replicas[1:]),
+        )
+        for k in (1, 2):
+            lines = await collect(
+                docker_scheduler.log_iter(app_id, "main", k, streams=Stream.STDOUT)
+            )
+            assert lines == ["resolved\n"], (k, lines)
+    finally:
+        await docker_scheduler.cancel(app_id)
+
+
+async def test_rank0_that_fails_to_start_fails_the_submit_and_leaves_nothing(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Rank 0 whose executable does not exist (its start fails after it joined the network, the
+    other replicas already starting): the submit fails with Docker's message for rank 0, and no
+    container or network of the app is left."""
+    import aiodocker
+
+    bad = Role(name="a", image=busybox_image, entrypoint="/no/such/exe")
+    app = AppDef("bad0", [bad, sh(busybox_image, "exec sleep 300", name="b", n=2)])
+    info = docker_scheduler.submit_dryrun(app, {})
+    with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 0: .*/no/such/exe"):
+        await docker_scheduler.schedule(info)
+    assert await docker_scheduler.describe(info.request.app_id) is None
+    assert await containers_of(info.request.app_id) == []
+    async with aiodocker.Docker() as client:
+        assert await client.networks.list(filters={"name": [info.request.app_id]}) == []
+
+
 async def test_a_failure_nobody_watched_is_followed_up_once_a_watcher_connects(
     docker_engine: None, busybox_image: str, docker_session: str
 ) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import struct
 from typing import Any
 
+import anyio
 import pytest
 from _docker_env import FakeDocker
 
@@ -389,6 +390,75 @@ async def test_failed_start_removes_every_container() -> None:
     assert not docker.containers_by_id and not docker.networks_by_id
 
 
+async def test_other_ranks_start_once_rank0_has_joined_its_network() -> None:
+    """Ranks 1.. are started as soon as rank 0 has joined the app's network (Docker's connect
+    event), while rank 0's own start is still under way; the submit returns once all started."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 3)), {})
+    app_id = info.request.app_id
+    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
+    submit = asyncio.ensure_future(scheduler.schedule(info))
+    try:
+        with anyio.fail_after(10):
+            await docker.start_asked(f"{app_id}-a-1").wait()
+            await docker.start_asked(f"{app_id}-a-2").wait()
+        assert not submit.done()
+        release.set()
+        with anyio.fail_after(10):
+            assert await submit == app_id
+    finally:
+        release.set()
+        await asyncio.gather(submit, return_exceptions=True)
+        await scheduler.close()
+    assert all(c.state == "running" for c in docker.containers_by_id.values())
+
+
+@pytest.mark.parametrize(("replicas", "failing"), [(3, 0), (2, 1)])
+async def test_a_start_failing_while_rank0_starts_leaves_nothing(
+    replicas: int, failing: int
+) -> None:
+    """A start failing while the starts overlap (rank 0's after it joined, the others already
+    asked for; or rank 1's while rank 0's is under way) fails the submit, once every start has
+    ended, with the engine's message for that replica, and no container or network is left."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", replicas)), {})
+    app_id = info.request.app_id
+    docker.hold_start[f"{app_id}-a-0"] = release = asyncio.Event()
+    docker.fail_start.add(f"{app_id}-a-{failing}")
+    submit = asyncio.ensure_future(scheduler.schedule(info))
+    try:
+        with anyio.fail_after(10):
+            await docker.start_asked(f"{app_id}-a-{replicas - 1}").wait()
+        release.set()
+        with pytest.raises(
+            DockerSchedulerError, match=rf"role 'a' replica {failing}: .*exec: not found"
+        ):
+            with anyio.fail_after(10):
+                await submit
+    finally:
+        release.set()
+        await asyncio.gather(submit, return_exceptions=True)
+        await scheduler.close()
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
+async def test_without_events_rank0_starts_alone_first() -> None:
+    """When the engine's events cannot be followed, the others wait for rank 0's start: a rank 0
+    that fails to start fails the submit, nothing else was started, and nothing is left."""
+    docker = FakeDocker({IMAGE})
+    docker.events_refused = True
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role("a", 2)), {})
+    docker.fail_start.add(f"{info.request.app_id}-a-0")
+    with pytest.raises(DockerSchedulerError, match=r"role 'a' replica 0: the container did not"):
+        await scheduler.schedule(info)
+    await scheduler.close()
+    assert ("start", f"{info.request.app_id}-a-1") not in docker.calls
+    assert not docker.containers_by_id and not docker.networks_by_id
+
+
 async def test_missing_volume_and_network_fail_before_creating_anything() -> None:
     """A named volume or a network (run option) that does not exist is a clear error up front."""
     docker = FakeDocker({IMAGE})
@@ -397,6 +467,40 @@ async def test_missing_volume_and_network_fail_before_creating_anything() -> Non
         await _submit(docker, _app(role))
     with pytest.raises(DockerSchedulerError, match=r"network 'no-such-net' .*does not exist"):
         await _submit(docker, _app(_role()), {"network": "no-such-net"})
+    assert not any(op in ("create", "network-create") for op, _ in docker.calls)
+
+
+async def test_preflight_asks_its_questions_at_once() -> None:
+    """The preflight's reads (app listing, images, volume, CPU count) are in flight together, so a
+    submit waits for the slowest one rather than their sum."""
+    docker = FakeDocker({IMAGE, "other:1"})
+    docker.volumes_present.add("data")
+    role = _role(mounts=[VolumeMount(src="data", dst_path="/v")], resource=Resource(1, 0, 64))
+    other = Role(name="o", image="other:1", entrypoint="true")
+    await _submit(docker, _app(role, other))
+    assert docker.most_reads_at_once >= 5
+
+
+async def test_bad_volume_fails_before_any_pull() -> None:
+    """A missing volume is reported before a missing image is pulled: bad input never costs a
+    pull, and nothing is created."""
+    docker = FakeDocker()
+    docker.pullable.add(IMAGE)
+    role = _role(mounts=[VolumeMount(src="nope", dst_path="/v")])
+    with pytest.raises(DockerSchedulerError, match=r"volume 'nope' does not exist"):
+        await _submit(docker, _app(role))
+    assert not any(op in ("pull", "create", "network-create") for op, _ in docker.calls)
+
+
+async def test_every_missing_image_is_pulled_and_a_failed_pull_names_its_role() -> None:
+    """Two missing images are both pulled; the one that cannot be pulled fails the submit naming
+    its role, and nothing is created."""
+    docker = FakeDocker()
+    docker.pullable.add(IMAGE)
+    other = Role(name="o", image="other:1", entrypoint="true")
+    with pytest.raises(DockerSchedulerError, match=r"role 'o': image 'other:1' .*could not be"):
+        await _submit(docker, _app(_role(), other))
+    assert {("pull", IMAGE), ("pull", "other:1")} <= set(docker.calls)
     assert not any(op in ("create", "network-create") for op, _ in docker.calls)
 
 

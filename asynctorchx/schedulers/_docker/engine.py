@@ -813,6 +813,24 @@ class DockerEngine:
             finally:
                 await stream.aclose()
 
+    @asynccontextmanager
+    async def network_joins(self, network: str) -> AsyncIterator[AsyncIterator[str]]:
+        """Follows the containers that join ``network`` (a name or an id): entered once the engine
+        answered, it yields the id of each container as Docker announces its ``connect`` (sent
+        once the container's endpoint has joined the network, early in its start).
+
+        Raises:
+            DockerEngineUnavailableError: the engine cannot be reached, or the stream broke.
+            DockerSchedulerError: the engine refused the request.
+        """
+        filters = {"type": ["network"], "event": ["connect"], "network": [network]}
+        async with self.events(filters) as stream:
+            joined = _joined_containers(stream)
+            try:
+                yield joined
+            finally:
+                await joined.aclose()
+
     async def container_log_frames(
         self, cid: str, params: Mapping[str, Any]
     ) -> AsyncGenerator[tuple[int, bytes], None]:
@@ -904,6 +922,16 @@ async def _guard_stream(items: AsyncIterator[T], what: str) -> AsyncGenerator[T,
             yield item
     except Exception as e:
         raise _request_error(what, e) from None
+
+
+async def _joined_containers(
+    events: AsyncIterator[dict[str, Any]],
+) -> AsyncGenerator[str, None]:
+    """The container ids of a stream of network ``connect`` events."""
+    async for event in events:
+        attributes = (event.get("Actor") or {}).get("Attributes") or {}
+        if attributes.get("container"):
+            yield str(attributes["container"])
 
 
 def _summary(container: Any) -> dict[str, Any]:
