@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -444,6 +445,48 @@ async def test_daemons_of_a_replica_die_with_it(
         assert alive_at_end == []
     finally:
         await s.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_daemon_double_forked_before_the_move_is_adopted_too(tmp_path: Path, token: str) -> None:
+    """A replica that double-forks a daemon before it is moved into its cgroup (the launcher was
+    slow to run, as on a busy machine): the daemon is moved in too, although it is nobody's child
+    any more, and the cgroup's kill stops it."""
+    from asynctorchx.schedulers._local import contain
+
+    base = contain.make_base()
+    if base is None:
+        engine_missing("a writable cgroup v2 hierarchy")
+        return
+    cgroup = os.path.join(base, "replica")
+    os.mkdir(cgroup)
+    ready = tmp_path / "ready"
+    marker = f"app-{token}/main/0"
+    env = dict(os.environ, ASYNCTORCHX_REPLICA=marker, ATX_TOKEN=token, READY=str(ready))
+    script = '(setsid sleep 1000 </dev/null >/dev/null 2>&1 &); touch "$READY"; exec sleep 1001'
+    proc = subprocess.Popen(["sh", "-c", script], env=env)
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        daemons = [pid for pid in token_procs(token) if pid != proc.pid]
+        assert len(daemons) == 1 and daemons[0] not in contain.children(proc.pid)
+        contain.adopt(
+            cgroup, proc.pid, os.path.dirname(base), f"ASYNCTORCHX_REPLICA={marker}".encode()
+        )
+        inside = {int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()}
+        assert inside == {proc.pid, daemons[0]}
+        contain.kill(cgroup)
+        assert proc.wait(10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while token_procs(token) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert token_procs(token) == []
+    finally:
+        kill_token_procs(token)
+        proc.kill()
+        proc.wait()
+        contain.remove_tree(base)
 
 
 @pytest.mark.timeout(90)

@@ -200,17 +200,27 @@ def children(pid: int) -> list[int]:
     return [child for tid in tids for child in _children_of_task(pid, tid)]
 
 
-def adopt(cgroup: str, pid: int) -> None:
+def adopt(cgroup: str, pid: int, born_in: str | None = None, marker: bytes = b"") -> None:
     """Moves a just-spawned ``pid`` into ``cgroup``, then every descendant it already started.
 
     Once ``pid`` is inside, its new children are born inside; the ones it had already are moved one
-    by one (each move makes their own new children be born inside), so the walk ends. Raises OSError
-    when ``pid`` itself cannot be moved (a descendant that exits meanwhile is skipped).
+    by one (each move makes their own new children be born inside), so the walk ends. A descendant
+    whose parent has already exited (a double-forked daemon started before the move, on a busy
+    machine) is nobody's child any more: when ``born_in`` (the cgroup ``pid`` was born in) and
+    ``marker`` (``NAME=value``, the marker in ``pid``'s environment) are given, the processes still
+    in ``born_in`` that are newer than ``pid`` and carry the marker are moved too, until a pass finds
+    none. Raises OSError when ``pid`` itself cannot be moved (a descendant that exits meanwhile is
+    skipped).
     """
     move(cgroup, pid)
     seen = {pid}
     # a process that has just exec'd has one thread (its task id is its pid)
-    todo = _children_of_task(pid, pid)
+    _move_tree(cgroup, _children_of_task(pid, pid), seen)
+    if born_in is not None and marker:
+        _move_strays(cgroup, born_in, pid, marker, seen)
+
+
+def _move_tree(cgroup: str, todo: list[int], seen: set[int]) -> None:
     while todo:
         child = todo.pop()
         if child in seen:
@@ -221,6 +231,37 @@ def adopt(cgroup: str, pid: int) -> None:
         except OSError:
             continue
         todo.extend(children(child))
+
+
+#: Passes of the stray sweep at most (each pass moves what the last one found; strays that keep
+#: forking faster than that are left to the marker scans of cancel and of the watchdog).
+_STRAY_PASSES = 64
+
+
+def _move_strays(cgroup: str, born_in: str, pid: int, marker: bytes, seen: set[int]) -> None:
+    """Moves into ``cgroup`` the processes in ``born_in`` that carry ``marker`` and are newer than
+    ``pid`` (any pid once the pid counter has wrapped), and their descendants."""
+    me = os.getpid()
+    name, _, value = marker.partition(b"=")
+    want = value.decode("utf-8", "replace")
+    newest = last_pid()
+    floor = 0 if newest is not None and newest < pid else pid
+    for _ in range(_STRAY_PASSES):
+        data = read_file(os.path.join(born_in, "cgroup.procs"), None)
+        found = []
+        for word in (data or b"").split():
+            other = int(word)
+            if other > floor and other != me and other not in seen:
+                if marker_of(other, name) == want:
+                    found.append(other)
+                else:
+                    seen.add(other)
+        if not found:
+            return
+        _move_tree(cgroup, found, seen)
+    logger.warning(
+        "processes of pid %d keep appearing outside %s; left to the marker scan", pid, cgroup
+    )
 
 
 def populated(cgroup: str) -> bool:

@@ -474,14 +474,16 @@ class Containment:
                 contain.move(self._parent, os.getpid())
         self._warm_until = time.monotonic() + self.WARM_FOR
 
-    def adopt(self, cgroup: str | None, pid: int) -> str | None:
-        """Moves a just-spawned replica into ``cgroup``; returns where it is confined (None: marker
-        mode for this replica, e.g. when the move failed)."""
+    def adopt(self, cgroup: str | None, pid: int, marker: str = "") -> str | None:
+        """Moves a just-spawned replica (whose ``marker`` is given) into ``cgroup``, with what it
+        started already; returns where it is confined (None: marker mode for this replica, e.g.
+        when the move failed)."""
         if cgroup is None:
             return None
         start = time.perf_counter()
         try:
-            contain.adopt(cgroup, pid)
+            stray_marker = protocol.MARKER_ENV_BYTES + b"=" + marker.encode() if marker else b""
+            contain.adopt(cgroup, pid, self._parent, stray_marker)
         except OSError as e:
             logger.warning(
                 "cannot move pid %d into %s (%s); finding it by its marker", pid, cgroup, e

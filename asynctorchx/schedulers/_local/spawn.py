@@ -191,7 +191,7 @@ class Spawner:
             raise LaunchError(f"cannot watch {rep.label} (pid {spawned.pid}): {e}") from None
         rep.pid = spawned.pid
         rep.pidfd = pidfd
-        rep.cgroup = self._rt.contain.adopt(cgroup, spawned.pid)
+        rep.cgroup = self._rt.contain.adopt(cgroup, spawned.pid, rep.marker)
         self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
         writer.attach(spawned.stdout_fd, Stream.STDOUT)
         writer.attach(spawned.stderr_fd, Stream.STDERR)
