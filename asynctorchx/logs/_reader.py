@@ -617,8 +617,8 @@ async def _read_now(
                 if isinstance(segment, _LongLine):
                     long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
-                        line = long_lines.pop(0)
-                        yield (segment.end, line) if offsets else line
+                        # not bound to a name: the generator would hold it while reading the next
+                        yield (segment.end, long_lines.pop(0)) if offsets else long_lines.pop(0)
                     continue
                 part = _narrow(segment, lo, hi) if windowed else segment
                 if offsets:
@@ -783,8 +783,8 @@ async def _follow(
                 if isinstance(segment, _LongLine):
                     long_lines = await _read_long(log, segment, lo, hi, search)
                     while long_lines:  # popped: no long line is held while the next is read
-                        line = long_lines.pop(0)
-                        yield (segment.end, line) if offsets else line
+                        # not bound to a name: the generator would hold it while reading the next
+                        yield (segment.end, long_lines.pop(0)) if offsets else long_lines.pop(0)
                     continue
                 part = _narrow(segment, lo, hi) if windowed else segment
                 if offsets:
