@@ -20,12 +20,14 @@ from asynctorchx.logs._query import parse_stream as parse_stream
 from asynctorchx.logs._reader import decode_lines as decode_lines
 from asynctorchx.logs._reader import iter_log_lines as iter_log_lines
 from asynctorchx.logs._reader import iter_query_lines as iter_query_lines
+from asynctorchx.logs._writer import LogFiles as LogFiles
 from asynctorchx.logs._writer import ReplicaLogWriter as ReplicaLogWriter
 
 __all__ = [
     "ALL_STREAMS",
     "INDEX_FILE",
     "LOG_FILES",
+    "LogFiles",
     "LogQuery",
     "ReplicaLogWriter",
     "Stream",
