@@ -55,6 +55,16 @@ async def wait_thread_event(event: threading.Event) -> None:
             await asyncio.sleep(0.005)
 
 
+async def start_held(
+    dirs: LogDirMaker, tmp_path: Path, entered: threading.Event
+) -> tuple[Path, asyncio.Task[list[LogFiles]]]:
+    """Asks for one app's directories and waits until the worker thread is held inside them."""
+    app_dir = tmp_path / "s" / "app"
+    task = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
+    await wait_thread_event(entered)
+    return app_dir, task
+
+
 async def test_a_batch_makes_every_replica_directory_and_its_log_files(
     tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
 ) -> None:
@@ -145,10 +155,8 @@ async def test_a_launch_cancelled_while_its_directories_are_made_leaves_nothing(
     app's directory is removed and its files closed."""
     dirs, supervisor = maker
     entered, release = gate
-    app_dir = tmp_path / "s" / "app"
     before = open_fds()
-    task = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
-    await wait_thread_event(entered)
+    app_dir, task = await start_held(dirs, tmp_path, entered)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -168,10 +176,8 @@ async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_no
     RuntimeError once the thread is done, and its directory and files are gone."""
     dirs, supervisor = maker
     entered, release = gate
-    app_dir = tmp_path / "s" / "app"
     before = open_fds()
-    task = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
-    await wait_thread_event(entered)
+    app_dir, task = await start_held(dirs, tmp_path, entered)
     closing = asyncio.create_task(supervisor.aclose())
     await asyncio.sleep(0.05)
     release.set()

@@ -50,6 +50,16 @@ def _write_counted(fd: int, data: bytes) -> tuple[int, OSError | None]:
     return done, None
 
 
+def _close_quietly(fds: list[int]) -> None:
+    """Closes the open ones of ``fds`` (-1: not open), ignoring errors."""
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def _align_index(fd: int) -> int:
     """Truncates a partly written record (a full disk) of the timing index ``fd`` so later
     records stay aligned; returns its size."""
@@ -132,12 +142,7 @@ class LogFiles:
 
     def close(self) -> None:
         """Closes the files (when no writer took them over)."""
-        for fd in [*self.fds.values(), self.index_fd]:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_quietly([*self.fds.values(), self.index_fd])
         self.fds = {}
         self.index_fd = -1
 
@@ -404,12 +409,7 @@ class ReplicaLogWriter:
         _notify.wake_key(self._key, Wake.CLOSED)
 
     def _close_files(self) -> None:
-        for fd in [*self._files.values(), self._index_fd]:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_quietly([*self._files.values(), self._index_fd])
         self._files = {}
         self._index_fd = -1
 
