@@ -214,3 +214,15 @@ async def test_a_submit_cancelled_while_its_files_are_made_leaves_no_app(
         with anyio.fail_after(20):
             while (desc := await s.describe(ok)) is None or desc.state != AppState.SUCCEEDED:
                 await asyncio.sleep(0.02)
+
+
+async def test_asking_after_close_is_a_runtime_error_and_makes_nothing(tmp_path: Path) -> None:
+    """Once the scheduler's tasks are closed, asking for directories fails at once (RuntimeError)
+    and creates nothing."""
+    supervisor = TaskSupervisor("closed")
+    dirs = LogDirMaker(supervisor)
+    await supervisor.aclose()
+    app_dir = tmp_path / "s" / "app"
+    with pytest.raises(RuntimeError):
+        await dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")])
+    assert not (tmp_path / "s").exists()

@@ -328,9 +328,9 @@ class LogDirMaker:
         """
         future: asyncio.Future[list[LogFiles]] = asyncio.get_running_loop().create_future()
         job = _DirJob(app_id, app_dir, replica_dirs, future)
-        self._jobs.append(job)
         if self._task is None:
-            self._task = self._supervisor.spawn(self._run(), "log-dirs")
+            self._task = self._supervisor.spawn(self._run(), "log-dirs")  # RuntimeError: closed
+        self._jobs.append(job)
         try:
             return await future
         except asyncio.CancelledError:
