@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.logs import LogFiles
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import workspace as local_workspace
@@ -351,7 +351,8 @@ class LogDirMaker:
             await asyncio.sleep(0)  # the launches of this loop iteration join the first batch
             while self._jobs:
                 batch, self._jobs = self._jobs, []
-                await anyio.to_thread.run_sync(self._make_batch, batch, loop)
+                # waited for even when cancelled (closing): what the thread makes must be known
+                await await_shielded(loop.run_in_executor(None, self._make_batch, batch, loop))
                 abandoned = [j for j in batch if j.abandoned]
                 batch = []
                 if abandoned:
@@ -366,12 +367,11 @@ class LogDirMaker:
                     if not job.future.done():
                         job.future.set_exception(RuntimeError("the local scheduler is closing"))
 
-    @staticmethod
-    def _deliver(job: _DirJob) -> None:
+    def _deliver(self, job: _DirJob) -> None:
         """Hands what was made to the launch (on the event loop), or marks it to be removed when
-        the launch no longer waits."""
+        the launch no longer waits or the scheduler is closing."""
         job.delivered = True
-        if job.future.done():
+        if job.future.done() or self._supervisor.closed:
             job.abandoned = True
         elif job.error is not None:
             job.future.set_exception(job.error)
