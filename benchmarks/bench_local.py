@@ -18,6 +18,9 @@ Scenarios (targets from issue 3, on a 2-core machine):
   before its exit is compared with when ``runner.as_completed`` yields it (target median <= 5 ms).
 - ``idle_cpu``: CPU time of this process (user + system, children excluded) while 100 apps sleep 20 s
   and are waited on, over the window where they all sleep (target <= 0.5 % of a core).
+- ``launch_busy``: one app's ``run()`` on a runner already running 100 apps (``sleep``), 200 times
+  one after the other: milliseconds from the call until it returns with the app RUNNING (target
+  median <= 3 ms, p99 <= 20 ms: a service launching on request, issue 17).
 - ``concurrent``: 1000 apps running at the same time in one event loop (each blocks on a lock this
   process holds until all are submitted), each waited on with ``runner.wait``.
 - ``mass_exit``: one app of N replicas (500, 1000, 2000) that all block on a lock this process holds,
@@ -59,6 +62,8 @@ TARGETS = {
     "fanout.seconds.median": ("<=", 0.25),
     "wake.latency_ms.median": ("<=", 5.0),
     "idle_cpu.cpu_percent": ("<=", 0.5),
+    "launch_busy.run_to_running_ms.median": ("<=", 3.0),
+    "launch_busy.run_to_running_ms.p99": ("<=", 20.0),
     "concurrent.succeeded": ("==", 1000),
     "concurrent.running_at_once": ("==", 1000),
     "mass_exit.2000.stall_ms": ("<=", 50.0),
@@ -239,6 +244,44 @@ async def wake(root: Path, n: int) -> dict[str, Any]:
             lines = [line async for line in runner.log_lines(h, "main")]
             latencies.append((woke[h] - float(lines[-1])) * 1000)
     return {"n": n, "latency_ms": stats(latencies)}
+
+
+async def launch_busy(root: Path, busy: int, n: int) -> dict[str, Any]:
+    """One app's ``run()`` on a runner already running ``busy`` apps, ``n`` times one after the
+    other: milliseconds from the call until it returns with the app RUNNING (a service's request
+    latency; issue 17 target 3)."""
+    sleeper = sh_app("busy", "exec sleep 120")
+    one = sh_app("one", "exec sleep 120")
+    latencies, states = [], []
+    async with AsyncRunner(name="bench-launch-busy", local_root=str(root)) as runner:
+        background = [await runner.run(sleeper, "local_cwd") for _ in range(busy)]
+        running = sum(
+            1
+            for st in await asyncio.gather(*(runner.status(h) for h in background))
+            if st is not None and st.state == AppState.RUNNING
+        )
+        await asyncio.sleep(0.5)
+        launched = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            handle = await runner.run(one, "local_cwd")
+            latencies.append((time.perf_counter() - t0) * 1000)
+            status = await runner.status(handle)
+            states.append(status.state.name if status is not None else "NONE")
+            launched.append(handle)
+            await asyncio.sleep(0.02)
+        await asyncio.gather(*(runner.cancel(h) for h in background + launched))
+        await runner.wait_all(background + launched)
+    lat = sorted(latencies)
+    return {
+        "busy_apps_running": running,
+        "n": n,
+        "run_to_running_ms": {
+            **stats(latencies),
+            "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        },
+        "states_after_run": {s: states.count(s) for s in set(states)},
+    }
 
 
 async def idle_cpu(root: Path, n: int, seconds: float) -> dict[str, Any]:
@@ -479,6 +522,7 @@ async def main() -> None:
         "fanout_scheduler": lambda: fanout_scheduler(root, 200, 2 if q else args.rounds),
         "wake": lambda: wake(root, 10 if q else 30),
         "idle_cpu": lambda: idle_cpu(root, 20 if q else 100, 5 if q else 20),
+        "launch_busy": lambda: launch_busy(root, 20 if q else 100, 20 if q else 200),
         "concurrent": lambda: concurrent(root, 100 if q else 1000),
         "mass_exit": lambda: mass_exit(root, [100, 200] if q else [500, 1000, 2000]),
     }

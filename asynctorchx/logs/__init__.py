@@ -23,6 +23,7 @@ from asynctorchx.logs._reader import iter_log_entries as iter_log_entries
 from asynctorchx.logs._reader import iter_log_lines as iter_log_lines
 from asynctorchx.logs._reader import iter_query_entries as iter_query_entries
 from asynctorchx.logs._reader import iter_query_lines as iter_query_lines
+from asynctorchx.logs._writer import LogFiles as LogFiles
 from asynctorchx.logs._writer import ReplicaLogWriter as ReplicaLogWriter
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "INDEX_FILE",
     "LOG_FILES",
     "LogEntry",
+    "LogFiles",
     "LogQuery",
     "ReplicaLogWriter",
     "Stream",

@@ -50,10 +50,101 @@ def _write_counted(fd: int, data: bytes) -> tuple[int, OSError | None]:
     return done, None
 
 
+def _close_quietly(fds: list[int]) -> None:
+    """Closes the open ones of ``fds`` (-1: not open), ignoring errors."""
+    for fd in fds:
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _align_index(fd: int) -> int:
+    """Truncates a partly written record (a full disk) of the timing index ``fd`` so later
+    records stay aligned; returns its size."""
+    size = os.fstat(fd).st_size
+    if size < len(INDEX_MAGIC):
+        if size:
+            os.ftruncate(fd, 0)
+        return 0
+    aligned = size - (size - len(INDEX_MAGIC)) % RECORD_SIZE
+    if aligned != size:
+        os.ftruncate(fd, aligned)
+    return aligned
+
+
 def loss_marker(lost: int, reason: str, newline_first: bool) -> bytes:
     """The line that marks where (and how many) bytes of a log file could not be written."""
     line = f"[asynctorchx: {lost} bytes of output could not be written here: {reason}]\n"
     return (b"\n" if newline_first else b"") + line.encode()
+
+
+class LogFiles:
+    """A replica's log directory and files, opened for appending: what a ``ReplicaLogWriter`` takes
+    over. Opening them only makes system calls, so it can run in a worker thread (a launch makes
+    many at once, off the event loop); ``close`` undoes it when no writer takes them.
+
+    Use ``LogFiles.open``.
+    """
+
+    __slots__ = ("fds", "index_fd", "last_ns", "offsets", "path")
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fds: dict[Stream, int] = {}
+        self.index_fd = -1
+        self.offsets: dict[Stream, int] = {}
+        self.last_ns = 0
+
+    @classmethod
+    def open(cls, directory: str | os.PathLike[str]) -> LogFiles:
+        """Creates ``directory`` (with its parents) and opens (creates) its log files and timing
+        index; a partly written index record is dropped. Blocks; thread-safe.
+
+        Raises:
+            OSError: the directory or a file cannot be created or opened for writing.
+        """
+        self = cls(os.fspath(directory))
+        path = self.path
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            os.makedirs(path, exist_ok=True)
+        try:
+            for stream, name in LOG_FILES.items():
+                self.fds[stream] = os.open(os.path.join(path, name), _FILE_FLAGS, 0o644)
+            self.index_fd = os.open(os.path.join(path, INDEX_FILE), _FILE_FLAGS, 0o644)
+            self.offsets = {s: os.fstat(fd).st_size for s, fd in self.fds.items()}
+            self.last_ns = self._init_index()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _init_index(self) -> int:
+        """Writes the index header, or drops a torn last record; returns the last record's time."""
+        path = os.path.join(self.path, INDEX_FILE)
+        size = _align_index(self.index_fd)
+        if size == 0:
+            _write_all(self.index_fd, INDEX_MAGIC)
+            return 0
+        if size < len(INDEX_MAGIC) + RECORD_SIZE:
+            return 0
+        with open(path, "rb") as f:
+            f.seek(size - RECORD_SIZE)
+            record = f.read(RECORD_SIZE)
+        if len(record) != RECORD_SIZE:
+            return 0
+        return int(RECORD.unpack(record)[0])
+
+    def close(self) -> None:
+        """Closes the files (when no writer took them over)."""
+        _close_quietly([*self.fds.values(), self.index_fd])
+        self.fds = {}
+        self.index_fd = -1
 
 
 class ReplicaLogWriter:
@@ -78,37 +169,33 @@ class ReplicaLogWriter:
     Args:
         directory: the replica's log directory (created with its parents).
         on_loss: called (with the reason) the first time bytes are lost.
+        files: the directory's files opened already (``LogFiles.open``, e.g. in a worker thread);
+            the writer owns them from now on. Opened here when not given.
 
     Raises:
         OSError: the directory or a file cannot be created or opened for writing.
+        ValueError: ``files`` are those of another directory.
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         on_loss: Callable[[str], None] | None = None,
+        *,
+        files: LogFiles | None = None,
     ) -> None:
         # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
         # burst of launches creates thousands of writers
         path = self._path = os.fspath(directory)
+        if files is None:
+            files = LogFiles.open(path)
+        elif files.path != path:
+            raise ValueError(f"the log files of {files.path!r} given for {path!r}")
         self._key = _notify.directory_key(path)
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            os.makedirs(path, exist_ok=True)
-        self._files: dict[Stream, int] = {}
-        self._index_fd = -1
-        try:
-            for stream, name in LOG_FILES.items():
-                self._files[stream] = os.open(os.path.join(path, name), _FILE_FLAGS, 0o644)
-            self._index_fd = os.open(os.path.join(path, INDEX_FILE), _FILE_FLAGS, 0o644)
-            self._offsets = {s: os.fstat(fd).st_size for s, fd in self._files.items()}
-            self._last_ns = self._init_index()
-        except BaseException:
-            self._close_files()
-            raise
+        self._files: dict[Stream, int] = files.fds
+        self._index_fd = files.index_fd
+        self._offsets = files.offsets
+        self._last_ns = files.last_ns
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fds: dict[int, Stream] = {}
         self._drained: asyncio.Event | None = None
@@ -119,34 +206,6 @@ class ReplicaLogWriter:
         self._loss_reason = ""
         _notify.add_writer(self._key, self)
         _notify.wake_key(self._key, Wake.CREATED)
-
-    def _init_index(self) -> int:
-        """Writes the index header, or drops a torn last record; returns the last record's time."""
-        path = os.path.join(self._path, INDEX_FILE)
-        size = self._align_index()
-        if size == 0:
-            _write_all(self._index_fd, INDEX_MAGIC)
-            return 0
-        if size < len(INDEX_MAGIC) + RECORD_SIZE:
-            return 0
-        with open(path, "rb") as f:
-            f.seek(size - RECORD_SIZE)
-            record = f.read(RECORD_SIZE)
-        if len(record) != RECORD_SIZE:
-            return 0
-        return int(RECORD.unpack(record)[0])
-
-    def _align_index(self) -> int:
-        """Truncates a partly written record (a full disk) so later records stay aligned."""
-        size = os.fstat(self._index_fd).st_size
-        if size < len(INDEX_MAGIC):
-            if size:
-                os.ftruncate(self._index_fd, 0)
-            return 0
-        aligned = size - (size - len(INDEX_MAGIC)) % RECORD_SIZE
-        if aligned != size:
-            os.ftruncate(self._index_fd, aligned)
-        return aligned
 
     @property
     def directory(self) -> pathlib.Path:
@@ -259,7 +318,7 @@ class ReplicaLogWriter:
         except OSError as e:  # the timing of these bytes is lost, not the bytes
             self._note_loss(e)
             try:
-                self._align_index()
+                _align_index(self._index_fd)
             except OSError:
                 pass
         self._write_file(stream, data)
@@ -350,12 +409,7 @@ class ReplicaLogWriter:
         _notify.wake_key(self._key, Wake.CLOSED)
 
     def _close_files(self) -> None:
-        for fd in [*self._files.values(), self._index_fd]:
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_quietly([*self._files.values(), self._index_fd])
         self._files = {}
         self._index_fd = -1
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.logs import ReplicaLogWriter, Stream
+from asynctorchx.logs import LogFiles, ReplicaLogWriter, Stream
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.live import LiveApp, Replica
 from asynctorchx.schedulers._local.procs import (
@@ -134,15 +134,18 @@ class Spawner:
         self.exits = ExitReaper(runtime.supervisor, self._on_reaped)
         self.stdin_fd = -1
 
-    def new_writer(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
-        """A log writer for ``rep`` (its directory and files created). Raises OSError."""
+    def new_writer(
+        self, app: LiveApp, rep: Replica, files: LogFiles | None = None
+    ) -> ReplicaLogWriter:
+        """A log writer for ``rep``: of its ``files`` when given, else its directory and files are
+        created. Raises OSError."""
 
         def on_loss(reason: str) -> None:
             if not app.log_loss:
                 app.log_loss = reason
                 self._rt.changed(app)
 
-        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss)
+        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss, files=files)
 
     async def start(self, app: LiveApp, replicas: Iterable[Replica]) -> None:
         """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.

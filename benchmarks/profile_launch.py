@@ -1,0 +1,168 @@
+"""Where a local fan-out's launch time goes; prints JSON.
+
+    python benchmarks/profile_launch.py run 200             # one fan-out, timed
+    python benchmarks/profile_launch.py run 200 --cprofile  # + the event loop's time by kind
+    python benchmarks/profile_launch.py syscalls 200        # system calls per app (needs strace)
+
+The fan-out is compare_torchx's (``_compare_worker.py fanout``): a fresh interpreter, a fresh state
+root under the temp dir (``--root`` for another parent), one warm-up app, then N apps of
+``sh -c 'exit 0'`` launched with ``asyncio.gather(runner.run(...))`` and waited with ``wait_all``.
+
+``syscalls`` runs the fan-out under ``strace -ff`` twice, with N and N/4 apps, and reports the
+difference divided by the difference in apps: the system calls one more app costs the launching
+process (all its threads; the apps' own processes, the watchdog and the start-up are left out).
+The state root is removed after strace has finished, so its removal is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+#: cProfile's names of the built-ins that matter on the launch path, and what to call them.
+KINDS = {
+    "<built-in method posix.posix_spawn>": "posix_spawn (holds the GIL until the child has exec'd)",
+    "<method 'poll' of 'select.epoll' objects>": "epoll wait (the loop idle)",
+    "<built-in method posix.open>": "open/mkdir on the loop",
+    "<built-in method posix.mkdir>": "open/mkdir on the loop",
+    "<built-in method posix.pipe>": "pipes, pidfds, close, read, stat",
+    "<built-in method posix.pidfd_open>": "pipes, pidfds, close, read, stat",
+    "<built-in method posix.close>": "pipes, pidfds, close, read, stat",
+    "<built-in method posix.read>": "pipes, pidfds, close, read, stat",
+    "<built-in method posix.stat>": "pipes, pidfds, close, read, stat",
+    "<built-in method posix.access>": "pipes, pidfds, close, read, stat",
+}
+WRITERS = {"write_file": "cgroup.procs moves (write)", "_write_through": "watchdog pipe (write)"}
+
+
+def by_kind(stats: Any) -> dict[str, float]:
+    """The profiled thread's own time grouped by kind (everything not named: Python)."""
+    out: collections.Counter[str] = collections.Counter()
+    for (_, _, name), (_, _, tottime, _, callers) in stats.stats.items():
+        if name == "<built-in method posix.write>":
+            for (_, _, caller), timing in callers.items():
+                out[WRITERS.get(caller, "log and index writes")] += timing[2]
+        else:
+            out[KINDS.get(name, "Python (runner, dry run, launch bookkeeping, asyncio)")] += tottime
+    return {k: round(v, 4) for k, v in out.most_common()}
+
+
+async def fanout(n: int, workdir: str, profile: bool) -> dict[str, Any]:
+    from asynctorchx import AsyncRunner, specs
+
+    app = specs.AppDef(
+        name="fan",
+        roles=[specs.Role(name="main", image=workdir, entrypoint="sh", args=["-c", "exit 0"])],
+    )
+    async with AsyncRunner(name="bench") as runner:
+        await runner.wait(await runner.run(app, "local_cwd"))
+        profiler = None
+        if profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+        c0, t0 = os.times(), time.perf_counter()
+        handles = await asyncio.gather(*(runner.run(app, "local_cwd") for _ in range(n)))
+        launched = time.perf_counter() - t0
+        done = await runner.wait_all(handles)
+        elapsed, c1 = time.perf_counter() - t0, os.times()
+        result: dict[str, Any] = {
+            "n": n,
+            "seconds": elapsed,
+            "all_launched_s": launched,
+            "launcher_cpu_user_s": c1.user - c0.user,
+            "launcher_cpu_sys_s": c1.system - c0.system,
+            "succeeded": sum(
+                1 for s in done.values() if s is not None and s.state == specs.AppState.SUCCEEDED
+            ),
+        }
+        if profiler is not None:
+            import pstats
+
+            profiler.disable()
+            result["loop_thread_profile_s"] = by_kind(pstats.Stats(profiler))
+        return result
+
+
+def run(n: int, parent: str | None, profile: bool, keep: bool) -> dict[str, Any]:
+    workdir = tempfile.mkdtemp(prefix="atx-profile-launch-", dir=parent)
+    os.environ["ASYNCTORCHX_LOCAL_ROOT"] = os.path.join(workdir, "state")
+    os.chdir(workdir)
+    try:
+        result = asyncio.run(fanout(n, workdir, profile))
+    finally:
+        os.chdir("/")
+        if not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result["workdir"] = workdir
+    return result
+
+
+def traced_counts(n: int, parent: str | None) -> dict[str, int]:
+    """System calls of the launching process (all threads) in one fan-out of ``n`` under strace."""
+    with tempfile.TemporaryDirectory(prefix="atx-strace-") as traces:
+        cmd = [sys.executable, __file__, "run", str(n), "--keep"]
+        if parent:
+            cmd += ["--root", parent]
+        proc = subprocess.run(
+            ["strace", "-ff", "-o", os.path.join(traces, "t"), *cmd],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        shutil.rmtree(json.loads(proc.stdout)["workdir"], ignore_errors=True)
+        counts: collections.Counter[str] = collections.Counter()
+        for name in os.listdir(traces):
+            with open(os.path.join(traces, name), errors="replace") as f:
+                lines = f.read().splitlines()
+            execs = [i for i, line in enumerate(lines) if line.startswith("execve(")]
+            if execs and execs[0] != 0:
+                continue  # forked, then exec'd: an app, the watchdog or a helper
+            counts.update(m.group(1) for line in lines if (m := re.match(r"(\w+)\(", line)))
+        return dict(counts)
+
+
+def syscalls(n: int, parent: str | None) -> dict[str, Any]:
+    small = max(1, n // 4)
+    big_counts, small_counts = traced_counts(n, parent), traced_counts(small, parent)
+    per_app = {
+        k: round((big_counts.get(k, 0) - small_counts.get(k, 0)) / (n - small), 2)
+        for k in set(big_counts) | set(small_counts)
+    }
+    per_app = dict(
+        sorted(((k, v) for k, v in per_app.items() if abs(v) >= 0.3), key=lambda kv: -kv[1])
+    )
+    return {"n": [small, n], "per_app_total": round(sum(per_app.values()), 1), "per_app": per_app}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", choices=["run", "syscalls"])
+    parser.add_argument("n", type=int)
+    parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
+    parser.add_argument("--cprofile", action="store_true", help="profile the event loop's thread")
+    parser.add_argument("--keep", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.n < 2:
+        parser.error(f"n must be at least 2, not {args.n}")
+    if args.mode == "run":
+        print(json.dumps(run(args.n, args.root, args.cprofile, args.keep)))
+    else:
+        print(json.dumps(syscalls(args.n, args.root)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The local launch makes its log directories and files in a worker thread (``LogDirMaker``, issue
+17): what a launch gets, and that a cancelled, failed or closed launch leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asynctorchx._tasks import TaskSupervisor
+from asynctorchx.logs import INDEX_FILE, LOG_FILES, LogFiles, ReplicaLogWriter, Stream
+from asynctorchx.schedulers._local import launch as launch_module
+from asynctorchx.schedulers._local.launch import LogDirMaker
+from asynctorchx.schedulers._local.procs import LaunchError
+from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import AppDef, AppState, Role
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+async def maker() -> AsyncIterator[tuple[LogDirMaker, TaskSupervisor]]:
+    supervisor = TaskSupervisor("test-dirs")
+    yield LogDirMaker(supervisor), supervisor
+    await supervisor.aclose()
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Holds the worker thread inside ``LogFiles.open`` until released: (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = LogFiles.open
+
+    def held(directory: str | os.PathLike[str]) -> LogFiles:
+        entered.set()
+        if not release.wait(10):
+            raise TimeoutError("the test never released the worker thread")
+        return real(directory)
+
+    monkeypatch.setattr(launch_module.LogFiles, "open", staticmethod(held))
+    yield entered, release
+    release.set()
+
+
+async def wait_thread_event(event: threading.Event) -> None:
+    with anyio.fail_after(10):
+        while not event.is_set():
+            await asyncio.sleep(0.005)
+
+
+async def start_held(
+    dirs: LogDirMaker, tmp_path: Path, entered: threading.Event
+) -> tuple[Path, asyncio.Task[list[LogFiles]]]:
+    """Asks for one app's directories and waits until the worker thread is held inside them."""
+    app_dir = tmp_path / "s" / "app"
+    task = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
+    await wait_thread_event(entered)
+    return app_dir, task
+
+
+async def test_a_batch_makes_every_replica_directory_and_its_log_files(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
+) -> None:
+    """Launches asking at once get their app directories, replica directories and the four log
+    files each, opened, in the order of their replicas."""
+    dirs, _ = maker
+    apps = {f"app{i}": tmp_path / "session" / f"app{i}" for i in range(5)}
+    replicas = {a: [str(d / "main" / "0"), str(d / "main" / "1")] for a, d in apps.items()}
+    results = await asyncio.gather(*(dirs.make(a, str(apps[a]), replicas[a]) for a in apps))
+    for app_id, files in zip(apps, results, strict=True):
+        assert [f.path for f in files] == replicas[app_id]
+        for f in files:
+            names = sorted(os.listdir(f.path))
+            assert names == sorted([*LOG_FILES.values(), INDEX_FILE])
+            assert all(os.fstat(fd).st_nlink == 1 for fd in [*f.fds.values(), f.index_fd])
+            f.close()
+
+
+async def test_a_writer_over_files_made_in_a_thread_writes_like_one_that_opened_them(
+    tmp_path: Path,
+) -> None:
+    """A ``ReplicaLogWriter`` given ``LogFiles`` opened elsewhere writes the same files, index
+    included, as one that opened them itself."""
+    made, own = tmp_path / "made", tmp_path / "own"
+    files = await anyio.to_thread.run_sync(LogFiles.open, made)
+    outputs = []
+    for writer in (ReplicaLogWriter(made, files=files), ReplicaLogWriter(own)):
+        r, w = os.pipe()
+        writer.attach(r, Stream.STDOUT)
+        os.write(w, b"hello\n")
+        os.close(w)
+        with anyio.fail_after(10):
+            await writer.wait_drained()
+        writer.close()
+        outputs.append({n: (writer.directory / n).read_bytes() for n in LOG_FILES.values()})
+    assert outputs[0] == outputs[1] and b"hello\n" in outputs[0].values()
+    assert (made / INDEX_FILE).stat().st_size == (own / INDEX_FILE).stat().st_size
+
+
+async def test_files_of_another_directory_are_refused(tmp_path: Path) -> None:
+    """Log files opened for one directory cannot be given to the writer of another."""
+    files = LogFiles.open(tmp_path / "a")
+    try:
+        with pytest.raises(ValueError, match="given for"):
+            ReplicaLogWriter(tmp_path / "b", files=files)
+    finally:
+        files.close()
+
+
+async def test_an_existing_app_directory_fails_the_launch_and_is_kept(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
+) -> None:
+    """An app directory that exists already (a dry run scheduled twice) is a ValueError, and what
+    is in it stays: it is not this launch's."""
+    dirs, _ = maker
+    app_dir = tmp_path / "s" / "app"
+    (app_dir / "main" / "0").mkdir(parents=True)
+    (app_dir / "main" / "0" / "stdout.log").write_text("earlier\n")
+    with pytest.raises(ValueError, match="already exists"):
+        await dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")])
+    assert (app_dir / "main" / "0" / "stdout.log").read_text() == "earlier\n"
+
+
+async def test_a_replica_directory_that_cannot_be_made_removes_the_app_directory(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
+) -> None:
+    """A failure part-way (a replica's log directory blocked by a file) is a LaunchError naming the
+    app, and nothing of the app's directory or files is left, no descriptor either."""
+    dirs, _ = maker
+    app_dir = tmp_path / "s" / "app"
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    before = open_fds()
+    with pytest.raises(LaunchError, match="app"):
+        await dirs.make(
+            "app", str(app_dir), [str(app_dir / "main" / "0"), str(blocker / "r" / "1")]
+        )
+    assert not app_dir.exists()
+    assert open_fds() <= before
+
+
+async def test_a_launch_cancelled_while_its_directories_are_made_leaves_nothing(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    gate: tuple[threading.Event, threading.Event],
+) -> None:
+    """Cancelling a launch while the worker thread makes its files: once the thread is done, the
+    app's directory is removed and its files closed."""
+    dirs, supervisor = maker
+    entered, release = gate
+    before = open_fds()
+    app_dir, task = await start_held(dirs, tmp_path, entered)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    with anyio.fail_after(10):
+        while app_dir.exists() or len(supervisor):
+            await asyncio.sleep(0.01)
+    assert open_fds() <= before
+
+
+async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_nothing(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    gate: tuple[threading.Event, threading.Event],
+) -> None:
+    """Closing the scheduler's tasks while a batch is in the thread: the waiting launch gets a
+    RuntimeError once the thread is done, and its directory and files are gone."""
+    dirs, supervisor = maker
+    entered, release = gate
+    before = open_fds()
+    app_dir, task = await start_held(dirs, tmp_path, entered)
+    closing = asyncio.create_task(supervisor.aclose())
+    await asyncio.sleep(0.05)
+    release.set()
+    with anyio.fail_after(10):
+        await closing
+        with pytest.raises(RuntimeError, match="closing"):
+            await task
+    assert not app_dir.exists()
+    assert open_fds() <= before
+
+
+async def test_a_submit_cancelled_while_its_files_are_made_leaves_no_app(
+    tmp_path: Path, gate: tuple[threading.Event, threading.Event]
+) -> None:
+    """Through the scheduler: a submit cancelled while its log files are being made leaves no
+    record, no log directory and nothing listed, and the scheduler launches the next app."""
+    entered, release = gate
+    root = tmp_path / "root"
+    async with LocalScheduler("dirs", local_root=root) as s:
+        app = AppDef("a", [Role("main", image=".", entrypoint="sleep", args=["1000"])])
+        info = s.submit_dryrun(app, {})
+        task = asyncio.create_task(s.schedule(info))
+        await wait_thread_event(entered)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+        with anyio.fail_after(10):
+            while os.path.exists(info.request.app_dir):
+                await asyncio.sleep(0.01)
+        assert await s.list() == []
+        assert not any(n.endswith(".json") for n in os.listdir(root / ".apps"))
+        ok = await s.submit(AppDef("b", [Role("main", image=".", entrypoint="true")]), {})
+        with anyio.fail_after(20):
+            while (desc := await s.describe(ok)) is None or desc.state != AppState.SUCCEEDED:
+                await asyncio.sleep(0.02)
+
+
+async def test_asking_after_close_is_a_runtime_error_and_makes_nothing(tmp_path: Path) -> None:
+    """Once the scheduler's tasks are closed, asking for directories fails at once (RuntimeError)
+    and creates nothing."""
+    supervisor = TaskSupervisor("closed")
+    dirs = LogDirMaker(supervisor)
+    await supervisor.aclose()
+    app_dir = tmp_path / "s" / "app"
+    with pytest.raises(RuntimeError):
+        await dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")])
+    assert not (tmp_path / "s").exists()
