@@ -187,6 +187,7 @@ def test_a_malformed_sample_is_skipped() -> None:
 )
 @example(writes=[(152, 1), (353, 1)], since=353, until=None, cut=50)
 @example(writes=[(152, 1), (5000, 1)], since=4000, until=None, cut=50)
+@example(writes=[(352, 1), (553, 1)], since=553, until=None, cut=48)
 def test_sampled_window_keeps_every_byte_written_inside_and_little_else(
     writes: list[tuple[int, int]], since: int | None, until: int | None, cut: int
 ) -> None:
