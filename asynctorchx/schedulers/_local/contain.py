@@ -8,7 +8,8 @@ imports it as a sibling module, and the launcher imports it from the package.
 there, one directory per app under it and one per replica attempt under that
 (``{base}/{app_id}/{index}.{attempt}``). Each replica is moved into its directory right after it
 is spawned, so everything it starts later, ``setsid`` and double-forked daemons included, is born
-inside; ``cgroup.kill`` stops all of it at once and ``cgroup.events`` says when the last process
+inside (what it started before the move is found and moved too: ``adopt``); ``cgroup.kill`` stops
+all of it at once and ``cgroup.events`` says when the last process
 has exited (zombies waiting for a slow reaper do not count).
 
 **marker mode (fallback).** Without a usable cgroup (e.g. inside a container whose
