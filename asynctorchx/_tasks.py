@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import anyio
@@ -71,6 +71,16 @@ class TaskSupervisor:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def in_thread_shielded(func: Callable[..., T], *args: Any) -> T:
+    """Runs ``func(*args)`` in a worker thread and waits for it even if the caller is cancelled
+    meanwhile (``await_shielded``): clean-up such as removing what a failed launch made.
+
+    Not ``anyio.to_thread.run_sync`` under a shield: it checks for cancellation before it starts
+    the thread, so in a cancelled scope the clean-up would never run.
+    """
+    return await await_shielded(asyncio.get_running_loop().run_in_executor(None, func, *args))
 
 
 async def await_shielded(task: asyncio.Future[T]) -> T:

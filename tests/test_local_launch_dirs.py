@@ -226,3 +226,32 @@ async def test_asking_after_close_is_a_runtime_error_and_makes_nothing(tmp_path:
     with pytest.raises(RuntimeError):
         await dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")])
     assert not (tmp_path / "s").exists()
+
+
+async def test_a_launch_cancelled_by_a_scope_while_writers_are_made_removes_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An anyio cancel scope cancelled while a 200-replica launch hands out its log writers: the
+    app's directory is removed all the same (the removal runs although the scope stays cancelled)."""
+    from asynctorchx.schedulers._local import spawn as spawn_module
+
+    scope = anyio.CancelScope()
+    real = spawn_module.Spawner.new_writer
+    made = 0
+
+    def new_writer(self: spawn_module.Spawner, *args: object) -> ReplicaLogWriter:
+        nonlocal made
+        made += 1
+        if made == 128:  # past the first of the loop's breathers (every 8 chunks)
+            scope.cancel()
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spawn_module.Spawner, "new_writer", new_writer)
+    async with LocalScheduler("scoped", local_root=tmp_path / "root") as s:
+        app = AppDef("big", [Role("r", image=".", entrypoint="true", num_replicas=200)])
+        info = s.submit_dryrun(app, {})
+        with scope:
+            await s.schedule(info)
+        assert scope.cancelled_caught and made >= 128
+        assert not os.path.exists(info.request.app_dir)
+        assert await s.list() == []

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor, await_shielded
+from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
 from asynctorchx.logs import LogQuery
 from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._inotify import (
@@ -301,7 +301,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
             await self._launcher.launch(request, dryrun_info.app or AppDef(request.app_name))
         except BaseException:
             if shipped:  # a bad entrypoint, say: the app's workspace directory goes too
-                await anyio.to_thread.run_sync(
+                await in_thread_shielded(
                     local_workspace.remove_workdir, self._root, self.session_name, app_id
                 )
             raise

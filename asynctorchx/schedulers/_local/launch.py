@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor, await_shielded
+from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
 from asynctorchx.logs import LogFiles
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import workspace as local_workspace
@@ -181,7 +181,7 @@ class AppLauncher:
             for opened in files[i:]:
                 opened.close()
             app.close_logs()
-            await anyio.to_thread.run_sync(shutil.rmtree, app_dir, True)
+            await in_thread_shielded(shutil.rmtree, app_dir, True)
             raise
 
     async def _start_app(self, app: LiveApp) -> None:
