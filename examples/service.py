@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -150,13 +150,13 @@ async def _stream_log(
     """
     runner = request.app[RUNNER]
     # aclosing: a client that goes away mid-stream stops the tail at once
-    async with contextlib.aclosing(
-        runner.log_entries(handle, role, replica, should_tail=True, cursor=cursor)
-    ) as entries:
+    async with contextlib.aclosing(_entries(runner, handle, role, replica, cursor)) as entries:
         try:
             first = await anext(entries, None)
         except ValueError as e:  # a Last-Event-ID that is not a cursor of this log
             return _error(400 if cursor else 404, str(e))
+        except NotImplementedError as e:  # a Last-Event-ID for a backend without cursors
+            return _error(400, str(e))
         except LookupError as e:  # unknown app, role or replica
             return _error(404, str(e))
         response = web.StreamResponse(
@@ -164,9 +164,9 @@ async def _stream_log(
         )
         await response.prepare(request)
         if first is not None:
-            await response.write(_sse(first.line, first.cursor))
+            await response.write(_sse(*first))
             async for entry in entries:
-                await response.write(_sse(entry.line, entry.cursor))
+                await response.write(_sse(*entry))
     final = await runner.wait(handle)
     state = final.state.name if final else "UNKNOWN"
     await response.write(f"event: end\ndata: {json.dumps({'state': state})}\n\n".encode())
@@ -209,10 +209,36 @@ async def attached_run(request: web.Request) -> web.StreamResponse:
         return await _stream_log(request, handle, str(role), replica)
 
 
-def _sse(line: str, cursor: str) -> bytes:
+async def _entries(
+    runner: AsyncRunner, handle: str, role: str, replica: int, cursor: str | None
+) -> AsyncGenerator[tuple[str | None, str], None]:
+    """``(cursor, line)`` of the followed log; a backend without cursors (a third-party one) still
+    streams its lines, without ids, unless the client asks to resume (NotImplementedError)."""
+    entries = runner.log_entries(handle, role, replica, should_tail=True, cursor=cursor)
+    try:
+        first = await anext(entries, None)
+    except NotImplementedError:
+        await entries.aclose()
+        if cursor is not None:
+            raise
+        # TorchX-style third-party backends: the lines, without ids
+        async for line in runner.log_lines(handle, role, replica, should_tail=True):
+            yield None, line
+        return
+    try:
+        if first is not None:
+            yield first.cursor, first.line
+            async for entry in entries:
+                yield entry.cursor, entry.line
+    finally:
+        await entries.aclose()
+
+
+def _sse(cursor: str | None, line: str) -> bytes:
     # one event per log line; JSON keeps '\r', the trailing '\n' and any other character intact;
     # the cursor is base64url text, safe on an SSE line
-    return f"id: {cursor}\ndata: {json.dumps(line)}\n\n".encode()
+    event_id = "" if cursor is None else f"id: {cursor}\n"
+    return f"{event_id}data: {json.dumps(line)}\n\n".encode()
 
 
 def make_app(session_name: str = "service", **runner_options: Any) -> web.Application:

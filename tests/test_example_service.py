@@ -250,6 +250,31 @@ async def test_a_last_event_id_of_another_log_is_a_bad_request(serve: Serve) -> 
             assert bad[:40] in (await resp.json())["error"]
 
 
+class _NoCursorsBackend(ScriptedBackend):
+    """A scripted backend whose scheduler cannot resume logs (as a third-party one may be)."""
+
+    def __call__(self, session_name: str, **scheduler_params: Any) -> ScriptedScheduler:
+        view = super().__call__(session_name, **scheduler_params)
+        view.log_cursor_kind = None  # type: ignore[misc]
+        return view
+
+
+async def test_a_backend_without_cursors_streams_lines_without_ids(serve: Serve) -> None:
+    """A backend without log cursors still streams every line (events without id:), and a
+    Last-Event-ID for it answers 400 naming the backend."""
+    clock = VirtualClock()
+    async with serve(_NoCursorsBackend("local_cwd", LOG, clock=clock)) as client:
+        resp = await client.post("/apps", json=sh("python", "train.py"))
+        path = f"/apps/local_cwd/{(await resp.json())['app_id']}/logs"
+        clock.advance(60)
+        stream = SSE(await client.get(path, params={"role": "sh"}))
+        lines_got, end = await stream.rest()
+        assert lines_got == [f"step {i}\n" for i in range(1, 7)] and end == {"state": "SUCCEEDED"}
+        assert stream.last_id is None
+        resp = await client.get(path, params={"role": "sh"}, headers={"Last-Event-ID": "v1.x"})
+        assert resp.status == 400 and "local_cwd" in (await resp.json())["error"]
+
+
 async def test_delete_cancels_and_wait_reports_cancelled(serve: Serve) -> None:
     """DELETE cancels the scripted app; /wait then answers CANCELLED."""
     backend = ScriptedBackend("local_cwd")  # runs until cancelled
