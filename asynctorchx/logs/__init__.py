@@ -11,6 +11,7 @@ from asynctorchx.logs._cursor import LogEntry as LogEntry
 from asynctorchx.logs._files import INDEX_FILE as INDEX_FILE
 from asynctorchx.logs._files import LOG_FILES as LOG_FILES
 from asynctorchx.logs._files import log_file_name as log_file_name
+from asynctorchx.logs._notify import Wake as Wake
 from asynctorchx.logs._notify import wake_readers as wake_readers
 from asynctorchx.logs._query import ALL_STREAMS as ALL_STREAMS
 from asynctorchx.logs._query import LogQuery as LogQuery
@@ -35,6 +36,7 @@ __all__ = [
     "LogQuery",
     "ReplicaLogWriter",
     "Stream",
+    "Wake",
     "check_time_window",
     "compile_log_regex",
     "decode_lines",

@@ -192,12 +192,22 @@ def remove_waker(key: str, waker: Waker) -> None:
     _wakers.remove(key, waker)
 
 
-def wake_readers(directory: str | os.PathLike[str], reason: Wake = Wake.STATE) -> None:
+def wake_readers(directory: str | os.PathLike[str], reason: Wake | str = Wake.STATE) -> None:
     """Wakes every reader of ``directory`` in this process (whatever stream it reads).
 
     A backend calls it when a replica's state changes (e.g. it becomes terminal) so that followers
-    check ``is_finished`` at once instead of on their back-off timer.
+    check ``is_finished`` at once instead of on their back-off timer. ``reason`` is a ``Wake`` or
+    its value (e.g. ``"state"``).
+
+    Raises:
+        ValueError: ``reason`` is not a wake-up reason.
     """
+    if not isinstance(reason, Wake):
+        try:
+            reason = Wake(reason)
+        except ValueError:
+            names = ", ".join(repr(w.value) for w in Wake)
+            raise ValueError(f"reason must be a Wake or one of {names}, got {reason!r}") from None
     wake_key(directory_key(directory), reason)
 
 
