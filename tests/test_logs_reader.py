@@ -696,11 +696,11 @@ def test_the_logs_package_does_not_import_backends() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_wake_readers_takes_a_reason_by_value_and_names_a_bad_one(tmp_path: Path) -> None:
+def test_wake_readers_takes_a_reason_by_value_and_names_a_bad_one(tmp_path: pathlib.Path) -> None:
     """wake_readers accepts a Wake or its value; anything else is a ValueError naming it."""
     from asynctorchx.logs import Wake
 
     wake_readers(tmp_path, Wake.STATE)
     wake_readers(tmp_path, "eof")
-    with pytest.raises(ValueError, match="got 'closed'"):
-        wake_readers(tmp_path, "closed")
+    with pytest.raises(ValueError, match="got 'bogus'"):
+        wake_readers(tmp_path, "bogus")
