@@ -15,6 +15,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import pathlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -37,7 +38,8 @@ from test_backend_contract import (  # noqa: F401
     slurm_backend,
 )
 
-from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream
+from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream, iter_log_entries
+from asynctorchx.logs._files import LOG_FILES
 from asynctorchx.logs._cursor import LogCursor, Position
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers._docker.frames import format_api_time
@@ -258,7 +260,8 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
     backend: Backend,
 ) -> None:
     """A well-formed cursor whose position cannot be of this log raises ValueError at the first
-    iteration (a file offset past the end or inside a line, an unknown Docker container); on
+    iteration (a file offset past the end, an unknown Docker container); a file offset inside a
+    line resumes at that line's start (it is how an unfinished line's cursor reads); on
     Kubernetes an unknown pod is a replaced one: the newest pod is read from its start."""
     pod = PodScript(lines=["first\n", "second\n"], line_interval=0)
     app_id = await submit_script(backend, "echo first; echo second", pod)
@@ -270,7 +273,7 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
     if real.kind == "file":
         forged = [
             ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
-            ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
+            ((real.position[0], 3), None),
             (("stderr", real.position[1]), r"^the log cursor's file 'stderr' is not"),
         ]
     elif real.kind == "docker":
@@ -453,3 +456,73 @@ def test_a_cursor_with_fields_out_of_range_is_malformed(change: dict[str, Any]) 
     assert LogCursor.decode(_raw(GOOD)).position == ("combined", 7)
     with pytest.raises(ValueError, match=r"^malformed log cursor 'v1\."):
         LogCursor.decode(_raw({**GOOD, **change}))
+
+
+async def _file_entries(
+    directory: pathlib.Path, start: int = 0, **kw: Any
+) -> list[tuple[int, str]]:
+    """Every ``(offset, line)`` ``iter_log_entries`` gives of ``directory``'s stdout from ``start``."""
+    with anyio.fail_after(30):
+        return [e async for e in iter_log_entries(directory, Stream.STDOUT, start=start, **kw)]
+
+
+async def _finished() -> bool:
+    return True
+
+
+async def test_an_unfinished_line_is_given_again_whole_once_it_has_grown(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A file cursor taken at an unterminated last line (a progress bar still being written)
+    resumes with that line again, whole, once the app has finished it, then the lines after."""
+    log = tmp_path / LOG_FILES[Stream.STDOUT]
+    log.write_bytes(b"a\nepoch 1 10%")
+    got = await _file_entries(tmp_path)
+    assert [line for _, line in got] == ["a\n", "epoch 1 10%"]
+    with log.open("ab") as f:
+        f.write(b"\r 20%\nb\n")
+    for follow in (False, True):
+        rest = await _file_entries(tmp_path, got[-1][0], follow=follow, is_finished=_finished)
+        assert [line for _, line in rest] == ["epoch 1 10%\r 20%\n", "b\n"], follow
+        assert rest[-1][0] == log.stat().st_size
+
+
+async def test_an_unfinished_line_that_has_not_grown_is_not_given_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A file cursor taken at an unterminated last line that is still the file's unchanged end
+    (the app ended without a newline) resumes with nothing, read or followed; one that grew by
+    more of the same line gives it whole; an offset past the end stays a ValueError."""
+    log = tmp_path / LOG_FILES[Stream.STDOUT]
+    log.write_bytes(b"a\nno newline")
+    end = (await _file_entries(tmp_path))[-1][0]
+    assert await _file_entries(tmp_path, end) == []
+    assert await _file_entries(tmp_path, end, follow=True, is_finished=_finished) == []
+    with log.open("ab") as f:
+        f.write(b" yet")
+    assert await _file_entries(tmp_path, end) == [(end + 4, "no newline yet")]
+    with pytest.raises(ValueError, match="is past the end of"):
+        await _file_entries(tmp_path, end + 5)
+
+
+async def test_a_local_cursor_taken_while_a_progress_line_is_written_resumes_it_whole(
+    local_backend: Backend, tmp_path: pathlib.Path
+) -> None:
+    """Local: a non-follow read of a running app that ends with a progress line (no newline yet)
+    gives a cursor that, once the replica has finished the line, resumes with it whole."""
+    gate = tmp_path / "gate"
+    script = (
+        f"echo epoch1; printf 'loading 10%%'; while [ ! -e {gate} ]; do sleep 0.05; done; "
+        "echo ' 100%'; echo epoch2"
+    )
+    app_id = await submit_script(local_backend, script, PodScript())
+    with anyio.fail_after(60):
+        while True:
+            got = await entries(local_backend, app_id)
+            if [e.line for e in got] == ["epoch1\n", "loading 10%"]:
+                break
+            await asyncio.sleep(0.05)
+    gate.touch()
+    await local_backend.wait_for(app_id)
+    rest = await lines_after(local_backend, app_id, got[-1].cursor)
+    assert rest == ["loading 10% 100%\n", "epoch2\n"]

@@ -14,8 +14,9 @@ The engine backends' ``count`` is the tie-breaker of ``ResumeCursor``: how many 
 exactly that timestamp were read, so lines written in one burst with equal timestamps are neither
 repeated nor skipped. Decoding checks the cursor's shape and what it is bound to, so that a damaged
 or foreign cursor is a one-line ValueError at the call rather than a wrong read; a forged position
-of the right shape is caught by the reader (a file offset that does not end a line, a container
-that is not the replica's), as a ValueError when read.
+of the right shape is caught by the reader (a file offset past the file's end, a container that
+is not the replica's), as a ValueError when read. A file offset inside a line is how the cursor of
+an unfinished last line reads (see ``iter_log_entries``): it resumes at that line's start.
 """
 
 from __future__ import annotations
