@@ -39,8 +39,8 @@ from test_backend_contract import (  # noqa: F401
 )
 
 from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream, iter_log_entries
-from asynctorchx.logs._files import LOG_FILES
 from asynctorchx.logs._cursor import LogCursor, Position
+from asynctorchx.logs._files import LOG_FILES
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers._docker.frames import format_api_time
 from asynctorchx.schedulers._docker.logs import DockerLogSource
@@ -344,13 +344,13 @@ async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
             None,
             None,
             False,
-            None,
+            Stream.STDOUT,
             cursor,
             "docker",
         )
 
     def encode(position: Position) -> str:
-        return LogCursor("app1", "main", 0, "combined", "docker", position).encode()
+        return LogCursor("app1", "main", 0, "stdout", "docker", position).encode()
 
     with anyio.fail_after(30):
         got = [(encode(p), line) async for p, line in source.entries(query(None))]
@@ -506,23 +506,162 @@ async def test_an_unfinished_line_that_has_not_grown_is_not_given_again(
 
 
 async def test_a_local_cursor_taken_while_a_progress_line_is_written_resumes_it_whole(
-    local_backend: Backend, tmp_path: pathlib.Path
+    request: pytest.FixtureRequest, tmp_path: pathlib.Path
 ) -> None:
     """Local: a non-follow read of a running app that ends with a progress line (no newline yet)
     gives a cursor that, once the replica has finished the line, resumes with it whole."""
+    local: Backend = request.getfixturevalue("local_backend")
     gate = tmp_path / "gate"
     script = (
         f"echo epoch1; printf 'loading 10%%'; while [ ! -e {gate} ]; do sleep 0.05; done; "
         "echo ' 100%'; echo epoch2"
     )
-    app_id = await submit_script(local_backend, script, PodScript())
+    app_id = await submit_script(local, script, PodScript())
     with anyio.fail_after(60):
         while True:
-            got = await entries(local_backend, app_id)
+            got = await entries(local, app_id)
             if [e.line for e in got] == ["epoch1\n", "loading 10%"]:
                 break
             await asyncio.sleep(0.05)
     gate.touch()
-    await local_backend.wait_for(app_id)
-    rest = await lines_after(local_backend, app_id, got[-1].cursor)
+    await local.wait_for(app_id)
+    rest = await lines_after(local, app_id, got[-1].cursor)
     assert rest == ["loading 10% 100%\n", "epoch2\n"]
+
+
+class _StreamsEngine:
+    """A Docker engine's log endpoint over fixed ``(stream id, timestamp ns, message)`` triples,
+    honouring ``stdout``/``stderr`` and an inclusive ``since``. A message without ``\\n`` is a part
+    of a line, as Docker sends a line longer than 16 KiB, or the unfinished end of the log."""
+
+    def __init__(self, messages: list[tuple[int, int, str]]) -> None:
+        self.messages = messages
+        self.requests: list[dict[str, Any]] = []
+
+    async def container_log_frames(
+        self, cid: str, params: dict[str, Any]
+    ) -> AsyncIterator[tuple[int, bytes]]:
+        self.requests.append(dict(params))
+        since = params.get("since")
+        since_ns = None if since is None else int(since.replace(".", ""))
+        wanted = {1: params["stdout"], 2: params["stderr"]}
+        for stream, ts, text in list(self.messages):
+            if wanted[stream] and (since_ns is None or ts >= since_ns):
+                yield stream, f"{format_ts(ts)} {text}".encode()
+
+
+def _docker_source(engine: Any) -> DockerLogSource:
+    """A DockerLogSource over ``engine`` for one exited container of app1/main/0."""
+    labels = {
+        LABEL_APP_ID: "app1",
+        LABEL_ROLE_NAME: "main",
+        LABEL_REPLICA_ID: "0",
+        LABEL_ATTEMPT: "0",
+        LABEL_KIND: KIND_REPLICA,
+    }
+    container = ContainerInfo("c1", "app1-main-0", "img", labels, "exited", 0, 0)
+
+    async def list_app(app_id: str) -> list[ContainerInfo]:
+        return [container]
+
+    async def wait_app(app_id: str, timeout: float) -> None:
+        raise AssertionError("a finished app is not waited for")
+
+    return DockerLogSource(engine, list_app, wait_app, lambda a: a)
+
+
+async def _docker_read(
+    source: DockerLogSource, cursor: str | None = None, stream: Stream = Stream.COMBINED
+) -> list[tuple[str, str]]:
+    """``(cursor, line)`` of a non-follow read of ``source`` (after ``cursor``)."""
+    query = LogQuery.build(
+        "local_docker",
+        ALL_STREAMS,
+        "app1",
+        "main",
+        0,
+        None,
+        None,
+        None,
+        False,
+        stream,
+        cursor,
+        "docker",
+    )
+    with anyio.fail_after(30):
+        return [
+            (LogCursor("app1", "main", 0, stream.value, "docker", p).encode(), line)
+            async for p, line in source.entries(query)
+        ]
+
+
+BASE_NS = 1_700_000_000_000_000_000
+
+
+async def test_docker_a_combined_read_keeps_lines_whose_timestamps_go_back_across_streams() -> None:
+    """Docker stamps stdout and stderr apart: a combined read gives every line even when a stderr
+    line is stamped before the stdout line received ahead of it, and each line's cursor resumes
+    exactly (from the earlier stream's timestamp, each stream skipping what it gave)."""
+    messages = [
+        (1, BASE_NS + 10, "out\n"),
+        (2, BASE_NS + 5, "err\n"),
+        (1, BASE_NS + 20, "out2\n"),
+        (2, BASE_NS + 5, "err2\n"),
+        (2, BASE_NS + 30, "err3\n"),
+    ]
+    engine = _StreamsEngine(messages)
+    source = _docker_source(engine)
+    got = await _docker_read(source)
+    assert [line for _, line in got] == [text for _, _, text in messages]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor)
+        assert [line for _, line in rest] == [text for _, _, text in messages[i + 1 :]], i
+    # after "out" stderr has given nothing (read from the start); after "err", from stderr's 5
+    assert "since" not in engine.requests[1]
+    assert engine.requests[2]["since"] == format_api_time(BASE_NS + 5)
+
+
+async def test_docker_a_cursor_at_a_partial_line_resumes_with_it_whole_once_grown() -> None:
+    """Docker: a read that ends with the first 16 KiB part of a long line still being written
+    gives it, and its cursor resumes with the whole line once the rest has come (then the next
+    lines); while nothing has come, it resumes with nothing (no repeat)."""
+    engine = _StreamsEngine([(1, BASE_NS, "first\n"), (1, BASE_NS + 1000, "A" * 16384)])
+    source = _docker_source(engine)
+    got = await _docker_read(source)
+    assert [line for _, line in got] == ["first\n", "A" * 16384]
+    assert await _docker_read(source, got[-1][0]) == []
+    engine.messages += [(1, BASE_NS + 2000, "tail\n"), (1, BASE_NS + 3000, "next\n")]
+    rest = await _docker_read(source, got[-1][0])
+    assert [line for _, line in rest] == ["A" * 16384 + "tail\n", "next\n"]
+    assert [line for _, line in await _docker_read(source, got[0][0])] == [
+        "A" * 16384 + "tail\n",
+        "next\n",
+    ]
+
+
+async def test_docker_the_cursor_of_each_unfinished_last_line_counts_only_up_to_it() -> None:
+    """Docker: when a read ends with an unfinished line on both streams, the first one's cursor
+    does not count the second: resuming from it gives the second, and from the second nothing."""
+    messages = [
+        (1, BASE_NS, "out-line\n"),
+        (1, BASE_NS + 1000, "out partial"),
+        (2, BASE_NS + 2000, "err partial"),
+    ]
+    source = _docker_source(_StreamsEngine(messages))
+    got = await _docker_read(source)
+    assert [line for _, line in got] == [text for _, _, text in messages]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor)
+        assert [line for _, line in rest] == [text for _, _, text in messages[i + 1 :]], i
+
+
+async def test_docker_older_cursors_read_on_one_stream_and_are_refused_combined() -> None:
+    """A Docker cursor of the older form (one timestamp and count) still resumes a one-stream
+    read; an older combined one, which cannot be placed exactly, is a ValueError saying so."""
+    messages = [(1, BASE_NS, "a\n"), (1, BASE_NS, "b\n"), (1, BASE_NS + 1, "c\n")]
+    source = _docker_source(_StreamsEngine(messages))
+    old = LogCursor("app1", "main", 0, "stdout", "docker", (0, "c1", BASE_NS, 1)).encode()
+    assert [line for _, line in await _docker_read(source, old, Stream.STDOUT)] == ["b\n", "c\n"]
+    combined = LogCursor("app1", "main", 0, "combined", "docker", (0, "c1", BASE_NS, 1)).encode()
+    with pytest.raises(ValueError, match="older combined Docker cursor"):
+        await _docker_read(source, combined)
