@@ -505,12 +505,13 @@ async def test_an_unfinished_line_that_has_not_grown_is_not_given_again(
         await _file_entries(tmp_path, end + 5)
 
 
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
 async def test_a_local_cursor_taken_while_a_progress_line_is_written_resumes_it_whole(
-    request: pytest.FixtureRequest, tmp_path: pathlib.Path
+    backend: Backend, tmp_path: pathlib.Path
 ) -> None:
     """Local: a non-follow read of a running app that ends with a progress line (no newline yet)
     gives a cursor that, once the replica has finished the line, resumes with it whole."""
-    local: Backend = request.getfixturevalue("local_backend")
+    local = backend
     gate = tmp_path / "gate"
     script = (
         f"echo epoch1; printf 'loading 10%%'; while [ ! -e {gate} ]; do sleep 0.05; done; "
