@@ -257,6 +257,7 @@ class _LogFile:
                 "%s shrank to %d bytes; reading it from the start", self.path, st.st_size
             )
             self.pos = 0
+            self.skip_partial_at = None
             self._forget_pending()
         self.size = st.st_size
         self.mtime_ns = st.st_mtime_ns
