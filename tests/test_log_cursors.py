@@ -290,12 +290,13 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
             await anext(lines)
 
 
-class _StampedEngine:
-    """A Docker engine's log endpoint over fixed ``(timestamp ns, line)`` pairs: ``since`` is
-    inclusive, as Docker's is. For the unit test below: a real engine stamps each line apart."""
+class _StreamsEngine:
+    """A Docker engine's log endpoint over fixed ``(stream id, timestamp ns, message)`` triples,
+    honouring ``stdout``/``stderr`` and an inclusive ``since``. A message without ``\\n`` is a part
+    of a line, as Docker sends a line longer than 16 KiB, or the unfinished end of the log."""
 
-    def __init__(self, lines: list[tuple[int, str]]) -> None:
-        self.lines = lines
+    def __init__(self, messages: list[tuple[int, int, str]]) -> None:
+        self.messages = messages
         self.requests: list[dict[str, Any]] = []
 
     async def container_log_frames(
@@ -304,18 +305,14 @@ class _StampedEngine:
         self.requests.append(dict(params))
         since = params.get("since")
         since_ns = None if since is None else int(since.replace(".", ""))
-        for ts, text in self.lines:
-            if since_ns is None or ts >= since_ns:
-                yield 1, f"{format_ts(ts)} {text}".encode()
+        wanted = {1: params["stdout"], 2: params["stderr"]}
+        for stream, ts, text in list(self.messages):
+            if wanted[stream] and (since_ns is None or ts >= since_ns):
+                yield stream, f"{format_ts(ts)} {text}".encode()
 
 
-async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
-    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
-    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
-    lines at it is skipped."""
-    base = 1_700_000_000_000_000_000
-    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
-    engine = _StampedEngine(stamped)
+def _docker_source(engine: Any) -> DockerLogSource:
+    """A DockerLogSource over ``engine`` for one exited container of app1/main/0."""
     labels = {
         LABEL_APP_ID: "app1",
         LABEL_ROLE_NAME: "main",
@@ -331,33 +328,47 @@ async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
     async def wait_app(app_id: str, timeout: float) -> None:
         raise AssertionError("a finished app is not waited for")
 
-    source = DockerLogSource(engine, list_app, wait_app, lambda a: a)  # type: ignore[arg-type]
+    return DockerLogSource(engine, list_app, wait_app, lambda a: a)
 
-    def query(cursor: str | None) -> LogQuery:
-        return LogQuery.build(
-            "local_docker",
-            ALL_STREAMS,
-            "app1",
-            "main",
-            0,
-            None,
-            None,
-            None,
-            False,
-            Stream.STDOUT,
-            cursor,
-            "docker",
-        )
 
-    def encode(position: Position) -> str:
-        return LogCursor("app1", "main", 0, "stdout", "docker", position).encode()
-
+async def _docker_read(
+    source: DockerLogSource, cursor: str | None = None, stream: Stream = Stream.COMBINED
+) -> list[tuple[str, str]]:
+    """``(cursor, line)`` of a non-follow read of ``source`` (after ``cursor``)."""
+    query = LogQuery.build(
+        "local_docker",
+        ALL_STREAMS,
+        "app1",
+        "main",
+        0,
+        None,
+        None,
+        None,
+        False,
+        stream,
+        cursor,
+        "docker",
+    )
     with anyio.fail_after(30):
-        got = [(encode(p), line) async for p, line in source.entries(query(None))]
-        assert [line for _, line in got] == [t for _, t in stamped]
-        for i, (cursor, _) in enumerate(got):
-            rest = [line async for _, line in source.entries(query(cursor))]
-            assert rest == [t for _, t in stamped[i + 1 :]], i
+        return [
+            (LogCursor("app1", "main", 0, stream.value, "docker", p).encode(), line)
+            async for p, line in source.entries(query)
+        ]
+
+
+async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
+    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
+    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
+    lines at it is skipped."""
+    base = 1_700_000_000_000_000_000
+    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
+    engine = _StreamsEngine([(1, ts, text) for ts, text in stamped])
+    source = _docker_source(engine)
+    got = await _docker_read(source, stream=Stream.STDOUT)
+    assert [line for _, line in got] == [t for _, t in stamped]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor, Stream.STDOUT)
+        assert [line for _, line in rest] == [t for _, t in stamped[i + 1 :]], i
     assert engine.requests[-1]["since"] == format_api_time(stamped[-1][0])
 
 
@@ -528,72 +539,6 @@ async def test_a_local_cursor_taken_while_a_progress_line_is_written_resumes_it_
     await local.wait_for(app_id)
     rest = await lines_after(local, app_id, got[-1].cursor)
     assert rest == ["loading 10% 100%\n", "epoch2\n"]
-
-
-class _StreamsEngine:
-    """A Docker engine's log endpoint over fixed ``(stream id, timestamp ns, message)`` triples,
-    honouring ``stdout``/``stderr`` and an inclusive ``since``. A message without ``\\n`` is a part
-    of a line, as Docker sends a line longer than 16 KiB, or the unfinished end of the log."""
-
-    def __init__(self, messages: list[tuple[int, int, str]]) -> None:
-        self.messages = messages
-        self.requests: list[dict[str, Any]] = []
-
-    async def container_log_frames(
-        self, cid: str, params: dict[str, Any]
-    ) -> AsyncIterator[tuple[int, bytes]]:
-        self.requests.append(dict(params))
-        since = params.get("since")
-        since_ns = None if since is None else int(since.replace(".", ""))
-        wanted = {1: params["stdout"], 2: params["stderr"]}
-        for stream, ts, text in list(self.messages):
-            if wanted[stream] and (since_ns is None or ts >= since_ns):
-                yield stream, f"{format_ts(ts)} {text}".encode()
-
-
-def _docker_source(engine: Any) -> DockerLogSource:
-    """A DockerLogSource over ``engine`` for one exited container of app1/main/0."""
-    labels = {
-        LABEL_APP_ID: "app1",
-        LABEL_ROLE_NAME: "main",
-        LABEL_REPLICA_ID: "0",
-        LABEL_ATTEMPT: "0",
-        LABEL_KIND: KIND_REPLICA,
-    }
-    container = ContainerInfo("c1", "app1-main-0", "img", labels, "exited", 0, 0)
-
-    async def list_app(app_id: str) -> list[ContainerInfo]:
-        return [container]
-
-    async def wait_app(app_id: str, timeout: float) -> None:
-        raise AssertionError("a finished app is not waited for")
-
-    return DockerLogSource(engine, list_app, wait_app, lambda a: a)
-
-
-async def _docker_read(
-    source: DockerLogSource, cursor: str | None = None, stream: Stream = Stream.COMBINED
-) -> list[tuple[str, str]]:
-    """``(cursor, line)`` of a non-follow read of ``source`` (after ``cursor``)."""
-    query = LogQuery.build(
-        "local_docker",
-        ALL_STREAMS,
-        "app1",
-        "main",
-        0,
-        None,
-        None,
-        None,
-        False,
-        stream,
-        cursor,
-        "docker",
-    )
-    with anyio.fail_after(30):
-        return [
-            (LogCursor("app1", "main", 0, stream.value, "docker", p).encode(), line)
-            async for p, line in source.entries(query)
-        ]
 
 
 BASE_NS = 1_700_000_000_000_000_000
