@@ -23,12 +23,15 @@ from typing import Any
 
 import anyio
 import pytest
-from k8s_fake import FakeKubeApiServer, PodContext, PodScript
+from k8s_fake import ApiError, FakeKubeApiServer, PodContext, PodScript
+from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
 
 from asynctorchx import AsyncRunner
+from asynctorchx.logs._cursor import LogCursor
 from asynctorchx.runner.hub import PollSettings
 from asynctorchx.schedulers._k8s.client import KubeApiError
+from asynctorchx.schedulers._k8s.status import parse_time_ns
 from asynctorchx.schedulers.api import Stream, UnknownRoleException
 from asynctorchx.schedulers.kubernetes import KubernetesScheduler
 from asynctorchx.specs import (
@@ -467,6 +470,73 @@ async def test_a_cursor_of_a_replaced_pod_resumes_its_rest_then_the_new_pod(
                 async for ln in runner.log_lines(handle, "worker", should_tail=tail, cursor=cursor)
             ]
             assert rest == ["first 1\n", "second 0\n", "second 1\n"], tail
+
+
+async def _replace_first_pod_after_a_cursor(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> tuple[str, str, dict[str, Any]]:
+    """The handle of a finished ``run_replaced_pod`` app, a cursor taken at ``first 0`` in its
+    first pod, and that (replaced) pod as stored."""
+    read_first = asyncio.Event()
+    handle = await run_replaced_pod(fake_k8s, runner, read_first)
+    async with contextlib.aclosing(runner.log_entries(handle, "worker", should_tail=True)) as it:
+        cursor, line = await anext(it)
+    assert line == "first 0\n"
+    read_first.set()
+    status = await runner.wait(handle)
+    assert status is not None and status.state == AppState.SUCCEEDED
+    uid = LogCursor.decode(cursor).position[0]
+    (pod,) = (p for p in fake_k8s.store.list("pods", NS) if p["metadata"]["uid"] == uid)
+    return handle, cursor, pod
+
+
+async def test_a_cursor_of_a_replaced_pod_still_listed_running_reads_its_rest_first(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner
+) -> None:
+    """A cursor of a replaced pod the API still lists as running (terminating: not yet terminal)
+    resumes with the rest of that pod's log, then the replacement's: the rest is not lost."""
+    with anyio.fail_after(30):
+        handle, cursor, old = await _replace_first_pod_after_a_cursor(fake_k8s, runner)
+        old["status"] = {**old["status"], "phase": "Running"}
+        # created a second before its replacement: the newest pod is told by creation time (the
+        # resource version this update bumps only breaks ties within one second)
+        born = parse_time_ns(old["metadata"]["creationTimestamp"]) or 0
+        old["metadata"] = {
+            **old["metadata"],
+            "creationTimestamp": format_ts(born - 10**9),
+            "ownerReferences": [],  # orphaned: the fake's Job controller and GC leave it listed
+        }
+        fake_k8s.store.replace("pods", old)
+        scheduler = runner._scheduler("kubernetes")
+        assert isinstance(scheduler, KubernetesScheduler)
+
+        def seen() -> bool:
+            inf = scheduler._informers.synced(NS)
+            pods = inf.app_objects(app_id_of(handle).split(":")[-1])[2] if inf else []
+            return any(p["status"].get("phase") == "Running" for p in pods)
+
+        await until(fake_k8s, seen)
+        rest = [ln async for ln in runner.log_lines(handle, "worker", cursor=cursor)]
+    assert rest == ["first 1\n", "second 0\n", "second 1\n"]
+
+
+async def test_a_cursor_of_a_replaced_pod_whose_log_is_refused_reads_the_new_pod(
+    fake_k8s: FakeKubeApiServer, runner: AsyncRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-follow read from a cursor of a replaced pod whose log the API refuses (404) goes on
+    with the replacement's log rather than returning nothing."""
+    with anyio.fail_after(30):
+        handle, cursor, old = await _replace_first_pod_after_a_cursor(fake_k8s, runner)
+        served = fake_k8s._log
+
+        async def refuse_old(request: Any, ns: str, name: str, query: dict[str, str]) -> Any:
+            if name == old["metadata"]["name"]:
+                raise ApiError(404, "NotFound", f'pods "{name}" not found')
+            return await served(request, ns, name, query)
+
+        monkeypatch.setattr(fake_k8s, "_log", refuse_old)
+        rest = [ln async for ln in runner.log_lines(handle, "worker", cursor=cursor)]
+    assert rest == ["second 0\n", "second 1\n"]
 
 
 async def test_follow_across_an_application_restart(

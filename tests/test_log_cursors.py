@@ -15,6 +15,7 @@ import base64
 import contextlib
 import dataclasses
 import json
+import pathlib
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -37,8 +38,9 @@ from test_backend_contract import (  # noqa: F401
     slurm_backend,
 )
 
-from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream
+from asynctorchx.logs import ALL_STREAMS, LogEntry, LogQuery, Stream, iter_log_entries
 from asynctorchx.logs._cursor import LogCursor, Position
+from asynctorchx.logs._files import LOG_FILES
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers._docker.frames import format_api_time
 from asynctorchx.schedulers._docker.logs import DockerLogSource
@@ -258,7 +260,8 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
     backend: Backend,
 ) -> None:
     """A well-formed cursor whose position cannot be of this log raises ValueError at the first
-    iteration (a file offset past the end or inside a line, an unknown Docker container); on
+    iteration (a file offset past the end, an unknown Docker container); a file offset inside a
+    line resumes at that line's start (it is how an unfinished line's cursor reads); on
     Kubernetes an unknown pod is a replaced one: the newest pod is read from its start."""
     pod = PodScript(lines=["first\n", "second\n"], line_interval=0)
     app_id = await submit_script(backend, "echo first; echo second", pod)
@@ -270,7 +273,7 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
     if real.kind == "file":
         forged = [
             ((real.position[0], 10_000), r"offset 10000 is past the end of .*combined\.log"),
-            ((real.position[0], 3), r"offset 3 is not at the end of a line of"),
+            ((real.position[0], 3), None),
             (("stderr", real.position[1]), r"^the log cursor's file 'stderr' is not"),
         ]
     elif real.kind == "docker":
@@ -287,12 +290,13 @@ async def test_a_forged_position_raises_when_read_or_resumes_at_a_known_place(
             await anext(lines)
 
 
-class _StampedEngine:
-    """A Docker engine's log endpoint over fixed ``(timestamp ns, line)`` pairs: ``since`` is
-    inclusive, as Docker's is. For the unit test below: a real engine stamps each line apart."""
+class _StreamsEngine:
+    """A Docker engine's log endpoint over fixed ``(stream id, timestamp ns, message)`` triples,
+    honouring ``stdout``/``stderr`` and an inclusive ``since``. A message without ``\\n`` is a part
+    of a line, as Docker sends a line longer than 16 KiB, or the unfinished end of the log."""
 
-    def __init__(self, lines: list[tuple[int, str]]) -> None:
-        self.lines = lines
+    def __init__(self, messages: list[tuple[int, int, str]]) -> None:
+        self.messages = messages
         self.requests: list[dict[str, Any]] = []
 
     async def container_log_frames(
@@ -301,18 +305,14 @@ class _StampedEngine:
         self.requests.append(dict(params))
         since = params.get("since")
         since_ns = None if since is None else int(since.replace(".", ""))
-        for ts, text in self.lines:
-            if since_ns is None or ts >= since_ns:
-                yield 1, f"{format_ts(ts)} {text}".encode()
+        wanted = {1: params["stdout"], 2: params["stderr"]}
+        for stream, ts, text in list(self.messages):
+            if wanted[stream] and (since_ns is None or ts >= since_ns):
+                yield stream, f"{format_ts(ts)} {text}".encode()
 
 
-async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
-    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
-    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
-    lines at it is skipped."""
-    base = 1_700_000_000_000_000_000
-    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
-    engine = _StampedEngine(stamped)
+def _docker_source(engine: Any) -> DockerLogSource:
+    """A DockerLogSource over ``engine`` for one exited container of app1/main/0."""
     labels = {
         LABEL_APP_ID: "app1",
         LABEL_ROLE_NAME: "main",
@@ -328,33 +328,47 @@ async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
     async def wait_app(app_id: str, timeout: float) -> None:
         raise AssertionError("a finished app is not waited for")
 
-    source = DockerLogSource(engine, list_app, wait_app, lambda a: a)  # type: ignore[arg-type]
+    return DockerLogSource(engine, list_app, wait_app, lambda a: a)
 
-    def query(cursor: str | None) -> LogQuery:
-        return LogQuery.build(
-            "local_docker",
-            ALL_STREAMS,
-            "app1",
-            "main",
-            0,
-            None,
-            None,
-            None,
-            False,
-            None,
-            cursor,
-            "docker",
-        )
 
-    def encode(position: Position) -> str:
-        return LogCursor("app1", "main", 0, "combined", "docker", position).encode()
-
+async def _docker_read(
+    source: DockerLogSource, cursor: str | None = None, stream: Stream = Stream.COMBINED
+) -> list[tuple[str, str]]:
+    """``(cursor, line)`` of a non-follow read of ``source`` (after ``cursor``)."""
+    query = LogQuery.build(
+        "local_docker",
+        ALL_STREAMS,
+        "app1",
+        "main",
+        0,
+        None,
+        None,
+        None,
+        False,
+        stream,
+        cursor,
+        "docker",
+    )
     with anyio.fail_after(30):
-        got = [(encode(p), line) async for p, line in source.entries(query(None))]
-        assert [line for _, line in got] == [t for _, t in stamped]
-        for i, (cursor, _) in enumerate(got):
-            rest = [line async for _, line in source.entries(query(cursor))]
-            assert rest == [t for _, t in stamped[i + 1 :]], i
+        return [
+            (LogCursor("app1", "main", 0, stream.value, "docker", p).encode(), line)
+            async for p, line in source.entries(query)
+        ]
+
+
+async def test_docker_cursors_tie_break_lines_with_equal_timestamps() -> None:
+    """Docker lines sharing a timestamp (a fake engine: the real one stamps lines apart) resume
+    exactly from any cursor: the engine is asked from that timestamp and the cursor's count of
+    lines at it is skipped."""
+    base = 1_700_000_000_000_000_000
+    stamped = [(base + (i // 4) * 1000, f"l{i}\n") for i in range(40)]
+    engine = _StreamsEngine([(1, ts, text) for ts, text in stamped])
+    source = _docker_source(engine)
+    got = await _docker_read(source, stream=Stream.STDOUT)
+    assert [line for _, line in got] == [t for _, t in stamped]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor, Stream.STDOUT)
+        assert [line for _, line in rest] == [t for _, t in stamped[i + 1 :]], i
     assert engine.requests[-1]["since"] == format_api_time(stamped[-1][0])
 
 
@@ -453,3 +467,147 @@ def test_a_cursor_with_fields_out_of_range_is_malformed(change: dict[str, Any]) 
     assert LogCursor.decode(_raw(GOOD)).position == ("combined", 7)
     with pytest.raises(ValueError, match=r"^malformed log cursor 'v1\."):
         LogCursor.decode(_raw({**GOOD, **change}))
+
+
+async def _file_entries(
+    directory: pathlib.Path, start: int = 0, **kw: Any
+) -> list[tuple[int, str]]:
+    """Every ``(offset, line)`` ``iter_log_entries`` gives of ``directory``'s stdout from ``start``."""
+    with anyio.fail_after(30):
+        return [e async for e in iter_log_entries(directory, Stream.STDOUT, start=start, **kw)]
+
+
+async def _finished() -> bool:
+    return True
+
+
+async def test_an_unfinished_line_is_given_again_whole_once_it_has_grown(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A file cursor taken at an unterminated last line (a progress bar still being written)
+    resumes with that line again, whole, once the app has finished it, then the lines after."""
+    log = tmp_path / LOG_FILES[Stream.STDOUT]
+    log.write_bytes(b"a\nepoch 1 10%")
+    got = await _file_entries(tmp_path)
+    assert [line for _, line in got] == ["a\n", "epoch 1 10%"]
+    with log.open("ab") as f:
+        f.write(b"\r 20%\nb\n")
+    for follow in (False, True):
+        rest = await _file_entries(tmp_path, got[-1][0], follow=follow, is_finished=_finished)
+        assert [line for _, line in rest] == ["epoch 1 10%\r 20%\n", "b\n"], follow
+        assert rest[-1][0] == log.stat().st_size
+
+
+async def test_an_unfinished_line_that_has_not_grown_is_not_given_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A file cursor taken at an unterminated last line that is still the file's unchanged end
+    (the app ended without a newline) resumes with nothing, read or followed; one that grew by
+    more of the same line gives it whole; an offset past the end stays a ValueError."""
+    log = tmp_path / LOG_FILES[Stream.STDOUT]
+    log.write_bytes(b"a\nno newline")
+    end = (await _file_entries(tmp_path))[-1][0]
+    assert await _file_entries(tmp_path, end) == []
+    assert await _file_entries(tmp_path, end, follow=True, is_finished=_finished) == []
+    with log.open("ab") as f:
+        f.write(b" yet")
+    assert await _file_entries(tmp_path, end) == [(end + 4, "no newline yet")]
+    with pytest.raises(ValueError, match="is past the end of"):
+        await _file_entries(tmp_path, end + 5)
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)
+async def test_a_local_cursor_taken_while_a_progress_line_is_written_resumes_it_whole(
+    backend: Backend, tmp_path: pathlib.Path
+) -> None:
+    """Local: a non-follow read of a running app that ends with a progress line (no newline yet)
+    gives a cursor that, once the replica has finished the line, resumes with it whole."""
+    local = backend
+    gate = tmp_path / "gate"
+    script = (
+        f"echo epoch1; printf 'loading 10%%'; while [ ! -e {gate} ]; do sleep 0.05; done; "
+        "echo ' 100%'; echo epoch2"
+    )
+    app_id = await submit_script(local, script, PodScript())
+    with anyio.fail_after(60):
+        while True:
+            got = await entries(local, app_id)
+            if [e.line for e in got] == ["epoch1\n", "loading 10%"]:
+                break
+            await asyncio.sleep(0.05)
+    gate.touch()
+    await local.wait_for(app_id)
+    rest = await lines_after(local, app_id, got[-1].cursor)
+    assert rest == ["loading 10% 100%\n", "epoch2\n"]
+
+
+BASE_NS = 1_700_000_000_000_000_000
+
+
+async def test_docker_a_combined_read_keeps_lines_whose_timestamps_go_back_across_streams() -> None:
+    """Docker stamps stdout and stderr apart: a combined read gives every line even when a stderr
+    line is stamped before the stdout line received ahead of it, and each line's cursor resumes
+    exactly (from the earlier stream's timestamp, each stream skipping what it gave)."""
+    messages = [
+        (1, BASE_NS + 10, "out\n"),
+        (2, BASE_NS + 5, "err\n"),
+        (1, BASE_NS + 20, "out2\n"),
+        (2, BASE_NS + 5, "err2\n"),
+        (2, BASE_NS + 30, "err3\n"),
+    ]
+    engine = _StreamsEngine(messages)
+    source = _docker_source(engine)
+    got = await _docker_read(source)
+    assert [line for _, line in got] == [text for _, _, text in messages]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor)
+        assert [line for _, line in rest] == [text for _, _, text in messages[i + 1 :]], i
+    # after "out" stderr has given nothing (read from the start); after "err", from stderr's 5
+    assert "since" not in engine.requests[1]
+    assert engine.requests[2]["since"] == format_api_time(BASE_NS + 5)
+
+
+async def test_docker_a_cursor_at_a_partial_line_resumes_with_it_whole_once_grown() -> None:
+    """Docker: a read that ends with the first 16 KiB part of a long line still being written
+    gives it, and its cursor resumes with the whole line once the rest has come (then the next
+    lines); while nothing has come, it resumes with nothing (no repeat)."""
+    engine = _StreamsEngine([(1, BASE_NS, "first\n"), (1, BASE_NS + 1000, "A" * 16384)])
+    source = _docker_source(engine)
+    got = await _docker_read(source)
+    assert [line for _, line in got] == ["first\n", "A" * 16384]
+    assert await _docker_read(source, got[-1][0]) == []
+    engine.messages += [(1, BASE_NS + 2000, "tail\n"), (1, BASE_NS + 3000, "next\n")]
+    rest = await _docker_read(source, got[-1][0])
+    assert [line for _, line in rest] == ["A" * 16384 + "tail\n", "next\n"]
+    assert [line for _, line in await _docker_read(source, got[0][0])] == [
+        "A" * 16384 + "tail\n",
+        "next\n",
+    ]
+
+
+async def test_docker_the_cursor_of_each_unfinished_last_line_counts_only_up_to_it() -> None:
+    """Docker: when a read ends with an unfinished line on both streams, the first one's cursor
+    does not count the second: resuming from it gives the second, and from the second nothing."""
+    messages = [
+        (1, BASE_NS, "out-line\n"),
+        (1, BASE_NS + 1000, "out partial"),
+        (2, BASE_NS + 2000, "err partial"),
+    ]
+    source = _docker_source(_StreamsEngine(messages))
+    got = await _docker_read(source)
+    assert [line for _, line in got] == [text for _, _, text in messages]
+    for i, (cursor, _) in enumerate(got):
+        rest = await _docker_read(source, cursor)
+        assert [line for _, line in rest] == [text for _, _, text in messages[i + 1 :]], i
+
+
+async def test_docker_older_cursors_read_on_one_stream_and_are_refused_combined() -> None:
+    """A Docker cursor of the older form (one timestamp and count) still resumes a one-stream
+    read; an older combined one, which cannot be placed exactly, is a ValueError saying so."""
+    messages = [(1, BASE_NS, "a\n"), (1, BASE_NS, "b\n"), (1, BASE_NS + 1, "c\n")]
+    source = _docker_source(_StreamsEngine(messages))
+    old = LogCursor("app1", "main", 0, "stdout", "docker", (0, "c1", BASE_NS, 1)).encode()
+    assert [line for _, line in await _docker_read(source, old, Stream.STDOUT)] == ["b\n", "c\n"]
+    combined = LogCursor("app1", "main", 0, "combined", "docker", (0, "c1", BASE_NS, 1)).encode()
+    with pytest.raises(ValueError, match="older combined Docker cursor"):
+        await _docker_read(source, combined)

@@ -6,7 +6,13 @@ position itself. The position depends on the backend:
 
 - ``file`` (local, Slurm): ``[file, offset]``, the stream whose file was read and the byte offset
   just past the line in it;
-- ``docker``: ``[attempt, container id, timestamp ns, count]``;
+- ``docker``: ``[attempt, container id]`` then, for each stream read (stdout, then stderr),
+  ``timestamp ns, count, partial``: each stream has its own cursor, because the engine stamps the
+  two streams apart and a combined read interleaves their timestamps out of order. ``partial`` is
+  the size of an unterminated line given out after the counted ones (0: none), see
+  ``ResumeCursor``. An older single-stream cursor ``[attempt, container id, timestamp ns, count]``
+  still reads (``partial`` 0); an older combined one (one count for both streams) cannot be placed
+  exactly, and is rejected;
 - ``kubernetes``: ``[pod uid, timestamp ns, count]``;
 - ``index`` (the testing scheduler): ``[number of lines of the selection read]``.
 
@@ -14,8 +20,9 @@ The engine backends' ``count`` is the tie-breaker of ``ResumeCursor``: how many 
 exactly that timestamp were read, so lines written in one burst with equal timestamps are neither
 repeated nor skipped. Decoding checks the cursor's shape and what it is bound to, so that a damaged
 or foreign cursor is a one-line ValueError at the call rather than a wrong read; a forged position
-of the right shape is caught by the reader (a file offset that does not end a line, a container
-that is not the replica's), as a ValueError when read.
+of the right shape is caught by the reader (a file offset past the file's end, a container that
+is not the replica's), as a ValueError when read. A file offset inside a line is how the cursor of
+an unfinished last line reads (see ``iter_log_entries``): it resumes at that line's start.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ _JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 _MAX_LEN = 8192
 _SHAPES: dict[str, tuple[type, ...]] = {
     "file": (str, int),
-    "docker": (int, str, int, int),
+    "docker": (int, str, int, int, int),
     "kubernetes": (str, int, int),
     "index": (int,),
 }
@@ -113,6 +120,13 @@ class LogCursor:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"malformed log cursor {_show(text)}: missing fields") from None
         shape = _SHAPES.get(kind) if isinstance(kind, str) else None
+        if kind == "docker" and stream in _STREAMS:
+            if stream == "combined" and len(position) == 4:
+                raise ValueError(
+                    f"log cursor {_show(text)} is an older combined Docker cursor (one count for "
+                    "both streams), which cannot be resumed exactly: read the log again without it"
+                )
+            shape = _docker_shape(stream, len(position))
         ok = (
             isinstance(app_id, str)
             and isinstance(role, str)
@@ -164,6 +178,13 @@ class CursorEncoder:
     def __call__(self, position: Position) -> str:
         tail = _JSON(position).encode() + b"}"
         return self._head + base64.urlsafe_b64encode(tail).rstrip(b"=").decode("ascii")
+
+
+def _docker_shape(stream: str, length: int) -> tuple[type, ...]:
+    """The shape of a Docker position taken on ``stream`` (an older single-stream one is 4 long)."""
+    if stream != "combined" and length == 4:
+        return (int, str, int, int)
+    return (int, str) + (int, int, int) * (2 if stream == "combined" else 1)
 
 
 def _is_count(v: object) -> bool:

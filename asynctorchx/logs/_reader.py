@@ -175,6 +175,9 @@ class _LogFile:
         self.mtime_ns = 0
         # a cursor's offset: where reading starts, once the file is open (checked against its size)
         self.resume_at: int | None = None
+        # a cursor's offset inside an unterminated line: that line, read again, is skipped when it
+        # still ends there unterminated (it was given out whole already)
+        self.skip_partial_at: int | None = None
         self._lock = threading.Lock()
         self._busy = 0
         self._closing = False
@@ -247,30 +250,39 @@ class _LogFile:
             self.index.read_blocking(self.index_fd)
         st = os.fstat(self.fd)
         if self.resume_at is not None:
-            self._check_resume_blocking(self.resume_at, st.st_size)
-            self.pos, self.resume_at = self.resume_at, None
+            self.pos = self._resume_blocking(self.resume_at, st.st_size)
+            self.resume_at = None
         if st.st_size < self.pos:
             logger.warning(
                 "%s shrank to %d bytes; reading it from the start", self.path, st.st_size
             )
             self.pos = 0
+            self.skip_partial_at = None
             self._forget_pending()
         self.size = st.st_size
         self.mtime_ns = st.st_mtime_ns
         return True
 
-    def _check_resume_blocking(self, offset: int, size: int) -> None:
-        """Raises ValueError unless ``offset`` ends a line of the file (or is its end)."""
+    def _resume_blocking(self, offset: int, size: int) -> int:
+        """Where a read resuming after a cursor's ``offset`` starts.
+
+        An offset that ends a line is where the next line starts. One that does not was given out
+        with an unterminated last line (read while the app was still writing it): reading starts
+        at that line's start, so the line is given again whole once it has grown, and is skipped
+        (``skip_partial_at``) if it still ends at ``offset`` unterminated.
+
+        Raises:
+            ValueError: ``offset`` is past the end of the file.
+        """
         if size < offset:
             raise ValueError(
                 f"log cursor offset {offset} is past the end of {self.path} ({size} bytes): "
                 "the cursor was not taken on this log"
             )
-        if 0 < offset < size and os.pread(self.fd, 1, offset - 1) != b"\n":
-            raise ValueError(
-                f"log cursor offset {offset} is not at the end of a line of {self.path}: "
-                "the cursor was not taken on this log"
-            )
+        if offset == 0 or os.pread(self.fd, 1, offset - 1) == b"\n":
+            return offset
+        self.skip_partial_at = offset
+        return self.line_start_blocking(offset)
 
     def line_start_blocking(self, offset: int) -> int:
         """The offset where the line holding byte ``offset`` starts."""
@@ -355,17 +367,21 @@ class _LogFile:
         self.pending_len = 0
         self.spilled = False
 
-    def flush(self) -> Segment | _LongLine:
-        """The buffered unterminated last line (then forgets it)."""
+    def flush(self) -> list[Segment | _LongLine]:
+        """The buffered unterminated last line (then forgets it): none when it is the line a
+        cursor was taken at and it has not grown since (``skip_partial_at``)."""
         base = self.pending_start
         item: Segment | _LongLine
+        if self.pos == self.skip_partial_at:
+            self._forget_pending()
+            return []
         if self.spilled:
             item = _LongLine(base, self.pos)
         else:
             line = b"".join(self.pending)
             item = (line, 0, len(line), base)
         self._forget_pending()
-        return item
+        return [item]
 
 
 def _to_ns(value: float | None, name: str) -> int | None:
@@ -456,6 +472,11 @@ def iter_log_entries(
     Passing a line's offset back as ``start`` resumes exactly after that line (lines the regex or
     the window drop still advance the offset: it is a position in the file). ``start`` must be an
     offset this reader gave out for the same file.
+
+    A read that is not following gives out an unterminated last line too (the writer may still be
+    writing it); its offset is then inside that line. Resuming from such an offset gives that line
+    again, whole, once it has grown (the one repeat: of a line that was unfinished when read), and
+    skips it while it still ends at that offset unterminated (nothing is repeated).
 
     Raises:
         ValueError: as ``iter_log_lines``, or ``start`` is negative; (when iterated) ``start`` is
@@ -612,7 +633,7 @@ async def _read_now(
             if data and log.pos < size and log.pending_start < hi:
                 future = log.run(log.pread_blocking, min(_READ_BLOCK, size - log.pos), log.pos)
             elif log.pending_len:
-                segments.append(log.flush())  # the unterminated last line
+                segments += log.flush()  # the unterminated last line
             for segment in segments:
                 if isinstance(segment, _LongLine):
                     long_lines = await _read_long(log, segment, lo, hi, search)
@@ -775,7 +796,7 @@ async def _follow(
             segments = log.take(data)
             more = log.pos < log.size
             if finishing and not more and log.pending_len:
-                segments.append(log.flush())
+                segments += log.flush()
             lo, hi = 0, log.size
             if windowed:
                 lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)

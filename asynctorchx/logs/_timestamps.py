@@ -87,13 +87,19 @@ def format_rfc3339_seconds(ns: int) -> str:
 class ResumeCursor:
     """How far a log has been read: the last timestamp returned, and how many lines carried it.
 
+    A line still being written when a read ended (given out unterminated) is not counted: it is
+    the next line after the cursor, given again whole once it has grown; ``partial`` is its size,
+    so that it is not given again while it has not.
+
     Args:
         last_ns: the timestamp of the last line returned (None: nothing returned yet).
         at_last: how many of the lines returned carry exactly ``last_ns``.
+        partial: the size in bytes of the unterminated line returned after those (0: none).
     """
 
     last_ns: int | None = None
     at_last: int = 0
+    partial: int = 0
 
     def begin_pass(self) -> CursorPass:
         """Starts reading a stream (re)opened at ``last_ns`` or before."""
@@ -128,5 +134,22 @@ class CursorPass:
             c.at_last += 1
         else:
             c.last_ns, c.at_last = ts, 1
+        c.partial = 0
         self._skip = 0
+        return True
+
+    def admit_partial(self, ts: int | None, size: int) -> bool:
+        """True when an unterminated last line of ``size`` bytes is new: it is not counted (it is
+        the next line after the cursor), only its size is kept; the same unterminated line read
+        again (same size) is not new. A line older than the cursor never is."""
+        c = self._cursor
+        if (
+            ts is not None
+            and c.last_ns is not None
+            and (ts < c.last_ns or (ts == c.last_ns and self._skip > 0))
+        ):
+            return False
+        if size == c.partial:
+            return False
+        c.partial = size
         return True

@@ -29,11 +29,13 @@ class LogLine:
             for a message without a timestamp.
         stream: ``STDOUT`` or ``STDERR``.
         text: the line, ending with ``\\n`` unless it is an unterminated last line.
+        size: the line's size in bytes, as the engine sent it.
     """
 
     ts_ns: int | None
     stream: int
     text: str
+    size: int = 0
 
 
 class FrameDecoder:
@@ -91,12 +93,13 @@ class LineAssembler:
         if not body.endswith(b"\n"):
             return None
         del self._parts[stream]
-        return LogLine(pending[0], stream, pending[1].decode("utf-8", errors="replace"))
+        data = pending[1]
+        return LogLine(pending[0], stream, data.decode("utf-8", errors="replace"), len(data))
 
     def flush(self) -> list[LogLine]:
         """The unterminated lines still buffered (end of the log), oldest first; clears them."""
         lines = [
-            LogLine(ts, stream, data.decode("utf-8", errors="replace"))
+            LogLine(ts, stream, data.decode("utf-8", errors="replace"), len(data))
             for stream, (ts, data) in self._parts.items()
             if data
         ]

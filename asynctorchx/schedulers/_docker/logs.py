@@ -4,8 +4,11 @@ A replica's log is the logs of its containers, one per attempt (a ROLE/APPLICATI
 container; a REPLICA retry restarts the same one), read oldest first. Lines are read with
 ``timestamps=1`` and stdout/stderr as the query asks (both: in the order Docker received them);
 ``since``/``until`` go to the engine and are checked again on each line's time; a followed stream
-that drops is resumed from its ``ResumeCursor`` (the shared one of ``asynctorchx.logs``), so no line
-is lost or repeated. Following ends once the app is terminal and every container has been drained.
+that drops is resumed from its ``ResumeCursor``s (the shared one of ``asynctorchx.logs``), so no
+line is lost or repeated. Each stream read has its own cursor: the engine stamps stdout and stderr
+apart, so the lines of a combined read are in the order Docker received them but their timestamps
+can go back and forth between the streams. Following ends once the app is terminal and every
+container has been drained.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,13 @@ from asynctorchx.schedulers._docker.engine import (
     DockerEngineUnavailableError,
     DockerNotFoundError,
 )
-from asynctorchx.schedulers._docker.frames import LineAssembler, LogLine, format_api_time
+from asynctorchx.schedulers._docker.frames import (
+    STDERR,
+    STDOUT,
+    LineAssembler,
+    LogLine,
+    format_api_time,
+)
 from asynctorchx.schedulers._docker.state import ContainerInfo, assess
 from asynctorchx.schedulers.api import check_replica, role_replica_counts
 from asynctorchx.specs.api import UnknownAppException, is_terminal
@@ -35,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 #: engine failures in a row (a dropped stream, an unreachable engine) before a read gives up
 _ENGINE_RETRIES = 5
+
+
+#: a container's cursors, one per stream read (STDOUT, STDERR)
+_Cursors = dict[int, ResumeCursor]
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,11 @@ class _Window:
             (self.since_ns is None or ts >= self.since_ns)
             and (self.until_ns is None or ts <= self.until_ns)
         )
+
+    @property
+    def streams(self) -> tuple[int, ...]:
+        """The ids of the streams read, in the order of a cursor's position."""
+        return (STDOUT,) * self.stdout + (STDERR,) * self.stderr
 
     def past(self) -> bool:
         """True once ``until`` has gone by (nothing more can be written within the window)."""
@@ -82,9 +100,10 @@ class DockerLogSource:
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
 
-        A position is ``(attempt, container id, timestamp, count)``: the container's cursor
-        (``ResumeCursor``) once the line was returned. Resuming skips the attempts before the
-        cursor's, and starts the cursor's container after its ``count`` lines of ``timestamp``.
+        A position is ``(attempt, container id)`` then ``(timestamp, count, partial)`` of each
+        stream read: the container's cursors (``ResumeCursor``) once the line was returned.
+        Resuming skips the attempts before the cursor's, and starts the cursor's container, for
+        each stream, after its ``count`` lines of ``timestamp``.
 
         Raises:
             UnknownAppException: Docker has no container of the app.
@@ -101,10 +120,10 @@ class DockerLogSource:
             since_ns=None if query.since is None else seconds_to_ns(query.since),
             until_ns=None if query.until is None else seconds_to_ns(query.until),
         )
-        cursors: dict[str, ResumeCursor] = {}
+        cursors: dict[str, _Cursors] = {}
         first_attempt = 0
         if query.after is not None:
-            attempt, cid, ts, at_ts = query.after.position
+            attempt, cid, *counts = query.after.position
             key = (query.role, query.k, attempt)
             if not any(
                 c.id == cid and (c.role, c.replica_id, c.attempt) == key for c in containers
@@ -114,7 +133,12 @@ class DockerLogSource:
                     f"container of {query.app_id}/{query.role}/{query.k} (removed, or another log)"
                 )
             first_attempt = int(attempt)
-            cursors[str(cid)] = ResumeCursor(int(ts) or None, int(at_ts))
+            if len(counts) == 2:  # an older single-stream cursor
+                counts.append(0)
+            cursors[str(cid)] = {
+                s: ResumeCursor(int(counts[i]) or None, int(counts[i + 1]), int(counts[i + 2]))
+                for s, i in zip(window.streams, range(0, len(counts), 3), strict=True)
+            }
         finished: set[str] = set()  # containers read to the end that will not write again
         while True:
             final = not query.follow or a is None or is_terminal(a.response.state) or window.past()
@@ -132,14 +156,12 @@ class DockerLogSource:
                 if c.id in finished:
                     continue
                 latest = c is attempts[-1]
-                cursor = cursors.setdefault(c.id, ResumeCursor())
-                read = self._container_lines(
-                    query.app_id, c.id, window, cursor, latest and not final
-                )
+                mine = cursors.setdefault(c.id, {s: ResumeCursor() for s in window.streams})
+                read = self._container_lines(query.app_id, c.id, window, mine, latest and not final)
                 async with contextlib.aclosing(read):
                     async for line in read:
                         if query.matches(line.text):
-                            yield (c.attempt, c.id, cursor.last_ns or 0, cursor.at_last), line.text
+                            yield _position(c.attempt, c.id, mine), line.text
                 if final or not latest:
                     finished.add(c.id)
             if final:
@@ -151,16 +173,16 @@ class DockerLogSource:
             a = assess(query.app_id, containers)
 
     async def _container_lines(
-        self, app_id: str, cid: str, window: _Window, cursor: ResumeCursor, follow: bool
+        self, app_id: str, cid: str, window: _Window, cursors: _Cursors, follow: bool
     ) -> AsyncGenerator[LogLine, None]:
-        """One container's lines after ``cursor``; with ``follow``, until the container stops.
+        """One container's lines after ``cursors``; with ``follow``, until the container stops.
 
-        A stream that drops is resumed from the cursor, so no line is lost or repeated.
+        A stream that drops is resumed from the cursors, so no line is lost or repeated.
         """
         failures = 0
         while True:
-            read = _Read(cursor.begin_pass(), window)
-            frames = self._engine.container_log_frames(cid, _params(window, cursor, follow))
+            read = _Read({s: c.begin_pass() for s, c in cursors.items()}, window)
+            frames = self._engine.container_log_frames(cid, _params(window, cursors, follow))
             try:
                 async with contextlib.aclosing(frames):
                     async for frame in frames:
@@ -207,8 +229,8 @@ class _Read:
 
     END = LogLine(None, 0, "")
 
-    def __init__(self, cursor: CursorPass, window: _Window) -> None:
-        self._cursor = cursor
+    def __init__(self, cursors: dict[int, CursorPass], window: _Window) -> None:
+        self._cursors = cursors
         self._window = window
         self._assembler = LineAssembler()
 
@@ -220,26 +242,42 @@ class _Read:
         until = self._window.until_ns
         if until is not None and line.ts_ns is not None and line.ts_ns > until:
             return self.END
-        return line if self._window.admits(line.ts_ns) and self._cursor.admit(line.ts_ns) else None
+        if not self._window.admits(line.ts_ns):
+            return None
+        cursor = self._cursors.get(line.stream)
+        return line if cursor is None or cursor.admit(line.ts_ns) else None
 
-    def flush(self) -> list[LogLine]:
-        """The unterminated last lines, once the stream has ended."""
-        return [
-            line
-            for line in self._assembler.flush()
-            if self._window.admits(line.ts_ns) and self._cursor.admit(line.ts_ns)
-        ]
+    def flush(self) -> Iterator[LogLine]:
+        """The unterminated last lines, once the stream has ended: each is admitted to its
+        stream's cursor as it is given (so the first one's position does not count the next),
+        and as partial (given again whole once it has grown: see ``ResumeCursor``)."""
+        for line in self._assembler.flush():
+            if not self._window.admits(line.ts_ns):
+                continue
+            cursor = self._cursors.get(line.stream)
+            if cursor is None or cursor.admit_partial(line.ts_ns, line.size):
+                yield line
 
 
-def _params(window: _Window, cursor: ResumeCursor, follow: bool) -> dict[str, Any]:
-    """The query of ``GET /containers/{id}/logs``: resume from the cursor (else ``since``)."""
+def _position(attempt: int, cid: str, cursors: _Cursors) -> Position:
+    """A line's position: the container and each stream's cursor (see ``entries``)."""
+    out: list[int | str] = [attempt, cid]
+    for c in cursors.values():
+        out += (c.last_ns or 0, c.at_last, c.partial)
+    return tuple(out)
+
+
+def _params(window: _Window, cursors: _Cursors, follow: bool) -> dict[str, Any]:
+    """The query of ``GET /containers/{id}/logs``: resume from the cursors (from the earliest
+    stream's: each skips what it returned; else from ``since``)."""
     params: dict[str, Any] = {
         "stdout": window.stdout,
         "stderr": window.stderr,
         "timestamps": True,
         "follow": follow,
     }
-    start = cursor.last_ns if cursor.last_ns is not None else window.since_ns
+    last = [c.last_ns for c in cursors.values() if c.last_ns is not None]
+    start = min(last) if len(last) == len(cursors) else window.since_ns
     if start is not None:
         params["since"] = format_api_time(start)
     if window.until_ns is not None:

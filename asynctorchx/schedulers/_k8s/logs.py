@@ -97,8 +97,10 @@ class KubeLogSource:
         A position is ``(pod uid, timestamp, count)``: that pod's ``ResumeCursor`` once the line
         was returned. Resuming starts that pod's log after its ``count`` lines of ``timestamp``
         (the API's ``sinceTime`` is rounded down to the second; the cursor skips the rest); when
-        that pod has been replaced since (and is still listed), the rest of its log comes first,
-        then the newest pod's from its start.
+        that pod has been replaced since (and is still listed, terminated or still terminating),
+        the rest of its log comes first (followed to its end when following), then the newest
+        pod's from its start. A replaced pod whose log the API refuses (400, 404) is skipped with
+        a warning: its lines cannot be read any more.
 
         Raises:
             UnknownAppException: no such app.
@@ -120,7 +122,7 @@ class KubeLogSource:
             older = False
             if catch_up is not None:
                 old = next((p for p in pods if meta(p).get("uid") == catch_up), None)
-                if old is not None and old is not pod and is_terminal(pod_state(old)):
+                if old is not None and old is not pod:  # replaced, maybe still terminating
                     pod, older = old, True
                 else:
                     catch_up = None
@@ -135,9 +137,27 @@ class KubeLogSource:
                         yield (uid, cursor.last_ns or 0, cursor.at_last), line
                 if read.past_until:
                     return
-                if older and read.clean:
-                    state.finished.add(uid)
-                    catch_up = None
+                if older:
+                    if read.error is not None and read.error.status == 0 and not query.follow:
+                        state.drops += 1
+                        if state.drops > _MAX_LOG_RESUMES:
+                            raise read.error
+                        continue
+                    if (read.clean and (was_terminal or not query.follow)) or (
+                        read.error is not None and read.error.status != 0
+                    ):
+                        if read.error is not None:
+                            logger.warning(
+                                "the log of replaced pod %s cannot be read (%s); reading its "
+                                "replacement",
+                                meta(pod).get("name"),
+                                read.error,
+                            )
+                        state.finished.add(uid)
+                        catch_up = None
+                        continue
+                    # followed while terminating: read it again (to its end) once it has ended
+                    await self._wait(ns, app, state.pause)
                     continue
                 if not query.follow:
                     if read.error is not None and read.error.status == 0:
