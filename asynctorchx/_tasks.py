@@ -92,6 +92,16 @@ async def await_shielded(task: asyncio.Future[T]) -> T:
     raised once the task has finished; otherwise the task's result is returned or its exception
     raised.
     """
+    cancelled = await wait_held(task)
+    if cancelled is not None:
+        raise cancelled
+    return task.result()
+
+
+async def wait_held(task: asyncio.Future[Any]) -> BaseException | None:
+    """Waits until ``task`` has finished with both kinds of cancellation held off (see
+    ``await_shielded``); returns the cancellation that arrived meanwhile, if any, for the caller
+    to raise once it has dealt with the task's outcome."""
     cancelled: BaseException | None = None
     with anyio.CancelScope(shield=True):
         while not task.done():
@@ -99,6 +109,4 @@ async def await_shielded(task: asyncio.Future[T]) -> T:
                 await asyncio.wait({task})
             except asyncio.CancelledError as e:
                 cancelled = e
-    if cancelled is not None:
-        raise cancelled
-    return task.result()
+    return cancelled

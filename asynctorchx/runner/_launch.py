@@ -14,7 +14,6 @@ instead of abandoning a job nobody knows the id of. A launch still waiting for a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import logging
@@ -25,7 +24,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, wait_held
 from asynctorchx.specs.api import AppDef, AppHandle, AppState, AppStatus, CfgVal
 
 logger = logging.getLogger(__name__)
@@ -121,13 +120,7 @@ async def shielded(
         wrapped.close()  # never started: no "coroutine was never awaited" warning
         coro.close()
         raise RuntimeError("the runner is closed") from None
-    cancelled: BaseException | None = None
-    with anyio.CancelScope(shield=True):
-        while not task.done():
-            try:
-                await asyncio.wait({task})
-            except asyncio.CancelledError as e:
-                cancelled = e
+    cancelled = await wait_held(task)
     if task.cancelled():
         raise RuntimeError(f"the runner was closed during {name}")
     result, error = task.result()
