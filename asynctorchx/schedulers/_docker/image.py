@@ -27,6 +27,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 
+from asynctorchx._tasks import await_shielded
 from asynctorchx.schedulers._docker.engine import DockerEngine, registry_auth, registry_of
 from asynctorchx.schedulers.workspace import (
     DEFAULT_DOCKERFILE,
@@ -299,8 +300,9 @@ async def _push(
             on_progress=lambda line: rep(WorkspaceEvent("push", target, line)),
         )
     except BaseException:
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await engine.remove_image(target)
+        # awaited here whatever cancellation comes (anyio's shield alone lets Task.cancel() in)
+        with contextlib.suppress(Exception):
+            await await_shielded(asyncio.ensure_future(engine.remove_image(target)))
         raise
     rep(
         WorkspaceEvent(
