@@ -210,14 +210,16 @@ def adopt(cgroup: str, pid: int, born_in: str | None = None, marker: bytes = b""
     machine) is nobody's child any more: when ``born_in`` (the cgroup ``pid`` was born in) and
     ``marker`` (``NAME=value``, the marker in ``pid``'s environment) are given, the processes still
     in ``born_in`` that are newer than ``pid`` and carry the marker are moved too, until a pass finds
-    none. Raises OSError when ``pid`` itself cannot be moved (a descendant that exits meanwhile is
+    none. That sweep is skipped when no process at all was created on the machine since ``pid``
+    (the kernel's last pid is still ``pid`` once it is inside): nothing can have escaped then.
+    Raises OSError when ``pid`` itself cannot be moved (a descendant that exits meanwhile is
     skipped).
     """
     move(cgroup, pid)
     seen = {pid}
     # a process that has just exec'd has one thread (its task id is its pid)
     _move_tree(cgroup, _children_of_task(pid, pid), seen)
-    if born_in is not None and marker:
+    if born_in is not None and marker and last_pid() != pid:
         _move_strays(cgroup, born_in, pid, marker, seen)
 
 
@@ -337,10 +339,10 @@ def marker_of(pid: int | str, name: bytes) -> str | None:
 
 def last_pid() -> int | None:
     """The last pid the kernel handed out in this pid namespace (None if unknown)."""
+    data = read_file("/proc/sys/kernel/ns_last_pid", 32)
     try:
-        with open("/proc/sys/kernel/ns_last_pid", "rb") as f:
-            return int(f.read())
-    except (OSError, ValueError):
+        return int(data) if data else None
+    except ValueError:
         return None
 
 

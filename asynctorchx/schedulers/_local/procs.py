@@ -198,7 +198,7 @@ def resolve_executable(entrypoint: str, path: str, cwd: str, role: str) -> str:
 def spawn(
     executable: str,
     argv: Sequence[str],
-    env: Mapping[str, str],
+    env: Mapping[bytes, bytes],
     cwd: str,
     stdin_fd: int,
 ) -> Spawned:

@@ -36,6 +36,20 @@ from asynctorchx.specs.api import NONE, AppState, is_terminal
 #: Replicas started between two yields to the event loop.
 START_CHUNK = 16
 
+_MARKER_KEY = os.fsencode(protocol.MARKER_ENV)
+
+
+def environ_bytes() -> dict[bytes, bytes]:
+    """A copy of this process's environment as bytes (what exec takes).
+
+    CPython keeps ``os.environ`` as bytes underneath; copying that costs a microsecond, where
+    ``dict(os.environ)`` decodes every variable (and the spawn encodes it again) for each app.
+    """
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        return dict(data)
+    return {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
+
 
 def reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None, bool]]:
     """Reaps ``(pid, pidfd, cgroup)`` each: ``(exit code or None, something was left)``.
@@ -153,7 +167,7 @@ class Spawner:
         The event loop runs between chunks of ``START_CHUNK`` spawns, and starting stops there if
         the app was cancelled meanwhile (RuntimeError if the scheduler was closed).
         """
-        base_env = dict(os.environ)
+        base_env = environ_bytes()
         for i, rep in enumerate(replicas):
             if i and i % START_CHUNK == 0:
                 await asyncio.sleep(0)
@@ -162,11 +176,13 @@ class Spawner:
                 self._check_open()
             self._start_one(app, rep, base_env)
 
-    def _start_one(self, app: LiveApp, rep: Replica, base_env: dict[str, str]) -> None:
+    def _start_one(self, app: LiveApp, rep: Replica, base_env: dict[bytes, bytes]) -> None:
         req = rep.req
-        env = {**base_env, **req.env}
-        env.setdefault("PYTHONUNBUFFERED", "x")
-        env[protocol.MARKER_ENV] = rep.marker
+        env = base_env.copy()
+        for key, value in req.env.items():
+            env[os.fsencode(key)] = os.fsencode(value)
+        env.setdefault(b"PYTHONUNBUFFERED", b"x")
+        env[_MARKER_KEY] = os.fsencode(rep.marker)
         writer = self._writer_for(app, rep)
         cgroup = self._rt.contain.replica_dir(
             app.cgroup, rep.index, rep.attempts + 1, len(app.replicas)
