@@ -206,9 +206,13 @@ class AppLauncher:
             return
         contain = self._rt.contain
         n = len(app.replicas)
-        dirs = [app.cgroup] + [
-            contain.replica_dir(app.cgroup, r.index, 1, n) or "" for r in app.replicas
-        ]
+        # a single replica's first attempt runs in the app's cgroup itself: one directory
+        dirs = list(
+            dict.fromkeys(
+                [app.cgroup]
+                + [contain.replica_dir(app.cgroup, r.index, 1, n) or "" for r in app.replicas]
+            )
+        )
         try:
             await contain.prepare(dirs)
         except OSError as e:
