@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,7 +22,7 @@ from _local_env import GATE, wait_for
 
 from asynctorchx.logs import INDEX_FILE, LOG_FILES, LogFiles, ReplicaLogWriter
 from asynctorchx.schedulers.api import Stream
-from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
 REPO = Path(__file__).resolve().parent.parent
@@ -279,3 +280,34 @@ async def test_a_quiet_writer_closes_without_making_anything(tmp_path: Path) -> 
         await writer.wait_drained()
     writer.close()
     assert asked == [] and not (tmp_path / "app").exists()
+
+
+async def test_an_unwritable_log_dir_fails_the_submit_without_an_early_directory(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """A log_dir that cannot be created fails the submit (LaunchError naming log_dir) also when
+    nothing of the app's directory is made before its first output; nothing is listed."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(LaunchError, match="log_dir") as info:
+        await sched.submit(app(role("sleep 30", tmp_path)), {"log_dir": str(blocker / "logs")})
+    assert str(blocker) in str(info.value)
+    assert await sched.list() == []
+
+
+async def test_an_app_directory_removed_while_quiet_is_made_again_on_output(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """A replica whose directory (made for its error file) was removed before it wrote gets it
+    made again on its first output, and its output is all kept."""
+    go = tmp_path / "go"
+    script = f"{GATE}; echo after"
+    quiet = Role("main", image="ignored", entrypoint="sh", args=["-c", script], env={"GO": str(go)})
+    app_id = await sched.submit(app(quiet), {})
+    app_dir = Path(sched.submit_dryrun(app(quiet), {}).request.app_dir).parent / app_id
+    assert app_dir.is_dir()
+    shutil.rmtree(app_dir)
+    go.touch()
+    assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
+    assert await read(sched, app_id) == ["after\n"]
+    assert (app_dir / "main" / "0" / "combined.log").read_text() == "after\n"
