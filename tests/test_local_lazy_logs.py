@@ -311,3 +311,37 @@ async def test_an_app_directory_removed_while_quiet_is_made_again_on_output(
     assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
     assert await read(sched, app_id) == ["after\n"]
     assert (app_dir / "main" / "0" / "combined.log").read_text() == "after\n"
+
+
+async def test_a_follower_sees_a_directory_made_just_before_it_watched_the_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower whose log directory is made between its lookup and the inotify watch of the
+    parent (so no event of the parent's comes) goes on to watch the directory itself, without
+    polling, and reads what is then written."""
+    from asynctorchx.logs import _inotify, iter_log_lines
+
+    directory = tmp_path / "app" / "main" / "0"
+    real = _inotify.watch
+    watched: list[str] = []
+
+    def watch(path: str, *args: Any, **kw: Any) -> Any:
+        if path == str(tmp_path) and not directory.exists():
+            directory.mkdir(parents=True)  # made meanwhile, its files not yet
+        w = real(path, *args, **kw)
+        watched.append(path)
+        return w
+
+    monkeypatch.setattr(_inotify, "watch", watch)
+    lines = iter_log_lines(directory, follow=True, poll_interval=3600)
+    first = asyncio.create_task(anext(lines))
+    try:
+        with anyio.fail_after(10):
+            while str(directory) not in watched:
+                await asyncio.sleep(0.01)
+            (directory / "combined.log").write_bytes(b"written later\n")
+            assert await first == "written later\n"
+    finally:
+        first.cancel()
+        await asyncio.wait([first])
+        await lines.aclose()
