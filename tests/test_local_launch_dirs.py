@@ -34,17 +34,18 @@ async def maker() -> AsyncIterator[tuple[LogDirMaker, TaskSupervisor]]:
 
 @pytest.fixture
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """Holds the worker thread inside ``LogFiles.open`` until released: (entered, release)."""
+    """Holds the worker thread inside ``LogDirMaker._make_one`` until released: (entered,
+    release)."""
     entered, release = threading.Event(), threading.Event()
-    real = LogFiles.open
+    real = LogDirMaker._make_one
 
-    def held(directory: str | os.PathLike[str]) -> LogFiles:
+    def held(self: LogDirMaker, job: object) -> None:
         entered.set()
         if not release.wait(10):
             raise TimeoutError("the test never released the worker thread")
-        return real(directory)
+        real(self, job)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(launch_module.LogFiles, "open", staticmethod(held))
+    monkeypatch.setattr(launch_module.LogDirMaker, "_make_one", held)
     yield entered, release
     release.set()
 
@@ -57,7 +58,7 @@ async def wait_thread_event(event: threading.Event) -> None:
 
 async def start_held(
     dirs: LogDirMaker, tmp_path: Path, entered: threading.Event
-) -> tuple[Path, asyncio.Task[list[LogFiles]]]:
+) -> tuple[Path, asyncio.Task[None]]:
     """Asks for one app's directories and waits until the worker thread is held inside them."""
     app_dir = tmp_path / "s" / "app"
     task = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
@@ -65,22 +66,41 @@ async def start_held(
     return app_dir, task
 
 
-async def test_a_batch_makes_every_replica_directory_and_its_log_files(
+async def test_a_batch_makes_every_app_directory_and_the_directories_asked_for(
     tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
 ) -> None:
-    """Launches asking at once get their app directories, replica directories and the four log
-    files each, opened, in the order of their replicas."""
+    """Launches asking at once get their app directories and the directories below them they
+    asked for, and no file (log files are made on a replica's first output)."""
     dirs, _ = maker
     apps = {f"app{i}": tmp_path / "session" / f"app{i}" for i in range(5)}
     replicas = {a: [str(d / "main" / "0"), str(d / "main" / "1")] for a, d in apps.items()}
-    results = await asyncio.gather(*(dirs.make(a, str(apps[a]), replicas[a]) for a in apps))
-    for app_id, files in zip(apps, results, strict=True):
-        assert [f.path for f in files] == replicas[app_id]
-        for f in files:
-            names = sorted(os.listdir(f.path))
-            assert names == sorted([*LOG_FILES.values(), INDEX_FILE])
-            assert all(os.fstat(fd).st_nlink == 1 for fd in [*f.fds.values(), f.index_fd])
-            f.close()
+    await asyncio.gather(*(dirs.make(a, str(apps[a]), replicas[a]) for a in apps))
+    for app_id in apps:
+        for d in replicas[app_id]:
+            assert os.path.isdir(d) and os.listdir(d) == []
+
+
+async def test_writers_asking_at_once_get_their_files_in_one_batch(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
+) -> None:
+    """Lazy writers asking for their files through the maker each get their directory, four log
+    files, and the output read before they existed, written in full."""
+    dirs, _ = maker
+    writers = [
+        ReplicaLogWriter(tmp_path / f"a{i}" / "r" / "0", opener=dirs.request) for i in range(4)
+    ]
+    for i, writer in enumerate(writers):
+        r, w = os.pipe()
+        writer.attach(r, Stream.STDOUT)
+        os.write(w, f"line {i}\n".encode())
+        os.close(w)
+    with anyio.fail_after(10):
+        for writer in writers:
+            await writer.wait_drained()
+    for i, writer in enumerate(writers):
+        writer.close()
+        assert sorted(os.listdir(writer.directory)) == sorted([*LOG_FILES.values(), INDEX_FILE])
+        assert (writer.directory / "stdout.log").read_bytes() == f"line {i}\n".encode()
 
 
 async def test_a_writer_over_files_made_in_a_thread_writes_like_one_that_opened_them(
@@ -151,8 +171,8 @@ async def test_a_launch_cancelled_while_its_directories_are_made_leaves_nothing(
     maker: tuple[LogDirMaker, TaskSupervisor],
     gate: tuple[threading.Event, threading.Event],
 ) -> None:
-    """Cancelling a launch while the worker thread makes its files: once the thread is done, the
-    app's directory is removed and its files closed."""
+    """Cancelling a launch while the worker thread makes its directories: once the thread is done,
+    the app's directory is removed."""
     dirs, supervisor = maker
     entered, release = gate
     before = open_fds()
@@ -173,7 +193,7 @@ async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_no
     gate: tuple[threading.Event, threading.Event],
 ) -> None:
     """Closing the scheduler's tasks while a batch is in the thread: the waiting launch gets a
-    RuntimeError once the thread is done, and its directory and files are gone."""
+    RuntimeError once the thread is done, and its directory is gone."""
     dirs, supervisor = maker
     entered, release = gate
     before = open_fds()
@@ -189,11 +209,12 @@ async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_no
     assert open_fds() <= before
 
 
-async def test_a_submit_cancelled_while_its_files_are_made_leaves_no_app(
+async def test_a_submit_cancelled_while_its_directories_are_made_leaves_no_app(
     tmp_path: Path, gate: tuple[threading.Event, threading.Event]
 ) -> None:
-    """Through the scheduler: a submit cancelled while its log files are being made leaves no
-    record, no log directory and nothing listed, and the scheduler launches the next app."""
+    """Through the scheduler: a submit cancelled while its replicas' directories (for their error
+    files) are being made leaves no record, no log directory and nothing listed, and the scheduler
+    launches the next app."""
     entered, release = gate
     root = tmp_path / "root"
     async with LocalScheduler("dirs", local_root=root) as s:

@@ -693,6 +693,12 @@ class _DirectoryWatch:
             self._unavailable = True
         self.cancel()
         self._watch = w
+        if w is not None and path != self._directory:
+            # the missing child may have been made between its lookup and the watch (a log
+            # directory made on a replica's first output): its event was then missed
+            child = os.path.relpath(self._directory, path).split(os.sep, 1)[0]
+            if os.path.lexists(os.path.join(path, child)):
+                self._waker.set(Wake.INOTIFY)
 
     def _on_event(self, name: str, mask: int) -> None:
         if name and name not in self._names:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -158,6 +159,18 @@ class ReplicaLogWriter:
     pipes are read until EOF however much arrives. A writer can be reused for a restarted replica:
     attach the new pipes, output is appended.
 
+    Lazy files (``opener`` given): nothing is created until the first chunk is read, so a replica
+    that never writes leaves no directory and no file (readers take a missing directory as no
+    output). The first chunk is kept with the time it was read, reading the pipes pauses (the pipe
+    buffers hold the output meanwhile, nothing is lost) and ``opener(writer)`` is asked to call
+    ``make_files`` (blocking: in a worker thread) and then ``files_made`` on the event loop; the
+    kept chunks are then written, timed and ordered as read, and reading resumes. ``close`` while
+    the files are being made takes them (or makes them itself, on the calling thread) so that what
+    was read is written before it returns. If the files cannot be made (a full disk, a directory
+    that cannot be written or was removed), the replica keeps running: the failure is logged once,
+    reported to ``on_loss``, and its output is read on and counted in ``lost_bytes`` (never left
+    to fill the pipe and block the replica).
+
     Readers in this process (``iter_log_lines``) are woken after every write; readers in other
     processes through inotify.
 
@@ -170,11 +183,14 @@ class ReplicaLogWriter:
         directory: the replica's log directory (created with its parents).
         on_loss: called (with the reason) the first time bytes are lost.
         files: the directory's files opened already (``LogFiles.open``, e.g. in a worker thread);
-            the writer owns them from now on. Opened here when not given.
+            the writer owns them from now on. Opened here when neither they nor ``opener`` are
+            given.
+        opener: makes the files lazily, on the first output (see above); called on the event loop,
+            it must not block.
 
     Raises:
         OSError: the directory or a file cannot be created or opened for writing.
-        ValueError: ``files`` are those of another directory.
+        ValueError: ``files`` are those of another directory, or both ``files`` and ``opener``.
     """
 
     def __init__(
@@ -183,19 +199,30 @@ class ReplicaLogWriter:
         on_loss: Callable[[str], None] | None = None,
         *,
         files: LogFiles | None = None,
+        opener: Callable[[ReplicaLogWriter], None] | None = None,
     ) -> None:
         # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
         # burst of launches creates thousands of writers
         path = self._path = os.fspath(directory)
-        if files is None:
+        if files is not None and opener is not None:
+            raise ValueError("a log writer is given its files or an opener, not both")
+        if files is None and opener is None:
             files = LogFiles.open(path)
-        elif files.path != path:
+        elif files is not None and files.path != path:
             raise ValueError(f"the log files of {files.path!r} given for {path!r}")
         self._key = _notify.directory_key(path)
-        self._files: dict[Stream, int] = files.fds
-        self._index_fd = files.index_fd
-        self._offsets = files.offsets
-        self._last_ns = files.last_ns
+        self._files: dict[Stream, int] = {}
+        self._index_fd = -1
+        self._offsets: dict[Stream, int] = {}
+        self._last_ns = 0
+        self._opener = opener
+        #: chunks read before the files exist: (time read, stream, data), in the order read
+        self._held: list[tuple[int, Stream, bytes]] = []
+        self._opening = False  # the opener was asked; reading is paused until ``files_made``
+        self._open_failed = False
+        self._open_lock = threading.Lock()
+        self._made: LogFiles | BaseException | None = None
+        self._taken = False  # what ``make_files`` made (or would make) was taken on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fds: dict[int, Stream] = {}
         self._drained: asyncio.Event | None = None
@@ -205,7 +232,117 @@ class ReplicaLogWriter:
         self._unmarked: dict[Stream, int] = {}
         self._loss_reason = ""
         _notify.add_writer(self._key, self)
-        _notify.wake_key(self._key, Wake.CREATED)
+        if files is not None:
+            self._taken = True
+            self._install(files)
+            _notify.wake_key(self._key, Wake.CREATED)
+
+    def _install(self, files: LogFiles) -> None:
+        self._files = files.fds
+        self._index_fd = files.index_fd
+        self._offsets = files.offsets
+        self._last_ns = max(self._last_ns, files.last_ns)
+
+    @property
+    def has_files(self) -> bool:
+        """True once the log files exist and are open (lazy files: after the first output)."""
+        return bool(self._files)
+
+    def make_files(self) -> None:
+        """Creates and opens the log directory and files of a lazy writer. Blocks: call it in a
+        worker thread (then ``files_made`` on the event loop). Does nothing once ``close`` took
+        over; a failure is kept for ``files_made``."""
+        with self._open_lock:
+            if self._taken or self._made is not None:
+                return
+            try:
+                self._made = LogFiles.open(self._path)
+            except Exception as e:
+                self._made = e
+
+    def files_made(self) -> None:
+        """On the event loop, after ``make_files``: writes what was read meanwhile and resumes
+        reading (or, if the files could not be made, reads on and counts the output lost)."""
+        with self._open_lock:
+            if self._taken:
+                return
+            self._taken = True
+            made, self._made = self._made, None
+        if made is None:  # ``make_files`` did not run (the opener gave up): make them here
+            made = self._open_now()
+        self._apply(made)
+        if not self._closed:
+            self._resume()
+
+    def _take_files_now(self) -> None:
+        """Makes the files on this thread (``close``), or takes what a worker thread made."""
+        with self._open_lock:
+            if self._taken:
+                return
+            self._taken = True
+            made, self._made = self._made, None
+            if made is None:
+                made = self._open_now()
+        self._apply(made)
+
+    def _open_now(self) -> LogFiles | BaseException:
+        try:
+            return LogFiles.open(self._path)
+        except Exception as e:
+            return e
+
+    def _apply(self, made: LogFiles | BaseException) -> None:
+        """Takes the made files (writing what was held) or the failure to make them."""
+        self._opening = False
+        held, self._held = self._held, []
+        if isinstance(made, LogFiles):
+            if self._closed and not held:
+                made.close()
+                return
+            self._install(made)
+            for now, stream, data in held:
+                self._append(stream, data, now)
+            _notify.wake_key(self._key, Wake.CREATED)
+            if held:
+                _notify.wake_key(self._key, Wake.DATA, held[-1][1])
+        else:
+            self._open_failed = True
+            error = made if isinstance(made, OSError) else OSError(str(made))
+            self._note_loss(error)
+            for _, stream, data in held:
+                self._discard(stream, len(data))
+        if not self._fds and self._drained is not None:
+            self._drained.set()
+
+    def _discard(self, stream: Stream, n: int) -> None:
+        self._lost[stream] = self._lost.get(stream, 0) + n
+        self._lost[Stream.COMBINED] = self._lost.get(Stream.COMBINED, 0) + n
+
+    def _hold(self, stream: Stream, data: bytes) -> None:
+        """Keeps a chunk read before the files exist; asks for them at the first one (pausing the
+        pipes until they are made)."""
+        self._held.append((time.time_ns(), stream, data))
+        if self._opening or self._closed:
+            return
+        self._opening = True
+        self._pause()
+        assert self._opener is not None
+        try:
+            self._opener(self)
+        except Exception:
+            logger.exception("asking for the log files of %s failed; made here", self._path)
+            self._take_files_now()
+            self._resume()
+
+    def _pause(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+
+    def _resume(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            for fd, stream in self._fds.items():
+                self._loop.add_reader(fd, self._on_readable, fd, stream)
 
     @property
     def directory(self) -> pathlib.Path:
@@ -266,7 +403,8 @@ class ReplicaLogWriter:
             self._drained = asyncio.Event()
         self._drained.clear()
         self._fds[fd] = stream
-        loop.add_reader(fd, self._on_readable, fd, stream)
+        if not self._opening:  # else reading resumes once the files are made
+            loop.add_reader(fd, self._on_readable, fd, stream)
 
     def _on_readable(self, fd: int, stream: Stream) -> None:
         self._pump(fd, stream, final=False)
@@ -291,7 +429,13 @@ class ReplicaLogWriter:
             chunks.append(data)
             size += len(data)
         if chunks:
-            self._append(stream, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._files:
+                self._append(stream, data)
+            elif self._open_failed:
+                self._discard(stream, len(data))
+            else:
+                self._hold(stream, data)
         if eof:
             self._detach(fd)
         if eof:
@@ -299,8 +443,8 @@ class ReplicaLogWriter:
         elif chunks:
             _notify.wake_key(self._key, Wake.DATA, stream)
 
-    def _append(self, stream: Stream, data: bytes) -> None:
-        now = time.time_ns()
+    def _append(self, stream: Stream, data: bytes, now: int = 0) -> None:
+        now = now or time.time_ns()
         if now < self._last_ns:
             now = self._last_ns
         self._last_ns = now
@@ -380,7 +524,7 @@ class ReplicaLogWriter:
             os.close(fd)
         except OSError:
             pass
-        if not self._fds and self._drained is not None:
+        if not self._fds and not self._opening and self._drained is not None:
             self._drained.set()
 
     async def wait_drained(self) -> None:
@@ -388,7 +532,7 @@ class ReplicaLogWriter:
 
         Call it after the process exited so that no output is lost.
         """
-        if self._fds and self._drained is not None:
+        if (self._fds or self._opening) and self._drained is not None:
             await self._drained.wait()
 
     def close(self) -> None:
@@ -399,6 +543,15 @@ class ReplicaLogWriter:
         for fd, stream in list(self._fds.items()):
             self._pump(fd, stream, final=True)
             self._detach(fd)
+        if self._held:  # read before the files were made: written now, even if made here
+            self._take_files_now()
+        else:  # files a worker thread is making (or made) for nothing are not left open
+            with self._open_lock:
+                self._taken = True
+                made, self._made = self._made, None
+            if isinstance(made, LogFiles):
+                made.close()
+        self._opening = False
         if self._drained is not None:
             self._drained.set()
         for target, n in list(self._unmarked.items()):

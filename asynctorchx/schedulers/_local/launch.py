@@ -2,10 +2,14 @@
 disk, or to nothing at all.
 
 The state root is prepared once; the app's programs and working directories are checked, the file
-descriptors it needs are promised (``procs.reserve_fds``), its log directory and files are made,
-and it is registered with the watchdog (with a minimal record for the watchdog to write if the
-launcher dies first) before its first replica starts. A launch that fails for any reason, a
-cancellation included, stops what it started and removes the app's directory, record and cgroups.
+descriptors it needs are promised (``procs.reserve_fds``), its log directory is checked not to
+exist (a dry run is scheduled once), and it is registered with the watchdog (with a minimal record
+for the watchdog to write if the launcher dies first) before its first replica starts. A launch
+that fails for any reason, a cancellation included, stops what it started and removes the app's
+directory, record and cgroups.
+
+Log directories and files are made lazily, on a replica's first output, in a worker thread
+(``LogDirMaker``): a replica that writes nothing costs no file-system creation at all.
 """
 
 from __future__ import annotations
@@ -17,17 +21,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
-from asynctorchx.logs import LogFiles
+from asynctorchx.logs import ReplicaLogWriter
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import workspace as local_workspace
 from asynctorchx.schedulers._local.live import LiveApp
 from asynctorchx.schedulers._local.procs import (
-    FDS_PER_REPLICA_FILES,
     LaunchError,
     check_cwd,
     launch_error,
@@ -78,6 +81,8 @@ class AppLauncher:
         self._prepare_lock = asyncio.Lock()
         self._exe_cache: dict[tuple[str, str, str], str] = {}
         self._dirs = LogDirMaker(runtime.supervisor)
+        self._session_dirs: set[str] = set()
+        spawner.log_opener = self._dirs.request
 
     async def prepare(self) -> None:
         """Makes the state root ready (once; the first launch does it)."""
@@ -98,10 +103,16 @@ class AppLauncher:
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
         try:
-            await self._make_app_dir(app)
-            opened = FDS_PER_REPLICA_FILES * len(app.replicas)  # counted as open from now on
-            release_fds(opened)
-            reserved -= opened
+            await self._check_new(app)
+            try:
+                for i, rep in enumerate(app.replicas):
+                    if i and i % (8 * START_CHUNK) == 0:
+                        await asyncio.sleep(0)
+                    rep.writer = self._spawner.new_writer(app, rep)
+            except BaseException:
+                app.close_logs()  # lazy: no file of theirs exists yet
+                await in_thread_shielded(shutil.rmtree, app.request.app_dir, True)
+                raise
             try:
                 await self._start_app(app)
             except BaseException as e:
@@ -162,27 +173,51 @@ class AppLauncher:
                 cache[key] = exe
             rep.executable = exe
 
-    async def _make_app_dir(self, app: LiveApp) -> None:
-        """Creates ``{app_dir}/{role}/{replica}/`` and each replica's log files (in a worker
-        thread, together with the other launches of the moment: ``LogDirMaker``), and gives each
-        replica its log writer.
+    async def _check_new(self, app: LiveApp) -> None:
+        """Checks that the app's log directory was not made already and can be made, and makes the
+        directories its replicas are told to write into before they start.
 
-        Raises LaunchError or ValueError (it exists already); the app's directory is then removed.
+        A replica's log directory and files are made on its first output (``LogDirMaker``), but
+        its torchelastic error file (``TORCHELASTIC_ERROR_FILE``, by default ``error.json`` in its
+        log directory) is written by the replica itself, which needs the directory to exist: the
+        directories of such error files under the app's directory are made now, in a worker
+        thread with the other launches of the moment (``LogDirMaker.make``; creating the app's
+        directory is then the check). Otherwise nothing is made per app: the session's log
+        directory is made once (so that a ``log_dir`` that cannot be written fails the first
+        launch cleanly) and the app's directory and record are looked up.
+
+        Raises:
+            LaunchSpecError, LaunchError: a directory cannot be made.
+            ValueError: the app's directory or record exists already (a dry run scheduled twice,
+                maybe by another process).
         """
         app_dir = app.request.app_dir
-        files = await self._dirs.make(app.app_id, app_dir, [r.req.log_dir for r in app.replicas])
-        i = 0
-        try:
-            for i, (rep, opened) in enumerate(zip(app.replicas, files, strict=True)):
-                if i and i % (8 * START_CHUNK) == 0:
-                    await asyncio.sleep(0)
-                rep.writer = self._spawner.new_writer(app, rep, opened)
-        except BaseException:
-            for opened in files[i:]:
-                opened.close()
-            app.close_logs()
-            await in_thread_shielded(shutil.rmtree, app_dir, True)
-            raise
+        inside = app_dir + os.sep
+        dirs = list(
+            dict.fromkeys(
+                os.path.dirname(r.req.error_file)
+                for r in app.replicas
+                if r.req.error_file.startswith(inside)
+            )
+        )
+        if dirs:
+            await self._dirs.make(app.app_id, app_dir, dirs)
+            return
+        session_dir = os.path.dirname(app_dir)
+        if session_dir not in self._session_dirs:
+            try:
+                await anyio.to_thread.run_sync(_make_session_dir, session_dir)
+            except OSError as e:
+                raise launch_error(app.app_id, e, f"the log directory {app_dir!r}", "") from None
+            self._session_dirs.add(session_dir)
+        record = self._rt.store.path(app.app_id)
+        where = _existing(app_dir, None if record is None else str(record))
+        if where is not None:
+            raise ValueError(
+                f"the {where} of app {app.app_id!r} already exists "
+                f"({app_dir if where == 'log directory' else record}); "
+                "was this dry run already scheduled?"
+            )
 
     async def _start_app(self, app: LiveApp) -> None:
         """Registers the app with the watchdog (with a minimal record to write if the launcher
@@ -268,6 +303,22 @@ class AppLauncher:
                 time.sleep(0.01)
 
 
+def _make_session_dir(session_dir: str) -> None:
+    """Makes a session's log directory; PermissionError when this user cannot write in it."""
+    os.makedirs(session_dir, exist_ok=True)
+    if not os.access(session_dir, os.W_OK | os.X_OK):
+        raise PermissionError(13, "Permission denied", session_dir)
+
+
+def _existing(app_dir: str, record: str | None) -> str | None:
+    """Which of an app's log directory and record exists already (two lookups, no creation)."""
+    if os.path.lexists(app_dir):
+        return "log directory"
+    if record is not None and os.path.lexists(record):
+        return "record"
+    return None
+
+
 def _wait_all_gone(app: LiveApp) -> None:
     """Reaps the replicas of an undone start (and, in marker mode, kills what they left)."""
     for rep in app.running():
@@ -283,13 +334,13 @@ def _wait_all_gone(app: LiveApp) -> None:
 
 @dataclass(eq=False)
 class _DirJob:
-    """One app's log directories to make, and what came of it (set by the worker thread)."""
+    """One app's directories to make before it starts, and what came of it (set by the worker
+    thread)."""
 
     app_id: str
     app_dir: str
-    replica_dirs: list[str]
-    future: asyncio.Future[list[LogFiles]]
-    files: list[LogFiles] = field(default_factory=list)
+    dirs: list[str]
+    future: asyncio.Future[None]
     error: BaseException | None = None
     #: ``app_dir`` was made by this job (so it is this job's to remove)
     created: bool = False
@@ -299,17 +350,20 @@ class _DirJob:
 
 
 class LogDirMaker:
-    """Makes apps' log directories and files in a worker thread, a batch at a time.
+    """Makes log directories and files in a worker thread, a batch at a time: the directories a
+    replica is told to write into before it starts (``make``), and a replica's log files on its
+    first output (``request``, the ``opener`` of a lazy ``ReplicaLogWriter``).
 
     Creating a file or directory costs from 20 µs to over 0.5 ms of kernel time on a local file
-    system (on ext4 without a journal, each creation skips the inodes freed in the last minutes),
-    six or seven of them per replica. In a worker thread, which holds no GIL while in the kernel,
-    they run on another core while the event loop spawns the replicas of the previous batch. All
-    launches that ask while a batch is being made form the next one, so a burst costs a few thread
-    hand-overs, not one per app.
+    system (on ext4 without a journal, each creation skips the inodes freed in the last minutes).
+    In a worker thread, which holds no GIL while in the kernel, they run on another core while the
+    event loop goes on. Everything asked while a batch is being made forms the next one, so a
+    burst costs a few thread hand-overs, not one per app or replica; each is handed over as soon
+    as it is made.
 
-    A launch cancelled while its directory is being made leaves nothing: the batch removes what it
-    made for it.
+    A launch cancelled while its directories are being made leaves nothing: the batch removes what
+    it made for it. When the scheduler closes, the writers still waiting get their files made on
+    the event loop (their ``close`` would make them anyway): no writer is left paused.
 
     Args:
         supervisor: owns the task that hands the batches to the thread.
@@ -317,30 +371,43 @@ class LogDirMaker:
 
     def __init__(self, supervisor: TaskSupervisor) -> None:
         self._supervisor = supervisor
-        self._jobs: list[_DirJob] = []
+        self._jobs: list[_DirJob | ReplicaLogWriter] = []
         self._task: asyncio.Task[None] | None = None
         self._session_dirs: set[str] = set()
 
-    async def make(self, app_id: str, app_dir: str, replica_dirs: list[str]) -> list[LogFiles]:
-        """Creates ``app_dir`` (it must not exist), the replicas' directories below it (and their
-        parents) and their log files; the files opened, in the order of ``replica_dirs``.
+    async def make(self, app_id: str, app_dir: str, dirs: list[str]) -> None:
+        """Creates ``app_dir`` (it must not exist) and ``dirs`` below it (with their parents).
 
         Raises:
             ValueError: ``app_dir`` exists already.
             LaunchError: something cannot be created (nothing of it is left).
             RuntimeError: the scheduler is closing.
         """
-        future: asyncio.Future[list[LogFiles]] = asyncio.get_running_loop().create_future()
-        job = _DirJob(app_id, app_dir, replica_dirs, future)
-        if self._task is None:
-            self._task = self._supervisor.spawn(self._run(), "log-dirs")  # RuntimeError: closed
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        job = _DirJob(app_id, app_dir, dirs, future)
+        self._ensure_task()  # RuntimeError: closed
         self._jobs.append(job)
         try:
-            return await future
+            await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self._discard_later(job)  # made, but this launch was cancelled before it resumed
             raise
+
+    def request(self, writer: ReplicaLogWriter) -> None:
+        """Has ``writer``'s files made (``make_files`` in the thread, then ``files_made`` on the
+        event loop). Does not block; on the event loop."""
+        try:
+            self._ensure_task()
+        except RuntimeError:  # closing: made here, now
+            writer.make_files()
+            writer.files_made()
+            return
+        self._jobs.append(writer)
+
+    def _ensure_task(self) -> None:
+        if self._task is None:
+            self._task = self._supervisor.spawn(self._run(), "log-dirs")
 
     def _discard_later(self, job: _DirJob) -> None:
         try:
@@ -350,26 +417,33 @@ class LogDirMaker:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        batch: list[_DirJob] = []
+        batch: list[_DirJob | ReplicaLogWriter] = []
         try:
-            await asyncio.sleep(0)  # the launches of this loop iteration join the first batch
+            await asyncio.sleep(0)  # what is asked in this loop iteration joins the first batch
             while self._jobs:
                 batch, self._jobs = self._jobs, []
                 # waited for even when cancelled (closing): what the thread makes must be known
                 await await_shielded(loop.run_in_executor(None, self._make_batch, batch, loop))
-                abandoned = [j for j in batch if j.abandoned]
+                abandoned = [j for j in batch if isinstance(j, _DirJob) and j.abandoned]
                 batch = []
                 if abandoned:
                     await anyio.to_thread.run_sync(_discard_jobs, abandoned)
         finally:
             self._task = None
-            left = [j for j in batch if j.abandoned or not j.delivered] + self._jobs
+            left = batch + self._jobs
             self._jobs = []
-            if left:  # closing (the thread has finished): nothing of these launches is left
-                _discard_jobs(left)
-                for job in left:
+            # closing (the thread has finished): nothing of these launches is left, and every
+            # waiting writer gets its files (one whose files were handed over ignores this)
+            jobs = [j for j in left if isinstance(j, _DirJob) and (j.abandoned or not j.delivered)]
+            if jobs:
+                _discard_jobs(jobs)
+                for job in jobs:
                     if not job.future.done():
                         job.future.set_exception(RuntimeError("the local scheduler is closing"))
+            for writer in left:
+                if isinstance(writer, ReplicaLogWriter):
+                    writer.make_files()
+                    writer.files_made()
 
     def _deliver(self, job: _DirJob) -> None:
         """Hands what was made to the launch (on the event loop), or marks it to be removed when
@@ -380,20 +454,25 @@ class LogDirMaker:
         elif job.error is not None:
             job.future.set_exception(job.error)
         else:
-            job.future.set_result(job.files)
+            job.future.set_result(None)
 
-    def _make_batch(self, batch: list[_DirJob], loop: asyncio.AbstractEventLoop) -> None:
-        """Makes each job's directories and hands it over at once, so the event loop starts an
-        app's replicas while the next app's files are made."""
+    def _make_batch(
+        self, batch: list[_DirJob | ReplicaLogWriter], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        """Makes each job's directories or writer's files and hands it over at once."""
         for job in batch:
+            if isinstance(job, ReplicaLogWriter):
+                job.make_files()
+                loop.call_soon_threadsafe(job.files_made)
+                continue
             if not job.future.cancelled():  # read across threads: at worst it is made, then removed
                 try:
-                    job.files = self._make_one(job)
+                    self._make_one(job)
                 except BaseException as e:
                     job.error = e
             loop.call_soon_threadsafe(self._deliver, job)
 
-    def _make_one(self, job: _DirJob) -> list[LogFiles]:
+    def _make_one(self, job: _DirJob) -> None:
         app_dir = job.app_dir
         session_dir = os.path.dirname(app_dir)
         try:
@@ -413,30 +492,21 @@ class LogDirMaker:
             ) from None
         except OSError as e:
             raise launch_error(job.app_id, e, f"the log directory {app_dir!r}", "") from None
-        files: list[LogFiles] = []
         try:
-            for role_dir in dict.fromkeys(os.path.dirname(d) for d in job.replica_dirs):
-                os.mkdir(role_dir)
-            for d in job.replica_dirs:
-                files.append(LogFiles.open(d))
+            for d in job.dirs:
+                os.makedirs(d, exist_ok=True)
         except BaseException as e:
-            for opened in files:
-                opened.close()
             shutil.rmtree(app_dir, ignore_errors=True)
             job.created = False
             if isinstance(e, OSError):
                 what = f"the log directory {app_dir!r}"
                 raise launch_error(job.app_id, e, what, "") from None
             raise
-        return files
 
 
 def _discard_jobs(jobs: list[_DirJob]) -> None:
     """Removes what was made for launches that no longer wait for it."""
     for job in jobs:
-        for opened in job.files:
-            opened.close()
-        job.files = []
         if job.created:
             shutil.rmtree(job.app_dir, ignore_errors=True)
             job.created = False

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.logs import LogFiles, ReplicaLogWriter, Stream
+from asynctorchx.logs import ReplicaLogWriter, Stream
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.live import LiveApp, Replica
 from asynctorchx.schedulers._local.procs import (
@@ -147,19 +147,19 @@ class Spawner:
         self._check_open = check_open
         self.exits = ExitReaper(runtime.supervisor, self._on_reaped)
         self.stdin_fd = -1
+        #: makes log files on a replica's first output (``LogDirMaker.request``); None: at once
+        self.log_opener: Callable[[ReplicaLogWriter], None] | None = None
 
-    def new_writer(
-        self, app: LiveApp, rep: Replica, files: LogFiles | None = None
-    ) -> ReplicaLogWriter:
-        """A log writer for ``rep``: of its ``files`` when given, else its directory and files are
-        created. Raises OSError."""
+    def new_writer(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
+        """A log writer for ``rep``: its directory and files are made on its first output (by
+        ``log_opener``), or at once when there is none. Raises OSError (only then)."""
 
         def on_loss(reason: str) -> None:
             if not app.log_loss:
                 app.log_loss = reason
                 self._rt.changed(app)
 
-        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss, files=files)
+        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss, opener=self.log_opener)
 
     async def start(self, app: LiveApp, replicas: Iterable[Replica]) -> None:
         """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.
