@@ -18,7 +18,7 @@ from asynctorchx.schedulers._local import launch as launch_module
 from asynctorchx.schedulers._local.launch import LogDirMaker
 from asynctorchx.schedulers._local.procs import LaunchError
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.specs import AppDef, AppState, Role, macros
 
 
 def open_fds() -> set[str]:
@@ -212,13 +212,16 @@ async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_no
 async def test_a_submit_cancelled_while_its_directories_are_made_leaves_no_app(
     tmp_path: Path, gate: tuple[threading.Event, threading.Event]
 ) -> None:
-    """Through the scheduler: a submit cancelled while its replicas' directories (for their error
-    files) are being made leaves no record, no log directory and nothing listed, and the scheduler
-    launches the next app."""
+    """Through the scheduler: a submit cancelled while its replicas' directories (for the error
+    files its role sets in them) are being made leaves no record, no log directory and nothing
+    listed, and the scheduler launches the next app."""
     entered, release = gate
     root = tmp_path / "root"
     async with LocalScheduler("dirs", local_root=root) as s:
-        app = AppDef("a", [Role("main", image=".", entrypoint="sleep", args=["1000"])])
+        probe = AppDef("p", [Role("main", image=".", entrypoint="true")])
+        session_dir = os.path.dirname(s.submit_dryrun(probe, {}).request.app_dir)
+        env = {"TORCHELASTIC_ERROR_FILE": f"{session_dir}/{macros.app_id}/main/0/error.json"}
+        app = AppDef("a", [Role("main", image=".", entrypoint="sleep", args=["1000"], env=env)])
         info = s.submit_dryrun(app, {})
         task = asyncio.create_task(s.schedule(info))
         await wait_thread_event(entered)

@@ -23,7 +23,7 @@ from _local_env import GATE, wait_for
 from asynctorchx.logs import INDEX_FILE, LOG_FILES, LogFiles, ReplicaLogWriter
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.specs import AppDef, AppState, Role, macros
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,18 +108,22 @@ async def test_a_quiet_app_leaves_no_directory_and_its_logs_are_empty(
     assert not (session_dir / app_id).exists()
 
 
-async def test_a_quiet_replica_with_the_default_error_file_has_no_log_file(
+async def test_a_quiet_replica_with_the_default_error_file_makes_no_directory(
     sched: LocalScheduler,
 ) -> None:
-    """With the default torchelastic error file (in its log directory) a quiet replica's
-    directory exists from its start, for that file, but no log file or index is made."""
+    """The default torchelastic error file is in the session's ``.errors`` directory, which exists
+    when the replica starts (it may write the file at any time): a quiet replica makes no
+    directory of its own, and the session's ``.errors``, if removed, is made again."""
     script = 'test -d "${TORCHELASTIC_ERROR_FILE%/*}"'
     quiet = Role("main", image="ignored", entrypoint="sh", args=["-c", script])
-    app_id = await sched.submit(app(quiet), {})
-    assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
-    app_dir = Path(sched.submit_dryrun(app(quiet), {}).request.app_dir).parent / app_id
-    assert os.listdir(app_dir / "main" / "0") == []
-    assert await read(sched, app_id) == []
+    session_dir = Path(sched.submit_dryrun(app(quiet), {}).request.app_dir).parent
+    for _ in range(2):
+        app_id = await sched.submit(app(quiet), {})
+        assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
+        assert not (session_dir / app_id).exists()
+        assert await read(sched, app_id) == []
+        assert sorted(os.listdir(session_dir)) == [".errors"]
+        os.rmdir(session_dir / ".errors")
 
 
 async def test_output_after_a_delay_is_followed_in_process_and_from_another_process(
@@ -298,14 +302,19 @@ async def test_an_unwritable_log_dir_fails_the_submit_without_an_early_directory
 async def test_an_app_directory_removed_while_quiet_is_made_again_on_output(
     sched: LocalScheduler, tmp_path: Path
 ) -> None:
-    """A replica whose directory (made for its error file) was removed before it wrote gets it
-    made again on its first output, and its output is all kept."""
+    """A replica whose directory (made before its start for the error file its role sets in it)
+    was removed before it wrote gets it made again on its first output, and its output is all
+    kept."""
     go = tmp_path / "go"
     script = f"{GATE}; echo after"
-    quiet = Role("main", image="ignored", entrypoint="sh", args=["-c", script], env={"GO": str(go)})
+    probe = Role("main", image="ignored", entrypoint="true")
+    session_dir = Path(sched.submit_dryrun(app(probe), {}).request.app_dir).parent
+    error_file = f"{session_dir}/{macros.app_id}/main/0/error.json"
+    env = {"GO": str(go), "TORCHELASTIC_ERROR_FILE": error_file}
+    quiet = Role("main", image="ignored", entrypoint="sh", args=["-c", script], env=env)
     app_id = await sched.submit(app(quiet), {})
-    app_dir = Path(sched.submit_dryrun(app(quiet), {}).request.app_dir).parent / app_id
-    assert app_dir.is_dir()
+    app_dir = session_dir / app_id
+    assert (app_dir / "main" / "0").is_dir()
     shutil.rmtree(app_dir)
     go.touch()
     assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED

@@ -234,7 +234,7 @@ async def test_env_and_macros(sched: LocalScheduler, monkeypatch: pytest.MonkeyP
         assert both == "from-role"
         assert mac == f"TORCHX_RANK0_HOST:{k}"
         assert rank0 == "localhost"
-        assert err_file.endswith(f"/{app_id}/main/{k}/error.json")
+        assert err_file.endswith(f"/.errors/{app_id}.main.{k}.error.json")
         assert job_id == f"local_cwd://test/{app_id}"
         assert pwd == img_root == os.getcwd()
         assert ids == f"{app_id}/{k}"

@@ -8,8 +8,9 @@ another process with the same state root can describe, list, read the logs of an
 to the records of apps other processes launched are pushed too (inotify on the records directory).
 
 A replica's environment is the launcher's, then the role's ``env`` (macros substituted), then
-``TORCHX_RANK0_HOST=localhost``, and unless the role sets them ``TORCHELASTIC_ERROR_FILE`` (in the
-replica's log directory; its contents become the structured error of a failed replica),
+``TORCHX_RANK0_HOST=localhost``, and unless the role sets them ``TORCHELASTIC_ERROR_FILE``
+(``{session log dir}/.errors/{app_id}.{role}.{k}.error.json``; its contents become the structured
+error of a failed replica),
 ``PET_LOG_DIR``, ``TORCHX_JOB_ID`` (the app handle) and ``PYTHONUNBUFFERED``; last comes the marker
 ``ASYNCTORCHX_REPLICA={app_id}/{role}/{k}``, which the role cannot override. ``PATH`` is the role's
 ``PATH``, then the launcher's, with the image directory last (first with ``prepend_cwd``). Linux only

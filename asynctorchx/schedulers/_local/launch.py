@@ -41,7 +41,7 @@ from asynctorchx.schedulers._local.procs import (
     resolve_executable,
 )
 from asynctorchx.schedulers._local.records import appdef_to_json
-from asynctorchx.schedulers._local.request import LocalRequest
+from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
 from asynctorchx.schedulers._local.supervise import CONTAIN_TIMEOUT, AppSupervision
@@ -178,13 +178,14 @@ class AppLauncher:
         directories its replicas are told to write into before they start.
 
         A replica's log directory and files are made on its first output (``LogDirMaker``), but
-        its torchelastic error file (``TORCHELASTIC_ERROR_FILE``, by default ``error.json`` in its
-        log directory) is written by the replica itself, which needs the directory to exist: the
-        directories of such error files under the app's directory are made now, in a worker
-        thread with the other launches of the moment (``LogDirMaker.make``; creating the app's
-        directory is then the check). Otherwise nothing is made per app: the session's log
-        directory is made once (so that a ``log_dir`` that cannot be written fails the first
-        launch cleanly) and the app's directory and record are looked up.
+        its torchelastic error file (``TORCHELASTIC_ERROR_FILE``) is written by the replica
+        itself, which needs its directory to exist. By default it is in the session's ``.errors``
+        directory (``request.errors_dir_of``), made with the session's log directory, once, and
+        again if it was removed; so nothing is made per app (the session's directory is made
+        before the first launch, so that a ``log_dir`` that cannot be written fails it cleanly) and
+        the app's directory and record are looked up. A role whose error file is set under the
+        app's directory gets that directory made now, in a worker thread with the other launches
+        of the moment (``LogDirMaker.make``; creating the app's directory is then the check).
 
         Raises:
             LaunchSpecError, LaunchError: a directory cannot be made.
@@ -204,9 +205,11 @@ class AppLauncher:
             await self._dirs.make(app.app_id, app_dir, dirs)
             return
         session_dir = os.path.dirname(app_dir)
-        if session_dir not in self._session_dirs:
+        errors_dir = errors_dir_of(app_dir)
+        # (a lookup in a directory just used is a few microseconds: done here, not in a thread)
+        if session_dir not in self._session_dirs or _missing(errors_dir):
             try:
-                await anyio.to_thread.run_sync(_make_session_dir, session_dir)
+                await anyio.to_thread.run_sync(_make_session_dir, session_dir, errors_dir)
             except OSError as e:
                 raise launch_error(app.app_id, e, f"the log directory {app_dir!r}", "") from None
             self._session_dirs.add(session_dir)
@@ -288,12 +291,23 @@ class AppLauncher:
         # nothing runs any more: the watchdog must not record it (a record would be a ghost)
         rt.watchdog.send_now(protocol.forget_line(app.app_id))
         await rt.writer.flush()  # a write in flight must not land after the removal
+        errors_dir = errors_dir_of(app.request.app_dir)  # (a role's own error file is left alone)
+        error_files = [
+            r.req.error_file
+            for r in app.replicas
+            if os.path.dirname(r.req.error_file) == errors_dir
+        ]
         await anyio.to_thread.run_sync(
-            self._remove_app_files, app.app_id, app.request.app_dir, app.cgroup
+            self._remove_app_files, app.app_id, app.request.app_dir, app.cgroup, error_files
         )
 
-    def _remove_app_files(self, app_id: str, app_dir: str, cgroup: str | None) -> None:
+    def _remove_app_files(
+        self, app_id: str, app_dir: str, cgroup: str | None, error_files: list[str]
+    ) -> None:
         shutil.rmtree(app_dir, ignore_errors=True)
+        for path in error_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         local_workspace.remove_workdir(self._rt.root, self._session, app_id)
         self._rt.store.remove(app_id)
         if cgroup is not None:
@@ -303,11 +317,18 @@ class AppLauncher:
                 time.sleep(0.01)
 
 
-def _make_session_dir(session_dir: str) -> None:
-    """Makes a session's log directory; PermissionError when this user cannot write in it."""
-    os.makedirs(session_dir, exist_ok=True)
-    if not os.access(session_dir, os.W_OK | os.X_OK):
-        raise PermissionError(13, "Permission denied", session_dir)
+def _make_session_dir(session_dir: str, errors_dir: str) -> None:
+    """Makes a session's log directory and its directory of error files; PermissionError when this
+    user cannot write in them."""
+    os.makedirs(errors_dir, exist_ok=True)
+    for path in (session_dir, errors_dir):
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied", path)
+
+
+def _missing(directory: str) -> bool:
+    """True when ``directory`` is not (any more) a directory."""
+    return not os.path.isdir(directory)
 
 
 def _existing(app_dir: str, record: str | None) -> str | None:

@@ -35,7 +35,8 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 JOB_ID_ENV = "TORCHX_JOB_ID"
 PET_LOG_DIR_ENV = "PET_LOG_DIR"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-ERROR_FILE_NAME = "error.json"
+#: The directory, in a session's log directory, of its replicas' default torchelastic error files.
+ERRORS_DIR = ".errors"
 
 DEFAULT_GRACE_PERIOD = 5.0
 #: The longest ``cancel_grace_period`` accepted (seconds): an hour is already longer than any
@@ -230,6 +231,15 @@ def cuda_slices(app: AppDef, device_count: int) -> dict[tuple[str, int], str] | 
     return slices
 
 
+def errors_dir_of(app_dir: str) -> str:
+    """Where the default torchelastic error files of an app's replicas go: ``.errors`` in its
+    session's log directory, beside the app's directory. The replica writes its error file itself,
+    so the directory must exist before it starts; one made once per session (not three per app)
+    lets a replica that writes nothing make no directory at all (its logs appear on its first
+    output)."""
+    return os.path.join(os.path.dirname(app_dir), ERRORS_DIR)
+
+
 def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_id: str) -> str:
     """The log directory of an app: ``{log_dir or log_root}/{session}/{app_id}``."""
     log_dir = cfg.get("log_dir")
@@ -261,7 +271,10 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
     sub = _substituter(values)
     env = {k: sub(v) for k, v in role.env.items()}
     rep_dir = os.path.join(ctx.app_dir, role.name, str(i))
-    error_file = env.setdefault(ERROR_FILE_ENV, os.path.join(rep_dir, ERROR_FILE_NAME))
+    default_error_file = os.path.join(
+        errors_dir_of(ctx.app_dir), f"{ctx.app_id}.{role.name}.{i}.error.json"
+    )
+    error_file = env.setdefault(ERROR_FILE_ENV, default_error_file)
     env[RANK0_HOST_ENV] = "localhost"
     env.setdefault(PET_LOG_DIR_ENV, os.path.join(ctx.app_dir, "torchelastic", role.name))
     env.setdefault(JOB_ID_ENV, ctx.handle)
