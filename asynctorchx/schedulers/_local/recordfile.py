@@ -8,10 +8,20 @@ asyncio and anyio), so that answering from one small file costs no event loop. B
 the same documents, log the same warnings and find the same apps lost.
 
 Parsed records are plain dicts of ``AppRecord``'s fields (``parse_app``), states given by name.
+
+**The file format.** A record file holds the versions of the record, one JSON document per line
+(``protocol.write_record_file`` appends each new version as a whole line, and now and then rewrites
+the file with only the latest). The record is the last complete line: one ending in ``"\\n"`` that
+is a JSON document. A last line without its ``"\\n"`` (a write caught halfway, or cut short by a
+crash or a full disk) and a complete line that is not JSON (a torn line the next writer ended) are
+skipped, and the version before them wins; blank lines are skipped. A file written before this
+format (one JSON document and no newline) is read whole. A file with no complete version (empty:
+created a moment ago and not yet written) is no record yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -77,33 +87,100 @@ def log_warning(message: str, *args: object) -> None:
     logging.getLogger(__name__).warning(message, *args)
 
 
+#: How much of the end of a record file a reader takes first (widened until it holds a document).
+TAIL = 16384
+
+
+class NoDocument(ValueError):
+    """A record file holds no complete version: its first one is being written, or its writer died
+    writing it."""
+
+
+class EmptyRecord(NoDocument):
+    """A record file is empty: created, its first version not written yet (or never)."""
+
+
+def read_document(path: str | os.PathLike[str]) -> Any:
+    """The latest JSON document of the record file ``path`` (see the module docstring), reading
+    only as much of its end as that document takes.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        NoDocument: the file holds no complete version (its first one is being written, or its
+            writer died writing it); ``EmptyRecord`` when it is empty.
+        ValueError: the file holds complete lines but none is a JSON document.
+        OSError: it cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise EmptyRecord("the record file is empty")
+        return _last_document(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _last_document(fd: int, size: int) -> Any:
+    window = min(size, TAIL)
+    corrupt = False
+    while True:
+        start = size - window
+        data = os.pread(fd, window, start)
+        end = data.rfind(b"\n")
+        while end >= 0:
+            begin = data.rfind(b"\n", 0, end) + 1
+            if begin == 0 and start > 0:
+                break  # the line may begin before the window
+            line = data[begin:end]
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    corrupt = True
+            end = begin - 1
+        else:
+            if start == 0:
+                break
+        window = min(size, window * 4)
+    if corrupt:
+        raise ValueError("no complete line of the record file is a JSON document")
+    if b"\n" not in data:
+        with contextlib.suppress(ValueError):
+            return json.loads(data)  # a file written before the format: one document, whole
+    raise NoDocument("the first version of the record is not written (yet)")
+
+
 def read_record(
     path: str | os.PathLike[str],
     parse: Callable[[Any], T],
     warn: Callable[..., None] = log_warning,
 ) -> T | None:
-    """``parse`` of the JSON document in ``path``, or None when there is none or it is unreadable.
+    """``parse`` of the latest document in the record file ``path`` (``read_document``), or None
+    when there is none, it is unreadable, or its first version is still being written.
 
-    A document ``parse`` rejects (ValueError) is read again twice, 2 ms apart: it may have been caught
-    halfway through an in-place rewrite (full disk). Unreadable and corrupt records are reported
-    with ``warn(message, *args)`` (``logging``'s arguments).
+    A file that holds no document ``parse`` accepts is read again twice, 2 ms apart: its first
+    version may be being written, or it may have been caught halfway through an in-place rewrite
+    (full disk). Unreadable and corrupt records are reported with ``warn(message, *args)``
+    (``logging``'s arguments); an empty file is not reported, and is no record (a launcher killed
+    between creating its record and writing it leaves one; its watchdog then writes the record).
     """
     for attempt in range(3):
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            return parse(read_document(path))
         except FileNotFoundError:
             return None
         except OSError as e:
             warn("cannot read app record %s: %s", path, e)
             return None
-        try:
-            return parse(json.loads(data))
+        except EmptyRecord:
+            if attempt == 2:
+                return None
         except ValueError as e:
-            if attempt < 2:
-                time.sleep(0.002)
-                continue
-            warn("ignoring corrupt app record %s: %s", path, e)
+            if attempt == 2:
+                warn("ignoring corrupt app record %s: %s", path, e)
+                return None
+        time.sleep(0.002)
     return None
 
 
