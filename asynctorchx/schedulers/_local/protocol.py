@@ -197,11 +197,11 @@ COMPACT_FACTOR = 4
 def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
     """Makes ``data`` (one JSON document, no newline in it) the record of ``app_id``. Raises OSError.
 
-    Every writer of records calls this. The first version creates the file (``O_EXCL``, mode 0600);
-    later ones are appended as one line with a single ``write()`` on an ``O_APPEND`` descriptor, so
-    a version costs no new inode. The line starts with a newline, which ends a line torn by a writer
-    that died or ran out of space (and an old single-document file) so that readers skip it
-    (``recordfile.read_document``). When the file would grow past ``COMPACT_SIZE`` (or
+    Every writer of records calls this. The first version creates the file (mode 0600); every
+    version is appended as one line with a single ``write()`` on an ``O_APPEND`` descriptor, so a
+    version after the first costs no new inode. In a file that is not empty the line starts with a
+    newline, which ends a line torn by a writer that died or ran out of space (and the document of
+    an old single-document file) so that readers skip it (``recordfile.read_document``). When the file would grow past ``COMPACT_SIZE`` (or
     ``COMPACT_FACTOR`` times ``data``), it is replaced by a file holding ``data`` alone instead.
 
     Appenders hold a shared ``flock`` on the record file and the compaction an exclusive one, so no
@@ -219,22 +219,13 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
     reopened = False
     compact = True
     while True:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         try:
-            fd = os.open(final, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            fd = os.open(final, flags if reopened else flags | os.O_CREAT, 0o600)
         except FileNotFoundError:
             if reopened:
                 return  # removed while this version was being written: the removal wins
-            try:
-                fd = os.open(
-                    final, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600
-                )
-            except FileExistsError:
-                continue
-            try:
-                _write_all(fd, line[1:])
-            finally:
-                os.close(fd)
-            return
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             st = os.fstat(fd)
@@ -248,7 +239,7 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
                 compact = False
                 continue
             try:
-                _write_all(fd, line)
+                _write_all(fd, line if st.st_size else line[1:])
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(
                     final, fd, data
