@@ -26,7 +26,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -122,33 +122,57 @@ def read_document(path: str | os.PathLike[str]) -> Any:
 
 
 def _last_document(fd: int, size: int) -> Any:
-    window = min(size, TAIL)
     corrupt = False
-    while True:
-        start = size - window
-        data = os.pread(fd, window, start)
-        end = data.rfind(b"\n")
-        while end >= 0:
-            begin = data.rfind(b"\n", 0, end) + 1
-            if begin == 0 and start > 0:
-                break  # the line may begin before the window
-            line = data[begin:end]
-            if line.strip():
-                try:
-                    return json.loads(line)
-                except ValueError:
-                    corrupt = True
-            end = begin - 1
-        else:
-            if start == 0:
-                break
-        window = min(size, window * 4)
+    lines = _LinesBackwards(fd, size)
+    for line in lines:
+        if line.strip():
+            try:
+                return json.loads(line)
+            except ValueError:
+                corrupt = True
     if corrupt:
         raise ValueError("no complete line of the record file is a JSON document")
-    if b"\n" not in data:
+    if lines.unended is not None:  # a file written before the format: one document, whole
         with contextlib.suppress(ValueError):
-            return json.loads(data)  # a file written before the format: one document, whole
+            return json.loads(lines.unended)
     raise NoDocument("the first version of the record is not written (yet)")
+
+
+class _LinesBackwards:
+    """The complete lines of a file (without their newline), last first, read from its end in
+    chunks that double in size; each line is copied once (``unended``: the whole content of a file
+    without a newline, once the lines are exhausted)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self.unended: bytes | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        fd, pos, window = self._fd, self._size, TAIL
+        pending: list[memoryview] = []  # the pieces of the line being gathered, its end first
+        ended = False  # a newline was seen: what follows the last one is no line
+        while pos > 0:
+            first = max(0, pos - window)
+            chunk = os.pread(fd, pos - first, first)
+            if len(chunk) != pos - first:
+                raise ValueError("the record file shrank while it was read")
+            pos, window = first, window * 2
+            view = memoryview(chunk)
+            hi = len(chunk)
+            while (nl := chunk.rfind(b"\n", 0, hi)) >= 0:
+                if ended:
+                    pending.append(view[nl + 1 : hi])
+                    yield b"".join(reversed(pending))
+                ended = True
+                pending = []
+                hi = nl
+            pending.append(view[:hi])
+        whole = b"".join(reversed(pending))
+        if ended:
+            yield whole
+        else:
+            self.unended = whole
 
 
 def read_record(
