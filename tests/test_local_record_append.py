@@ -5,6 +5,7 @@ watchdog), and compatible with files of the single-document layout."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _local_env import wait_for
+from _local_env import GATE, wait_for
 
 from asynctorchx.schedulers._local import guard, protocol, recordfile, watchdog
 from asynctorchx.schedulers._local.records import AppRecord, RecordStore
@@ -381,18 +382,39 @@ sys.exit(code)
 
 async def test_a_second_scheduler_and_the_cli_read_appended_records(tmp_path: Path) -> None:
     """An app's record of several appended versions is read by a second scheduler on the same
-    root (told of the change by inotify) and by the CLI's fast path (no event loop)."""
+    root, which is told of the appended versions by inotify, and by the CLI's fast path (no event
+    loop)."""
     root = tmp_path / "root"
+    go = tmp_path / "go"
     first = LocalScheduler("rec", local_root=root)
     second = LocalScheduler("rec", local_root=root)
+    told: list[str] = []
+    changed = asyncio.Event()
+
+    def on_change(app_id: str) -> None:
+        told.append(app_id)
+        changed.set()
+
+    unsubscribe = second.subscribe(on_change)
     try:
-        app = AppDef(
-            "quick", [Role("main", image=str(tmp_path), entrypoint="sh", args=["-c", "exit 0"])]
+        role = Role(
+            "main", image=str(tmp_path), entrypoint="sh", args=["-c", GATE], env={"GO": str(go)}
         )
-        app_id = await first.submit(app, {})
-        seen = await wait_for(second, app_id)
-        assert seen.state == AppState.SUCCEEDED
+        app_id = await first.submit(AppDef("gated", [role]), {})
+        running = await wait_for(second, app_id, lambda d: d.state == AppState.RUNNING)
+        assert running.state == AppState.RUNNING
+        changed.clear()
+        told.clear()
+        go.touch()
+        with anyio.fail_after(30):
+            while (
+                desc := await second.describe(app_id)
+            ) is None or desc.state != AppState.SUCCEEDED:
+                await changed.wait()  # (only a pushed change wakes this)
+                changed.clear()
+        assert app_id in told
     finally:
+        unsubscribe()
         await first.close()
         await second.close()
     path = root / ".apps" / f"{app_id}.json"
