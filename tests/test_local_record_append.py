@@ -174,6 +174,37 @@ def test_a_record_with_a_newline_is_refused(store: RecordStore) -> None:
     assert not (store.records_dir / "n-1.json").exists()
 
 
+def test_a_full_disk_rewrites_the_record_in_place_when_it_fits(
+    store: RecordStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append cut short by a full disk is replaced by the new version written over the file in
+    place (it fits in the file's blocks); one that does not fit raises ENOSPC, the old version
+    standing."""
+    import errno
+
+    records_dir = str(store.records_dir)
+    path = store.records_dir / "f-1.json"
+    protocol.write_record_file(records_dir, "f-1", _dumps(_doc("f-1", "RUNNING", msg="x" * 300)))
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        if os.fstat(fd).st_size >= 400:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, bytes(data)[:50])  # a part, then the disk is full
+
+    monkeypatch.setattr(protocol.os, "write", full)
+    protocol.write_record_file(records_dir, "f-1", _dumps(_doc("f-1", "SUCCEEDED")))
+    record = store.read("f-1")
+    assert record is not None and record.state == AppState.SUCCEEDED
+    huge = _dumps(_doc("f-1", "FAILED", msg="y" * 10000))
+    with pytest.raises(OSError) as raised:
+        protocol.write_record_file(records_dir, "f-1", huge)
+    assert raised.value.errno == errno.ENOSPC
+    record = store.read("f-1")
+    assert record is not None and record.state == AppState.SUCCEEDED
+    assert path.read_bytes().endswith(b"\n")
+
+
 # -- bounds ----------------------------------------------------------------------------------------
 
 
