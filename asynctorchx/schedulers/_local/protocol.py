@@ -201,8 +201,9 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
     version is appended as one line with a single ``write()`` on an ``O_APPEND`` descriptor, so a
     version after the first costs no new inode. In a file that is not empty the line starts with a
     newline, which ends a line torn by a writer that died or ran out of space (and the document of
-    an old single-document file) so that readers skip it (``recordfile.read_document``). When the file would grow past ``COMPACT_SIZE`` (or
-    ``COMPACT_FACTOR`` times ``data``), it is replaced by a file holding ``data`` alone instead.
+    an old single-document file) so that readers skip it (``recordfile.read_document``). When the
+    file would grow past ``COMPACT_SIZE`` (or ``COMPACT_FACTOR`` times ``data``), it is replaced by
+    a file holding ``data`` alone instead.
 
     Appenders hold a shared ``flock`` on the record file and the compaction an exclusive one, so no
     append lands in a file between the moment it is replaced and the moment its replacement is
@@ -251,8 +252,9 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
 
 
 def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:
-    """Replaces the record file by one holding ``data`` alone; False when it could not be done (the
-    caller then appends). Called holding a shared lock on the file, which this converts."""
+    """Replaces the record file by one holding ``data`` alone, holding the file's exclusive lock
+    (no append lands in the file being replaced); False when that could not be done (the caller
+    then appends)."""
     tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
