@@ -468,3 +468,48 @@ async def test_a_second_scheduler_and_the_cli_read_appended_records(tmp_path: Pa
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["state"] == "SUCCEEDED"
     assert proc.stderr.decode().splitlines()[-1] == "IMPORTED="
+
+
+def _state_of(path: Path) -> str | None:
+    try:
+        return str(recordfile.read_document(path)["state"])
+    except (FileNotFoundError, recordfile.NoDocument):  # (not written yet)
+        return None
+
+
+async def test_the_watchdog_appends_failed_after_the_launcher_is_killed(tmp_path: Path) -> None:
+    """When the launcher is SIGKILLed, its watchdog appends the FAILED version to the app's record
+    file (the same file the launcher appended to), which every reader then takes."""
+    import uuid
+
+    from test_local_reliability import kill_token_procs, launcher_argv, read_json_line, sigkill
+
+    root = tmp_path / "root"
+    token = uuid.uuid4().hex
+    spec = {"entrypoint": "sh", "args": ["-c", "sleep 600"], "n": 2, "env": {"ATX_TOKEN": token}}
+    proc = subprocess.Popen(
+        launcher_argv(root, spec),
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        info = await read_json_line(proc)
+        path = root / ".apps" / f"{info['app_id']}.json"
+        with anyio.fail_after(30):
+            while _state_of(path) != "RUNNING":
+                await asyncio.sleep(0.02)
+        inode, before = path.stat().st_ino, path.read_bytes()
+        sigkill(proc)
+        with anyio.fail_after(30):
+            while _state_of(path) == "RUNNING":
+                await asyncio.sleep(0.02)
+        after = path.read_bytes()
+        assert path.stat().st_ino == inode and after.startswith(before)
+        last = json.loads(after.rstrip(b"\n").rsplit(b"\n", 1)[-1])
+        assert last["state"] == "FAILED" and "launcher" in last["msg"]
+        assert all(r["state"] == "FAILED" for r in last["replicas"])
+    finally:
+        if proc.poll() is None:
+            sigkill(proc)
+        kill_token_procs(token)
