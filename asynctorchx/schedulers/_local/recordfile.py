@@ -140,8 +140,9 @@ def _last_document(fd: int, size: int) -> Any:
 
 class _LinesBackwards:
     """The complete lines of a file (without their newline), last first, read from its end in
-    chunks that double in size; each line is copied once (``unended``: the whole content of a file
-    without a newline, once the lines are exhausted)."""
+    chunks that double in size, the first an eighth of the file (compaction keeps a file within
+    about four versions, so the last one takes one or two reads); each line is copied once
+    (``unended``: the whole content of a file without a newline, once the lines are exhausted)."""
 
     def __init__(self, fd: int, size: int) -> None:
         self._fd = fd
@@ -149,7 +150,7 @@ class _LinesBackwards:
         self.unended: bytes | None = None
 
     def __iter__(self) -> Iterator[bytes]:
-        fd, pos, window = self._fd, self._size, TAIL
+        fd, pos, window = self._fd, self._size, max(TAIL, self._size // 8)
         pending: list[memoryview] = []  # the pieces of the line being gathered, its end first
         ended = False  # a newline was seen: what follows the last one is no line
         while pos > 0:
