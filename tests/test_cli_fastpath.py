@@ -110,7 +110,7 @@ class Apps:
         return self.handles[key].rsplit("/", 1)[1]
 
     def doc(self, key: str) -> dict[str, Any]:
-        doc: dict[str, Any] = json.loads((self.records / f"{self.app_id(key)}.json").read_text())
+        doc: dict[str, Any] = recordfile.read_document(self.records / f"{self.app_id(key)}.json")
         return doc
 
     def write(self, app_id: str, doc: dict[str, Any] | str) -> str:

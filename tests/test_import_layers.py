@@ -41,9 +41,10 @@ TOP = frozenset({"", "__main__"})
 #: Modules run by path or inside replicas: they may import the standard library and their
 #: siblings named here, nothing else.
 STDLIB_ONLY = {
-    "asynctorchx.schedulers._local.watchdog": {"contain", "protocol"},
+    "asynctorchx.schedulers._local.watchdog": {"contain", "protocol", "recordfile"},
     "asynctorchx.schedulers._local.protocol": set(),
     "asynctorchx.schedulers._local.contain": set(),
+    "asynctorchx.schedulers._local.recordfile": set(),
 }
 
 

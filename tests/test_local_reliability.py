@@ -28,6 +28,7 @@ import pytest
 from _local_env import GATE, wait_for
 from conftest import engine_missing
 
+from asynctorchx.schedulers._local import recordfile
 from asynctorchx.schedulers._local import records as records_module
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import (
@@ -92,7 +93,7 @@ def python_app(name: str, script: str, env: dict[str, str]) -> AppDef:
 
 def read_record(root: Path, app_id: str) -> dict[str, Any] | None:
     try:
-        return json.loads((root / ".apps" / f"{app_id}.json").read_text())  # type: ignore[no-any-return]
+        return recordfile.read_document(root / ".apps" / f"{app_id}.json")  # type: ignore[no-any-return]
     except (OSError, ValueError):
         return None
 
@@ -1016,7 +1017,7 @@ def test_records_finished_by_the_watchdog_are_private(tmp_path: Path) -> None:
     assert store.write_many({"w-1": doc}) == {}
     watchdog.finish_record(str(store.records_dir), "w-1", "why", only_if_owner_gone=True)
     path = store.records_dir / "w-1.json"
-    assert json.loads(path.read_text())["state"] != "RUNNING"
+    assert recordfile.read_document(path)["state"] != "RUNNING"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 

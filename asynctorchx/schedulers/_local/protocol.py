@@ -19,6 +19,9 @@ It finds the processes of an app that are in no known process group or cgroup (s
 **Process groups** are named ``PGID:START_TICKS`` (``group_spec``) in a cancel marker and on the
 escalator's command line.
 
+**Record files** (``write_record_file``) hold one JSON document per line, the last complete one
+being the record (``recordfile.py`` reads them).
+
 **Record locks.** A process other than a live launcher changes a record only under
 ``.{app_id}.lock`` (``locked_record``); whoever holds it and finds the record terminal removes the
 lock file and the ``{app_id}.cancel`` marker, so neither outlives the app.
@@ -185,50 +188,122 @@ def drop_lock_files(records_dir: str, app_id: str) -> None:
             os.unlink(path)
 
 
-def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
-    """Replaces the record of ``app_id`` with ``data`` atomically (mode 0600). Raises OSError.
+#: A record file is compacted (rewritten with only its latest version) when an append would make
+#: it larger than this many bytes, or ``COMPACT_FACTOR`` times the new version if that is more.
+COMPACT_SIZE = 65536
+COMPACT_FACTOR = 4
 
-    When the file system is full the new file cannot be created; the record is then rewritten in
-    place if ``data`` fits in the space the current file already holds (padded with spaces, which
-    JSON ignores), so that its final state still reaches the disk.
+
+def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
+    """Makes ``data`` (one JSON document, no newline in it) the record of ``app_id``. Raises OSError.
+
+    Every writer of records calls this. The first version creates the file (mode 0600); every
+    version is appended as one line with a single ``write()`` on an ``O_APPEND`` descriptor, so a
+    version after the first costs no new inode. In a file that is not empty the line starts with a
+    newline, which ends a line torn by a writer that died or ran out of space (and the document of
+    an old single-document file) so that readers skip it (``recordfile.read_document``). When the
+    file would grow past ``COMPACT_SIZE`` (or ``COMPACT_FACTOR`` times ``data``), it is replaced by
+    a file holding ``data`` alone instead.
+
+    Appenders hold a shared ``flock`` on the record file and the compaction an exclusive one, so no
+    append lands in a file between the moment it is replaced and the moment its replacement is
+    in place; an appender that finds its file replaced (no links left) appends to the new one, and
+    one that finds it removed (the submit was undone) stops. A write that finds the file system
+    full rewrites the record in place when ``data`` fits in the space the file already holds
+    (padded with spaces, which JSON ignores).
     """
+    if b"\n" in data:
+        raise ValueError(f"a record must be one line; the record of {app_id} has a newline")
     final = record_path(records_dir, app_id)
+    line = b"\n" + data + b"\n"
+    limit = max(COMPACT_SIZE, COMPACT_FACTOR * len(line))
+    reopened = False
+    compact = True
+    while True:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+        try:
+            fd = os.open(final, flags if reopened else flags | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            if reopened:
+                return  # removed while this version was being written: the removal wins
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                reopened = True
+                continue
+            if compact and st.st_size + len(line) > limit:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # (the compaction's lock would wait for this one)
+                if _compact(records_dir, app_id, final, data):
+                    return
+                compact = False
+                continue
+            try:
+                _write_all(fd, line if st.st_size else line[1:])
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(
+                    final, fd, data
+                ):
+                    raise
+            return
+        finally:
+            os.close(fd)
+
+
+def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:
+    """Replaces the record file by one holding ``data`` alone, holding the file's exclusive lock
+    (no append lands in the file being replaced); False when that could not be done (the caller
+    then appends)."""
     tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            _write_all(fd, data)
+            _write_all(fd, data + b"\n")
         finally:
             os.close(fd)
-        os.replace(tmp, final)
-    except OSError as e:
+        lock = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.fstat(lock).st_nlink == 0:  # replaced meanwhile: append to the new one
+                os.unlink(tmp)
+                return False
+            os.replace(tmp, final)
+        finally:
+            os.close(lock)
+    except OSError:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(final, data):
-            raise
+        return False
+    return True
 
 
-def _rewrite_in_place(path: str, data: bytes) -> bool:
+def _rewrite_in_place(path: str, locked: int, data: bytes) -> bool:
+    """Overwrites the record file ``path`` (open as ``locked``) with ``data`` as its only line,
+    padded with spaces to the file's size; False when that does not fit in the space the file holds
+    or cannot be done."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        fcntl.flock(locked, fcntl.LOCK_EX)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # (pwrite on an O_APPEND file appends)
     except OSError:
         return False
     try:
         st = os.fstat(fd)
+        if st.st_ino != os.fstat(locked).st_ino:
+            return False
         room = max(st.st_size, st.st_blocks * 512)
-        if len(data) > room:
+        if len(data) + 1 > room:
             return False
-        padded = data + b" " * (st.st_size - len(data)) if len(data) < st.st_size else data
-        try:
-            view = memoryview(padded)
-            offset = 0
-            while offset < len(padded):
-                offset += os.pwrite(fd, view[offset:], offset)
-        except OSError:
-            return False
-        return True
+        padded = data + b" " * max(0, st.st_size - len(data) - 1) + b"\n"
+        view = memoryview(padded)
+        offset = 0
+        while offset < len(padded):
+            offset += os.pwrite(fd, view[offset:], offset)
+    except OSError:
+        return False
     finally:
         os.close(fd)
+    return True
 
 
 def _write_all(fd: int, data: bytes) -> None:

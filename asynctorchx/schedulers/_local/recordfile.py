@@ -8,15 +8,25 @@ asyncio and anyio), so that answering from one small file costs no event loop. B
 the same documents, log the same warnings and find the same apps lost.
 
 Parsed records are plain dicts of ``AppRecord``'s fields (``parse_app``), states given by name.
+
+**The file format.** A record file holds the versions of the record, one JSON document per line
+(``protocol.write_record_file`` appends each new version as a whole line, and now and then rewrites
+the file with only the latest). The record is the last complete line: one ending in ``"\\n"`` that
+is a JSON document. A last line without its ``"\\n"`` (a write caught halfway, or cut short by a
+crash or a full disk) and a complete line that is not JSON (a torn line the next writer ended) are
+skipped, and the version before them wins; blank lines are skipped. A file written before this
+format (one JSON document and no newline) is read whole. A file with no complete version (empty:
+created a moment ago and not yet written) is no record yet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -77,33 +87,125 @@ def log_warning(message: str, *args: object) -> None:
     logging.getLogger(__name__).warning(message, *args)
 
 
+#: How much of the end of a record file a reader takes first (widened until it holds a document).
+TAIL = 16384
+
+
+class NoDocument(ValueError):
+    """A record file holds no complete version: its first one is being written, or its writer died
+    writing it."""
+
+
+class EmptyRecord(NoDocument):
+    """A record file is empty: created, its first version not written yet (or never)."""
+
+
+def read_document(path: str | os.PathLike[str]) -> Any:
+    """The latest JSON document of the record file ``path`` (see the module docstring), reading
+    only as much of its end as that document takes.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        NoDocument: the file holds no complete version (its first one is being written, or its
+            writer died writing it); ``EmptyRecord`` when it is empty.
+        ValueError: the file holds complete lines but none is a JSON document.
+        OSError: it cannot be read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise EmptyRecord("the record file is empty")
+        return _last_document(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _last_document(fd: int, size: int) -> Any:
+    corrupt = False
+    lines = _LinesBackwards(fd, size)
+    for line in lines:
+        if line.strip():
+            try:
+                return json.loads(line)
+            except ValueError:
+                corrupt = True
+    if corrupt:
+        raise ValueError("no complete line of the record file is a JSON document")
+    if lines.unended is not None:  # a file written before the format: one document, whole
+        with contextlib.suppress(ValueError):
+            return json.loads(lines.unended)
+    raise NoDocument("the first version of the record is not written (yet)")
+
+
+class _LinesBackwards:
+    """The complete lines of a file (without their newline), last first, read from its end in
+    chunks that double in size, the first an eighth of the file (compaction keeps a file within
+    about four versions, so the last one takes one or two reads); each line is copied once
+    (``unended``: the whole content of a file without a newline, once the lines are exhausted)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self._fd = fd
+        self._size = size
+        self.unended: bytes | None = None
+
+    def __iter__(self) -> Iterator[bytes]:
+        fd, pos, window = self._fd, self._size, max(TAIL, self._size // 8)
+        pending: list[memoryview] = []  # the pieces of the line being gathered, its end first
+        ended = False  # a newline was seen: what follows the last one is no line
+        while pos > 0:
+            first = max(0, pos - window)
+            chunk = os.pread(fd, pos - first, first)
+            if len(chunk) != pos - first:
+                raise ValueError("the record file shrank while it was read")
+            pos, window = first, window * 2
+            view = memoryview(chunk)
+            hi = len(chunk)
+            while (nl := chunk.rfind(b"\n", 0, hi)) >= 0:
+                if ended:
+                    pending.append(view[nl + 1 : hi])
+                    yield b"".join(reversed(pending))
+                ended = True
+                pending = []
+                hi = nl
+            pending.append(view[:hi])
+        whole = b"".join(reversed(pending))
+        if ended:
+            yield whole
+        else:
+            self.unended = whole
+
+
 def read_record(
     path: str | os.PathLike[str],
     parse: Callable[[Any], T],
     warn: Callable[..., None] = log_warning,
 ) -> T | None:
-    """``parse`` of the JSON document in ``path``, or None when there is none or it is unreadable.
+    """``parse`` of the latest document in the record file ``path`` (``read_document``), or None
+    when there is none, it is unreadable, or its first version is still being written.
 
-    A document ``parse`` rejects (ValueError) is read again twice, 2 ms apart: it may have been caught
-    halfway through an in-place rewrite (full disk). Unreadable and corrupt records are reported
-    with ``warn(message, *args)`` (``logging``'s arguments).
+    A file that holds no document ``parse`` accepts is read again twice, 2 ms apart: its first
+    version may be being written, or it may have been caught halfway through an in-place rewrite
+    (full disk). Unreadable and corrupt records are reported with ``warn(message, *args)``
+    (``logging``'s arguments); an empty file is not reported, and is no record (a launcher killed
+    between creating its record and writing it leaves one; its watchdog then writes the record).
     """
     for attempt in range(3):
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            return parse(read_document(path))
         except FileNotFoundError:
             return None
         except OSError as e:
             warn("cannot read app record %s: %s", path, e)
             return None
-        try:
-            return parse(json.loads(data))
+        except EmptyRecord:
+            if attempt == 2:
+                return None
         except ValueError as e:
-            if attempt < 2:
-                time.sleep(0.002)
-                continue
-            warn("ignoring corrupt app record %s: %s", path, e)
+            if attempt == 2:
+                warn("ignoring corrupt app record %s: %s", path, e)
+                return None
+        time.sleep(0.002)
     return None
 
 

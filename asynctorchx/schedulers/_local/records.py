@@ -1,7 +1,9 @@
 """App records: what the local backends persist about each app so any process can find it.
 
-One JSON file per app, ``{state root}/.apps/{app_id}.json``, replaced atomically (temporary file +
-``os.replace``) on every change. It holds the app's state, each replica's pid/process group, exit
+One file per app, ``{state root}/.apps/{app_id}.json``: each change appends the new version of the
+record as one line of JSON, the last complete line being the record, and a file that grew large is
+replaced by one holding only its latest version (``protocol.write_record_file``; readers:
+``recordfile.read_document``). A version holds the app's state, each replica's pid/process group, exit
 code, attempts and times, the log directories, the launcher's identity, and the ``AppDef`` as
 submitted. The launcher is the only writer while it lives; once it is gone the watchdog (or a
 process finishing a cancel) updates the record under a lock file.
@@ -293,7 +295,8 @@ class RecordStore:
             rep["start_ticks"] = self._ticks[key]
 
     def write_many(self, docs: Mapping[str, dict[str, Any]]) -> dict[str, BaseException]:
-        """Writes each record atomically; returns the errors by app id (empty when all were written).
+        """Writes each record (``protocol.write_record_file``); returns the errors by app id (empty
+        when all were written).
 
         Replicas recorded RUNNING without a start time get it from ``/proc`` (the documents are
         updated in place). A missing records directory is created again. Once a terminal record is

@@ -1,6 +1,6 @@
 """Stops local apps whose launcher is gone. A standalone, stdlib-only script (started by path with
-``python -I -S``, so it starts fast and imports nothing of the package but its two sibling modules
-``protocol.py`` and ``contain.py``).
+``python -I -S``, so it starts fast and imports nothing of the package but its sibling modules
+``protocol.py``, ``recordfile.py`` and ``contain.py``).
 
 Two modes:
 
@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 if __package__:
-    from . import contain, protocol
+    from . import contain, protocol, recordfile
 else:  # run as a script: the sibling modules are imported by path
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import contain  # type: ignore[import-not-found, no-redef]
     import protocol  # type: ignore[import-not-found, no-redef]
+    import recordfile  # type: ignore[import-not-found, no-redef]
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL = 0.02
@@ -91,14 +92,16 @@ def _finish_locked(
     fallback: dict[str, Any] | None,
 ) -> None:
     try:
-        with open(protocol.record_path(records_dir, app_id), encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
+        doc = recordfile.read_document(protocol.record_path(records_dir, app_id))
+    except (FileNotFoundError, recordfile.NoDocument):
+        # (no complete version: the launcher died writing its first one)
         if fallback is None:
             protocol.drop_lock_files(records_dir, app_id)
             return
         doc = dict(fallback)
     except (OSError, ValueError):
+        return
+    if not isinstance(doc, dict):
         return
     if doc.get("state") in TERMINAL:
         protocol.drop_lock_files(records_dir, app_id)
