@@ -389,7 +389,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             return
         try:
             # the log follower's inotify hub (one instance per loop) carries this watch too;
-            # records and cancel markers are renamed into place (or rewritten in place)
+            # a record's versions are appended (IN_CLOSE_WRITE) or, compacted, renamed into place
+            # (IN_MOVED_TO); cancel markers are renamed into place
             self._records_watch = watch_directory(
                 str(self._runtime.store.records_dir), self._on_records_event, _RECORD_EVENTS
             )
