@@ -20,8 +20,8 @@ escapes this mode (not the cgroup mode).
 
 Moving a process into a cgroup takes a kernel lock whose writer side waits for an RCU grace period
 when no migration happened in the last few milliseconds (measured here: 5-20 ms, against 40-150 us
-right after another migration). ``warm`` pays that wait (in a worker thread) just before a burst of
-spawns, so the moves made on the event loop right after each spawn stay fast.
+right after another migration). The launcher (``guard.Containment``) moves a replica on its event
+loop only while the lock is warm; otherwise a worker thread moves it, and the launch does not wait.
 """
 
 from __future__ import annotations
@@ -201,7 +201,13 @@ def children(pid: int) -> list[int]:
     return [child for tid in tids for child in _children_of_task(pid, tid)]
 
 
-def adopt(cgroup: str, pid: int, born_in: str | None = None, marker: bytes = b"") -> None:
+def adopt(
+    cgroup: str,
+    pid: int,
+    born_in: str | None = None,
+    marker: bytes = b"",
+    siblings: Collection[int] = (),
+) -> None:
     """Moves a just-spawned ``pid`` into ``cgroup``, then every descendant it already started.
 
     Once ``pid`` is inside, its new children are born inside; the ones it had already are moved one
@@ -210,17 +216,27 @@ def adopt(cgroup: str, pid: int, born_in: str | None = None, marker: bytes = b""
     machine) is nobody's child any more: when ``born_in`` (the cgroup ``pid`` was born in) and
     ``marker`` (``NAME=value``, the marker in ``pid``'s environment) are given, the processes still
     in ``born_in`` that are newer than ``pid`` and carry the marker are moved too, until a pass finds
-    none. That sweep is skipped when no process at all was created on the machine since ``pid``
-    (the kernel's last pid is still ``pid`` once it is inside): nothing can have escaped then.
+    none. ``siblings`` are processes known not to be ``pid``'s (other replicas spawned by the
+    caller and not reaped yet): the sweep skips them, and it is skipped altogether when every pid
+    handed out since ``pid`` is a sibling's (nothing else was born since, so nothing escaped).
     Raises OSError when ``pid`` itself cannot be moved (a descendant that exits meanwhile is
     skipped).
     """
     move(cgroup, pid)
-    seen = {pid}
+    seen = {pid, *siblings}
     # a process that has just exec'd has one thread (its task id is its pid)
     _move_tree(cgroup, _children_of_task(pid, pid), seen)
-    if born_in is not None and marker and last_pid() != pid:
+    if born_in is not None and marker and not _only_siblings_since(pid, siblings):
         _move_strays(cgroup, born_in, pid, marker, seen)
+
+
+def _only_siblings_since(pid: int, siblings: Collection[int]) -> bool:
+    """True when every pid the kernel handed out after ``pid`` (in this pid namespace) is one of
+    ``siblings`` (none at all, when there are no siblings)."""
+    newest = last_pid()
+    if newest is None or newest < pid or newest - pid > len(siblings):
+        return False
+    return all(p in siblings for p in range(pid + 1, newest + 1))
 
 
 def _move_tree(cgroup: str, todo: list[int], seen: set[int]) -> None:

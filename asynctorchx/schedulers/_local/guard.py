@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers._local.records import RecordStore
@@ -361,14 +362,97 @@ class Batcher:
 # -- containment ------------------------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class MoveJob:
+    """A just-spawned replica to move into its cgroup in a worker thread (``CgroupMover``);
+    ``result`` is where it is confined (None: found by its marker)."""
+
+    cgroup: str
+    pid: int
+    marker: str
+    result: str | None = None
+    done: bool = False
+    #: it was reaped before its move: it must not be moved (its pid may be reused)
+    cancelled: bool = False
+
+
+class CgroupMover:
+    """Moves just-spawned replicas into their cgroups in a worker thread, the moves asked for
+    meanwhile in one batch.
+
+    A move waits for an RCU grace period of the kernel (5-20 ms here) when no migration happened
+    in the last few milliseconds. A launch that finds the lock cold hands its moves to this thread
+    instead of waiting: ``run()`` returns as soon as its replicas are spawned and recorded, and the
+    caller watches a replica's exit only once its move is done, so a replica is never reaped (and
+    its pid reused) under its move. Until then a replica is found by its marker and its process
+    group, as in marker mode, and what it starts meanwhile is moved with it (``contain.adopt``).
+
+    Args:
+        supervisor: owns the task that hands the batches to the thread.
+        containment: does each move (``Containment.adopt``).
+    """
+
+    def __init__(self, supervisor: TaskSupervisor, containment: Containment) -> None:
+        self._supervisor = supervisor
+        self._containment = containment
+        self._queue: list[tuple[list[MoveJob], asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def put(self, jobs: list[MoveJob]) -> asyncio.Future[None]:
+        """Queues ``jobs``; the future resolves once all of them are done (it never fails). When
+        the scheduler is closing they are done at once, on the calling thread."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._task is None:
+            try:
+                self._task = self._supervisor.spawn(self._run(), "cgroup-moves")
+            except RuntimeError:  # closing
+                self._move(jobs)
+                fut.set_result(None)
+                return fut
+        self._queue.append((jobs, fut))
+        return fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        batch: list[tuple[list[MoveJob], asyncio.Future[None]]] = []
+        try:
+            while self._queue:
+                batch, self._queue = self._queue, []
+                jobs = [job for group, _ in batch for job in group]
+                await await_shielded(loop.run_in_executor(None, self._move, jobs))
+                _resolve(batch)
+                batch = []
+        finally:
+            self._task = None
+            left, self._queue = batch + self._queue, []
+            if left:  # cancelled (closing): what the thread did not do is done here
+                self._move([job for group, _ in left for job in group if not job.done])
+                _resolve(left)
+
+    def _move(self, jobs: list[MoveJob]) -> None:
+        siblings = frozenset(job.pid for job in jobs)  # none of them is reaped yet: no strays
+        for job in jobs:
+            if not job.cancelled and not job.done:
+                job.result = self._containment.adopt(job.cgroup, job.pid, job.marker, siblings)
+            job.done = True
+
+
+def _resolve(batch: list[tuple[list[MoveJob], asyncio.Future[None]]]) -> None:
+    for _, fut in batch:
+        if not fut.done():
+            fut.set_result(None)
+
+
 class Containment:
     """Where a scheduler's replicas are confined (``contain.py``), and the asynchronous parts of it.
 
     ``probe`` (blocking, once) picks cgroup mode or marker mode. In cgroup mode every app gets
     ``{base}/{app_id}`` and every replica attempt ``{app}/{index}.{attempt}`` (``replica_dir``);
-    they are created just before the replicas are spawned (``prepare``), while the moves are done
-    on the event loop right after each spawn (``adopt``). Emptied cgroups are removed in batches in
-    a worker thread.
+    they are created just before the replicas are spawned (``prepare``). A replica is moved into
+    its own right after its spawn (``adopt``): on the event loop while the kernel's migration lock
+    is warm (a move happened in the last ``WARM_FOR`` seconds), else in a worker thread (``mover``),
+    so that a launch never waits for the lock's grace period. Emptied cgroups are removed in
+    batches in a worker thread.
 
     Args:
         supervisor: owns the background tasks (removals, marker sweeps).
@@ -381,7 +465,7 @@ class Containment:
         self._own_path: str | None = None
         self._probed = False
         self._warm_until = 0.0
-        self._warming: asyncio.Future[None] | None = None
+        self.mover = CgroupMover(supervisor, self)
         self._remover = Batcher(supervisor, "cgroup-removal", self._remove_all)
         self._sweeper = Batcher(supervisor, "marker-sweep", self._sweep_all)
         self._epoll: select.epoll | None = None
@@ -436,9 +520,9 @@ class Containment:
         return time.monotonic() < self._warm_until
 
     async def prepare(self, dirs: list[str]) -> None:
-        """Creates ``dirs`` (parents first) and readies the kernel for fast moves: a handful of
-        directories on the event loop when the migration lock is warm, else in a worker thread
-        (one warm-up at a time, shared by the launches waiting for it).
+        """Creates ``dirs`` (parents first): a handful on the event loop (~50 us each), more in a
+        worker thread, which then readies the kernel for fast moves (the app's replicas are moved
+        on the loop).
 
         Raises:
             OSError: a directory could not be created.
@@ -446,16 +530,9 @@ class Containment:
         if self.base is None:
             return
         if len(dirs) <= self.SYNC_DIRS:
-            if not self.warm:
-                if self._warming is None or self._warming.done():
-                    self._warming = self._supervisor.spawn(self._warm_async(), "cgroup-warm-up")
-                await asyncio.shield(self._warming)
             self._make_dirs(dirs)
         else:
             await anyio.to_thread.run_sync(self._prepare, dirs)
-
-    async def _warm_async(self) -> None:
-        await anyio.to_thread.run_sync(self._warm)
 
     @staticmethod
     def _make_dirs(dirs: list[str]) -> None:
@@ -474,16 +551,19 @@ class Containment:
                 contain.move(self._parent, os.getpid())
         self._warm_until = time.monotonic() + self.WARM_FOR
 
-    def adopt(self, cgroup: str | None, pid: int, marker: str = "") -> str | None:
+    def adopt(
+        self, cgroup: str | None, pid: int, marker: str = "", siblings: Collection[int] = ()
+    ) -> str | None:
         """Moves a just-spawned replica (whose ``marker`` is given) into ``cgroup``, with what it
         started already; returns where it is confined (None: marker mode for this replica, e.g.
-        when the move failed)."""
+        when the move failed). ``siblings``: other replicas spawned and not moved yet (they are no
+        strays of this one)."""
         if cgroup is None:
             return None
         start = time.perf_counter()
         try:
             stray_marker = protocol.MARKER_ENV_BYTES + b"=" + marker.encode() if marker else b""
-            contain.adopt(cgroup, pid, self._parent, stray_marker)
+            contain.adopt(cgroup, pid, self._parent, stray_marker, siblings)
         except OSError as e:
             logger.warning(
                 "cannot move pid %d into %s (%s); finding it by its marker", pid, cgroup, e

@@ -280,6 +280,9 @@ class AppLauncher:
             await asyncio.wait([task])
         while any(r.reaping for r in app.replicas):
             await self._spawner.exits.idle()
+        moving = {r.moved for r in app.replicas if r.moved is not None}
+        if moving:  # (their moves are short; the thread never waits for the loop)
+            await asyncio.wait(moving)
         started = app.running()
         loop = asyncio.get_running_loop()
         for rep in started:

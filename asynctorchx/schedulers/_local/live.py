@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 from asynctorchx.logs import ReplicaLogWriter
 from asynctorchx.schedulers._local import protocol
+from asynctorchx.schedulers._local.guard import MoveJob
 from asynctorchx.schedulers._local.records import AppRecord, Owner, ReplicaRecord
 from asynctorchx.schedulers._local.request import (
     DEFAULT_GRACE_PERIOD,
@@ -56,6 +57,8 @@ class Replica:
     writer: ReplicaLogWriter | None = None
     structured_error_msg: str = NONE
     cgroup: str | None = None  # the cgroup of its current attempt (None: found by its marker)
+    moving: MoveJob | None = None  # its move into that cgroup, while a worker thread does it
+    moved: asyncio.Future[None] | None = None  # resolves once that move is done
     term_sent: bool = False  # its group got the one SIGTERM of the current stop
     term_at: float = 0.0
     exit_pending: bool = False  # exited; the exit is not judged yet

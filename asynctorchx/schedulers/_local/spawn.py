@@ -1,10 +1,13 @@
 """Starting a local app's replicas and learning that they exited: the process part of the local
 backend (``procs.py`` spawns, ``contain.py`` confines, the watchdog hears of each start and exit).
 
-A replica is confined and registered with the watchdog right after its spawn, before anything else
-happens on the event loop; its exit is learnt from its pidfd, and it is reaped on the loop (a few
-per iteration) or, when many exit at once, in batches in a worker thread. The exit is then queued
-on its app (``LiveApp.exited``) for the app's task (``supervise.py``) to judge.
+A replica is registered with the watchdog right after its spawn, before anything else happens on
+the event loop, and moved into its cgroup: at once while the kernel's migration lock is warm, else
+by a worker thread (``CgroupMover``: a launch never waits for the lock's grace period). Its exit is
+learnt from its pidfd, watched once it is in its cgroup (so it is never reaped under its move), and
+it is reaped on the loop (a few per iteration) or, when many exit at once, in batches in a worker
+thread. The exit is then queued on its app (``LiveApp.exited``) for the app's task
+(``supervise.py``) to judge.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import anyio.to_thread
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs import ReplicaLogWriter, Stream
 from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local.guard import MoveJob
 from asynctorchx.schedulers._local.live import LiveApp, Replica
 from asynctorchx.schedulers._local.procs import (
     FD_ERRNOS,
@@ -168,15 +172,45 @@ class Spawner:
         the app was cancelled meanwhile (RuntimeError if the scheduler was closed).
         """
         base_env = environ_bytes()
-        for i, rep in enumerate(replicas):
-            if i and i % START_CHUNK == 0:
-                await asyncio.sleep(0)
-                if app.cancel_reason is not None:
-                    return
-                self._check_open()
-            self._start_one(app, rep, base_env)
+        later: list[Replica] = []  # spawned, to be moved by the worker thread
+        try:
+            for i, rep in enumerate(replicas):
+                if i and i % START_CHUNK == 0:
+                    self._move_later(app, later)
+                    later = []
+                    await asyncio.sleep(0)
+                    if app.cancel_reason is not None:
+                        return
+                    self._check_open()
+                if self._start_one(app, rep, base_env):
+                    later.append(rep)
+        finally:
+            self._move_later(app, later)
 
-    def _start_one(self, app: LiveApp, rep: Replica, base_env: dict[bytes, bytes]) -> None:
+    def _move_later(self, app: LiveApp, reps: list[Replica]) -> None:
+        """Hands the moves of ``reps`` to the worker thread; each one's exit is watched once it is
+        moved."""
+        if not reps:
+            return
+        jobs = [rep.moving for rep in reps if rep.moving is not None]
+        moved = self._rt.contain.mover.put(jobs)
+        for rep in reps:
+            rep.moved = moved
+        moved.add_done_callback(lambda _: self._moved(app, reps))
+
+    def _moved(self, app: LiveApp, reps: list[Replica]) -> None:
+        loop = asyncio.get_running_loop()
+        for rep in reps:
+            job, rep.moving, rep.moved = rep.moving, None, None
+            if job is None or job.cancelled:
+                continue
+            rep.cgroup = job.result
+            if rep.pidfd >= 0:
+                loop.add_reader(rep.pidfd, self._on_exit, app, rep)
+
+    def _start_one(self, app: LiveApp, rep: Replica, base_env: dict[bytes, bytes]) -> bool:
+        """Spawns ``rep``; True when its move into its cgroup is left to the worker thread (the
+        caller hands it over; its exit is watched from then on)."""
         req = rep.req
         env = base_env.copy()
         for key, value in req.env.items():
@@ -210,12 +244,21 @@ class Spawner:
             raise LaunchError(f"cannot watch {rep.label} (pid {spawned.pid}): {e}") from None
         rep.pid = spawned.pid
         rep.pidfd = pidfd
-        rep.cgroup = self._rt.contain.adopt(cgroup, spawned.pid, rep.marker)
+        contain = self._rt.contain
+        later = cgroup is not None and not contain.warm
+        if later:
+            assert cgroup is not None
+            rep.cgroup = None  # until the worker thread has moved it
+            rep.moving = MoveJob(cgroup, spawned.pid, rep.marker)
+        else:
+            rep.cgroup = contain.adopt(cgroup, spawned.pid, rep.marker)
         self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
         writer.attach(spawned.stdout_fd, Stream.STDOUT)
         writer.attach(spawned.stderr_fd, Stream.STDERR)
         self._started(app, rep)
-        asyncio.get_running_loop().add_reader(pidfd, self._on_exit, app, rep)
+        if not later:
+            asyncio.get_running_loop().add_reader(pidfd, self._on_exit, app, rep)
+        return later
 
     def _writer_for(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
         """The replica's log writer, opened again if a restart closed it."""

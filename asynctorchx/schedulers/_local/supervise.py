@@ -300,6 +300,8 @@ class AppSupervision:
         loop = asyncio.get_running_loop()
         for rep in app.replicas:
             if rep.running:
+                if rep.moving is not None:  # reaped below: its pid must not be moved any more
+                    rep.moving.cancelled = True
                 self._rt.contain.kill(rep.cgroup, rep.pid or 0)
                 if not rep.reaping:  # otherwise the exit reaper has it and closes its pidfd
                     loop.remove_reader(rep.pidfd)
