@@ -5,9 +5,7 @@ and real cgroups; the worker thread is held with a gate to make the window befor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +15,7 @@ import anyio
 import pytest
 from _local_env import wait_for
 from conftest import engine_missing
+from test_local_reliability import kill_token_procs, token_procs
 
 from asynctorchx.schedulers._local import contain
 from asynctorchx.schedulers._local.guard import Containment
@@ -24,30 +23,11 @@ from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
 
-def token_procs(token: str) -> list[int]:
-    """Live (non-zombie) processes carrying ``ATX_TOKEN={token}`` in their environment."""
-    found = []
-    needle = f"ATX_TOKEN={token}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{name}/environ").read_bytes()
-            state = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and state not in (b"Z", b"X"):
-            found.append(int(name))
-    return found
-
-
 @pytest.fixture
 def token() -> Iterator[str]:
     value = uuid.uuid4().hex
     yield value
-    for pid in token_procs(value):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    kill_token_procs(value)
 
 
 @pytest.fixture
