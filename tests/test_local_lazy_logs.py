@@ -84,21 +84,16 @@ async def wait_thread_event(event: threading.Event) -> None:
 async def test_a_quiet_app_leaves_no_directory_and_its_logs_are_empty(
     sched: LocalScheduler, tmp_path: Path
 ) -> None:
-    """An app that writes nothing creates no log directory at all (app, role, replica), and every
-    read of its logs is empty: all, stdout, stderr, since/until, entries, and a follow that ends
-    when the app does."""
-    go = tmp_path / "go"
-    app_id = await sched.submit(app(role(GATE, tmp_path, GO=str(go))), {})
+    """An app that writes nothing and ends at once creates no log directory at all (app, role,
+    replica), and every read of its logs is empty: all, stdout, stderr, since/until, entries,
+    follow."""
+    app_id = await sched.submit(app(role("true", tmp_path)), {})
     info = sched.submit_dryrun(app(role("true", tmp_path)), {})
     session_dir = Path(info.request.app_dir).parent
-    follow = asyncio.create_task(read(sched, app_id, should_tail=True))
-    await asyncio.sleep(0.2)
-    assert not follow.done()
-    go.touch()
     assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
-    assert await follow == []
     assert not (session_dir / app_id).exists()
     assert await read(sched, app_id) == []
+    assert await read(sched, app_id, should_tail=True) == []
     assert await read(sched, app_id, streams=Stream.STDOUT) == []
     assert await read(sched, app_id, streams=Stream.STDERR) == []
     now = datetime.now()
@@ -106,6 +101,28 @@ async def test_a_quiet_app_leaves_no_directory_and_its_logs_are_empty(
     with anyio.fail_after(20):
         assert [e async for e in sched.log_entries(app_id, "main", 0)] == []
     assert not (session_dir / app_id).exists()
+
+
+async def test_a_quiet_replica_that_runs_a_while_gets_its_files_before_its_output(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """A replica still running EARLY_LOG_FILES after its start gets its (empty) log files then,
+    before any output, so that its first output does not wait for them; a follower waiting on it
+    meanwhile ends with exactly what it printed."""
+    go = tmp_path / "go"
+    app_id = await sched.submit(app(role(f"{GATE}; echo last", tmp_path, GO=str(go))), {})
+    info = sched.submit_dryrun(app(role("true", tmp_path)), {})
+    replica_dir = Path(info.request.app_dir).parent / app_id / "main" / "0"
+    follow = asyncio.create_task(read(sched, app_id, should_tail=True))
+    with anyio.fail_after(20):
+        while not (replica_dir / "combined.log").exists():
+            await asyncio.sleep(0.01)
+    assert sorted(os.listdir(replica_dir)) == sorted([*LOG_FILES.values(), INDEX_FILE])
+    assert (replica_dir / "combined.log").read_bytes() == b""
+    assert not follow.done()
+    go.touch()
+    assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED
+    assert await follow == ["last\n"]
 
 
 async def test_a_quiet_replica_with_the_default_error_file_makes_no_directory(

@@ -318,12 +318,24 @@ class ReplicaLogWriter:
         self._lost[stream] = self._lost.get(stream, 0) + n
         self._lost[Stream.COMBINED] = self._lost.get(Stream.COMBINED, 0) + n
 
+    def make_files_soon(self) -> None:
+        """Asks ``opener`` for the files now rather than at the first output (a lazy writer whose
+        files do not exist and are not being made; otherwise a no-op). A replica that runs a while
+        gets its files before it writes, so that its first output, maybe printed just before it
+        exits, does not wait for their creation."""
+        if self._opener is None or self._files or self._opening or self._closed or self._taken:
+            return
+        self._ask_opener()
+
     def _hold(self, stream: Stream, data: bytes) -> None:
         """Keeps a chunk read before the files exist; asks for them at the first one (pausing the
         pipes until they are made)."""
         self._held.append((time.time_ns(), stream, data))
         if self._opening or self._closed:
             return
+        self._ask_opener()
+
+    def _ask_opener(self) -> None:
         self._opening = True
         self._pause()
         assert self._opener is not None

@@ -45,7 +45,7 @@ from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
 from asynctorchx.schedulers._local.supervise import CONTAIN_TIMEOUT, AppSupervision
-from asynctorchx.specs.api import AppDef, AppState, copy_app
+from asynctorchx.specs.api import AppDef, AppState, copy_app, is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -236,6 +236,7 @@ class AppLauncher:
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._spawner.start(app, app.replicas)
             app.set_app_state(AppState.RUNNING, time.time())
+            asyncio.get_running_loop().call_later(EARLY_LOG_FILES, _log_files_early, app)
         app.task = rt.supervisor.spawn(self._supervision.run(app), f"app:{app_id}")
         await rt.writer.write(app_id, lambda: rt.snapshot(app).to_json())
 
@@ -341,6 +342,22 @@ def _existing(app_dir: str, record: str | None) -> str | None:
     if record is not None and os.path.lexists(record):
         return "record"
     return None
+
+
+#: Seconds after its start when a replica that is still running and has not written anything yet
+#: gets its log files anyway (in the worker thread). A replica that ends sooner without output never
+#: makes any (a fan-out of instant apps, a sweep's short trials); one that runs longer has them
+#: before its first output, which may come just before it exits and would otherwise wait for them.
+EARLY_LOG_FILES = 0.1
+
+
+def _log_files_early(app: LiveApp) -> None:
+    if app.discard or is_terminal(app.state):
+        return
+    for rep in app.replicas:
+        writer = rep.writer
+        if rep.running and writer is not None and writer.attached:
+            writer.make_files_soon()
 
 
 def _wait_all_gone(app: LiveApp) -> None:
