@@ -169,7 +169,9 @@ class Spawner:
         """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.
 
         The event loop runs between chunks of ``START_CHUNK`` spawns, and starting stops there if
-        the app was cancelled meanwhile (RuntimeError if the scheduler was closed).
+        the app was cancelled meanwhile (RuntimeError if the scheduler was closed). Replicas whose
+        moves went to the worker thread (the migration lock was cold) may still be outside their
+        cgroups when this returns; their exits are watched once they are moved.
         """
         base_env = environ_bytes()
         later: list[Replica] = []  # spawned, to be moved by the worker thread
@@ -199,6 +201,7 @@ class Spawner:
         moved.add_done_callback(lambda _: self._moved(app, reps))
 
     def _moved(self, app: LiveApp, reps: list[Replica]) -> None:
+        """Applies the worker thread's moves (on the event loop) and starts watching the exits."""
         loop = asyncio.get_running_loop()
         for rep in reps:
             job, rep.moving, rep.moved = rep.moving, None, None
