@@ -149,9 +149,17 @@ async def test_cancel_pending_job(slurm_scheduler: SlurmScheduler, job_dir: Path
 async def test_cancel_running_job(slurm_scheduler: SlurmScheduler, job_dir: Path) -> None:
     """A running 2-replica job cancels to CANCELLED promptly and leaves no job running."""
     app_id = await slurm_scheduler.submit(
-        AppDef("long", [sh("w", "sleep 120", 2)]), {"job_dir": str(job_dir)}
+        AppDef("long", [sh("w", 'echo "up $SLURM_PROCID"; sleep 120', 2)]),
+        {"job_dir": str(job_dir)},
     )
     await wait_for_state(slurm_scheduler, app_id, {AppState.RUNNING})
+    # Both replicas run (not only the allocation): a cancel that lands while srun is still
+    # starting the step can leave Slurm's step cleanup waiting 60 s for the step's I/O
+    # ("Abandoning IO 60 secs after job shutdown initiated"), a Slurm race this test is not about.
+    for k in range(2):
+        lines = slurm_scheduler.log_iter(app_id, "w", k, should_tail=True, streams=Stream.STDOUT)
+        assert await anext(lines) == f"up {k}\n"
+        await lines.aclose()
     loop = asyncio.get_running_loop()
     started = loop.time()
     await slurm_scheduler.cancel(app_id)
