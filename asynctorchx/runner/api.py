@@ -24,6 +24,7 @@ import anyio
 
 from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.runner import _launch
+from asynctorchx.runner._pacing import LaunchPacer
 from asynctorchx.runner.hub import AppEntry, PollSettings, StatusHub
 from asynctorchx.runner.limits import (
     BackendLimiter,
@@ -165,6 +166,7 @@ class AsyncRunner:
             asyncio.Task[tuple[list[TrackerSetting] | None, Exception | None]] | None
         ) = None
         self._limiters: dict[str, BackendLimiter] = make_limiters(limits, clock or SystemClock())
+        self._pacer = LaunchPacer(self._exits_awaited)
         for backend in self._limiters:
             if self._factory(backend) is None:
                 raise UnknownSchedulerException(backend, self._available())
@@ -269,6 +271,11 @@ class AsyncRunner:
                 )
             self._schedulers[backend] = scheduler
         return scheduler
+
+    def _exits_awaited(self) -> bool:
+        """True while someone waits for an app of this runner to change (launches then take turns
+        with the exits: see ``_pacing``)."""
+        return any(hub.awaited() for hub in self._hubs.values())
 
     def _hub(self, backend: str) -> StatusHub:
         self._check_open()
@@ -456,8 +463,9 @@ class AsyncRunner:
                 progress, copies) while the workspace is shipped; it must not block.
         """
         self._check_open()
+        await self._pacer.turn()
         info = await self._dryrun_async(app, scheduler, cfg, workspace, parent_run_id)
-        return await self.schedule(info, progress=progress)
+        return await self._schedule(info, progress)
 
     async def run_component(
         self,
@@ -475,10 +483,12 @@ class AsyncRunner:
         if ".py:" in component or component.endswith(".py"):
             # a component file is read, linted and run: not on the event loop
             app = await anyio.to_thread.run_sync(self._materialize, component, component_args)
+            await self._pacer.turn()
         else:
+            await self._pacer.turn()
             app = self._materialize(component, component_args)
         info = await self._dryrun_async(app, scheduler, cfg, workspace, parent_run_id)
-        return await self.schedule(info, progress=progress)
+        return await self._schedule(info, progress)
 
     async def schedule(
         self, dryrun_info: AppDryRunInfo[Any], *, progress: WorkspaceProgress | None = None
@@ -488,6 +498,13 @@ class AsyncRunner:
         A dry run made with a workspace is shipped first (built, pushed or copied, unless the
         content-addressed result exists already); ``progress`` receives its events (see ``run``).
         """
+        self._check_open()
+        await self._pacer.turn()
+        return await self._schedule(dryrun_info, progress)
+
+    async def _schedule(
+        self, dryrun_info: AppDryRunInfo[Any], progress: WorkspaceProgress | None
+    ) -> AppHandle:
         from asynctorchx.schedulers.workspace import reporting
 
         self._check_open()

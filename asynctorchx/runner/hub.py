@@ -134,6 +134,7 @@ class StatusHub:
         # the wait_interval hints of the waits in progress, and how many waits gave none
         self._hints: list[float] = []
         self._unhinted_waits = 0
+        self._listening = 0  # listeners of entries (as_completed, watch, launch blocks)
         self._interval = self.settings.min_interval
 
     # -- tracking -------------------------------------------------------------------------------
@@ -174,12 +175,18 @@ class StatusHub:
         least every ``PollSettings.max_interval`` whatever the waits' hints.
         """
         entry._listeners.append(callback)
+        self._listening += 1
 
         def stop() -> None:
             if callback in entry._listeners:
                 entry._listeners.remove(callback)
+                self._listening -= 1
 
         return stop
+
+    def awaited(self) -> bool:
+        """True while someone waits for a change of an app here (a wait, a listener)."""
+        return bool(self._unhinted_waits or self._hints or self._listening)
 
     def record(self, app_id: str, response: DescribeAppResponse | None) -> None:
         """Feeds a description obtained elsewhere (e.g. by ``runner.status``) into the hub."""
