@@ -513,3 +513,32 @@ async def test_the_watchdog_appends_failed_after_the_launcher_is_killed(tmp_path
         if proc.poll() is None:
             sigkill(proc)
         kill_token_procs(token)
+
+
+@pytest.mark.timeout(30)
+async def test_a_flush_after_every_queued_record_was_forgotten_returns(tmp_path: Path) -> None:
+    """Records queued and then forgotten before the writer took them (submits undone at once, e.g.
+    a burst of launches cancelled) leave nothing to write: the writes awaiting them and a flush
+    return, rather than waiting for the next record to come."""
+    from asynctorchx._tasks import TaskSupervisor
+
+    store = RecordStore(tmp_path)
+    await anyio.to_thread.run_sync(store.ensure)
+    supervisor = TaskSupervisor("test")
+    writer = guard.RecordWriter(store, supervisor)
+    try:
+        writes = [
+            asyncio.create_task(
+                writer.write(f"app-{i}", {"app_id": f"app-{i}", "state": "RUNNING"})
+            )
+            for i in range(3)
+        ]
+        await asyncio.sleep(0)  # queued; the writer task has not taken them yet
+        for i in range(3):
+            writer.forget(f"app-{i}")
+        with anyio.fail_after(5):
+            assert await writer.flush() is True
+            await asyncio.gather(*writes)
+        assert not any((tmp_path / ".apps").glob("app-*"))
+    finally:
+        await supervisor.aclose()

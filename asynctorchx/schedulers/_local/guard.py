@@ -795,6 +795,11 @@ class RecordWriter:
             for app_id in due:
                 del self._failing[app_id]
             if not self._pending and not due:
+                # what was queued was forgotten (undone submits): its waiters have nothing to wait
+                # for, and a flush() must not wait for the next put
+                idle, self._batch = self._batch, None
+                if idle is not None and not idle.done():
+                    idle.set_result({})
                 continue
             batch: dict[str, _Doc] = dict(due)
             for app_id, source in self._pending.items():
