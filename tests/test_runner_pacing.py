@@ -167,3 +167,29 @@ async def test_an_awaited_exit_is_heard_before_a_burst_of_launches_ends(tmp_path
         assert heard_after[0] < 1 + len(burst), heard_after  # heard before the last launch began
         statuses = await runner.wait_all(burst)
         assert all(s is not None and s.state == AppState.SUCCEEDED for s in statuses.values())
+
+
+async def test_launches_cancelled_while_waiting_for_their_turn_leave_nothing(
+    tmp_path: Path,
+) -> None:
+    """Cancelling a paced burst: every ``run()`` that did not return left no app behind (those
+    still waiting for their turn submitted nothing; those cut short mid-launch were undone)."""
+    go = tmp_path / "go"
+    async with AsyncRunner(name="pacing", local_root=str(tmp_path / "state")) as runner:
+        sleeper = await runner.run(_app(f"until [ -e {go} ]; do sleep 0.01; done"), "local_cwd")
+        waiting = asyncio.create_task(runner.wait(sleeper))
+        await asyncio.sleep(0)  # exits are awaited: launches are paced
+        burst = [asyncio.create_task(runner.run(_app("exit 0"), "local_cwd")) for _ in range(60)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert runner._pacer.waiting > 0  # some are still waiting for their turn
+        for task in burst:
+            task.cancel()
+        results = await asyncio.gather(*burst, return_exceptions=True)
+        returned = {r for r in results if isinstance(r, str)}
+        assert all(isinstance(r, (str, asyncio.CancelledError)) for r in results), results
+        assert len(returned) < len(burst)
+        listed = {a.app_handle for a in await runner.list("local_cwd")}
+        assert listed == returned | {sleeper}
+        go.touch()
+        await waiting
