@@ -29,6 +29,7 @@ interval and writes nothing.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Mapping
@@ -72,6 +73,9 @@ _WRAPPER_VAR = "asynctorchx_replica"
 TIMES_FILE = "index.txt"
 #: Seconds between two timing samples of a replica's log files.
 SAMPLE_INTERVAL = 0.25
+#: Seconds the tees get to write what is left once the replica has exited (a daemon it left may hold
+#: the pipes open: they are then killed).
+TEE_DRAIN = 5.0
 
 # Runs one replica (see the module docstring): ``sh -c REPLICA_WRAPPER LOG_DIR COMMAND ARGS...``.
 # Its exit status goes to LOG_DIR/exit_code once its output is written; a replica stopped by a
@@ -89,7 +93,11 @@ SAMPLE_INTERVAL = 0.25
 # whatever they find (with that one before them). The sampler ignores SIGTERM like the tees; after
 # a cancel it takes the last samples itself once both tees are gone, else the wrapper stops it
 # and takes them. "$t" (node-local) holds the clock files,
-# so that the shared file system sees only the appends to index.txt.
+# so that the shared file system sees only the appends to index.txt. Once the replica has exited
+# (the wrapper then makes "$t/x"), the sampler gives the tees TEE_DRAIN s to finish before it kills
+# them (a daemon of the replica may hold the pipes): no timer process of its own, since a step lasts
+# until its last process ends (a timer's leftover `sleep 5` kept every job running 5 s past its
+# replicas' exit). What outlives the wrapper is at most the sampler's last `sleep`.
 REPLICA_WRAPPER = """d=$0
 if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" 2>/dev/null; then
     [ -n "$t" ] && rm -rf "$t"
@@ -122,21 +130,26 @@ last() {
     sample; sample; rm -rf "$t"
 }
 (
-    trap "" TERM INT HUP; p=; z=; n=
-    while kill -0 $o 2>/dev/null || kill -0 $e 2>/dev/null; do sample; sleep @INTERVAL@; done
+    trap "" TERM INT HUP; p=; z=; n=; i=0
+    while kill -0 $o 2>/dev/null || kill -0 $e 2>/dev/null; do
+        sample
+        if [ -e "$t/x" ]; then i=$((i + 1)); [ $i -gt @DRAIN@ ] && kill -9 $o $e 2>/dev/null; fi
+        sleep @INTERVAL@
+    done
     last
 ) 3>&- 4>&- >/dev/null 2>&1 & s=$!
 "$@" >&3 2>&4 3>&- 4>&-
 code=$?
 exec 3>&- 4>&-
-(sleep 5; kill -9 $o $e) 2>/dev/null & w=$!
+: >"$t/x"
 wait $o $e 2>/dev/null
-kill $w 2>/dev/null
 kill -9 $s 2>/dev/null; wait $s 2>/dev/null
 last
 echo "$code" >"$d/exit_code"
 exit "$code"
-""".replace("@INTERVAL@", f"{SAMPLE_INTERVAL:g}")
+""".replace("@INTERVAL@", f"{SAMPLE_INTERVAL:g}").replace(
+    "@DRAIN@", str(math.ceil(TEE_DRAIN / SAMPLE_INTERVAL))
+)
 
 
 def shell_word(arg: str) -> str:
