@@ -6,7 +6,9 @@ Tests import what they use: ``from _local_env import GATE, wait_for``.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 
@@ -47,3 +49,19 @@ async def poll_until(condition: Callable[[], bool], what: str, timeout: float = 
                 await asyncio.sleep(0.01)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (non-zombie) processes of process group ``pgid``."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        fields = data.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(name))
+    return members

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import wait_for
+from _local_env import group_members, wait_for
 
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role, is_terminal
@@ -51,22 +51,6 @@ def tree_app(ready: Path, n: int = 1) -> AppDef:
             )
         ],
     )
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live (non-zombie) processes of process group ``pgid``."""
-    members = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            data = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = data.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(name))
-    return members
 
 
 async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import poll_until
+from _local_env import group_members, poll_until
 
 from asynctorchx.logs import Stream, iter_log_lines
 from asynctorchx.schedulers._slurm.script import (
@@ -30,13 +30,22 @@ SCRIPT = 'echo early; echo oops >&2; while [ ! -e "$GO" ]; do sleep 0.01; done; 
 
 
 async def run_wrapper(
-    log_dir: Path, script: str, env: dict[str, str]
+    log_dir: Path, script: str, env: dict[str, str], *, new_session: bool = False
 ) -> asyncio.subprocess.Process:
-    """Starts ``sh -c REPLICA_WRAPPER LOG_DIR sh -c SCRIPT`` as srun would on a node."""
+    """Starts ``sh -c REPLICA_WRAPPER LOG_DIR sh -c SCRIPT`` as srun would on a node (in a session
+    of its own with ``new_session``, as srun's task group)."""
     log_dir.mkdir(parents=True)
     (log_dir / "combined.log").touch()  # the batch script creates it before srun
     return await asyncio.create_subprocess_exec(
-        "sh", "-c", REPLICA_WRAPPER, str(log_dir), "sh", "-c", script, env=env
+        "sh",
+        "-c",
+        REPLICA_WRAPPER,
+        str(log_dir),
+        "sh",
+        "-c",
+        script,
+        env=env,
+        start_new_session=new_session,
     )
 
 
@@ -111,19 +120,7 @@ async def test_after_a_cancel_the_sampler_takes_the_last_samples_itself(tmp_path
     (which ignores it, like the tees) still writes the samples that cover what the replica wrote."""
     log_dir = tmp_path / "slurm-3" / "w" / "0"
     script = "echo started; trap 'echo stopping; exit 143' TERM; while :; do sleep 0.05; done"
-    log_dir.mkdir(parents=True)
-    (log_dir / "combined.log").touch()
-    proc = await asyncio.create_subprocess_exec(
-        "sh",
-        "-c",
-        REPLICA_WRAPPER,
-        str(log_dir),
-        "sh",
-        "-c",
-        script,
-        env={"PATH": "/usr/bin:/bin"},
-        start_new_session=True,
-    )
+    proc = await run_wrapper(log_dir, script, {"PATH": "/usr/bin:/bin"}, new_session=True)
     try:
         await poll_until(lambda: samples(log_dir) != [], "the first sample")
         os.killpg(proc.pid, signal.SIGTERM)
@@ -146,54 +143,21 @@ async def test_after_a_cancel_the_sampler_takes_the_last_samples_itself(tmp_path
     assert not (log_dir / "exit_code").exists()  # stopped by a signal: no exit code, as documented
 
 
-def _session_processes(sid: int) -> list[str]:
-    """The processes of session ``sid`` still alive (name and pid)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path("/proc", entry, "stat").read_text()
-        except OSError:
-            continue
-        name_end = stat.rindex(")")
-        fields = stat[name_end + 2 :].split()
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
-            found.append(f"{stat[stat.index('(') + 1 : name_end]} ({entry})")
-    return found
-
-
-async def _start_in_own_session(log_dir: Path, script: str) -> asyncio.subprocess.Process:
-    log_dir.mkdir(parents=True)
-    (log_dir / "combined.log").touch()
-    return await asyncio.create_subprocess_exec(
-        "sh",
-        "-c",
-        REPLICA_WRAPPER,
-        str(log_dir),
-        "sh",
-        "-c",
-        script,
-        env={"PATH": "/usr/bin:/bin"},
-        start_new_session=True,
-    )
-
-
 @pytest.mark.timeout(60)
 async def test_no_process_of_the_wrapper_outlives_it(tmp_path: Path) -> None:
     """Once the wrapper has exited, no process it started lingers (a Slurm step lasts until its last
     process ends): at most the sampler's last ``sleep`` of SAMPLE_INTERVAL s, never a timer of
     TEE_DRAIN s (a timer's ``sleep 5`` used to keep every job running 5 s past its replicas)."""
     log_dir = tmp_path / "slurm-4" / "w" / "0"
-    proc = await _start_in_own_session(log_dir, "echo hi")
+    proc = await run_wrapper(log_dir, "echo hi", {"PATH": "/usr/bin:/bin"}, new_session=True)
     try:
         with anyio.fail_after(30):
             assert await proc.wait() == 0
         ended = time.monotonic()
-        left = _session_processes(proc.pid)
+        left = group_members(proc.pid)
         while left and time.monotonic() - ended < SAMPLE_INTERVAL + 2:
             await asyncio.sleep(0.05)
-            left = _session_processes(proc.pid)
+            left = group_members(proc.pid)
         assert left == [], f"left behind by the wrapper: {left}"
         assert (log_dir / "exit_code").read_text() == "0\n"
     finally:
@@ -208,7 +172,12 @@ async def test_a_daemon_holding_the_pipes_delays_the_end_by_the_drain_time_only(
     """A replica that leaves a daemon holding its stdout open: the tees are killed TEE_DRAIN s after
     the replica exits, what the replica wrote is kept, and its exit code is written."""
     log_dir = tmp_path / "slurm-5" / "w" / "0"
-    proc = await _start_in_own_session(log_dir, "(sleep 60 &); echo before-exit; exit 3")
+    proc = await run_wrapper(
+        log_dir,
+        "(sleep 60 &); echo before-exit; exit 3",
+        {"PATH": "/usr/bin:/bin"},
+        new_session=True,
+    )
     try:
         with anyio.fail_after(TEE_DRAIN + 20):
             assert await proc.wait() == 3
