@@ -7,6 +7,7 @@ local apps in a burst while an exit is awaited.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,29 @@ async def test_launches_cancelled_while_waiting_for_their_turn_leave_nothing(
         assert listed == returned | {sleeper}
         go.touch()
         await waiting
+
+
+async def test_launches_are_paced_only_while_a_wait_or_a_listener_is_in_progress(
+    tmp_path: Path,
+) -> None:
+    """``wait`` and ``as_completed`` make exits awaited while they run, and only then: once they
+    return (or are left early), bursts start in one go again."""
+    go = tmp_path / "go"
+    async with AsyncRunner(name="pacing", local_root=str(tmp_path / "state")) as runner:
+        handle = await runner.run(_app(f"until [ -e {go} ]; do sleep 0.01; done"), "local_cwd")
+        assert not runner._exits_awaited()
+        waiting = asyncio.create_task(runner.wait(handle))
+        await asyncio.sleep(0)
+        assert runner._exits_awaited()
+        go.touch()
+        await waiting
+        assert not runner._exits_awaited()
+        other = await runner.run(_app("sleep 30"), "local_cwd")
+        async with contextlib.aclosing(runner.as_completed([handle, other])) as done:
+            async for _ in done:
+                assert runner._exits_awaited()
+                break  # left early: the listener of the other app goes too
+        assert not runner._exits_awaited()
+        await runner.cancel(other)
+        await runner.wait(other)
+        assert not runner._exits_awaited()
