@@ -7,13 +7,12 @@ the test creates. Replica 1 of role ``a`` fails its first attempt.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import GATE, wait_for
+from _local_env import GATE, group_members, wait_for
 
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.schedulers.local import LocalScheduler
@@ -154,19 +153,5 @@ async def test_failed_replica_stops_its_siblings(sched: LocalScheduler, tmp_path
     assert first.state == AppState.CANCELLED and first.exit_code == -9
     assert "w[1]" in desc.msg
     with anyio.fail_after(2):  # SIGKILLed members may take a moment to finish exiting
-        while _group_alive(pgid):
+        while group_members(pgid):
             await asyncio.sleep(0.02)
-
-
-def _group_alive(pgid: int) -> bool:
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            data = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        fields = data.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            return True
-    return False
