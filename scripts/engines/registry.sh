@@ -68,9 +68,17 @@ if ! pid_alive "$PIDFILE" docker-registry "$CONF"; then
   setsid nohup docker-registry serve "$CONF" >>"$LOGFILE" 2>&1 </dev/null &
   echo $! >"$PIDFILE"
 fi
+# While the registry starts, it is watched by pid alone. Between the fork and the exec of setsid, the
+# child's command line is still this script's, so the command-line check of pid_alive can take a
+# registry that is starting for one that is gone (it failed a CI run on a busy machine that way).
+pid=$(<"$PIDFILE")
 deadline=$((SECONDS + WAIT_SECONDS))
 until answers; do
-  if ((SECONDS >= deadline)) || ! pid_alive "$PIDFILE" docker-registry "$CONF"; then
+  if ! kill -0 "$pid" 2>/dev/null; then
+    tail -n 20 "$LOGFILE" >&2 || true
+    die "the registry (pid $pid) exited before it answered on $ADDR (see $LOGFILE)"
+  fi
+  if ((SECONDS >= deadline)); then
     tail -n 20 "$LOGFILE" >&2 || true
     die "the registry did not answer on $ADDR within ${WAIT_SECONDS}s (see $LOGFILE)"
   fi
