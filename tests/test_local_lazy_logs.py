@@ -303,6 +303,43 @@ async def test_a_quiet_writer_closes_without_making_anything(tmp_path: Path) -> 
     assert asked == [] and not (tmp_path / "app").exists()
 
 
+@pytest.mark.parametrize("ending", ["files made", "files failed", "closed quiet"])
+async def test_a_lazy_writer_says_once_when_it_no_longer_needs_descriptors_for_its_files(
+    tmp_path: Path, ending: str
+) -> None:
+    """``on_files`` (the launch's promise of descriptors for the files) is called exactly once,
+    when the files were made, when they could not be made, or when the writer closed without
+    them; never before."""
+    asked: list[ReplicaLogWriter] = []
+    settled: list[str] = []
+    parent = tmp_path / "app"
+    if ending == "files failed":
+        parent.write_text("a file where the directory should be")
+    writer = ReplicaLogWriter(
+        parent / "main" / "0", opener=asked.append, on_files=lambda: settled.append(ending)
+    )
+    r, w = os.pipe()
+    writer.attach(r, Stream.STDOUT)
+    if ending != "closed quiet":
+        os.write(w, b"out\n")
+        with anyio.fail_after(20):
+            while not asked:
+                await asyncio.sleep(0.005)
+        assert settled == []  # asked for, not made yet
+        writer.make_files()
+        assert settled == []  # (made in a worker thread: handed over on the event loop)
+        writer.files_made()
+        assert settled == [ending]
+    os.close(w)
+    with anyio.fail_after(20):
+        await writer.wait_drained()
+    assert settled == ([] if ending == "closed quiet" else [ending])
+    writer.close()
+    writer.close()
+    assert settled == [ending]
+    assert bool(writer.lost_bytes) == (ending == "files failed")
+
+
 async def test_an_unwritable_log_dir_fails_the_submit_without_an_early_directory(
     sched: LocalScheduler, tmp_path: Path
 ) -> None:

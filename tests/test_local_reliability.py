@@ -728,6 +728,73 @@ async def test_concurrent_starts_under_a_small_fd_limit_leave_nothing_behind(roo
     assert out["after"] == out["before"]
 
 
+FD_LAZY_FILES = textwrap.dedent(
+    """
+    import asyncio, json, os, resource, sys
+    limit, root, go = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    # quiet until "$GO" exists, then writes to both streams and stays until "$GO.end" exists
+    WAIT = ('until [ -e "$GO" ]; do sleep 0.05; done; echo "out of $ID"; echo "err of $ID" >&2; '
+            'until [ -e "$GO.end" ]; do sleep 0.05; done')
+
+    async def lines(s, app_id):
+        return [line async for line in s.log_iter(app_id, "main", 0)]
+
+    async def main():
+        async with LocalScheduler("s", local_root=root) as s:
+            ok, errors = [], []
+            for i in range(limit):  # quiet replicas: no log file yet, 3 descriptors each
+                app = AppDef("q", [Role("main", image=".", entrypoint="sh", args=["-c", WAIT],
+                                        env={"GO": go, "ID": str(i)})])
+                try:
+                    ok.append(await s.submit(app, {}))
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    break
+            open(go, "w").close()  # every replica prints now: its log files are made
+            for app_id in ok:  # (all of them running, with their files open at once)
+                while len(await lines(s, app_id)) < 2 and "lost" not in (
+                    await s.describe(app_id)
+                ).msg:
+                    await asyncio.sleep(0.05)
+            open(go + ".end", "w").close()
+            for app_id in ok:
+                while not (d := await s.describe(app_id)).state.name in ("SUCCEEDED", "FAILED"):
+                    await asyncio.sleep(0.05)
+            msgs = [(await s.describe(a)).msg for a in ok]
+            logs = [await lines(s, a) for a in ok]
+        print(json.dumps({"ok": ok, "errors": errors, "msgs": msgs, "logs": logs}))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(150)
+async def test_quiet_replicas_keep_the_descriptors_of_their_log_files(
+    root: Path, tmp_path: Path
+) -> None:
+    """A quiet replica's log files are opened at its first output, after its launch returned: the
+    descriptors they need stay promised to it meanwhile. Launches that would take them are refused
+    (saying so) and every replica that started writes its whole output, however late it prints."""
+    with anyio.fail_after(120):
+        proc = await anyio.run_process(
+            [sys.executable, "-c", FD_LAZY_FILES, "160", str(root), str(tmp_path / "go")],
+            check=False,
+        )
+    assert proc.returncode == 0, proc.stderr.decode()
+    out = json.loads(proc.stdout)
+    assert out["ok"], out
+    (error,) = out["errors"]
+    assert "file descriptors" in error and "ulimit -n" in error
+    assert [m for m in out["msgs"] if "lost" in m] == []
+    for i, lines in enumerate(out["logs"]):
+        assert sorted(lines) == sorted([f"out of {i}\n", f"err of {i}\n"]), (i, lines)
+
+
 # -- 9: full disks -----------------------------------------------------------------------------------
 
 

@@ -187,6 +187,9 @@ class ReplicaLogWriter:
             given.
         opener: makes the files lazily, on the first output (see above); called on the event loop,
             it must not block.
+        on_files: called once, on the event loop, when a lazy writer no longer needs what was set
+            aside for its files (file descriptors promised to it): they were made, could not be
+            made, or the writer closed without them.
 
     Raises:
         OSError: the directory or a file cannot be created or opened for writing.
@@ -200,6 +203,7 @@ class ReplicaLogWriter:
         *,
         files: LogFiles | None = None,
         opener: Callable[[ReplicaLogWriter], None] | None = None,
+        on_files: Callable[[], None] | None = None,
     ) -> None:
         # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
         # burst of launches creates thousands of writers
@@ -228,6 +232,7 @@ class ReplicaLogWriter:
         self._drained: asyncio.Event | None = None
         self._closed = False
         self._on_loss = on_loss
+        self._on_files = on_files if opener is not None else None
         self._lost: dict[Stream, int] = {}
         self._unmarked: dict[Stream, int] = {}
         self._loss_reason = ""
@@ -294,6 +299,7 @@ class ReplicaLogWriter:
     def _apply(self, made: LogFiles | BaseException) -> None:
         """Takes the made files (writing what was held) or the failure to make them."""
         self._opening = False
+        self._files_settled()
         held, self._held = self._held, []
         if isinstance(made, LogFiles):
             if self._closed and not held:
@@ -570,8 +576,14 @@ class ReplicaLogWriter:
             if n:
                 self._write_marker(target)
         self._close_files()
+        self._files_settled()
         _notify.remove_writer(self._key, self)
         _notify.wake_key(self._key, Wake.CLOSED)
+
+    def _files_settled(self) -> None:
+        on_files, self._on_files = self._on_files, None
+        if on_files is not None:
+            on_files()
 
     def _close_files(self) -> None:
         _close_quietly([*self._files.values(), self._index_fd])

@@ -31,6 +31,7 @@ from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import workspace as local_workspace
 from asynctorchx.schedulers._local.live import LiveApp
 from asynctorchx.schedulers._local.procs import (
+    FDS_PER_REPLICA_FILES,
     LaunchError,
     check_cwd,
     launch_error,
@@ -102,13 +103,17 @@ class AppLauncher:
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
+        # a lazy writer keeps the descriptors of its files promised until it has them (they are
+        # opened after this launch returns, and must not be taken by the launches that follow)
+        files_fds = FDS_PER_REPLICA_FILES if reserved and self._spawner.lazy_files else 0
         try:
             await self._check_new(app)
             try:
                 for i, rep in enumerate(app.replicas):
                     if i and i % (8 * START_CHUNK) == 0:
                         await asyncio.sleep(0)
-                    rep.writer = self._spawner.new_writer(app, rep)
+                    rep.writer = self._spawner.new_writer(app, rep, files_fds)
+                    reserved -= files_fds
             except BaseException:
                 app.close_logs()  # lazy: no file of theirs exists yet
                 await in_thread_shielded(shutil.rmtree, app.request.app_dir, True)

@@ -13,6 +13,7 @@ thread. The exit is then queued on its app (``LiveApp.exited``) for the app's ta
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -32,6 +33,7 @@ from asynctorchx.schedulers._local.procs import (
     kill_and_reap_now,
     launch_error,
     reap,
+    release_fds,
     spawn,
 )
 from asynctorchx.schedulers._local.runtime import LocalRuntime
@@ -154,16 +156,30 @@ class Spawner:
         #: makes log files on a replica's first output (``LogDirMaker.request``); None: at once
         self.log_opener: Callable[[ReplicaLogWriter], None] | None = None
 
-    def new_writer(self, app: LiveApp, rep: Replica) -> ReplicaLogWriter:
+    def new_writer(self, app: LiveApp, rep: Replica, files_fds: int = 0) -> ReplicaLogWriter:
         """A log writer for ``rep``: its directory and files are made on its first output (by
-        ``log_opener``), or at once when there is none. Raises OSError (only then)."""
+        ``log_opener``), or at once when there is none. Raises OSError (only then).
+
+        ``files_fds``: descriptors promised (``reserve_fds``) for the files of a lazy writer; it
+        gives them back (``release_fds``) once its files are open, failed, or will never be. The
+        caller gives them back itself when the writer is not lazy (``lazy_files``)."""
 
         def on_loss(reason: str) -> None:
             if not app.log_loss:
                 app.log_loss = reason
                 self._rt.changed(app)
 
-        return ReplicaLogWriter(rep.req.log_dir, on_loss=on_loss, opener=self.log_opener)
+        on_files = None
+        if files_fds and self.lazy_files:
+            on_files = functools.partial(release_fds, files_fds)
+        return ReplicaLogWriter(
+            rep.req.log_dir, on_loss=on_loss, opener=self.log_opener, on_files=on_files
+        )
+
+    @property
+    def lazy_files(self) -> bool:
+        """Whether new writers make their files on the first output (else at once)."""
+        return self.log_opener is not None
 
     async def start(self, app: LiveApp, replicas: Iterable[Replica]) -> None:
         """Starts ``replicas`` (a few hundred microseconds each). Raises LaunchError.
