@@ -656,6 +656,39 @@ async def test_any_failure_during_a_launch_leaves_nothing(
     assert await sched.list() == []
 
 
+@pytest.mark.timeout(60)
+async def test_a_launch_cut_short_by_a_cancel_scope_is_undone_before_it_returns(
+    root: Path, sched: LocalScheduler, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit whose anyio cancel scope is cancelled once its replicas run returns only when
+    they are gone and the app is forgotten (the scope's repeated cancellation does not cut the
+    wait for the undo short)."""
+    role = Role(
+        "main",
+        image="x",
+        entrypoint="sleep",
+        args=["1000"],
+        num_replicas=8,
+        env={"ATX_TOKEN": token},
+    )
+    info = sched.submit_dryrun(AppDef("cut", [role]), {})
+    spawner = sched._launcher._spawner
+    start = spawner.start
+    with anyio.CancelScope() as scope:
+
+        async def start_then_cancel(*args: Any) -> None:
+            await start(*args)
+            scope.cancel()
+
+        monkeypatch.setattr(spawner, "start", start_then_cancel)
+        with anyio.fail_after(30):
+            await sched.schedule(info)
+    assert scope.cancelled_caught
+    assert token_procs(token) == []
+    assert await sched.describe(info.request.app_id) is None
+    assert record_ids(root) == []
+
+
 # -- 8: file descriptors -----------------------------------------------------------------------------
 
 FD_LIMITED = textwrap.dedent(
