@@ -656,6 +656,39 @@ async def test_any_failure_during_a_launch_leaves_nothing(
     assert await sched.list() == []
 
 
+@pytest.mark.timeout(60)
+async def test_a_launch_cut_short_by_a_cancel_scope_is_undone_before_it_returns(
+    root: Path, sched: LocalScheduler, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit whose anyio cancel scope is cancelled once its replicas run returns only when
+    they are gone and the app is forgotten (the scope's repeated cancellation does not cut the
+    wait for the undo short)."""
+    role = Role(
+        "main",
+        image="x",
+        entrypoint="sleep",
+        args=["1000"],
+        num_replicas=8,
+        env={"ATX_TOKEN": token},
+    )
+    info = sched.submit_dryrun(AppDef("cut", [role]), {})
+    spawner = sched._launcher._spawner
+    start = spawner.start
+    with anyio.CancelScope() as scope:
+
+        async def start_then_cancel(*args: Any) -> None:
+            await start(*args)
+            scope.cancel()
+
+        monkeypatch.setattr(spawner, "start", start_then_cancel)
+        with anyio.fail_after(30):
+            await sched.schedule(info)
+    assert scope.cancelled_caught
+    assert token_procs(token) == []
+    assert await sched.describe(info.request.app_id) is None
+    assert record_ids(root) == []
+
+
 # -- 8: file descriptors -----------------------------------------------------------------------------
 
 FD_LIMITED = textwrap.dedent(
@@ -934,6 +967,41 @@ async def test_a_full_state_root_does_not_make_states_contradict(tmp_path: Path)
         finally:
             await s.close()
         assert await read_elsewhere(root, app_id) == {"describe": "SUCCEEDED", "list": "SUCCEEDED"}
+
+
+@pytest.mark.timeout(90)
+async def test_a_launch_refused_by_a_full_state_root_leaves_no_record_once_space_frees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch whose record cannot be created (full disk, logs on it too) is undone, and the log
+    loss its replica's output reports while it is undone writes no record: once space frees, no
+    record of it appears (before: a RUNNING record of an app nobody had a handle for)."""
+    with tiny_tmpfs(tmp_path / "state", "1m") as state:
+        root = state / "root"
+        s = LocalScheduler("rel", local_root=root)
+        try:
+            await s.submit(AppDef("warm", [Role("main", image="x", entrypoint="true")]), {})
+            spawner = s._launcher._spawner
+            held: list[object] = []
+            monkeypatch.setattr(spawner, "log_opener", held.append)  # its files: made at close
+            start = spawner.start
+
+            async def start_until_output(*args: Any) -> None:
+                await start(*args)
+                await until(lambda: bool(held), 10, "the replica's first output")
+
+            monkeypatch.setattr(spawner, "start", start_until_output)
+            filler = fill(state)
+            app = AppDef("lost", [Role("main", image="x", entrypoint="echo", args=["hello"])])
+            info = s.submit_dryrun(app, {})
+            with pytest.raises(LaunchError, match="record"):
+                await s.schedule(info)
+            filler.unlink()
+            with anyio.fail_after(30):
+                assert await s._runtime.writer.flush(retry_for=20)
+            assert info.request.app_id not in record_ids(root)
+        finally:
+            await s.close()
 
 
 async def test_a_deleted_records_directory_is_created_again(

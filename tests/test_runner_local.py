@@ -450,6 +450,20 @@ async def test_close_twice_and_use_after_close(root: Path) -> None:
         await runner.open()
 
 
+async def test_a_first_run_in_progress_when_the_runner_closes_raises_closed(root: Path) -> None:
+    """A first ``run()`` still reading the trackers' config when ``close()`` is called raises
+    RuntimeError('...closed'), not a CancelledError in a task nobody cancelled."""
+    runner = AsyncRunner(name=session(), local_root=str(root))
+    await runner.open()
+    first = asyncio.create_task(runner.run(sh_app("true"), LOCAL))
+    await asyncio.sleep(0)  # it waits for the config read (a worker thread)
+    await asyncio.wait_for(runner.close(), 15)
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(first, 15)
+    assert not first.cancelled()
+    assert not (root / ".apps").exists() or not list((root / ".apps").iterdir())
+
+
 async def test_close_right_after_cancel_returns(root: Path) -> None:
     """close() just after cancel() (the hub is being woken as it is stopped) returns promptly."""
     runner = AsyncRunner(name=session(), local_root=str(root))

@@ -382,7 +382,11 @@ class AsyncRunner:
 
         if self._trackers_read is None:
             self._trackers_read = self._supervisor.spawn(read(), "read-trackers")
-        trackers, error = await asyncio.shield(self._trackers_read)
+        reading = self._trackers_read
+        await asyncio.wait({reading})  # (a cancellation of the caller does not cancel the read)
+        if reading.cancelled():  # close() stopped it: not a cancellation of the caller
+            raise RuntimeError("the runner is closed")
+        trackers, error = reading.result()
         if error is not None:
             self._trackers_read = None
             raise error

@@ -273,7 +273,7 @@ class AppLauncher:
         except RuntimeError:  # closing: the scheduler's own clean-up is running
             await self._discard(app)
             return
-        await asyncio.shield(task)
+        await await_shielded(task)
 
     async def _discard(self, app: LiveApp) -> None:
         """Kills what started of the app and removes its directory, record and cgroups."""

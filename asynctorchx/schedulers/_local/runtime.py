@@ -91,7 +91,12 @@ class LocalRuntime:
     # -- changes ------------------------------------------------------------------------------
 
     def changed(self, app: LiveApp) -> None:
-        """Queues the app's record (serialised once per write batch) and a change notification."""
+        """Queues the app's record (serialised once per write batch) and a change notification.
+
+        Nothing for an app whose start is being undone (``discard``): its record is forgotten and
+        removed, and one written now (a log loss reported as its logs close) would be a ghost."""
+        if app.discard:
+            return
         self.writer.put(app.app_id, lambda: self.snapshot(app).to_json(), urgent=False)
         self.notify_soon(app.app_id)
 
