@@ -292,7 +292,16 @@ class FsspecTracker(TrackerBase):
         self._persist(run_id, ARTIFACTS, entry)
 
     def add_source(self, run_id: str, source_id: str, artifact_name: str | None = None) -> None:
-        """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX)."""
+        """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX).
+
+        Raises:
+            TrackerError: ``artifact_name`` holds a line break (the file holds one name a line).
+        """
+        if artifact_name and ("\n" in artifact_name or "\r" in artifact_name):
+            raise TrackerError(
+                f"artifact name {artifact_name!r} of source {source_id!r} holds a line break, "
+                "which the file tracker cannot record (one artifact name a line)"
+            )
         source_name = encode_run_id(source_id)
         sources = self.category_dir(run_id, SOURCES)
         self._fs.makedirs(sources)
