@@ -59,11 +59,17 @@ def encode_run_id(run_id: str) -> str:
     """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids).
 
     Raises:
-        TrackerError: the id is empty (it would name the root itself) or too long to be a file name.
+        TrackerError: the id is empty (it would name the root itself), too long to be a file name,
+            or not UTF-8 text.
     """
     if not isinstance(run_id, str) or not run_id:
         raise TrackerError(f"a run id must be a non-empty string, got {run_id!r}")
-    raw = run_id.encode("utf-8")
+    try:
+        raw = run_id.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8, decoded with surrogateescape
+        raise TrackerError(
+            f"run id {run_id!r} is not valid text (it holds bytes that are not UTF-8)"
+        ) from None
     if len(raw) > MAX_RUN_ID_BYTES:
         raise TrackerError(
             f"run id {run_id[:40]!r}... is too long for the file tracker "
