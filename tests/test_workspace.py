@@ -475,6 +475,26 @@ def test_a_copy_keeps_its_bytes_when_the_source_is_edited_in_place(tmp_path: Pat
     assert (dest / "a.py").read_text() == "v1" and (dest / "sub/b.txt").read_text() == "b"
 
 
+def test_a_copy_of_a_sparse_file_stays_sparse(tmp_path: Path) -> None:
+    """copy_scan copies a sparse file's data only: same bytes, and its holes take no disk space."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    size = 64 << 20
+    with open(root / "sparse.bin", "wb") as f:
+        f.write(b"head")
+        f.seek(40 << 20)
+        f.write(b"middle")
+        f.truncate(size)
+    if os.stat(root / "sparse.bin").st_blocks * 512 >= size // 2:
+        pytest.skip("this file system does not keep holes")
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    copy_scan(scan_workspace(_ws(root), TORCHXIGNORE), str(dest), clone=False)
+    copied = dest / "sparse.bin"
+    assert copied.read_bytes() == (root / "sparse.bin").read_bytes()
+    assert os.stat(copied).st_blocks * 512 < 4 << 20
+
+
 def test_concurrent_snapshots_of_one_scan_make_one_directory(tmp_path: Path) -> None:
     """Eight threads snapshotting the same content end up with one directory; exactly one made it."""
     root = _tree(tmp_path / "ws", {f"f{i}": str(i) * 1000 for i in range(50)})

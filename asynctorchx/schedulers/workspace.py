@@ -723,8 +723,42 @@ def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bo
                 ):
                     raise
                 use_clone[0] = False
-        shutil.copyfileobj(fsrc, fdst, _CHUNK)
+        _copy_data(fsrc.fileno(), fdst.fileno())
     return False
+
+
+def _copy_data(src: int, dst: int) -> None:
+    """Copies the file ``src`` to the empty file ``dst``, leaving its holes holes.
+
+    A sparse file (``truncate -s 50G``, a preallocated dataset) is read and written only where it
+    holds data, so its copy takes the disk space of the original, not its length in zeros. A
+    file that changes meanwhile is caught by the stat or hash check that follows every copy.
+    """
+    size = os.fstat(src).st_size
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(src, pos, os.SEEK_DATA)
+            end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                break  # only a hole is left
+            if e.errno != errno.EINVAL:
+                raise
+            start, end = pos, size  # a file system that cannot tell holes: copy everything
+        while start < end:
+            chunk = os.pread(src, min(_CHUNK, end - start), start)
+            if not chunk:
+                break  # cut short since its stat was taken
+            view, offset = memoryview(chunk), start
+            while view:
+                written = os.pwrite(dst, view, offset)
+                view, offset = view[written:], offset + written
+            start += len(chunk)
+        if start < end:
+            break
+        pos = end
+    os.ftruncate(dst, size)
 
 
 _FICLONE = 0x40049409
@@ -738,7 +772,7 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     change when the source is edited in place later (hard links would). A file's stat must not
     have moved since the scan, and a file changed just before the scan (its timestamps cannot
     vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
-    (a FIFO would block the copy forever).
+    (a FIFO would block the copy forever). The holes of a sparse file stay holes in its copy.
 
     Returns:
         ``{"cloned": n, "copied": n}``.
