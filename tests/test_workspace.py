@@ -385,6 +385,36 @@ def test_a_bad_ignore_pattern_names_the_file_and_line(tmp_path: Path) -> None:
         scan_workspace(_ws(root), TORCHXIGNORE)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_an_ignore_file_that_is_not_a_regular_file_is_an_error(tmp_path: Path, kind: str) -> None:
+    """A FIFO, device or directory as the ignore file is an error naming it, never a blocked read."""
+    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    if kind == "fifo":
+        os.mkfifo(root / TORCHXIGNORE)
+    elif kind == "device":
+        os.symlink("/dev/null", root / TORCHXIGNORE)
+    else:
+        (root / TORCHXIGNORE).mkdir()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            scan_workspace(_ws(root), TORCHXIGNORE)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(root / TORCHXIGNORE, "wb"):  # lets the blocked open() return
+            pass
+        thread.join(10)
+        pytest.fail("reading the ignore file blocked on the FIFO")
+    assert len(errors) == 1 and isinstance(errors[0], InvalidWorkspaceException), errors
+    assert f"ignore file '{root / TORCHXIGNORE}' is not a regular file" in str(errors[0])
+
+
 def test_the_image_key_covers_base_recipe_and_build_args(tmp_path: Path) -> None:
     """Another base image id, recipe or build argument gives another image key."""
     scan = scan_workspace(_ws(_tree(tmp_path / "ws", {"a": "a"})), DOCKERIGNORE)

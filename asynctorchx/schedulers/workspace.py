@@ -159,18 +159,32 @@ class IgnoreRules:
         """The rules of ``directory/name`` (no rules when the file does not exist).
 
         Raises:
-            InvalidWorkspaceException: the file cannot be read or holds a bad pattern.
+            InvalidWorkspaceException: the file cannot be read, is not a regular file (a FIFO
+                would block the read forever), or holds a bad pattern.
         """
         path = os.path.join(directory, name)
         try:
-            with open(path, encoding="utf-8", errors="surrogateescape") as f:
-                lines = f.read().splitlines()
+            # O_NONBLOCK: a FIFO must not block the open forever (nor a device be read endlessly)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return cls((), path)
         except OSError as e:
             raise InvalidWorkspaceException(
                 f"ignore file {path!r} cannot be read: {e.strerror or e}"
             ) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidWorkspaceException(
+                    f"ignore file {path!r} is not a regular file (a FIFO, a device or a directory)"
+                )
+            with os.fdopen(fd, encoding="utf-8", errors="surrogateescape", closefd=False) as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise InvalidWorkspaceException(
+                f"ignore file {path!r} cannot be read: {e.strerror or e}"
+            ) from None
+        finally:
+            os.close(fd)
         return cls(lines, path)
 
     def __bool__(self) -> bool:
