@@ -3,11 +3,13 @@ stream, directory copies and snapshots (asynctorchx.schedulers.workspace)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,9 +23,11 @@ from asynctorchx.schedulers.workspace import (
     TORCHXIGNORE,
     IgnoreRules,
     WorkspaceChangedError,
+    _check_cancelled,
     copy_scan,
     image_key,
     link_tree,
+    run_in_thread,
     scan_workspace,
     snapshot,
     write_tar,
@@ -523,6 +527,40 @@ def test_a_copy_of_a_sparse_file_stays_sparse(tmp_path: Path) -> None:
     copied = dest / "sparse.bin"
     assert copied.read_bytes() == (root / "sparse.bin").read_bytes()
     assert os.stat(copied).st_blocks * 512 < 4 << 20
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "cancel scope"])
+async def test_a_cancelled_caller_stops_its_workspace_thread(how: str) -> None:
+    """Cancelling the caller of run_in_thread (asyncio- or anyio-style) stops the worker thread at
+    its next check, instead of leaving it reading (or copying) the rest of the workspace."""
+    started, stopped = threading.Event(), threading.Event()
+
+    def read_forever() -> None:
+        started.set()
+        try:
+            deadline = time.monotonic() + 30  # bounded, should the check never raise
+            while time.monotonic() < deadline:
+                _check_cancelled()
+                time.sleep(0.001)
+        finally:
+            stopped.set()
+
+    if how == "task.cancel":
+        task = asyncio.ensure_future(run_in_thread(read_forever))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_in_thread, read_forever)
+            while not started.is_set():
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    with anyio.fail_after(10):
+        while not stopped.is_set():
+            await anyio.sleep(0.01)
 
 
 def test_concurrent_snapshots_of_one_scan_make_one_directory(tmp_path: Path) -> None:
