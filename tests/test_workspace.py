@@ -10,7 +10,7 @@ import shutil
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -389,6 +389,27 @@ def test_a_bad_ignore_pattern_names_the_file_and_line(tmp_path: Path) -> None:
         scan_workspace(_ws(root), TORCHXIGNORE)
 
 
+def _errors_unless_blocked(call: Callable[[], object], fifo: Path) -> list[BaseException]:
+    """What ``call()`` raised, run in a thread; fails the test if it blocks on the FIFO ``fifo``."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(fifo, "wb"):  # lets the blocked open() return
+            pass
+        thread.join(10)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return errors
+
+
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
 def test_an_ignore_file_that_is_not_a_regular_file_is_an_error(tmp_path: Path, kind: str) -> None:
     """A FIFO, device or directory as the ignore file is an error naming it, never a blocked read."""
@@ -399,22 +420,9 @@ def test_an_ignore_file_that_is_not_a_regular_file_is_an_error(tmp_path: Path, k
         os.symlink("/dev/null", root / TORCHXIGNORE)
     else:
         (root / TORCHXIGNORE).mkdir()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            scan_workspace(_ws(root), TORCHXIGNORE)
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    if thread.is_alive():
-        with open(root / TORCHXIGNORE, "wb"):  # lets the blocked open() return
-            pass
-        thread.join(10)
-        pytest.fail("reading the ignore file blocked on the FIFO")
+    errors = _errors_unless_blocked(
+        lambda: scan_workspace(_ws(root), TORCHXIGNORE), root / TORCHXIGNORE
+    )
     assert len(errors) == 1 and isinstance(errors[0], InvalidWorkspaceException), errors
     assert f"ignore file '{root / TORCHXIGNORE}' is not a regular file" in str(errors[0])
 
@@ -474,25 +482,10 @@ def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
     os.mkfifo(root / "a.py")
     dest = tmp_path / "copy"
     dest.mkdir()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            if ship == "tar":
-                write_tar(scan, io.BytesIO())
-            else:
-                copy_scan(scan, str(dest))
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    if thread.is_alive():
-        with open(root / "a.py", "wb"):  # lets the blocked open() return
-            pass
-        thread.join(10)
-        pytest.fail("shipping the workspace blocked on the FIFO")
+    errors = _errors_unless_blocked(
+        lambda: write_tar(scan, io.BytesIO()) if ship == "tar" else copy_scan(scan, str(dest)),
+        root / "a.py",
+    )
     assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
     assert "no longer a regular file" in str(errors[0])
 
