@@ -26,7 +26,7 @@ not entered unless a ``!`` pattern starts with its path, so ``!**/keep`` does no
 inside an excluded directory, but ``!build/keep`` does.
 
 The functions here block (they read and hash files): async code calls them through
-``anyio.to_thread``.
+``run_in_thread``, which stops them between files and 1 MB pieces when the caller is cancelled.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generic, TypeVar
 
 import anyio.from_thread
+import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
