@@ -324,6 +324,18 @@ def test_torchxconfig_defaults_apply_and_explicit_cfg_wins(cli: Cli, tmp_path: P
     assert "unknown scheduler 'nosuchscheduler'" in _one_error_line(result.stderr)
 
 
+def test_unknown_cli_run_key_warns(cli: Cli, tmp_path: Path) -> None:
+    """A [cli:run] key run does not read (a typo of workspace) is warned about once, not ignored."""
+    config = tmp_path / "cfg.ini"
+    config.write_text("[cli:run]\ncomponent = utils.echo\nworksapce = /nowhere\n")
+    result = cli("run", "--dryrun", TORCHXCONFIG=str(config))
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if "warning:" in line]
+    assert len(warned) == 1, result.stderr
+    assert "[cli:run] worksapce = /nowhere is not an option of run" in warned[0]
+    assert "did you mean 'workspace'?" in warned[0]
+
+
 # -- Ctrl+C ---------------------------------------------------------------------------------------
 
 

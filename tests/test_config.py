@@ -166,6 +166,14 @@ def test_malformed_file_names_file_and_line(homes: tuple[Path, Path]):
         apply("local_cwd", {}, run_opts=opts())
 
 
+def test_non_utf8_file_names_file_and_byte(homes: tuple[Path, Path]):
+    """A config file that is not UTF-8 raises ConfigFileError naming the file and the bad byte."""
+    _, project = homes
+    (project / ".torchxconfig").write_bytes(b"[local_cwd]\nlog_dir = /a\xff\n")
+    with pytest.raises(ConfigFileError, match=r"\.torchxconfig' line 2 is not UTF-8 .*xff"):
+        apply("local_cwd", {}, run_opts=opts())
+
+
 def test_values_with_percent_are_literal(homes: tuple[Path, Path]):
     """Values are not interpolated: % and ${...} stay as written."""
     _, project = homes

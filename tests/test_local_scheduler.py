@@ -339,6 +339,22 @@ def test_local_dir_rejects_a_file_as_image(root: Path, tmp_path: Path) -> None:
         s.submit_dryrun(app(Role("trainer", image=str(f), entrypoint="true")), {})
 
 
+def test_more_replicas_than_host_processes_is_rejected(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica count the host can never run is a clear error naming the role, not an OOM."""
+    from asynctorchx.schedulers._local import request
+
+    monkeypatch.setattr(request, "max_processes", lambda: 4)
+    s = LocalScheduler("d", local_root=root)
+    s.submit_dryrun(app(sh("true", "a", num_replicas=2), sh("true", "b", num_replicas=2)), {})
+    with pytest.raises(InvalidAppDefException) as info:
+        s.submit_dryrun(app(sh("true", "a", num_replicas=3), sh("true", "b", num_replicas=2)), {})
+    message = str(info.value)
+    assert "role 'a'" in message and "num_replicas 3" in message and "at most 4" in message
+    assert "5 replicas in all" in message and info.value.field_name == "num_replicas"
+
+
 # -- failed submits leave nothing behind -----------------------------------------------------------
 
 

@@ -142,6 +142,21 @@ def test_resolve_type_error_names_key_type_and_value() -> None:
         _opts().resolve({"cluster_id": 1, "preemptible": "yes"})
 
 
+def test_resolve_refuses_nul_characters_naming_the_key() -> None:
+    """A NUL in a str, List[str] or Dict[str, str] value raises InvalidRunConfigException naming it."""
+    for key, value in (
+        ("run_as_user", "a\0b"),
+        ("tags", ["ok", "a\0b"]),
+        ("labels", {"k": "a\0b"}),
+        ("labels", {"a\0b": "v"}),
+    ):
+        with pytest.raises(
+            InvalidRunConfigException, match=rf"'{key}' must not contain a NUL"
+        ) as ei:
+            _opts().resolve({"cluster_id": 1, key: value})
+        assert ei.value.cfg_key == key
+
+
 def test_resolve_keeps_unknown_keys() -> None:
     """Keys that are not options are passed through untouched (another layer may know them)."""
     resolved = _opts().resolve({"cluster_id": 1, "image_repo": "r", "n": 3})
@@ -256,8 +271,8 @@ _ATOM = st.text(
 )
 _STR_VAL = st.text(
     alphabet=st.characters(
-        codec="utf-8", exclude_characters=",;=\r\n\t\x0b\x0c\x1c\x1d\x1e\x1f\x85"
-    ),
+        codec="utf-8", exclude_characters="\0,;=\r\n\t\x0b\x0c\x1c\x1d\x1e\x1f\x85"
+    ),  # NUL: resolve refuses it (test_resolve_refuses_nul_characters_naming_the_key)
     max_size=12,
 ).map(str.strip)
 _FLOATS = st.floats(allow_nan=False)

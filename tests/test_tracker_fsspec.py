@@ -101,6 +101,30 @@ def test_a_run_id_too_long_for_a_file_name_is_a_clear_error(conf: Path) -> None:
         tracker.add_metadata("x" * 200, a=1)
 
 
+def test_an_artifact_name_with_a_line_break_is_refused_not_split(conf: Path) -> None:
+    """A source's artifact name holding a newline raises TrackerError; it is never read back as two."""
+    tracker = create(str(conf))
+    for name in ("a\nb", "a\rb"):
+        with pytest.raises(
+            TrackerError, match=r"artifact name 'a\\[nr]b' of source 'src'.*line break"
+        ):
+            tracker.add_source(RUN, "src", name)
+    assert tracker.sources(RUN) == []
+
+
+def test_a_run_id_of_bytes_that_are_not_utf8_is_a_clear_error(conf: Path) -> None:
+    """A run id from an environment holding non-UTF-8 bytes raises TrackerError naming it."""
+    tracker = create(str(conf))
+    run_id = os.fsdecode(b"trial-\xff")
+    for call in (
+        lambda: tracker.add_metadata(run_id, a=1),
+        lambda: tracker.metadata(run_id),
+        lambda: tracker.run_ids(parent_run_id=run_id),
+    ):
+        with pytest.raises(TrackerError, match=r"run id 'trial-\\udcff' is not valid text"):
+            call()
+
+
 def test_an_empty_run_id_is_refused_instead_of_writing_into_the_root(
     conf: Path, tmp_path: Path
 ) -> None:

@@ -3,12 +3,14 @@ stream, directory copies and snapshots (asynctorchx.schedulers.workspace)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import shutil
 import tarfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
@@ -21,9 +23,11 @@ from asynctorchx.schedulers.workspace import (
     TORCHXIGNORE,
     IgnoreRules,
     WorkspaceChangedError,
+    _check_cancelled,
     copy_scan,
     image_key,
     link_tree,
+    run_in_thread,
     scan_workspace,
     snapshot,
     write_tar,
@@ -385,6 +389,44 @@ def test_a_bad_ignore_pattern_names_the_file_and_line(tmp_path: Path) -> None:
         scan_workspace(_ws(root), TORCHXIGNORE)
 
 
+def _errors_unless_blocked(call: Callable[[], object], fifo: Path) -> list[BaseException]:
+    """What ``call()`` raised, run in a thread; fails the test if it blocks on the FIFO ``fifo``."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():
+        with open(fifo, "wb"):  # lets the blocked open() return
+            pass
+        thread.join(10)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    return errors
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_an_ignore_file_that_is_not_a_regular_file_is_an_error(tmp_path: Path, kind: str) -> None:
+    """A FIFO, device or directory as the ignore file is an error naming it, never a blocked read."""
+    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    if kind == "fifo":
+        os.mkfifo(root / TORCHXIGNORE)
+    elif kind == "device":
+        os.symlink("/dev/null", root / TORCHXIGNORE)
+    else:
+        (root / TORCHXIGNORE).mkdir()
+    errors = _errors_unless_blocked(
+        lambda: scan_workspace(_ws(root), TORCHXIGNORE), root / TORCHXIGNORE
+    )
+    assert len(errors) == 1 and isinstance(errors[0], InvalidWorkspaceException), errors
+    assert f"ignore file '{root / TORCHXIGNORE}' is not a regular file" in str(errors[0])
+
+
 def test_the_image_key_covers_base_recipe_and_build_args(tmp_path: Path) -> None:
     """Another base image id, recipe or build argument gives another image key."""
     scan = scan_workspace(_ws(_tree(tmp_path / "ws", {"a": "a"})), DOCKERIGNORE)
@@ -440,25 +482,10 @@ def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
     os.mkfifo(root / "a.py")
     dest = tmp_path / "copy"
     dest.mkdir()
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            if ship == "tar":
-                write_tar(scan, io.BytesIO())
-            else:
-                copy_scan(scan, str(dest))
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    if thread.is_alive():
-        with open(root / "a.py", "wb"):  # lets the blocked open() return
-            pass
-        thread.join(10)
-        pytest.fail("shipping the workspace blocked on the FIFO")
+    errors = _errors_unless_blocked(
+        lambda: write_tar(scan, io.BytesIO()) if ship == "tar" else copy_scan(scan, str(dest)),
+        root / "a.py",
+    )
     assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
     assert "no longer a regular file" in str(errors[0])
 
@@ -473,6 +500,60 @@ def test_a_copy_keeps_its_bytes_when_the_source_is_edited_in_place(tmp_path: Pat
     with open(root / "a.py", "r+") as f:
         f.write("v2")
     assert (dest / "a.py").read_text() == "v1" and (dest / "sub/b.txt").read_text() == "b"
+
+
+def test_a_copy_of_a_sparse_file_stays_sparse(tmp_path: Path) -> None:
+    """copy_scan copies a sparse file's data only: same bytes, and its holes take no disk space."""
+    root = tmp_path / "ws"
+    root.mkdir()
+    size = 64 << 20
+    with open(root / "sparse.bin", "wb") as f:
+        f.write(b"head")
+        f.seek(40 << 20)
+        f.write(b"middle")
+        f.truncate(size)
+    if os.stat(root / "sparse.bin").st_blocks * 512 >= size // 2:
+        pytest.skip("this file system does not keep holes")
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    copy_scan(scan_workspace(_ws(root), TORCHXIGNORE), str(dest), clone=False)
+    copied = dest / "sparse.bin"
+    assert copied.read_bytes() == (root / "sparse.bin").read_bytes()
+    assert os.stat(copied).st_blocks * 512 < 4 << 20
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "cancel scope"])
+async def test_a_cancelled_caller_stops_its_workspace_thread(how: str) -> None:
+    """Cancelling the caller of run_in_thread (asyncio- or anyio-style) stops the worker thread at
+    its next check, instead of leaving it reading (or copying) the rest of the workspace."""
+    started, stopped = threading.Event(), threading.Event()
+
+    def read_forever() -> None:
+        started.set()
+        try:
+            deadline = time.monotonic() + 30  # bounded, should the check never raise
+            while time.monotonic() < deadline:
+                _check_cancelled()
+                time.sleep(0.001)
+        finally:
+            stopped.set()
+
+    if how == "task.cancel":
+        task = asyncio.ensure_future(run_in_thread(read_forever))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_in_thread, read_forever)
+            while not started.is_set():
+                await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    with anyio.fail_after(10):
+        while not stopped.is_set():
+            await anyio.sleep(0.01)
 
 
 def test_concurrent_snapshots_of_one_scan_make_one_directory(tmp_path: Path) -> None:

@@ -8,11 +8,34 @@ if TYPE_CHECKING:
     from asynctorchx.specs.api import CfgVal, runopts
 
 
-def run_defaults() -> dict[str, str]:
-    """The ``[cli:run]`` section (e.g. ``scheduler``, ``component``), or an empty dict."""
-    from asynctorchx.runner.config import get_configs
+#: The keys of ``[cli:run]`` that ``run`` reads.
+RUN_KEYS = ("scheduler", "component", "workspace")
 
-    return get_configs("cli", "run")
+
+def run_defaults() -> dict[str, str]:
+    """The ``[cli:run]`` section (``scheduler``, ``component``, ``workspace``), or an empty dict.
+
+    Any other key (a typo such as ``worksapce``) is warned about (a ``ConfigWarning``), as unknown
+    keys of the other sections are, and ignored.
+    """
+    import difflib
+    import warnings
+
+    from asynctorchx.runner.config import get_configs
+    from asynctorchx.specs.errors import ConfigWarning
+
+    values = get_configs("cli", "run")
+    for key, value in values.items():
+        if key not in RUN_KEYS:
+            close = difflib.get_close_matches(key, RUN_KEYS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            warnings.warn(
+                f".torchxconfig: [cli:run] {key} = {value} is not an option of run and is "
+                f"ignored{hint}; its options: {', '.join(RUN_KEYS)}",
+                ConfigWarning,
+                stacklevel=1,  # one place: shown once, however many times the section is read
+            )
+    return {k: v for k, v in values.items() if k in RUN_KEYS}
 
 
 def default_scheduler() -> str:

@@ -236,9 +236,9 @@ async def _dryrun(
         )
     import functools
 
-    import anyio.to_thread
+    from asynctorchx.schedulers.workspace import run_in_thread
 
-    return await anyio.to_thread.run_sync(
+    return await run_in_thread(
         functools.partial(
             runner.dryrun_component,
             component,

@@ -131,7 +131,8 @@ def read_config(source: str | os.PathLike[str] | TextIO) -> configparser.ConfigP
     """Parses one config file (a path or an open text file).
 
     Raises:
-        ConfigFileError: the file is not valid INI; the message names the file and line.
+        ConfigFileError: the file is not valid INI, or not UTF-8; the message names the file and
+            the line.
     """
     parser = _parser()
     try:
@@ -142,7 +143,26 @@ def read_config(source: str | os.PathLike[str] | TextIO) -> configparser.ConfigP
             parser.read_file(source)
     except configparser.Error as e:
         raise ConfigFileError(f"invalid config file: {e}") from None
+    except UnicodeDecodeError as e:
+        if not isinstance(source, (str, os.PathLike)):
+            name = getattr(source, "name", "<config>")
+            raise ConfigFileError(f"invalid config file {name!r}: not UTF-8 ({e})") from None
+        raise ConfigFileError(f"invalid config file: {_not_utf8(source)}") from None
     return parser
+
+
+def _not_utf8(path: str | os.PathLike[str]) -> str:
+    """Where the file ``path`` stops being UTF-8 (its name, line and the byte)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return (
+            f"{os.fspath(path)!r} line {line} is not UTF-8 (byte {data[e.start : e.start + 1]!r})"
+        )
+    return f"{os.fspath(path)!r} is not UTF-8"
 
 
 def _scheduler_run_opts(scheduler: str) -> runopts:

@@ -237,7 +237,9 @@ class Scheduler(abc.ABC, Generic[T]):
         """``plan_workspace`` run in a worker thread, so the event loop never waits on the disk."""
         if not self.supports_workspace:
             return self.plan_workspace(app, cfg, workspace)
-        return await anyio.to_thread.run_sync(self.plan_workspace, app, cfg, workspace)
+        from asynctorchx.schedulers.workspace import run_in_thread
+
+        return await run_in_thread(self.plan_workspace, app, cfg, workspace)
 
     def _apply_workspace(self, app: AppDef, plan: WorkspacePlan) -> None:
         """Points the roles that get the workspace at its target (their image)."""

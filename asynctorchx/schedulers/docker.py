@@ -42,8 +42,6 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio.to_thread
-
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
@@ -72,7 +70,12 @@ from asynctorchx.schedulers._docker.state import (
 )
 from asynctorchx.schedulers._reconcile import Reconciler, finish_shielded
 from asynctorchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler
-from asynctorchx.schedulers.workspace import SingleFlight, WorkspacePlan, current_progress
+from asynctorchx.schedulers.workspace import (
+    SingleFlight,
+    WorkspacePlan,
+    current_progress,
+    run_in_thread,
+)
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -188,7 +191,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         """``plan_workspace`` with the engine asked from the event loop, the files read in a
         worker thread."""
         base_id = await self._engine.image_id(app.roles[0].image)
-        return await anyio.to_thread.run_sync(plan_image, self.backend, app, workspace, base_id)
+        return await run_in_thread(plan_image, self.backend, app, workspace, base_id)
 
     # -- submitting -----------------------------------------------------------------------------
 

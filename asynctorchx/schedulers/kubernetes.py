@@ -82,7 +82,12 @@ from asynctorchx.schedulers._k8s.reads import AppReader
 from asynctorchx.schedulers._k8s.status import describe_app, labels_of, meta
 from asynctorchx.schedulers._reconcile import Reconciler, finish_shielded
 from asynctorchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler
-from asynctorchx.schedulers.workspace import SingleFlight, WorkspacePlan, current_progress
+from asynctorchx.schedulers.workspace import (
+    SingleFlight,
+    WorkspacePlan,
+    current_progress,
+    run_in_thread,
+)
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -227,7 +232,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         plan = functools.partial(
             plan_image, self.backend, app, workspace, base_id, push_repository=repo
         )
-        return await anyio.to_thread.run_sync(plan)
+        return await run_in_thread(plan)
 
     async def _ship_workspace(self, plan: WorkspacePlan) -> None:
         from asynctorchx.schedulers._docker.image import ensure_image, ensure_pushed

@@ -26,7 +26,7 @@ not entered unless a ``!`` pattern starts with its path, so ``!**/keep`` does no
 inside an excluded directory, but ``!build/keep`` does.
 
 The functions here block (they read and hash files): async code calls them through
-``anyio.to_thread``.
+``run_in_thread``, which stops them between files and 1 MB pieces when the caller is cancelled.
 """
 
 from __future__ import annotations
@@ -50,6 +50,9 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Generic, TypeVar
+
+import anyio.from_thread
+import anyio.to_thread
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
@@ -159,18 +162,32 @@ class IgnoreRules:
         """The rules of ``directory/name`` (no rules when the file does not exist).
 
         Raises:
-            InvalidWorkspaceException: the file cannot be read or holds a bad pattern.
+            InvalidWorkspaceException: the file cannot be read, is not a regular file (a FIFO
+                would block the read forever), or holds a bad pattern.
         """
         path = os.path.join(directory, name)
         try:
-            with open(path, encoding="utf-8", errors="surrogateescape") as f:
-                lines = f.read().splitlines()
+            # O_NONBLOCK: a FIFO must not block the open forever (nor a device be read endlessly)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return cls((), path)
         except OSError as e:
             raise InvalidWorkspaceException(
                 f"ignore file {path!r} cannot be read: {e.strerror or e}"
             ) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InvalidWorkspaceException(
+                    f"ignore file {path!r} is not a regular file (a FIFO, a device or a directory)"
+                )
+            with os.fdopen(fd, encoding="utf-8", errors="surrogateescape", closefd=False) as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise InvalidWorkspaceException(
+                f"ignore file {path!r} cannot be read: {e.strerror or e}"
+            ) from None
+        finally:
+            os.close(fd)
         return cls(lines, path)
 
     def __bool__(self) -> bool:
@@ -307,6 +324,48 @@ def _unreadable(path: str, e: OSError, what: str = "file") -> InvalidWorkspaceEx
     return InvalidWorkspaceException(f"workspace {what} {path!r} cannot be read: {e.strerror or e}")
 
 
+class _Cancelled(Exception):
+    """Raised in a worker thread of ``run_in_thread`` whose caller was cancelled."""
+
+
+_stop: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "asynctorchx_workspace_stop", default=None
+)
+
+
+def _check_cancelled() -> None:
+    """Raises when the task waiting on this worker thread was cancelled.
+
+    Reading a large workspace takes a while (a 20 GB file hashes in ~50 s): checked between
+    files and between 1 MB pieces, Ctrl+C (or any cancelled submit) ends the read at once
+    instead of when the whole workspace has been read, and a copy being made is removed.
+    Outside a worker thread it does nothing.
+    """
+    stop = _stop.get()
+    if stop is not None and stop.is_set():
+        raise _Cancelled("the submit was cancelled")
+    try:
+        anyio.from_thread.check_cancelled()
+    except RuntimeError:  # not an anyio worker thread: a synchronous caller
+        pass
+
+
+async def run_in_thread(func: Callable[..., T], *args: Any) -> T:
+    """``func(*args)`` in a worker thread that stops reading or copying a workspace when the
+    caller is cancelled, by anyio or by ``Task.cancel()`` (which ``anyio.to_thread`` alone does
+    not pass on: its thread would go on, reading a whole workspace after Ctrl+C, or finishing a
+    copy nobody removes)."""
+    stop = threading.Event()
+    token = _stop.set(stop)  # the worker runs in a copy of this context
+    try:
+        return await anyio.to_thread.run_sync(func, *args)
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        _stop.reset(token)
+
+
 # O_NONBLOCK: a file replaced by a FIFO after it was listed must not block its open forever (on a
 # regular file the flag does nothing). O_NOFOLLOW: nor may it have become a symlink.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -355,6 +414,7 @@ def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result
         with os.fdopen(fd, "rb", closefd=False) as f:
             while chunk := f.read(_CHUNK):
                 h.update(chunk)
+                _check_cancelled()
     except OSError as e:
         raise _unreadable(path, e) from None
     finally:
@@ -497,6 +557,7 @@ def _scan(
                     d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
                 )
         for rel, path, st in _walk(project, rules, keep, skip, skip_marker):
+            _check_cancelled()
             target = f"{dest}/{rel}" if dest else rel
             try:
                 entry = _entry(target, path, st, now)
@@ -723,8 +784,43 @@ def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bo
                 ):
                     raise
                 use_clone[0] = False
-        shutil.copyfileobj(fsrc, fdst, _CHUNK)
+        _copy_data(fsrc.fileno(), fdst.fileno())
     return False
+
+
+def _copy_data(src: int, dst: int) -> None:
+    """Copies the file ``src`` to the empty file ``dst``, leaving its holes holes.
+
+    A sparse file (``truncate -s 50G``, a preallocated dataset) is read and written only where it
+    holds data, so its copy takes the disk space of the original, not its length in zeros. A
+    file that changes meanwhile is caught by the stat or hash check that follows every copy.
+    """
+    size = os.fstat(src).st_size
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(src, pos, os.SEEK_DATA)
+            end = min(os.lseek(src, start, os.SEEK_HOLE), size)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                break  # only a hole is left
+            if e.errno != errno.EINVAL:
+                raise
+            start, end = pos, size  # a file system that cannot tell holes: copy everything
+        while start < end:
+            chunk = os.pread(src, min(_CHUNK, end - start), start)
+            if not chunk:
+                break  # cut short since its stat was taken
+            view, offset = memoryview(chunk), start
+            while view:
+                written = os.pwrite(dst, view, offset)
+                view, offset = view[written:], offset + written
+            start += len(chunk)
+            _check_cancelled()
+        if start < end:
+            break
+        pos = end
+    os.ftruncate(dst, size)
 
 
 _FICLONE = 0x40049409
@@ -738,7 +834,7 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     change when the source is edited in place later (hard links would). A file's stat must not
     have moved since the scan, and a file changed just before the scan (its timestamps cannot
     vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
-    (a FIFO would block the copy forever).
+    (a FIFO would block the copy forever). The holes of a sparse file stay holes in its copy.
 
     Returns:
         ``{"cloned": n, "copied": n}``.
@@ -751,6 +847,7 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     counts = {"cloned": 0, "copied": 0}
     dirs: list[WorkspaceEntry] = []
     for entry in scan.entries:
+        _check_cancelled()
         target = os.path.join(dest, *entry.path.split("/"))
         if entry.kind == "dir":
             os.makedirs(target, exist_ok=True)

@@ -781,6 +781,17 @@ class runopt:
     help: str
 
 
+def _holds_nul(value: CfgVal) -> bool:
+    """True when ``value`` (a string, or a list or dict of them) holds a NUL character."""
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, list):
+        return any(isinstance(v, str) and "\0" in v for v in value)
+    if isinstance(value, dict):
+        return any("\0" in f"{k}{v}" for k, v in value.items())
+    return False
+
+
 class runopts:
     """The run options a scheduler accepts, with typed parsing from strings and resolution of defaults."""
 
@@ -853,7 +864,8 @@ class runopts:
         Keys that are not options here are kept as they are (another layer may know them).
 
         Raises:
-            InvalidRunConfigException: a required option is missing or a value has the wrong type.
+            InvalidRunConfigException: a required option is missing, a value has the wrong type, or
+                a string in it holds a NUL character.
         """
         resolved: dict[str, CfgVal] = dict(cfg)
         for key, opt in self._opts.items():
@@ -872,6 +884,11 @@ class runopts:
                     f"got {val!r} ({type(val).__name__})",
                     key,
                     cfg,
+                )
+            elif _holds_nul(val):
+                # a path, a command-line argument or an environment value: none can hold one
+                raise InvalidRunConfigException(
+                    f"Run option {key!r} must not contain a NUL character, got {val!r}", key, cfg
                 )
         return resolved
 

@@ -296,6 +296,34 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
     )
 
 
+def max_processes() -> int | None:
+    """The most processes this host can ever hold at once (``kernel.pid_max``), None if unknown."""
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def check_replica_count(app: AppDef, backend: str, limit: int | None) -> None:
+    """Raises InvalidAppDefException when ``app`` has more replicas than ``limit`` processes.
+
+    Each replica is a process of this host: a count it can never run (a typo, ``-j 1000000000x1``)
+    is refused before a request is built for every replica, which would exhaust the memory first.
+    """
+    total = sum(r.num_replicas for r in app.roles)
+    if limit is None or total <= limit:
+        return
+    role = max(app.roles, key=lambda r: r.num_replicas)
+    raise InvalidAppDefException(
+        f"num_replicas {role.num_replicas} is more than {backend} can run: each replica is a "
+        f"process and this host holds at most {limit} (kernel.pid_max)"
+        + (f"; the app has {total} replicas in all" if total != role.num_replicas else ""),
+        role=role.name,
+        field_name="num_replicas",
+    )
+
+
 def build_request(
     app: AppDef,
     cfg: Mapping[str, CfgVal],
@@ -322,7 +350,11 @@ def build_request(
         app_id: the app's id (a new unique one when None).
         workdirs: ``{role: directory}`` for roles that run from a workspace instead of their
             image (the directory may not exist yet: ``schedule`` makes it).
+
+    Raises:
+        InvalidAppDefException: more replicas than this host can hold processes.
     """
+    check_replica_count(app, backend, max_processes())
     app_id = app_id or make_unique(app.name)
     app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
     handle = make_app_handle(backend, session, app_id)

@@ -35,6 +35,7 @@ from asynctorchx.schedulers.workspace import (
     format_bytes,
     link_tree,
     report,
+    run_in_thread,
     scan_workspace,
     snapshot,
 )
@@ -143,7 +144,7 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
             raise
         return made
 
-    made = await anyio.to_thread.run_sync(make)
+    made = await run_in_thread(make)
     took = time.monotonic() - started
     message = (
         f"made {plan.target} in {took:.2f}s"

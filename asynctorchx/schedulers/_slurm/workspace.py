@@ -33,6 +33,7 @@ from asynctorchx.schedulers.workspace import (
     copy_scan,
     format_bytes,
     report,
+    run_in_thread,
     scan_workspace,
 )
 from asynctorchx.specs.api import AppDef, CfgVal, InvalidRunConfigException
@@ -194,7 +195,7 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
             raise
         return created
 
-    created = await anyio.to_thread.run_sync(copy)
+    created = await run_in_thread(copy)
     took = time.monotonic() - started
     report(progress, WorkspaceEvent("copy", job_dir, f"copied in {took:.2f}s", final=True))
     return Shipped(job_dir, created)

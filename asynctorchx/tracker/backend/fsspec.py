@@ -59,11 +59,17 @@ def encode_run_id(run_id: str) -> str:
     """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids).
 
     Raises:
-        TrackerError: the id is empty (it would name the root itself) or too long to be a file name.
+        TrackerError: the id is empty (it would name the root itself), too long to be a file name,
+            or not UTF-8 text.
     """
     if not isinstance(run_id, str) or not run_id:
         raise TrackerError(f"a run id must be a non-empty string, got {run_id!r}")
-    raw = run_id.encode("utf-8")
+    try:
+        raw = run_id.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8, decoded with surrogateescape
+        raise TrackerError(
+            f"run id {run_id!r} is not valid text (it holds bytes that are not UTF-8)"
+        ) from None
     if len(raw) > MAX_RUN_ID_BYTES:
         raise TrackerError(
             f"run id {run_id[:40]!r}... is too long for the file tracker "
@@ -292,7 +298,16 @@ class FsspecTracker(TrackerBase):
         self._persist(run_id, ARTIFACTS, entry)
 
     def add_source(self, run_id: str, source_id: str, artifact_name: str | None = None) -> None:
-        """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX)."""
+        """Writes the source file of ``source_id`` (replacing an earlier one, as TorchX).
+
+        Raises:
+            TrackerError: ``artifact_name`` holds a line break (the file holds one name a line).
+        """
+        if artifact_name and ("\n" in artifact_name or "\r" in artifact_name):
+            raise TrackerError(
+                f"artifact name {artifact_name!r} of source {source_id!r} holds a line break, "
+                "which the file tracker cannot record (one artifact name a line)"
+            )
         source_name = encode_run_id(source_id)
         sources = self.category_dir(run_id, SOURCES)
         self._fs.makedirs(sources)
