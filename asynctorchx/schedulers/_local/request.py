@@ -6,6 +6,7 @@ Everything here is pure: it reads the current directory, the environment and (fo
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -296,8 +297,11 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
     )
 
 
+@functools.cache
 def max_processes() -> int | None:
-    """The most processes this host can ever hold at once (``kernel.pid_max``), None if unknown."""
+    """The most processes this host can ever hold at once (``kernel.pid_max``), None if unknown.
+
+    Read once per process: every dry run checks against it, and it is a bound, not a measure."""
     try:
         with open("/proc/sys/kernel/pid_max") as f:
             return int(f.read())
