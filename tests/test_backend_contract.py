@@ -288,6 +288,8 @@ async def test_argument_errors_raise_at_the_call_with_the_same_messages(
     with pytest.raises(TypeError) as info:
         s.log_iter(app_id, "main", since="yesterday")  # type: ignore[arg-type]
     assert str(info.value) == "since must be a datetime, got 'yesterday'"
+    with pytest.raises(ValueError, match=r"^until \(0001-01-01 00:00:00\) is out of range: "):
+        s.log_iter(app_id, "main", until=datetime.min)  # naive: local time, before year 1
     with pytest.raises(TypeError) as info:
         s.log_iter(app_id, "main", k="0")  # type: ignore[arg-type]
     assert str(info.value) == "the replica index k must be an int, got '0'"
