@@ -376,6 +376,18 @@ async def test_since_and_until_split_the_lines_by_when_they_were_written(
 
 
 @pytest.mark.timeout(180)
+async def test_an_until_before_the_app_started_gives_nothing(backend: Backend) -> None:
+    """until a minute before the submit leaves out even the first line (written as the replica
+    started); since then keeps every line."""
+    before = datetime.now() - timedelta(minutes=1)
+    app_id = await backend.submit((Out("first"), Out("second")))
+    desc = await backend.wait_for(app_id)
+    assert desc.state == AppState.SUCCEEDED, desc.msg
+    assert await read(backend, app_id, until=before) == []
+    assert await read(backend, app_id, since=before) == ["first\n", "second\n"]
+
+
+@pytest.mark.timeout(180)
 async def test_a_tail_follows_until_the_app_ends_then_drains(backend: Backend) -> None:
     """should_tail=True started with the app gives every line as it comes and stops once the app is
     terminal, with nothing left unread; a plain read afterwards gives the same lines."""
