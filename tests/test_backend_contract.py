@@ -288,6 +288,8 @@ async def test_argument_errors_raise_at_the_call_with_the_same_messages(
     with pytest.raises(TypeError) as info:
         s.log_iter(app_id, "main", since="yesterday")  # type: ignore[arg-type]
     assert str(info.value) == "since must be a datetime, got 'yesterday'"
+    with pytest.raises(ValueError, match=r"^until \(0001-01-01 00:00:00\) is out of range: "):
+        s.log_iter(app_id, "main", until=datetime.min)  # naive: local time, before year 1
     with pytest.raises(TypeError) as info:
         s.log_iter(app_id, "main", k="0")  # type: ignore[arg-type]
     assert str(info.value) == "the replica index k must be an int, got '0'"
@@ -371,6 +373,18 @@ async def test_since_and_until_split_the_lines_by_when_they_were_written(
     assert await read(backend, app_id, since=middle) == ["late\n"]
     assert await read(backend, app_id, until=middle) == ["early\n"]
     assert await read(backend, app_id, since=middle, until=middle + timedelta(seconds=1)) == []
+
+
+@pytest.mark.timeout(180)
+async def test_an_until_before_the_app_started_gives_nothing(backend: Backend) -> None:
+    """until a minute before the submit leaves out even the first line (written as the replica
+    started); since then keeps every line."""
+    before = datetime.now() - timedelta(minutes=1)
+    app_id = await backend.submit((Out("first"), Out("second")))
+    desc = await backend.wait_for(app_id)
+    assert desc.state == AppState.SUCCEEDED, desc.msg
+    assert await read(backend, app_id, until=before) == []
+    assert await read(backend, app_id, since=before) == ["first\n", "second\n"]
 
 
 @pytest.mark.timeout(180)

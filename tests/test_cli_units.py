@@ -10,6 +10,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import signal
 from datetime import datetime, timedelta, timezone
 
@@ -62,6 +63,24 @@ def test_a_bad_time_names_the_option_and_the_value() -> None:
     """A value that is neither relative nor ISO raises CliError naming the option and the value."""
     with pytest.raises(CliError, match=r"--until 'yesterday' is not a time"):
         parse_time("yesterday", "--until")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "99999999999d",
+        "1000000000d",
+        "3000000w",
+        "9" * 30 + "ms",
+        "0001-01-01",
+        "0001-01-01T00:00+05:00",
+    ],
+)
+def test_a_time_out_of_range_names_the_option_and_the_value(text: str) -> None:
+    """A relative time reaching before year 1, or an ISO time at its edge, raises CliError naming
+    the option and the value (not an OverflowError)."""
+    with pytest.raises(CliError, match=rf"^--since '{re.escape(text)}' is out of range \("):
+        parse_time(text, "--since")
 
 
 def test_log_target_splits_handle_role_and_replicas() -> None:

@@ -171,6 +171,18 @@ def test_samples_give_each_chunk_the_interval_it_was_written_in() -> None:
     assert index.window(None, 180, 6, 999) == (0, 4)
 
 
+def test_what_the_first_sample_finds_is_dated_from_the_sampler_start() -> None:
+    """Bytes written before the first sample (the replica starts with the sampler) are dated from
+    the clock set before the replica started, so an until before that leaves them out."""
+    index = SampledIndex(Stream.STDOUT)
+    index.feed_line(f"{stat_words(100)} {stat_words(10)} 4 0 4")  # written at 50, "b" set at 10
+    index.feed_line(f"{stat_words(200)} {stat_words(102)} 4 0 4")
+    assert (index.lows, index.highs) == ([10], [102])
+    assert index.window(None, 5, 4, 999) == (0, 0)
+    assert index.window(None, -(10**15), 4, 999) == (0, 0)
+    assert index.window(None, 60, 4, 999) == (0, 4)
+
+
 def test_a_malformed_sample_is_skipped() -> None:
     """A line that is not a sample (a torn write, garbage) changes nothing."""
     index = SampledIndex(Stream.STDOUT)

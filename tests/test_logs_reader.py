@@ -6,8 +6,12 @@ import asyncio
 import os
 import pathlib
 import sys
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
+import anyio
 import pytest
 from _logs_env import run_child, spawn
 from conftest import engine_missing
@@ -557,6 +561,73 @@ async def test_closing_a_follower_releases_its_wakers_and_watches(tmp_path: path
         assert asyncio.get_running_loop() not in _inotify._hubs
     finally:
         await child.aclose()
+
+
+class HoldingExecutor(ThreadPoolExecutor):
+    """One worker thread; while ``hold`` is set, each call submitted waits in the queue behind a
+    job that blocks until ``release`` is set (so that it can be cancelled before it starts)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1)
+        self.hold = False
+        self.held = asyncio.Event()
+        self.release = threading.Event()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self.hold:
+            super().submit(self.release.wait)
+            self.held.set()
+        return super().submit(fn, *args, **kwargs)
+
+
+def open_fds_on(directory: pathlib.Path) -> list[str]:
+    """The files under ``directory`` this process has descriptors on."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [t for t in targets if t.startswith(f"{directory}{os.sep}")]
+
+
+async def test_a_follower_cancelled_while_its_read_waits_for_a_thread_closes_its_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A follower cancelled while its next read is still queued for a worker thread closes its log
+    file (the queued read, cancelled before it started, kept it open for good)."""
+    (tmp_path / "combined.log").write_text("first\n")
+    executor = HoldingExecutor()
+    asyncio.get_running_loop().set_default_executor(executor)
+    got = asyncio.Event()
+
+    async def finished() -> bool:
+        return False
+
+    async def reader() -> None:
+        async for _ in iter_log_lines(
+            tmp_path, follow=True, is_finished=finished, poll_interval=0.05
+        ):
+            got.set()
+
+    task = asyncio.create_task(reader())
+    try:
+        with anyio.fail_after(20):
+            await got.wait()
+            assert open_fds_on(tmp_path) == [str(tmp_path / "combined.log")]
+            executor.hold = True
+            await executor.held.wait()  # the follower's next poll is queued behind the held job
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            executor.hold = False
+            executor.release.set()
+            await asyncio.get_running_loop().run_in_executor(None, time.sleep, 0)  # queue drained
+        assert open_fds_on(tmp_path) == []
+    finally:
+        task.cancel()
+        executor.release.set()
+        executor.shutdown(wait=True)
 
 
 # -- other processes ------------------------------------------------------------------------------

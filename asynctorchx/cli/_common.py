@@ -86,22 +86,30 @@ def parse_time(text: str, option: str, now: datetime | None = None) -> datetime:
     """
     value = text.strip()
     compact = value.replace(" ", "")
-    if compact and _RELATIVE_ALL.fullmatch(compact):
-        seconds = sum(
-            float(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _RELATIVE.findall(compact)
-        )
-        return (now or datetime.now()) - timedelta(seconds=seconds)
-    iso = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
     try:
-        parsed = datetime.fromisoformat(iso)
-    except ValueError:
+        if compact and _RELATIVE_ALL.fullmatch(compact):
+            seconds = sum(
+                float(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _RELATIVE.findall(compact)
+            )
+            parsed = (now or datetime.now()) - timedelta(seconds=seconds)
+        else:
+            iso = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
+            try:
+                parsed = datetime.fromisoformat(iso)
+            except ValueError:
+                raise CliError(
+                    f"{option} {text!r} is not a time",
+                    "give an ISO 8601 time (2024-05-01T12:00:00, with an optional offset) or a "
+                    "relative one (30s, 10m, 2h, 1h30m, 1d)",
+                ) from None
+            if parsed.tzinfo is not None:
+                parsed = parsed.astimezone().replace(tzinfo=None)
+        parsed.timestamp()  # a time with no POSIX timestamp (year 1, year 9999) fails here
+    except (OverflowError, ValueError) as e:
         raise CliError(
-            f"{option} {text!r} is not a time",
-            "give an ISO 8601 time (2024-05-01T12:00:00, with an optional offset) or a relative "
-            "one (30s, 10m, 2h, 1h30m, 1d)",
+            f"{option} {text!r} is out of range ({e})",
+            "give a time well within the years 1 to 9999, or a shorter relative one",
         ) from None
-    if parsed.tzinfo is not None:
-        parsed = parsed.astimezone().replace(tzinfo=None)
     return parsed
 
 

@@ -191,8 +191,9 @@ class SampledIndex:
     and before the ``B`` of the sample written after it (its writer takes that sample right after).
     So each chunk has an interval ``[low, high]`` instead of one time; ``window`` keeps a chunk when
     its interval meets ``[since, until]``: no byte written in the window is left out, and bytes
-    written up to one interval outside it may be kept. Bytes past the last sample get ``[the last
-    A, the file's mtime]``. The last chunk, until a sample closes it (never, when the job was
+    written up to one interval outside it may be kept. The bytes the first sample finds are dated
+    from its B (the wrapper's clock set before the replica started). Bytes past the last sample get
+    ``[the last A, the file's mtime]``. The last chunk, until a sample closes it (never, when the job was
     killed), ends at ``index.txt``'s own mtime: its sample was appended after its "b" time.
 
     Args:
@@ -222,6 +223,10 @@ class SampledIndex:
             size = int(words[_SAMPLED_STREAMS[self.stream]])
         except ValueError:
             return
+        if not self.lows and self._last_a == _MIN_NS:
+            # the first sample's B is the sampler's clock set before the replica started: what
+            # that sample finds was written after it (not at any time since the epoch)
+            self._last_a = b
         if self._open:  # this sample is the one right after the last chunk's: it closes it
             before = self.highs[-2] if len(self.highs) > 1 else _MIN_NS
             self.highs[-1] = max(b, self.lows[-1], before)

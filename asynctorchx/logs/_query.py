@@ -51,12 +51,16 @@ def to_timestamp(value: datetime | None, name: str) -> float | None:
 
     Raises:
         TypeError: ``value`` is not a datetime (names ``name``).
+        ValueError: ``value`` has no POSIX timestamp (e.g. a naive ``datetime.min``; names it).
     """
     if value is None:
         return None
     if not isinstance(value, datetime):
         raise TypeError(f"{name} must be a datetime, got {value!r}")
-    return value.timestamp()
+    try:
+        return value.timestamp()
+    except (ValueError, OverflowError) as e:
+        raise ValueError(f"{name} ({value}) is out of range: {e}") from None
 
 
 def check_time_window(
@@ -65,7 +69,7 @@ def check_time_window(
     """Validates ``since``/``until`` and returns them as POSIX timestamps.
 
     Raises:
-        ValueError: ``since`` is after ``until``.
+        ValueError: ``since`` is after ``until``, or one of them is out of range.
         TypeError: one of them is not a datetime.
     """
     lo, hi = to_timestamp(since, "since"), to_timestamp(until, "until")

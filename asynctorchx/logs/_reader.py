@@ -188,10 +188,16 @@ class _LogFile:
         return self.pos - self.pending_len
 
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """Runs ``fn(*args)`` in the loop's default executor, keeping the files open meanwhile."""
+        """Runs ``fn(*args)`` in the loop's default executor, keeping the files open meanwhile.
+
+        The call is shielded: cancelling the future returned (a reader closed or cancelled) lets
+        it run anyway, since a call cancelled while queued would never run ``_guarded``, which
+        alone closes the files once ``close`` has been called.
+        """
         with self._lock:
             self._busy += 1
-        return asyncio.get_running_loop().run_in_executor(None, self._guarded, fn, *args)
+        call = asyncio.get_running_loop().run_in_executor(None, self._guarded, fn, *args)
+        return asyncio.shield(call)
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         try:

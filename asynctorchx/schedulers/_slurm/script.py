@@ -90,7 +90,9 @@ TEE_DRAIN = 5.0
 # sample after (which closes the interval): the bytes a sample finds were written after the "a"
 # time of the sample before it and before the "b" time that the sample after it reports. The
 # sample not written yet is kept in "$t/p" too, for ``last``: the two last samples, written
-# whatever they find (with that one before them). The sampler ignores SIGTERM like the tees; after
+# whatever they find (with that one before them). The three logs exist before the sampler starts,
+# so its first sample is written and its B, set before the replica starts, dates what it finds
+# (the replica may have written before it). The sampler ignores SIGTERM like the tees; after
 # a cancel it takes the last samples itself once both tees are gone, else the wrapper stops it
 # and takes them. "$t" (node-local) holds the clock files,
 # so that the shared file system sees only the appends to index.txt. Once the replica has exited
@@ -108,7 +110,7 @@ fi
 (trap "" TERM INT HUP; exec tee -a "$d/stderr.log" <"$t/e" >>"$d/combined.log") & e=$!
 exec 3>"$t/o" 4>"$t/e"
 rm -f "$t/o" "$t/e"
-: >>"$d/stdout.log"; : >>"$d/stderr.log"; : >"$t/a"; : >"$t/b"
+: >>"$d/stdout.log"; : >>"$d/stderr.log"; : >>"$d/combined.log"; : >"$t/a"; : >"$t/b"
 sample() {
     : >"$t/a"
     set -- $(stat -c "%s %y" "$t/a" "$t/b" "$d/stdout.log" "$d/stderr.log" "$d/combined.log" 2>/dev/null)
