@@ -12,7 +12,10 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +219,25 @@ async def test_a_race_returns_the_result_when_no_signal_comes() -> None:
         return 7
 
     assert await interrupts.race(work()) == 7
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("command", [["builtins"], ["runopts", "local_cwd"]])
+def test_a_closed_standard_output_is_reported_as_an_error(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """Started with descriptor 1 closed, a command that prints says that standard output is closed
+    (exit 1), instead of failing inside with an AttributeError."""
+    result = subprocess.run(
+        [sys.executable, "-m", "asynctorchx", *command],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: os.close(1),
+        env={**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(tmp_path)},
+        check=False,
+        timeout=50,
+    )
+    assert result.returncode == 1
+    assert "standard output is closed" in result.stderr
+    assert "AttributeError" not in result.stderr

@@ -12,6 +12,7 @@ apps, see ``_fastpath``); logging is then set up only if something is logged.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -324,8 +325,21 @@ async def _run_async(handler: AsyncHandler, args: argparse.Namespace) -> int:
         interrupts.uninstall()
 
 
+class _ClosedStdout:
+    """``sys.stdout`` when the process started with descriptor 1 closed (Python sets it to None):
+    a write fails like a write to a closed descriptor, so the command reports it as an error."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+    def flush(self) -> None:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(())
     at = first_positional(parser, argv)
