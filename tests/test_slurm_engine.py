@@ -286,8 +286,18 @@ async def test_exhausted_retries_fail(slurm_scheduler: SlurmScheduler, job_dir: 
         ({"time": "forever"}, SMALL, "Invalid --time specification"),
         ({}, Resource(cpu=1, gpu=0, memMB=50_000_000), "Memory specification can not be satisfied"),
         ({}, Resource(cpu=500, gpu=0, memMB=64), "More processors requested than permitted"),
+        # '#' and '\\' are literal, not sbatch's comment and escape (they dropped what followed)
+        ({"partition": "debug#", "time": "5"}, SMALL, "invalid partition specified: debug#"),
+        ({"partition": "debug\\", "time": "5"}, SMALL, "invalid partition specified: debug\\"),
     ],
-    ids=["unknown-partition", "bad-time", "too-much-memory", "too-many-cpus"],
+    ids=[
+        "unknown-partition",
+        "bad-time",
+        "too-much-memory",
+        "too-many-cpus",
+        "partition-with-hash",
+        "partition-with-backslash",
+    ],
 )
 @pytest.mark.timeout(60)
 async def test_bad_input_is_rejected_with_sbatch_message(

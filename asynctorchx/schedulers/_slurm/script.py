@@ -54,6 +54,7 @@ RANK0_ENV = "TORCHX_RANK0_HOST"
 
 _APP_ID = macros.app_id
 _OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+_DIRECTIVE_SPECIAL = re.compile(r"""[\\"'#]""")
 
 
 def log_dir(app_id: str, role: str, replica_id: int) -> str:
@@ -169,6 +170,13 @@ def _opts_to_args(opts: Mapping[str, str | None]) -> list[str]:
     return [f"--{key}" if value is None else f"--{key}={value}" for key, value in opts.items()]
 
 
+def directive_word(word: str) -> str:
+    """Escapes ``word`` for an ``#SBATCH`` line, where sbatch reads quotes as grouping, a backslash
+    as an escape and an unescaped ``#`` as the start of a comment (which drops the rest of the line,
+    so every option after it would be silently lost)."""
+    return _DIRECTIVE_SPECIAL.sub(r"\\\g<0>", word)
+
+
 @dataclass
 class SlurmReplicaRequest:
     """One replica: one component of the heterogeneous job.
@@ -195,7 +203,8 @@ class SlurmReplicaRequest:
 
     def sbatch_line(self) -> str:
         """The ``#SBATCH`` line of this component."""
-        return "#SBATCH " + " ".join([f"--job-name={self.name}", *_opts_to_args(self.sbatch_opts)])
+        words = [f"--job-name={self.name}", *_opts_to_args(self.sbatch_opts)]
+        return "#SBATCH " + " ".join(directive_word(w) for w in words)
 
     def srun_group(self) -> str:
         """This component's part of the ``srun`` command line (shell-quoted)."""
