@@ -319,6 +319,32 @@ async def test_bad_input_is_rejected_with_sbatch_message(
     assert _my_live_jobs() <= before
 
 
+@pytest.mark.timeout(60)
+async def test_a_line_break_in_an_option_starts_no_sbatch_directive(
+    slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """A job_dir or sbatch_args value with a line break then '#SBATCH --time=7' sets no time limit."""
+    sched = SlurmScheduler("inject", runner=slurm_runner)
+    cfg = {
+        "job_dir": str(tmp_path / "jobs\n#SBATCH --time=7 #"),
+        "sbatch_args": ["--comment=a\n#SBATCH --time=8 #"],
+    }
+    try:
+        app_id = await sched.submit(AppDef("inject", [sh("w", "true")]), cfg)
+        limit = subprocess.run(
+            ["squeue", "-h", "-j", app_id, "-o", "%l"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        assert limit == "UNLIMITED"
+        resp = await wait_for_state(sched, app_id)
+        assert resp.state == AppState.SUCCEEDED, resp.msg
+    finally:
+        await sched.close()
+
+
 @pytest.mark.timeout(120)
 async def test_fifty_apps_waited_cost_one_squeue_per_round(
     accounting: bool,
