@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctorchx.schedulers.api import Stream, UnknownRoleException
@@ -132,6 +134,33 @@ async def test_missing_squeue_names_what_to_install(tmp_path: Path) -> None:
     sched = SlurmScheduler("s", runner=SubprocessRunner(env={"PATH": str(tmp_path)}))
     with pytest.raises(SlurmNotFoundError, match="'squeue'"):
         await sched.describe("1")
+
+
+async def test_a_hung_wrapper_command_times_out_naming_it_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """A squeue that is a wrapper script whose child hangs: TimeoutError naming squeue at the
+    timeout, and the child is killed too (it held the pipes: the call lasted as long as it did)."""
+    pidfile = tmp_path / "child.pid"
+    squeue = tmp_path / "squeue"
+    squeue.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >{pidfile}\nwait\n")
+    squeue.chmod(0o755)
+    runner = SubprocessRunner(env={"PATH": f"{tmp_path}:{os.environ['PATH']}"}, timeout=0.5)
+    sched = SlurmScheduler("s", runner=runner)
+    with anyio.fail_after(20):
+        with pytest.raises(TimeoutError, match=r"squeue did not finish within 0\.5 s"):
+            await sched.describe("1")
+    child = int(pidfile.read_text())
+    for _ in range(100):  # bounded: the killed child is reaped by init
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        if state == "Z":
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail(f"the wrapper's child {child} still runs")
 
 
 async def test_cancelled_submit_withdraws_the_job(tmp_path: Path) -> None:
