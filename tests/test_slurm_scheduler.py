@@ -291,6 +291,17 @@ async def test_squeue_only_never_calls_sacct_and_absent_is_unknown() -> None:
     assert fake.count("sacct") == 0
 
 
+async def test_an_unparsable_listing_of_megabytes_gives_a_short_error() -> None:
+    """A squeue listing that a banner line makes unparsable: the error quotes its start, not 2 MB."""
+    listing = json.dumps({"jobs": [{"job_id": i, "name": "x" * 100} for i in range(15_000)]})
+    fake = FakeSlurm(f"Maintenance on Friday!\n{listing}")
+    sched = SlurmScheduler("s", runner=fake, accounting=False)
+    with pytest.raises(SlurmCommandError, match="did not print JSON") as info:
+        await sched.describe("5")
+    assert "Maintenance on Friday!" in str(info.value)
+    assert len(str(info.value)) < 2000
+
+
 @pytest.mark.parametrize("app_id", ["", "abc", "12_3", "1.batch", "../1"])
 async def test_malformed_ids_are_unknown_without_calls(app_id: str) -> None:
     """An id that cannot be a Slurm job id is unknown, and asks Slurm nothing."""

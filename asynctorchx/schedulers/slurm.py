@@ -120,6 +120,8 @@ _GONE = re.compile(
     r"invalid job id|already completing or completed|job/step already completed", re.IGNORECASE
 )
 _FINAL_CACHE_SIZE = 10_000
+#: The most of a failed command's output an error message quotes (characters).
+_DETAIL_MAX = 1000
 #: How long ``close()`` waits for the sbatch (or scancel of a withdrawn job) still running.
 CLOSE_WAIT = 30.0
 
@@ -135,6 +137,8 @@ class SlurmCommandError(RuntimeError):
 
     def __init__(self, message: str, result: CommandResult) -> None:
         detail = (result.stderr or result.stdout).strip()
+        if len(detail) > _DETAIL_MAX:  # e.g. a whole squeue listing after a banner line
+            detail = f"{detail[:_DETAIL_MAX]}... ({len(detail) - _DETAIL_MAX} more characters)"
         super().__init__(f"{message}: {detail}" if detail else message)
         self.argv = result.argv
         self.returncode = result.returncode
