@@ -120,6 +120,19 @@ async def test_rejected_submit_carries_sbatch_message(key: str, words: str, tmp_
     assert info.value.returncode == ERRORS[key]["returncode"]
 
 
+async def test_a_job_dir_that_is_a_file_is_an_error_naming_the_option(tmp_path: Path) -> None:
+    """job_dir naming a file (or a path below one) fails naming 'job_dir' and the path; no sbatch."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fake = FakeSlurm("")
+    sched = SlurmScheduler("s", runner=fake)
+    for job_dir in (afile, afile / "sub"):
+        with pytest.raises(OSError, match="run option 'job_dir'") as info:
+            await sched.submit(_app(), {"job_dir": str(job_dir)})
+        assert str(job_dir) in str(info.value)
+    assert fake.count("sbatch") == 0
+
+
 async def test_missing_sbatch_names_what_to_install(tmp_path: Path) -> None:
     """Without sbatch on PATH (real subprocess runner) the error names the package to install."""
     sched = SlurmScheduler("s", runner=SubprocessRunner(env={"PATH": str(tmp_path)}))

@@ -269,7 +269,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         Raises:
             SlurmSubmitError: sbatch rejected the job (nothing was queued); carries sbatch's message.
             SlurmNotFoundError: sbatch is not installed.
-            OSError: the job directory cannot be created.
+            OSError: the job directory cannot be created (the message names ``job_dir``).
             InvalidWorkspaceException: the job directory holds files, or the workspace changed.
         """
         req = dryrun_info.request
@@ -283,7 +283,12 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             raise
 
     async def _submit(self, req: SlurmBatchRequest) -> str:
-        await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise type(e)(
+                e.errno, f"run option 'job_dir' cannot be created: {e.strerror}", req.job_dir
+            ) from None
         submit = self._tasks.spawn(self._run(req.cmd, stdin=req.materialize()), "sbatch")
         try:
             result = await asyncio.shield(submit)
