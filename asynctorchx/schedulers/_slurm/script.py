@@ -54,6 +54,11 @@ RANK0_ENV = "TORCHX_RANK0_HOST"
 
 _APP_ID = macros.app_id
 _OPTION_NAME = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+#: sbatch options the backend sets itself: (long name, short letter, what to use instead).
+_RESERVED_ARGS: tuple[tuple[str, str, str], ...] = (
+    ("job-name", "J", "each component is named {role}-{replica}, which status and logs rely on"),
+    ("chdir", "D", "use the run option 'job_dir'"),
+)
 _DIRECTIVE_SPECIAL = re.compile(r"""[\\"'#]""")
 
 
@@ -323,6 +328,15 @@ def _extra_args(cfg: Mapping[str, CfgVal]) -> list[str]:
                 "sbatch_args",
                 cfg,
             )
+        short = arg.startswith("-") and not arg.startswith("--")
+        for option, letter, instead in _RESERVED_ARGS:
+            # sbatch takes any unambiguous abbreviation of a long option (--job=NAME)
+            if name[:1] == letter if short else len(name) >= 3 and option.startswith(name):
+                raise InvalidRunConfigException(
+                    f"Run option 'sbatch_args' cannot set --{option} ({item!r}): {instead}",
+                    "sbatch_args",
+                    cfg,
+                )
         out.append(arg if arg.startswith("-") else f"--{arg}")
     return out
 
