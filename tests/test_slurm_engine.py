@@ -320,6 +320,40 @@ async def test_bad_input_is_rejected_with_sbatch_message(
 
 
 @pytest.mark.timeout(60)
+async def test_a_refused_submit_leaves_no_job_dir_it_made(
+    slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """sbatch refusing the job removes the job_dir (and parents) the submit made; a job_dir that
+    existed stays, and one an accepted app of the same scheduler uses is kept."""
+    sched = SlurmScheduler("refused", runner=slurm_runner)
+    bad = {"partition": "nosuchpartition"}
+    try:
+        with pytest.raises(SlurmSubmitError):
+            await sched.submit(
+                AppDef("a", [sh("w", "true")]), {"job_dir": str(tmp_path / "n/a/b"), **bad}
+            )
+        assert list(tmp_path.iterdir()) == []
+        existing = tmp_path / "existing"
+        existing.mkdir()
+        with pytest.raises(SlurmSubmitError):
+            await sched.submit(AppDef("a", [sh("w", "true")]), {"job_dir": str(existing), **bad})
+        assert existing.is_dir()
+        shared = str(tmp_path / "shared")
+        apps = [AppDef("a", [sh("w", "sleep 2")]), AppDef("a", [sh("w", "true")])]
+        results = await asyncio.gather(
+            sched.submit(apps[0], {"job_dir": shared}),
+            sched.submit(apps[1], {"job_dir": shared, **bad}),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], str) and isinstance(results[1], SlurmSubmitError)
+        resp = await wait_for_state(sched, results[0])
+        assert resp.state == AppState.SUCCEEDED, resp.msg
+        assert (Path(shared) / f"slurm-{results[0]}" / "w" / "0" / "exit_code").is_file()
+    finally:
+        await sched.close()
+
+
+@pytest.mark.timeout(60)
 async def test_a_line_break_in_an_option_starts_no_sbatch_directive(
     slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
 ) -> None:
