@@ -160,6 +160,16 @@ def test_bad_sbatch_arg_is_rejected_naming_it() -> None:
         _scheduler().submit_dryrun(_two_by_two(), {"sbatch_args": ["not an option"]})
 
 
+@pytest.mark.parametrize(
+    "arg", ["--job-name=myexp", "job-name=myexp", "--job=myexp", "-Jmyexp", "--chdir=/x", "-Djobs"]
+)
+def test_sbatch_args_cannot_rename_components_or_move_the_job(arg: str) -> None:
+    """--job-name (it renamed every component: roles and logs were lost) and --chdir (it overrode
+    job_dir) in sbatch_args are refused, naming the option, in any spelling sbatch accepts."""
+    with pytest.raises(InvalidRunConfigException, match=r"cannot set --(job-name|chdir)"):
+        _scheduler().submit_dryrun(_two_by_two(), {"sbatch_args": [arg]})
+
+
 def test_wrong_cfg_type_names_the_key() -> None:
     """A cfg value of the wrong type is rejected by runopts with the key in the message."""
     with pytest.raises(InvalidRunConfigException, match="sbatch_args"):

@@ -286,8 +286,18 @@ async def test_exhausted_retries_fail(slurm_scheduler: SlurmScheduler, job_dir: 
         ({"time": "forever"}, SMALL, "Invalid --time specification"),
         ({}, Resource(cpu=1, gpu=0, memMB=50_000_000), "Memory specification can not be satisfied"),
         ({}, Resource(cpu=500, gpu=0, memMB=64), "More processors requested than permitted"),
+        # '#' and '\\' are literal, not sbatch's comment and escape (they dropped what followed)
+        ({"partition": "debug#", "time": "5"}, SMALL, "invalid partition specified: debug#"),
+        ({"partition": "debug\\", "time": "5"}, SMALL, "invalid partition specified: debug\\"),
     ],
-    ids=["unknown-partition", "bad-time", "too-much-memory", "too-many-cpus"],
+    ids=[
+        "unknown-partition",
+        "bad-time",
+        "too-much-memory",
+        "too-many-cpus",
+        "partition-with-hash",
+        "partition-with-backslash",
+    ],
 )
 @pytest.mark.timeout(60)
 async def test_bad_input_is_rejected_with_sbatch_message(
@@ -307,6 +317,66 @@ async def test_bad_input_is_rejected_with_sbatch_message(
         await sched.submit(AppDef("bad", [role]), {"job_dir": str(job_dir), **cfg})
     assert words in str(info.value)
     assert _my_live_jobs() <= before
+
+
+@pytest.mark.timeout(60)
+async def test_a_refused_submit_leaves_no_job_dir_it_made(
+    slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """sbatch refusing the job removes the job_dir (and parents) the submit made; a job_dir that
+    existed stays, and one an accepted app of the same scheduler uses is kept."""
+    sched = SlurmScheduler("refused", runner=slurm_runner)
+    bad = {"partition": "nosuchpartition"}
+    try:
+        with pytest.raises(SlurmSubmitError):
+            await sched.submit(
+                AppDef("a", [sh("w", "true")]), {"job_dir": str(tmp_path / "n/a/b"), **bad}
+            )
+        assert list(tmp_path.iterdir()) == []
+        existing = tmp_path / "existing"
+        existing.mkdir()
+        with pytest.raises(SlurmSubmitError):
+            await sched.submit(AppDef("a", [sh("w", "true")]), {"job_dir": str(existing), **bad})
+        assert existing.is_dir()
+        shared = str(tmp_path / "shared")
+        apps = [AppDef("a", [sh("w", "sleep 2")]), AppDef("a", [sh("w", "true")])]
+        results = await asyncio.gather(
+            sched.submit(apps[0], {"job_dir": shared}),
+            sched.submit(apps[1], {"job_dir": shared, **bad}),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], str) and isinstance(results[1], SlurmSubmitError)
+        resp = await wait_for_state(sched, results[0])
+        assert resp.state == AppState.SUCCEEDED, resp.msg
+        assert (Path(shared) / f"slurm-{results[0]}" / "w" / "0" / "exit_code").is_file()
+    finally:
+        await sched.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_line_break_in_an_option_starts_no_sbatch_directive(
+    slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """A job_dir or sbatch_args value with a line break then '#SBATCH --time=7' sets no time limit."""
+    sched = SlurmScheduler("inject", runner=slurm_runner)
+    cfg = {
+        "job_dir": str(tmp_path / "jobs\n#SBATCH --time=7 #"),
+        "sbatch_args": ["--comment=a\n#SBATCH --time=8 #"],
+    }
+    try:
+        app_id = await sched.submit(AppDef("inject", [sh("w", "true")]), cfg)
+        limit = subprocess.run(
+            ["squeue", "-h", "-j", app_id, "-o", "%l"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.strip()
+        assert limit == "UNLIMITED"
+        resp = await wait_for_state(sched, app_id)
+        assert resp.state == AppState.SUCCEEDED, resp.msg
+    finally:
+        await sched.close()
 
 
 @pytest.mark.timeout(120)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctorchx.schedulers.api import Stream, UnknownRoleException
@@ -118,6 +120,19 @@ async def test_rejected_submit_carries_sbatch_message(key: str, words: str, tmp_
     assert info.value.returncode == ERRORS[key]["returncode"]
 
 
+async def test_a_job_dir_that_is_a_file_is_an_error_naming_the_option(tmp_path: Path) -> None:
+    """job_dir naming a file (or a path below one) fails naming 'job_dir' and the path; no sbatch."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    fake = FakeSlurm("")
+    sched = SlurmScheduler("s", runner=fake)
+    for job_dir in (afile, afile / "sub"):
+        with pytest.raises(OSError, match="run option 'job_dir'") as info:
+            await sched.submit(_app(), {"job_dir": str(job_dir)})
+        assert str(job_dir) in str(info.value)
+    assert fake.count("sbatch") == 0
+
+
 async def test_missing_sbatch_names_what_to_install(tmp_path: Path) -> None:
     """Without sbatch on PATH (real subprocess runner) the error names the package to install."""
     sched = SlurmScheduler("s", runner=SubprocessRunner(env={"PATH": str(tmp_path)}))
@@ -132,6 +147,33 @@ async def test_missing_squeue_names_what_to_install(tmp_path: Path) -> None:
     sched = SlurmScheduler("s", runner=SubprocessRunner(env={"PATH": str(tmp_path)}))
     with pytest.raises(SlurmNotFoundError, match="'squeue'"):
         await sched.describe("1")
+
+
+async def test_a_hung_wrapper_command_times_out_naming_it_and_leaves_no_process(
+    tmp_path: Path,
+) -> None:
+    """A squeue that is a wrapper script whose child hangs: TimeoutError naming squeue at the
+    timeout, and the child is killed too (it held the pipes: the call lasted as long as it did)."""
+    pidfile = tmp_path / "child.pid"
+    squeue = tmp_path / "squeue"
+    squeue.write_text(f"#!/bin/sh\nsleep 60 &\necho $! >{pidfile}\nwait\n")
+    squeue.chmod(0o755)
+    runner = SubprocessRunner(env={"PATH": f"{tmp_path}:{os.environ['PATH']}"}, timeout=0.5)
+    sched = SlurmScheduler("s", runner=runner)
+    with anyio.fail_after(20):
+        with pytest.raises(TimeoutError, match=r"squeue did not finish within 0\.5 s"):
+            await sched.describe("1")
+    child = int(pidfile.read_text())
+    for _ in range(100):  # bounded: the killed child is reaped by init
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        if state == "Z":
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail(f"the wrapper's child {child} still runs")
 
 
 async def test_cancelled_submit_withdraws_the_job(tmp_path: Path) -> None:
@@ -260,6 +302,17 @@ async def test_squeue_only_never_calls_sacct_and_absent_is_unknown() -> None:
     single = result[APPS["single"]["app_id"]]
     assert single is not None and single.state == AppState.SUCCEEDED
     assert fake.count("sacct") == 0
+
+
+async def test_an_unparsable_listing_of_megabytes_gives_a_short_error() -> None:
+    """A squeue listing that a banner line makes unparsable: the error quotes its start, not 2 MB."""
+    listing = json.dumps({"jobs": [{"job_id": i, "name": "x" * 100} for i in range(15_000)]})
+    fake = FakeSlurm(f"Maintenance on Friday!\n{listing}")
+    sched = SlurmScheduler("s", runner=fake, accounting=False)
+    with pytest.raises(SlurmCommandError, match="did not print JSON") as info:
+        await sched.describe("5")
+    assert "Maintenance on Friday!" in str(info.value)
+    assert len(str(info.value)) < 2000
 
 
 @pytest.mark.parametrize("app_id", ["", "abc", "12_3", "1.batch", "../1"])

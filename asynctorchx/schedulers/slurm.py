@@ -41,7 +41,7 @@ import logging
 import os
 import re
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -120,6 +120,8 @@ _GONE = re.compile(
     r"invalid job id|already completing or completed|job/step already completed", re.IGNORECASE
 )
 _FINAL_CACHE_SIZE = 10_000
+#: The most of a failed command's output an error message quotes (characters).
+_DETAIL_MAX = 1000
 #: How long ``close()`` waits for the sbatch (or scancel of a withdrawn job) still running.
 CLOSE_WAIT = 30.0
 
@@ -135,6 +137,8 @@ class SlurmCommandError(RuntimeError):
 
     def __init__(self, message: str, result: CommandResult) -> None:
         detail = (result.stderr or result.stdout).strip()
+        if len(detail) > _DETAIL_MAX:  # e.g. a whole squeue listing after a banner line
+            detail = f"{detail[:_DETAIL_MAX]}... ({len(detail) - _DETAIL_MAX} more characters)"
         super().__init__(f"{message}: {detail}" if detail else message)
         self.argv = result.argv
         self.returncode = result.returncode
@@ -184,6 +188,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._state_check_interval = state_check_interval
         self._final: OrderedDict[str, DescribeAppResponse] = OrderedDict()
         self._workdirs: dict[str, str] = {}
+        self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
         self._tasks = TaskSupervisor(f"slurm:{session_name}")
 
@@ -265,7 +270,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         Raises:
             SlurmSubmitError: sbatch rejected the job (nothing was queued); carries sbatch's message.
             SlurmNotFoundError: sbatch is not installed.
-            OSError: the job directory cannot be created.
+            OSError: the job directory cannot be created (the message names ``job_dir``).
             InvalidWorkspaceException: the job directory holds files, or the workspace changed.
         """
         req = dryrun_info.request
@@ -279,7 +284,35 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             raise
 
     async def _submit(self, req: SlurmBatchRequest) -> str:
-        await anyio.Path(req.job_dir).mkdir(parents=True, exist_ok=True)
+        self._submitting[req.job_dir] += 1
+        try:
+            try:
+                made = await anyio.to_thread.run_sync(_make_dirs, req.job_dir)
+            except OSError as e:
+                raise type(e)(
+                    e.errno, f"run option 'job_dir' cannot be created: {e.strerror}", req.job_dir
+                ) from None
+            try:
+                return await self._sbatch(req)
+            except BaseException:
+                # A refused submit leaves no directory it made, unless another app of ours uses it.
+                if (
+                    made
+                    and self._submitting[req.job_dir] == 1
+                    and req.job_dir not in self._workdirs.values()
+                ):
+                    await await_shielded(
+                        self._tasks.spawn(
+                            anyio.to_thread.run_sync(_remove_empty_dirs, made), "rmdir"
+                        )
+                    )
+                raise
+        finally:
+            self._submitting[req.job_dir] -= 1
+            if not self._submitting[req.job_dir]:
+                del self._submitting[req.job_dir]
+
+    async def _sbatch(self, req: SlurmBatchRequest) -> str:
         submit = self._tasks.spawn(self._run(req.cmd, stdin=req.materialize()), "sbatch")
         try:
             result = await asyncio.shield(submit)
@@ -556,6 +589,26 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _make_dirs(path: str) -> list[str]:
+    """Creates the directory ``path`` and its missing parents; returns those it made, deepest first."""
+    missing: list[str] = []
+    here = path
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    os.makedirs(path, exist_ok=True)
+    return missing
+
+
+def _remove_empty_dirs(paths: Sequence[str]) -> None:
+    """Removes ``paths`` in order, stopping at the first that is not empty (or is gone)."""
+    for path in paths:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
 
 
 def _predates_combined(directory: Path) -> bool:

@@ -8,7 +8,9 @@ pass a fake that returns recorded outputs, and the counting tests wrap the real 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,7 +47,8 @@ class SubprocessRunner:
 
     Args:
         env: extra environment variables for every command (e.g. ``SLURM_CONF``).
-        timeout: seconds after which a command is killed and ``TimeoutError`` raised (None: never).
+        timeout: seconds after which a command (and every process it started) is killed and
+            ``TimeoutError`` raised, naming the command (None: never).
     """
 
     def __init__(self, env: dict[str, str] | None = None, timeout: float | None = 120.0) -> None:
@@ -53,21 +56,29 @@ class SubprocessRunner:
         self._timeout = timeout
 
     async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
+        # A session of its own, so that a command that is a wrapper script is killed with what it
+        # started: a child left holding the pipes would keep communicate() waiting past the timeout.
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=self._env,
+            start_new_session=True,
         )
         try:
             out, err = await asyncio.wait_for(
                 proc.communicate(None if stdin is None else stdin.encode()), self._timeout
             )
-        except BaseException:
-            if proc.returncode is None:
-                proc.kill()
-                await asyncio.shield(proc.wait())
+        except BaseException as e:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await asyncio.shield(proc.wait())
+            if isinstance(e, TimeoutError):
+                raise TimeoutError(
+                    f"{argv[0]} did not finish within {self._timeout:g} s (killed): "
+                    "is the Slurm controller answering?"
+                ) from None
             raise
         assert proc.returncode is not None
         return CommandResult(
