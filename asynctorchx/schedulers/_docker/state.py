@@ -375,11 +375,11 @@ def _verdict(
     retry, failures = _retry_or_failures(shapes, current)
     alive = [c for c in replicas if c.alive]
     to_stop = [c for c in alive if current.get((c.role, c.replica_id)) is not c]  # superseded
-    if cancelled:
+    if cancelled:  # every live replica is to be stopped, those started after the cancel too
         return _Verdict(
             AppState.RUNNING if alive else AppState.CANCELLED,
             "cancelling" if alive else "cancelled",
-            to_stop=to_stop,
+            to_stop=alive,
         )
     if failures:
         role, k = sorted(failures, key=lambda rk: _role_order(shapes, rk))[0]
