@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 import pytest
 from _docker_env import (  # noqa: F401 - pytest fixtures
     busybox_image,
@@ -729,3 +730,43 @@ async def test_runner_wait_wakes_from_the_event_stream_without_polling(
     # every round since RUNNING was asked for by a pushed event ("die"), none by a timer
     assert pushed >= 1
     assert 1 <= rounds <= pushed, f"{rounds} rounds for {pushed} pushed events"
+
+
+async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing(
+    docker_scheduler: DockerScheduler, busybox_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule() cancelled while its network's or containers' create request is in flight
+    leaves no network and no container of the app (the engine finishes a create whose client
+    went away, after the clean-up had looked)."""
+    import aiodocker
+
+    engine = docker_scheduler.engine
+    asked = asyncio.Event()
+    for method in ("create_network", "create_container"):
+        real = getattr(engine, method)
+
+        async def noted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            asked.set()
+            return await _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, method, noted)
+        app_ids = []
+        for _ in range(4):
+            info = docker_scheduler.submit_dryrun(
+                AppDef("c", [sh(busybox_image, "sleep 300", n=3)]), {"stop_timeout": 1}
+            )
+            app_ids.append(info.request.app_id)
+            asked.clear()
+            submit = asyncio.ensure_future(docker_scheduler.schedule(info))
+            with anyio.fail_after(30):
+                await asked.wait()
+            await asyncio.sleep(0)  # the request goes out
+            submit.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await submit
+        monkeypatch.setattr(engine, method, real)
+        async with aiodocker.Docker() as client:
+            for app_id in app_ids:
+                assert await containers_of(app_id) == [], method
+                nets = await client.networks.list(filters={"name": [app_id]})
+                assert nets == [], method

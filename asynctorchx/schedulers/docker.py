@@ -142,7 +142,7 @@ class DockerScheduler(Scheduler[DockerJob]):
             enabled=watch_events,
         )
         self._follow_ups = FollowUps(self._engine, self._events.app_containers)
-        self._launcher = Launcher(self._engine)
+        self._launcher = Launcher(self._engine, self._tasks)
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
