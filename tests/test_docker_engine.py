@@ -770,3 +770,41 @@ async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing
                 assert await containers_of(app_id) == [], method
                 nets = await client.networks.list(filters={"name": [app_id]})
                 assert nets == [], method
+
+
+async def test_close_during_a_submit_lets_the_launch_finish_or_refuses_it_leaving_nothing(
+    docker_engine: None, docker_session: str, busybox_image: str
+) -> None:
+    """close() while a submit checks its images: the submit raises "closed" and creates nothing;
+    close() while it creates its containers: the launch completes (the app runs) before the
+    engine is closed, instead of failing as "cannot reach the Docker engine" with its network and
+    containers left behind."""
+    outcomes: dict[str, object] = {}
+    try:
+        for method in ("inspect_image", "create_container"):
+            scheduler = DockerScheduler(docker_session)
+            asked = asyncio.Event()
+            real = getattr(scheduler.engine, method)
+
+            async def noted(*args: Any, _real: Any = real, _asked: Any = asked, **kw: Any) -> Any:
+                _asked.set()
+                return await _real(*args, **kw)
+
+            setattr(scheduler.engine, method, noted)
+            info = scheduler.submit_dryrun(
+                AppDef("c", [sh(busybox_image, "sleep 300", n=3)]), {"stop_timeout": 1}
+            )
+            submit = asyncio.ensure_future(scheduler.schedule(info))
+            with anyio.fail_after(60):
+                await asked.wait()
+                await scheduler.close()
+                outcomes[method] = (await asyncio.gather(submit, return_exceptions=True))[0]
+            names = await containers_of(info.request.app_id)
+            if method == "inspect_image":
+                assert isinstance(outcomes[method], RuntimeError), outcomes[method]
+                assert "closed" in str(outcomes[method]) and names == []
+            else:
+                assert outcomes[method] == info.request.app_id, outcomes[method]
+                assert len(names) == 3
+    finally:
+        await purge_session(docker_session)
