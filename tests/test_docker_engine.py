@@ -808,3 +808,25 @@ async def test_close_during_a_submit_lets_the_launch_finish_or_refuses_it_leavin
                 assert len(names) == 3
     finally:
         await purge_session(docker_session)
+
+
+async def test_a_replica_removed_behind_our_back_fails_the_app_and_stops_the_others(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """`docker rm -f` of one replica of a running app: the app turns FAILED naming that replica
+    and the survivor is stopped (it stayed RUNNING, then UNKNOWN, forever: a wait never ended)."""
+    import aiodocker
+
+    app = AppDef("gone", [sh(busybox_image, "sleep 300", n=2)])
+    app_id = await docker_scheduler.submit(app, {"stop_timeout": 1})
+    await wait_for(docker_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    async with aiodocker.Docker() as client:
+        await (await client.containers.get(f"{app_id}-main-1")).delete(force=True)
+    resp = await wait_for(
+        docker_scheduler,
+        app_id,
+        lambda r: is_terminal(r.state) and r.roles_statuses[0].replicas[0].exit_code is not None,
+    )
+    assert resp.state == AppState.FAILED
+    assert "main/1" in resp.msg and "removed" in resp.msg
+    assert resp.roles_statuses[0].replicas[0].exit_code in (137, 143)

@@ -164,14 +164,30 @@ def test_all_replicas_exit_zero_is_succeeded_and_one_failure_fails_and_stops_the
 
 
 def test_created_is_pending_running_is_running_and_missing_replicas_are_reported() -> None:
-    """Created containers: PENDING; any running: RUNNING; replicas missing with nothing alive: UNKNOWN."""
+    """Created containers: PENDING (one missing too: its create may be under way); any running:
+    RUNNING; replicas missing while remove_finished removes the app's containers: UNKNOWN."""
     pending = assess("app", [_c("r", 0, "created"), _c("r", 1, "created")])
     assert pending is not None and pending.response.state == AppState.PENDING
+    creating = assess("app", [_c("r", 0, "created")])
+    assert creating is not None and creating.response.state == AppState.PENDING
     running = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 0)])
     assert running is not None and running.response.state == AppState.RUNNING
-    lost = assess("app", [_c("r", 0, "exited", 0)])
+    lost = assess("app", [_c("r", 0, "exited", 0, remove_finished=True)])
     assert lost is not None and lost.response.state == AppState.UNKNOWN
     assert "r/1" in lost.response.msg
+
+
+def test_a_replica_whose_container_was_removed_under_us_fails_the_app() -> None:
+    """Once every replica has started, a replica with no container (docker rm -f) fails the app,
+    naming it, and the survivors are to be stopped: it never stays RUNNING/UNKNOWN forever."""
+    for survivor in (_c("r", 0, "running"), _c("r", 0, "exited", 0)):
+        a = assess("app", [survivor])
+        assert a is not None and a.response.state == AppState.FAILED
+        assert "r/1" in a.response.msg and "removed" in a.response.msg
+        assert a.to_stop == ([survivor] if survivor.alive else [])
+    stopped = assess("app", [_c("r", 0, "exited", 137)])  # the survivor, once stopped
+    assert stopped is not None and stopped.response.state == AppState.FAILED
+    assert "r/1" in stopped.response.msg and "removed" in stopped.response.msg
 
 
 def test_cancel_marker_means_cancelled_once_nothing_is_alive() -> None:
