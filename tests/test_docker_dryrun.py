@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -214,6 +215,16 @@ def test_hostnames_are_dns_labels_unique_per_role_and_within_63_chars() -> None:
             "resource.devices",
         ),
         ({"port_map": {"http": 0}}, "port_map['http']"),
+        ({"mounts": [BindMount(src_path="/tmp", dst_path="/x\0y")]}, "mounts[0].dst_path"),
+        ({"mounts": [BindMount(src_path="/tm\0p", dst_path="/x")]}, "mounts[0].src_path"),
+        ({"mounts": [DeviceMount(src_path="/dev/n\0", dst_path="/x")]}, "mounts[0].src_path"),
+        ({"resource": Resource(cpu=math.nan, gpu=0, memMB=0)}, "resource.cpu"),
+        ({"resource": Resource(cpu=math.inf, gpu=0, memMB=0)}, "resource.cpu"),
+        ({"resource": Resource(cpu=1e300, gpu=0, memMB=0)}, "resource.cpu"),
+        ({"resource": Resource(cpu=1, gpu=math.inf, memMB=0)}, "resource.gpu"),
+        ({"resource": Resource(cpu=1, gpu=0, memMB=math.inf)}, "resource.memMB"),
+        ({"resource": Resource(cpu=1, gpu=0, memMB=10**20)}, "resource.memMB"),
+        ({"resource": Resource(cpu=10**400, gpu=0, memMB=0)}, "resource.cpu"),
     ],
 )
 def test_values_docker_cannot_take_fail_the_dryrun_naming_the_field(
@@ -228,12 +239,14 @@ def test_values_docker_cannot_take_fail_the_dryrun_naming_the_field(
 
 
 def test_bad_run_options_fail_the_dryrun_naming_the_option() -> None:
-    """A wrongly typed run option or a negative stop_timeout is a clear error naming it."""
+    """A wrongly typed run option or a negative or too large stop_timeout is a clear error naming it."""
     app = AppDef("a", [Role(name="r", image=IMAGE, entrypoint="true")])
     with pytest.raises(InvalidRunConfigException, match="privileged"):
         _scheduler().submit_dryrun(app, {"privileged": "yes"})
     with pytest.raises(InvalidAppDefException, match="stop_timeout"):
         _scheduler().submit_dryrun(app, {"stop_timeout": -1})
+    with pytest.raises(InvalidAppDefException, match=r"stop_timeout .*100000000000000000000"):
+        _scheduler().submit_dryrun(app, {"stop_timeout": 10**20})
     with pytest.raises(InvalidAppDefException, match="network"):
         _scheduler().submit_dryrun(app, {"network": "bad name"})
 

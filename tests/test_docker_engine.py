@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anyio
 import pytest
 from _docker_env import (  # noqa: F401 - pytest fixtures
     busybox_image,
@@ -729,3 +730,103 @@ async def test_runner_wait_wakes_from_the_event_stream_without_polling(
     # every round since RUNNING was asked for by a pushed event ("die"), none by a timer
     assert pushed >= 1
     assert 1 <= rounds <= pushed, f"{rounds} rounds for {pushed} pushed events"
+
+
+async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing(
+    docker_scheduler: DockerScheduler, busybox_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule() cancelled while its network's or containers' create request is in flight
+    leaves no network and no container of the app (the engine finishes a create whose client
+    went away, after the clean-up had looked)."""
+    import aiodocker
+
+    engine = docker_scheduler.engine
+    asked = asyncio.Event()
+    for method in ("create_network", "create_container"):
+        real = getattr(engine, method)
+
+        async def noted(*args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            asked.set()
+            return await _real(*args, **kwargs)
+
+        monkeypatch.setattr(engine, method, noted)
+        app_ids = []
+        for _ in range(4):
+            info = docker_scheduler.submit_dryrun(
+                AppDef("c", [sh(busybox_image, "sleep 300", n=3)]), {"stop_timeout": 1}
+            )
+            app_ids.append(info.request.app_id)
+            asked.clear()
+            submit = asyncio.ensure_future(docker_scheduler.schedule(info))
+            with anyio.fail_after(30):
+                await asked.wait()
+            await asyncio.sleep(0)  # the request goes out
+            submit.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await submit
+        monkeypatch.setattr(engine, method, real)
+        async with aiodocker.Docker() as client:
+            for app_id in app_ids:
+                assert await containers_of(app_id) == [], method
+                nets = await client.networks.list(filters={"name": [app_id]})
+                assert nets == [], method
+
+
+async def test_close_during_a_submit_lets_the_launch_finish_or_refuses_it_leaving_nothing(
+    docker_engine: None, docker_session: str, busybox_image: str
+) -> None:
+    """close() while a submit checks its images: the submit raises "closed" and creates nothing;
+    close() while it creates its containers: the launch completes (the app runs) before the
+    engine is closed, instead of failing as "cannot reach the Docker engine" with its network and
+    containers left behind."""
+    outcomes: dict[str, object] = {}
+    try:
+        for method in ("inspect_image", "create_container"):
+            scheduler = DockerScheduler(docker_session)
+            asked = asyncio.Event()
+            real = getattr(scheduler.engine, method)
+
+            async def noted(*args: Any, _real: Any = real, _asked: Any = asked, **kw: Any) -> Any:
+                _asked.set()
+                return await _real(*args, **kw)
+
+            setattr(scheduler.engine, method, noted)
+            info = scheduler.submit_dryrun(
+                AppDef("c", [sh(busybox_image, "sleep 300", n=3)]), {"stop_timeout": 1}
+            )
+            submit = asyncio.ensure_future(scheduler.schedule(info))
+            with anyio.fail_after(60):
+                await asked.wait()
+                await scheduler.close()
+                outcomes[method] = (await asyncio.gather(submit, return_exceptions=True))[0]
+            names = await containers_of(info.request.app_id)
+            if method == "inspect_image":
+                assert isinstance(outcomes[method], RuntimeError), outcomes[method]
+                assert "closed" in str(outcomes[method]) and names == []
+            else:
+                assert outcomes[method] == info.request.app_id, outcomes[method]
+                assert len(names) == 3
+    finally:
+        await purge_session(docker_session)
+
+
+async def test_a_replica_removed_behind_our_back_fails_the_app_and_stops_the_others(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """`docker rm -f` of one replica of a running app: the app turns FAILED naming that replica
+    and the survivor is stopped (it stayed RUNNING, then UNKNOWN, forever: a wait never ended)."""
+    import aiodocker
+
+    app = AppDef("gone", [sh(busybox_image, "sleep 300", n=2)])
+    app_id = await docker_scheduler.submit(app, {"stop_timeout": 1})
+    await wait_for(docker_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    async with aiodocker.Docker() as client:
+        await (await client.containers.get(f"{app_id}-main-1")).delete(force=True)
+    resp = await wait_for(
+        docker_scheduler,
+        app_id,
+        lambda r: is_terminal(r.state) and r.roles_statuses[0].replicas[0].exit_code is not None,
+    )
+    assert resp.state == AppState.FAILED
+    assert "main/1" in resp.msg and "removed" in resp.msg
+    assert resp.roles_statuses[0].replicas[0].exit_code in (137, 143)

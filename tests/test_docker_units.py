@@ -164,14 +164,30 @@ def test_all_replicas_exit_zero_is_succeeded_and_one_failure_fails_and_stops_the
 
 
 def test_created_is_pending_running_is_running_and_missing_replicas_are_reported() -> None:
-    """Created containers: PENDING; any running: RUNNING; replicas missing with nothing alive: UNKNOWN."""
+    """Created containers: PENDING (one missing too: its create may be under way); any running:
+    RUNNING; replicas missing while remove_finished removes the app's containers: UNKNOWN."""
     pending = assess("app", [_c("r", 0, "created"), _c("r", 1, "created")])
     assert pending is not None and pending.response.state == AppState.PENDING
+    creating = assess("app", [_c("r", 0, "created")])
+    assert creating is not None and creating.response.state == AppState.PENDING
     running = assess("app", [_c("r", 0, "running"), _c("r", 1, "exited", 0)])
     assert running is not None and running.response.state == AppState.RUNNING
-    lost = assess("app", [_c("r", 0, "exited", 0)])
+    lost = assess("app", [_c("r", 0, "exited", 0, remove_finished=True)])
     assert lost is not None and lost.response.state == AppState.UNKNOWN
     assert "r/1" in lost.response.msg
+
+
+def test_a_replica_whose_container_was_removed_under_us_fails_the_app() -> None:
+    """Once every replica has started, a replica with no container (docker rm -f) fails the app,
+    naming it, and the survivors are to be stopped: it never stays RUNNING/UNKNOWN forever."""
+    for survivor in (_c("r", 0, "running"), _c("r", 0, "exited", 0)):
+        a = assess("app", [survivor])
+        assert a is not None and a.response.state == AppState.FAILED
+        assert "r/1" in a.response.msg and "removed" in a.response.msg
+        assert a.to_stop == ([survivor] if survivor.alive else [])
+    stopped = assess("app", [_c("r", 0, "exited", 137)])  # the survivor, once stopped
+    assert stopped is not None and stopped.response.state == AppState.FAILED
+    assert "r/1" in stopped.response.msg and "removed" in stopped.response.msg
 
 
 def test_cancel_marker_means_cancelled_once_nothing_is_alive() -> None:
@@ -304,10 +320,12 @@ def test_nothing_is_removed_while_a_replica_may_still_start() -> None:
 
 
 def test_cancelled_app_owes_its_network_once_nothing_is_alive() -> None:
-    """A cancelled app (marker) asks for its network's removal once its replicas have stopped."""
+    """A cancelled app (marker) owes the stop of a live replica (one that started after the cancel
+    too), and its network's removal once its replicas have stopped."""
     marker = _c("", -1, "created", kind=KIND_CANCEL_MARKER, network="net")
-    stopping = assess("app", [_c("r", 0, "running", network="net"), marker])
-    assert stopping is not None and stopping.actions == ()
+    running = _c("r", 0, "running", network="net")
+    stopping = assess("app", [running, marker])
+    assert stopping is not None and stopping.actions == (StopContainer(running.id),)
     replicas = [_c("r", 0, "exited", 143, network="net"), _c("r", 1, "exited", 137, network="net")]
     done = assess("app", [*replicas, marker])
     assert done is not None and done.response.state == AppState.CANCELLED
@@ -748,6 +766,31 @@ async def test_a_replica_starting_after_its_app_failed_is_stopped() -> None:
     scheduler._events.handle(_event(late, "start"))
     await scheduler._reconciler.wait_idle()
     assert ("stop", f"{app_id}-r-1") in docker.calls and late.state == "exited"
+    await scheduler.close()
+
+
+async def test_a_replica_starting_after_its_app_was_cancelled_is_stopped() -> None:
+    """A cancel while the replicas are only created (their launch under way) stops nothing; their
+    start events after the cancel marker's create bring their stop, and the app ends CANCELLED."""
+    docker = FakeDocker({IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    app_id = await scheduler.submit(_app(_role("r", 2)), {})
+    late = [docker.by_name(f"{app_id}-r-{k}") for k in (0, 1)]
+    for c in late:
+        assert c is not None
+        c.state = "created"
+    await scheduler.cancel(app_id)
+    marker = docker.by_name(f"{app_id}-cancelled")
+    assert marker is not None and not any(op == "stop" for op, _ in docker.calls)
+    scheduler._events.handle(_event(marker, "create"))
+    for c in late:
+        assert c is not None
+        c.state = "running"
+        scheduler._events.handle(_event(c, "start"))
+    await scheduler._reconciler.wait_idle()
+    assert {name for op, name in docker.calls if op == "stop"} == {f"{app_id}-r-0", f"{app_id}-r-1"}
+    resp = await scheduler.describe(app_id)
+    assert resp is not None and resp.state == AppState.CANCELLED
     await scheduler.close()
 
 

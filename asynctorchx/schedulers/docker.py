@@ -42,6 +42,8 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
@@ -142,7 +144,10 @@ class DockerScheduler(Scheduler[DockerJob]):
             enabled=watch_events,
         )
         self._follow_ups = FollowUps(self._engine, self._events.app_containers)
-        self._launcher = Launcher(self._engine)
+        self._launcher = Launcher(self._engine, self._tasks)
+        self._submitting = 0  # schedule() calls under way; close() lets them finish
+        self._no_submits = asyncio.Event()
+        self._no_submits.set()
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -208,18 +213,26 @@ class DockerScheduler(Scheduler[DockerJob]):
         """
         self._check_open()
         job = dryrun_info.request
-        if dryrun_info.workspace is not None:
-            await ensure_image(
-                self._engine, dryrun_info.workspace, self._flights, current_progress()
-            )
-        await self._launcher.preflight(job)
-        await self._events.connected()  # its follow-ups are driven by the events from now on
+        self._submitting += 1
+        self._no_submits.clear()
         try:
-            await self._launcher.launch(job)
-        except BaseException:
-            purge = self._launcher.purge(job.app_id, job.network_request)
-            await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
-            raise
+            if dryrun_info.workspace is not None:
+                await ensure_image(
+                    self._engine, dryrun_info.workspace, self._flights, current_progress()
+                )
+            await self._launcher.preflight(job)
+            self._check_open()  # closed during the checks: nothing was created
+            await self._events.connected()  # its follow-ups are driven by the events from now on
+            try:
+                await self._launcher.launch(job)
+            except BaseException:
+                purge = self._launcher.purge(job.app_id, job.network_request)
+                await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
+                raise
+        finally:
+            self._submitting -= 1
+            if not self._submitting:
+                self._no_submits.set()
         logger.info("launched %s: %d container(s)", job.app_id, len(job.containers))
         return job.app_id
 
@@ -355,11 +368,17 @@ class DockerScheduler(Scheduler[DockerJob]):
         return self._logs.entries(query)
 
     async def close(self) -> None:
-        """Finishes the follow-ups under way (bounded), stops the event stream, closes an owned
-        client. Apps keep running: containers outlive the scheduler."""
+        """Finishes the launches and follow-ups under way (bounded), stops the event stream,
+        closes an owned client. Apps keep running: containers outlive the scheduler.
+
+        A submit still checking its images, volumes and network then raises "closed" without
+        creating anything; one already creating its containers completes.
+        """
         if self._closed:
             return
         self._closed = True
+        with anyio.move_on_after(_CLOSE_GRACE):
+            await self._no_submits.wait()
         await self._reconciler.drain(_CLOSE_GRACE)
         await self._tasks.aclose()
         await self._engine.close()

@@ -357,12 +357,12 @@ class Role:
             if not isinstance(mount, (BindMount, VolumeMount, DeviceMount)):
                 raise _bad(f"mounts[{i}]", mount, "a BindMount, VolumeMount or DeviceMount", name)
             src = mount.src if isinstance(mount, VolumeMount) else mount.src_path
-            if not isinstance(src, str) or not src:
+            if not isinstance(src, str) or not src or "\0" in src:
                 src_field = "src" if isinstance(mount, VolumeMount) else "src_path"
-                raise _bad(f"mounts[{i}].{src_field}", src, "a non-empty string", name)
+                raise _bad(f"mounts[{i}].{src_field}", src, "a non-empty string without NUL", name)
             dst = mount.dst_path
-            if not isinstance(dst, str) or not dst.startswith("/"):
-                raise _bad(f"mounts[{i}].dst_path", dst, "an absolute path", name)
+            if not isinstance(dst, str) or not dst.startswith("/") or "\0" in dst:
+                raise _bad(f"mounts[{i}].dst_path", dst, "an absolute path without NUL", name)
             if isinstance(mount, DeviceMount) and (
                 not mount.permissions or set(mount.permissions) - set("rwm")
             ):

@@ -30,7 +30,7 @@ from typing import Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.frames import format_api_time
-from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+from asynctorchx.schedulers._docker.request import KIND_CANCEL_MARKER, LABEL_APP_ID, LABEL_KIND
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
     assess,
@@ -45,8 +45,8 @@ _STATE_ACTIONS = frozenset(
     {"create", "start", "restart", "die", "stop", "kill", "destroy", "pause", "unpause", "oom"}
 )
 _FOLLOW_UP_ACTIONS = frozenset({"die", "destroy", "oom"})
-# A start matters only in an app that has had a failure: a replica that starts after its app
-# failed (its launch still under way) is to be stopped.
+# A start matters only in an app that has had a failure or a cancel: a replica that starts after
+# its app failed or was cancelled (its launch still under way) is to be stopped.
 _STARTS = frozenset({"start", "restart"})
 _FILTERS = {"type": ["container"], "label": [LABEL_APP_ID]}
 _REMEMBERED_APPS = 1000
@@ -88,7 +88,7 @@ class EventFeed:
         self._settling: set[str] = set()
         self._died: dict[str, tuple[int | None, float]] = {}
         self._last_event: OrderedDict[str, float] = OrderedDict()
-        self._failed: OrderedDict[str, None] = OrderedDict()  # apps with a failed exit seen
+        self._failed: OrderedDict[str, None] = OrderedDict()  # apps with a failure or cancel seen
         self._snapshots: dict[str, tuple[list[ContainerInfo], float, int]] = {}
 
     # -- the feed ---------------------------------------------------------------------------------
@@ -181,7 +181,14 @@ class EventFeed:
             self._invalidate(app_id)
             if action in ("start", "restart", "destroy"):
                 self._died.pop(cid, None)
-        follow_up = action in _FOLLOW_UP_ACTIONS or (action in _STARTS and app_id in self._failed)
+        cancelled = action == "create" and attrs.get(LABEL_KIND) == KIND_CANCEL_MARKER
+        if cancelled:  # a replica that started before this event may still be alive
+            self._note_failed(app_id)
+        follow_up = (
+            cancelled
+            or action in _FOLLOW_UP_ACTIONS
+            or (action in _STARTS and app_id in self._failed)
+        )
         self._changed(app_id, follow_up=follow_up)
 
     def _changed(self, app_id: str, *, follow_up: bool) -> None:
@@ -300,10 +307,14 @@ class EventFeed:
         while len(self._died) > 4 * _REMEMBERED_APPS:
             del self._died[next(iter(self._died))]
         if code != 0:
-            self._failed.pop(app_id, None)
-            self._failed[app_id] = None
-            while len(self._failed) > _REMEMBERED_APPS:
-                self._failed.popitem(last=False)
+            self._note_failed(app_id)
+
+    def _note_failed(self, app_id: str) -> None:
+        """Notes an app that failed or was cancelled: its replicas that start are to be stopped."""
+        self._failed.pop(app_id, None)
+        self._failed[app_id] = None
+        while len(self._failed) > _REMEMBERED_APPS:
+            self._failed.popitem(last=False)
 
     def _invalidate(self, app_id: str) -> None:
         """Notes news of the app that its snapshot may not show."""

@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar, cast
 
+from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.request import (
@@ -23,8 +24,11 @@ from asynctorchx.schedulers._docker.request import (
     DockerJob,
     NetworkRequest,
 )
+from asynctorchx.schedulers._reconcile import finish_shielded
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Launcher:
@@ -32,10 +36,13 @@ class Launcher:
 
     Args:
         engine: the engine to submit to.
+        tasks: owns each create request, which runs to its end even if the submit is cancelled
+            (the engine finishes a create whose client went away, so the clean-up would miss it).
     """
 
-    def __init__(self, engine: DockerEngine) -> None:
+    def __init__(self, engine: DockerEngine, tasks: TaskSupervisor) -> None:
         self._engine = engine
+        self._tasks = tasks
         self._network_locks: dict[str, asyncio.Lock] = {}
 
     async def preflight(self, job: DockerJob) -> None:
@@ -111,7 +118,8 @@ class Launcher:
         """
         network_id = None
         if job.network_request is not None:
-            network_id = await self.create_network(job.network_request)
+            network = self.create_network(job.network_request)
+            network_id = await self._to_the_end(network, f"network:{job.app_id}")
         created = await _gather_all([self._create(c, network_id) for c in job.containers])
         await self._start_all(
             list(zip(job.containers, created, strict=True)), network_id or job.network
@@ -194,9 +202,25 @@ class Launcher:
             endpoint: dict[str, Any] = next(iter(endpoints.values()), {})
             config["NetworkingConfig"] = {"EndpointsConfig": {network_id: endpoint}}
         what = f"role {request.role!r} replica {request.replica_id}: Docker refused the container"
-        cid = await self._engine.create_container(config, request.name, what=what)
+        create = self._engine.create_container(config, request.name, what=what)
+        cid = await self._to_the_end(create, f"create:{request.name}")
         assert cid is not None  # not exist_ok: a taken name raises
         return cid
+
+    async def _to_the_end(self, request: Awaitable[T], name: str) -> T:
+        """``request``'s result, the request finished even if the caller is cancelled meanwhile
+        (its error is raised here, not logged as a failed background task)."""
+
+        async def outcome() -> tuple[T | None, Exception | None]:
+            try:
+                return await request, None
+            except Exception as e:
+                return None, e
+
+        result, error = await finish_shielded(self._tasks, outcome(), name)
+        if error is not None:
+            raise error
+        return cast(T, result)  # None only with an error
 
     async def _start(self, request: ContainerRequest, cid: str) -> None:
         what = f"role {request.role!r} replica {request.replica_id}: the container did not start"

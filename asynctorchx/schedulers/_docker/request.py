@@ -11,6 +11,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ DEFAULT_STOP_TIMEOUT = 10
 #: Docker refuses memory limits below 6 MiB and CPU limits below 0.01.
 MIN_MEMORY_MB = 6
 MIN_CPUS = 0.01
+#: Docker's numbers (NanoCpus, Memory, StopTimeout) are 64-bit signed integers.
+_INT64_MAX = 2**63 - 1
 
 # Named devices of ``Resource.devices`` that map to host device files (as TorchX maps them).
 _NAMED_DEVICES: dict[str, str] = {"vpc.amazonaws.com/efa": "/dev/infiniband/uverbs{index}"}
@@ -248,6 +251,18 @@ def _check_env(source: str, env: Mapping[str, str]) -> None:
 
 def _resource_config(role: Role) -> dict[str, Any]:
     res: Resource = role.resource
+    for name, value, scale in (
+        ("cpu", res.cpu, 10**9),
+        ("gpu", res.gpu, 1),
+        ("memMB", res.memMB, 1024 * 1024),
+    ):
+        if (isinstance(value, float) and not math.isfinite(value)) or value * scale > _INT64_MAX:
+            raise InvalidAppDefException(
+                f"resource.{name} must be a finite number Docker can take "
+                f"(at most {_INT64_MAX // scale}), got {value!r}",
+                role=role.name,
+                field_name=f"resource.{name}",
+            )
     host: dict[str, Any] = {}
     if res.cpu > 0:
         if res.cpu < MIN_CPUS:
@@ -384,9 +399,14 @@ class _JobOptions:
             env.update(extra_env)
         raw = cfg.get("stop_timeout")
         stop_timeout = DEFAULT_STOP_TIMEOUT if raw is None else raw
-        if isinstance(stop_timeout, bool) or not isinstance(stop_timeout, int) or stop_timeout < 0:
+        if (
+            isinstance(stop_timeout, bool)
+            or not isinstance(stop_timeout, int)
+            or not 0 <= stop_timeout <= _INT64_MAX
+        ):
             raise InvalidAppDefException(
-                f"stop_timeout must be a whole number of seconds >= 0, got {stop_timeout!r}",
+                f"stop_timeout must be a whole number of seconds in [0, {_INT64_MAX}], "
+                f"got {stop_timeout!r}",
                 field_name="stop_timeout",
             )
         return cls(

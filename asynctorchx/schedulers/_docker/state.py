@@ -282,8 +282,10 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
     Rules, in order: a cancelled app is CANCELLED once none of its containers is alive (RUNNING
     until then); a replica that failed with no retry left fails the app (its live replicas are to be
     stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
-    the app RUNNING and asks for the retry; otherwise RUNNING if any replica runs, PENDING if all
-    are created but not started, UNKNOWN when replicas are missing and nothing runs. The follow-up
+    the app RUNNING and asks for the retry; a replica whose container is gone once every replica
+    has been started (removed by someone else: it will never end) fails the app; otherwise RUNNING
+    if any replica runs, PENDING if all are created but not started, UNKNOWN when replicas are
+    missing and nothing runs (``remove_finished`` removing them). The follow-up
     actions owed (``Assessment.actions``) come from ``follow_ups``.
     """
     replicas = [c for c in containers if not c.is_marker]
@@ -375,11 +377,23 @@ def _verdict(
     retry, failures = _retry_or_failures(shapes, current)
     alive = [c for c in replicas if c.alive]
     to_stop = [c for c in alive if current.get((c.role, c.replica_id)) is not c]  # superseded
-    if cancelled:
+    if cancelled:  # every live replica is to be stopped, those started after the cancel too
         return _Verdict(
             AppState.RUNNING if alive else AppState.CANCELLED,
             "cancelling" if alive else "cancelled",
-            to_stop=to_stop,
+            to_stop=alive,
+        )
+    removed_under_us = (
+        missing
+        and replicas[0].labels.get(LABEL_REMOVE_FINISHED) != "true"  # else: our removal under way
+        and AppState.PENDING not in states.values()  # else: a launch may still be creating them
+    )
+    if removed_under_us:
+        role, k = sorted(missing, key=lambda rk: _role_order(shapes, rk))[0]
+        return _Verdict(
+            AppState.FAILED,
+            f"replica {role}/{k} is gone: its container was removed",
+            to_stop=alive,
         )
     if failures:
         role, k = sorted(failures, key=lambda rk: _role_order(shapes, rk))[0]
