@@ -1061,7 +1061,11 @@ class AsyncRunner:
 
 def _check_timeout(timeout: float | None) -> None:
     """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
-    if timeout is not None and not timeout >= 0:  # also rejects NaN
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not timeout >= 0  # also rejects NaN
+    ):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
 
 
