@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctorchx import AppEvent, AsyncRunner
@@ -26,6 +27,7 @@ from asynctorchx.specs import (
     parse_app_handle,
 )
 from asynctorchx.specs.errors import ComponentNotFoundException
+from asynctorchx.testing import AppScript, ScriptedBackend
 
 LOCAL = "local_cwd"
 ORDER = {
@@ -448,6 +450,38 @@ async def test_close_twice_and_use_after_close(root: Path) -> None:
         await runner.wait(handle)
     with pytest.raises(RuntimeError, match="closed"):
         await runner.open()
+
+
+def test_a_runner_used_from_another_event_loop_says_so() -> None:
+    """A runner opened in one asyncio.run and called from a second raises RuntimeError at once."""
+    backend = ScriptedBackend("scripted", AppScript(states=[(0, AppState.SUCCEEDED)]))
+    runner = AsyncRunner(name=session(), scheduler_factories={"scripted": backend})
+
+    async def first() -> str:
+        await runner.open()
+        handle = await runner.run(sh_app("true"), "scripted")
+        await runner.wait(handle, timeout=30)
+        return handle
+
+    handle = asyncio.run(first())
+
+    async def second() -> list[str]:
+        calls = [
+            lambda: runner.run(sh_app("true"), "scripted"),
+            lambda: runner.status(handle),
+            lambda: runner.wait(handle),
+            lambda: runner.wait_all([handle]),
+            runner.close,
+        ]
+        errors = []
+        for call in calls:
+            with anyio.fail_after(10), pytest.raises(RuntimeError) as info:
+                await call()
+            errors.append(str(info.value))
+        return errors
+
+    for error in asyncio.run(second()):
+        assert "opened in another event loop" in error
 
 
 async def test_a_first_run_in_progress_when_the_runner_closes_raises_closed(root: Path) -> None:

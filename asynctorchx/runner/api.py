@@ -172,6 +172,8 @@ class AsyncRunner:
                 raise UnknownSchedulerException(backend, self._available())
         self._launch_events = LaunchEvents()
         self._closing: asyncio.Task[None] | None = None  # close()'s clean-up, awaited by every call
+        # the loop open() ran in: the hubs, schedulers and their tasks belong to it
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -195,6 +197,7 @@ class AsyncRunner:
         """
         if self._state is not _Lifecycle.UNOPENED:
             raise RuntimeError(f"cannot open a runner that is {self._state.value}")
+        self._loop = asyncio.get_running_loop()
         self._state = _Lifecycle.OPENED
 
     async def close(self) -> None:
@@ -203,6 +206,7 @@ class AsyncRunner:
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
         """
+        self._check_loop()
         if self._closing is None:
             self._state = _Lifecycle.CLOSED
             for queue in self._readers:
@@ -230,6 +234,23 @@ class AsyncRunner:
             )
         if self._state is _Lifecycle.CLOSED:
             raise RuntimeError("the runner is closed")
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        """Raises RuntimeError when called in an event loop other than the one ``open()`` ran in:
+        the runner's hubs and schedulers wait on that loop's futures, so a call from another loop
+        (a second ``asyncio.run``) would wait forever."""
+        if self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous call (launched(), hub()) outside any loop
+            return
+        if running is not self._loop:
+            raise RuntimeError(
+                "this runner was opened in another event loop: a runner belongs to the loop it "
+                "was opened in (make one per asyncio.run)"
+            )
 
     def _check_not_closed(self) -> None:
         if self._state is _Lifecycle.CLOSED:
