@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -222,6 +223,18 @@ async def test_watch_several_apps_ends_when_all_are_final(runner: AsyncRunner) -
 
 
 # -- waiting does not own the app ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["garbage", "nosuch://s/x", "scripted://another-session/x"])
+async def test_watch_with_a_bad_handle_after_good_ones_leaves_no_listener(bad: str) -> None:
+    """watch([good, bad]) raises for the bad handle and stops listening to the good one."""
+    backend = ScriptedBackend("scripted")  # runs until cancelled
+    async with AsyncRunner(name="s", scheduler_factories={"scripted": backend}) as runner:
+        handle = await runner.run(sh_app("sleep 60"), "scripted")
+        with anyio.fail_after(10), pytest.raises(Exception, match=re.escape(bad.split("://")[0])):
+            async for _ in runner.watch([handle, bad]):
+                pass
+        assert not runner.hub("scripted").awaited()
 
 
 async def test_wait_timeout_leaves_app_running(runner: AsyncRunner) -> None:

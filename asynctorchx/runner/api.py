@@ -926,20 +926,21 @@ class AsyncRunner:
                 )
             )
 
-        for handle in dict.fromkeys(app_handles):
-            backend, app_id = self._split(handle)
-            hub = self._hub(backend)
-            entry = hub.track(app_id)
-            live[handle] = entry
-
-            def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
-                emit(handle, e)
-
-            stop_listening.append(hub.listen(entry, on_change))
-            if entry.known:
-                emit(handle, entry)
         self._readers.add(queue)
         try:
+            # inside the try: a bad handle after good ones must not leave their listeners behind
+            for handle in dict.fromkeys(app_handles):
+                backend, app_id = self._split(handle)
+                hub = self._hub(backend)
+                entry = hub.track(app_id)
+                live[handle] = entry
+
+                def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
+                    emit(handle, e)
+
+                stop_listening.append(hub.listen(entry, on_change))
+                if entry.known:
+                    emit(handle, entry)
             remaining = set(live)
             while remaining:
                 event = await self._next_item(queue, "watching apps")
