@@ -237,6 +237,22 @@ async def test_watch_with_a_bad_handle_after_good_ones_leaves_no_listener(bad: s
         assert not runner.hub("scripted").awaited()
 
 
+async def test_one_handle_instead_of_a_list_is_a_clear_error() -> None:
+    """wait_all/as_completed/watch given one handle string raise TypeError naming it, not its first character."""
+    backend = ScriptedBackend("scripted", AppScript(states=[(0, AppState.SUCCEEDED)]))
+    async with AsyncRunner(name="s", scheduler_factories={"scripted": backend}) as runner:
+        handle = await runner.run(sh_app("true"), "scripted")
+        with anyio.fail_after(10):
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                await runner.wait_all(handle)
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                async for _ in runner.as_completed(handle):
+                    pass
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                async for _ in runner.watch(handle):
+                    pass
+
+
 async def test_wait_timeout_leaves_app_running(runner: AsyncRunner) -> None:
     """wait(timeout=) raises TimeoutError and the app is still RUNNING afterwards."""
     handle = await runner.run(sh_app("sleep 30"), LOCAL)

@@ -807,6 +807,7 @@ class AsyncRunner:
         Raises:
             TimeoutError: some app was still running after ``timeout`` seconds.
             ValueError: ``timeout`` is negative or not a number.
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         results: dict[AppHandle, AppStatus | None] = {}
         async for handle, status in self.as_completed(app_handles, timeout=timeout):
@@ -826,10 +827,11 @@ class AsyncRunner:
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
             ValueError: ``timeout`` is negative or not a number.
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
         _check_timeout(timeout)
-        handles = list(dict.fromkeys(app_handles))
+        handles = list(dict.fromkeys(_handles(app_handles)))
         if not handles:
             return
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -900,6 +902,9 @@ class AsyncRunner:
         """Yields an ``AppEvent`` for every state change (and restart) of the apps until all are final.
 
         The first event of each app is its state when the runner first sees it.
+
+        Raises:
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
         queue: asyncio.Queue[AppEvent] = asyncio.Queue()
@@ -929,7 +934,7 @@ class AsyncRunner:
         self._readers.add(queue)
         try:
             # inside the try: a bad handle after good ones must not leave their listeners behind
-            for handle in dict.fromkeys(app_handles):
+            for handle in dict.fromkeys(_handles(app_handles)):
                 backend, app_id = self._split(handle)
                 hub = self._hub(backend)
                 entry = hub.track(app_id)
@@ -1079,6 +1084,20 @@ class AsyncRunner:
 
     def __repr__(self) -> str:
         return f"<AsyncRunner name={self._name!r} {self._state.value}>"
+
+
+def _handles(app_handles: Iterable[AppHandle]) -> Iterable[AppHandle]:
+    """``app_handles``, unless it is one handle (a string, whose characters would be taken as handles).
+
+    Raises:
+        TypeError: ``app_handles`` is a string.
+    """
+    if isinstance(app_handles, str):
+        raise TypeError(
+            f"app_handles must be an iterable of app handles, not one handle: got {app_handles!r} "
+            "(pass [handle])"
+        )
+    return app_handles
 
 
 def _check_timeout(timeout: float | None) -> None:
