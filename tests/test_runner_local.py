@@ -461,6 +461,13 @@ async def test_run_opts_and_cfg_from_str(runner: AsyncRunner) -> None:
 # -- lifecycle -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["..", ".", "a\0b", "a/b", "a b", None])
+def test_a_bad_runner_name_is_refused_naming_it(name: object) -> None:
+    """A runner name that is no safe directory name ('..', NUL, '/') raises ValueError naming it."""
+    with pytest.raises(ValueError, match="runner name must be .* got " + re.escape(repr(name))):
+        AsyncRunner(name=name)  # type: ignore[arg-type]
+
+
 async def test_close_twice_and_use_after_close(root: Path) -> None:
     """close() twice is fine; after it every method raises RuntimeError('...closed')."""
     runner = AsyncRunner(name=session(), local_root=str(root))

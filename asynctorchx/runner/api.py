@@ -140,14 +140,18 @@ class AsyncRunner:
         clock: Clock | None = None,
         **scheduler_params: Any,
     ) -> None:
+        # the name is a directory of the local backends' state root: '..' would escape it
         if (
             not isinstance(name, str)
             or "/" in name
             or ":" in name
+            or "\0" in name
+            or name in (".", "..")
             or any(c.isspace() for c in name)
         ):
             raise ValueError(
-                f"runner name must be a string without '/', ':' or spaces, got {name!r}"
+                "runner name must be a string without '/', ':', spaces or NUL, and not '.' or "
+                f"'..', got {name!r}"
             )
         self._name = name
         self._component_defaults = {k: dict(v) for k, v in (component_defaults or {}).items()}
