@@ -408,6 +408,16 @@ async def test_bad_input_fails_before_anything_runs(runner: AsyncRunner) -> None
     assert await runner.list(LOCAL) == []
 
 
+async def test_a_cfg_that_is_not_a_mapping_is_a_clear_error(runner: AsyncRunner) -> None:
+    """cfg given as a 'k=v' string (or a list) raises TypeError naming it; nothing is launched."""
+    for bad in ["log_dir=/tmp/x", [("prepend_cwd", True)]]:
+        with pytest.raises(TypeError, match="cfg must be a mapping .* got " + re.escape(repr(bad))):
+            await runner.run(sh_app("true"), LOCAL, bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="cfg must be a mapping"):
+            runner.dryrun(sh_app("true"), LOCAL, bad)  # type: ignore[arg-type]
+    assert await runner.list(LOCAL) == []
+
+
 def tree(path: Path) -> set[str]:
     """Every file and directory under ``path`` (relative), empty when it does not exist."""
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()

@@ -370,6 +370,7 @@ class AsyncRunner:
             InvalidWorkspaceException: the workspace cannot be used (names it and why).
             WorkspaceNotSupportedException: the scheduler ships no workspace.
         """
+        _check_cfg(cfg)
         ws = Workspace.of(workspace)
         sched = self._scheduler(scheduler)
         tracked = self._with_tracking(app, scheduler, parent_run_id)
@@ -390,6 +391,7 @@ class AsyncRunner:
         ws = Workspace.of(workspace)
         if ws is None:
             return self.dryrun(app, scheduler, cfg, None, parent_run_id)
+        _check_cfg(cfg)
         tracked = self._with_tracking(app, scheduler, parent_run_id)
         return await self._scheduler(scheduler).submit_dryrun_async(tracked, cfg or {}, ws)
 
@@ -1088,6 +1090,17 @@ class AsyncRunner:
 
     def __repr__(self) -> str:
         return f"<AsyncRunner name={self._name!r} {self._state.value}>"
+
+
+def _check_cfg(cfg: object) -> None:
+    """Raises TypeError unless ``cfg`` is a mapping or None (a ``"k=v"`` string is a likely slip)."""
+    if cfg is not None and not isinstance(cfg, Mapping):
+        hint = (
+            " (parse a 'key=value,...' string with runner.cfg_from_str)"
+            if isinstance(cfg, str)
+            else ""
+        )
+        raise TypeError(f"cfg must be a mapping of run options or None, got {cfg!r}{hint}")
 
 
 def _handles(app_handles: Iterable[AppHandle]) -> Iterable[AppHandle]:
