@@ -418,6 +418,18 @@ async def test_a_cfg_that_is_not_a_mapping_is_a_clear_error(runner: AsyncRunner)
     assert await runner.list(LOCAL) == []
 
 
+async def test_component_args_given_as_one_string_is_a_clear_error(runner: AsyncRunner) -> None:
+    """component_args '--msg hi' (a string) raises TypeError naming it, not 'unrecognized arguments: - - m s g'."""
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        await runner.run_component("utils.echo", "--msg hi", LOCAL)
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        runner.dryrun_component("utils.echo", "--msg hi", LOCAL)
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        async with runner.launched("utils.echo", LOCAL, component_args="--msg hi"):
+            pass
+    assert await runner.list(LOCAL) == []
+
+
 def tree(path: Path) -> set[str]:
     """Every file and directory under ``path`` (relative), empty when it does not exist."""
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()

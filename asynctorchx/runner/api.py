@@ -459,6 +459,11 @@ class AsyncRunner:
         from asynctorchx.components import get_component
         from asynctorchx.specs.builders import call_component, materialize_appdef
 
+        if isinstance(component_args, str):  # its characters would be taken as the arguments
+            raise TypeError(
+                f"component_args must be a list of arguments or a mapping, not a string: got "
+                f"{component_args!r} for component {component!r} (pass {component_args.split()!r})"
+            )
         found = get_component(component)
         defaults = self._component_defaults.get(component) or self._component_defaults.get(
             found.name
