@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -114,6 +115,16 @@ async def test_wait_rejects_a_negative_or_nan_timeout(root: Path, bad: float) ->
             await runner.wait(f"{LOCAL}://{runner.name}/x", timeout=bad)
         with pytest.raises(ValueError, match=r"timeout must be .* got"):
             await runner.wait_all([f"{LOCAL}://{runner.name}/x"], timeout=bad)
+
+
+@pytest.mark.parametrize("bad", ["5", True, b"1", [1]])
+async def test_wait_rejects_a_timeout_that_is_not_a_number(root: Path, bad: object) -> None:
+    """wait/wait_all with a string, bool or other non-number timeout raise ValueError naming it."""
+    async with AsyncRunner(name=session(), local_root=str(root)) as runner:
+        with pytest.raises(ValueError, match=r"timeout must be .* got " + re.escape(repr(bad))):
+            await runner.wait(f"{LOCAL}://{runner.name}/x", timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"timeout must be .* got " + re.escape(repr(bad))):
+            await runner.wait_all([f"{LOCAL}://{runner.name}/x"], timeout=bad)  # type: ignore[arg-type]
 
 
 def _cli(root: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -281,6 +281,24 @@ async def test_a_cancellation_during_the_submission_cancels_what_was_submitted()
         assert submitted.cancelled and submitted.state == AppState.CANCELLED
 
 
+@pytest.mark.parametrize("gang", [False, True])
+async def test_an_app_whose_submit_outlives_a_failed_block_is_cancelled_too(gang: bool) -> None:
+    """A launch still submitting (in a task of its own) when the block fails: its app is cancelled, launch raises."""
+    backend, clock, runner = scripted(submit_latency=5)
+    async with runner:
+        with pytest.raises(KeyError):
+            async with runner.launch_group(gang=gang) as group:
+                stray = asyncio.create_task(group.launch(app("stray"), "scripted"))
+                await poll_until(lambda: backend.in_flight_submits == 1, "the submission to start")
+                raise KeyError("the block fails")
+        clock.advance(5)
+        with anyio.fail_after(10), pytest.raises(RuntimeError, match="was being submitted"):
+            await stray
+        [submitted] = backend.apps.values()
+        assert submitted.cancelled and submitted.state == AppState.CANCELLED
+        assert not runner.hub("scripted").awaited()
+
+
 async def test_the_clean_up_survives_further_cancellations() -> None:
     """Cancelling the task again while launched() waits for the app to end does not cut the clean-up short."""
     backend, clock, runner = scripted(default=AppScript(stop_delay=30))

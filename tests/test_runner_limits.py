@@ -8,8 +8,10 @@ assertion depends on real time.
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import textwrap
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,22 @@ async def test_launch_events_end_when_the_runner_closes() -> None:
         await asyncio.sleep(0)
     with anyio.fail_after(5):
         assert await reader is None
+
+
+async def test_a_launch_events_stream_dropped_without_closing_is_not_kept() -> None:
+    """A stream left by ``break`` without ``async with`` is released, not fed every later launch."""
+    async with runner_with(ScriptedBackend(NAME)) as runner:
+        events = runner.launch_events()
+        first = asyncio.create_task(anext(events))
+        await runner.run(app("a0"), NAME)
+        with anyio.fail_after(5):
+            assert (await first).phase is LaunchPhase.SENT
+        dropped = weakref.ref(events)
+        del events, first
+        gc.collect()
+        for i in range(100):
+            await runner.run(app(f"b{i}"), NAME)
+        assert dropped() is None
 
 
 async def test_a_launched_block_cancelled_while_queued_submits_nothing() -> None:

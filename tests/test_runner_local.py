@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctorchx import AppEvent, AsyncRunner
@@ -26,6 +28,7 @@ from asynctorchx.specs import (
     parse_app_handle,
 )
 from asynctorchx.specs.errors import ComponentNotFoundException
+from asynctorchx.testing import AppScript, ScriptedBackend
 
 LOCAL = "local_cwd"
 ORDER = {
@@ -222,6 +225,34 @@ async def test_watch_several_apps_ends_when_all_are_final(runner: AsyncRunner) -
 # -- waiting does not own the app ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bad", ["garbage", "nosuch://s/x", "scripted://another-session/x"])
+async def test_watch_with_a_bad_handle_after_good_ones_leaves_no_listener(bad: str) -> None:
+    """watch([good, bad]) raises for the bad handle and stops listening to the good one."""
+    backend = ScriptedBackend("scripted")  # runs until cancelled
+    async with AsyncRunner(name="s", scheduler_factories={"scripted": backend}) as runner:
+        handle = await runner.run(sh_app("sleep 60"), "scripted")
+        with anyio.fail_after(10), pytest.raises(Exception, match=re.escape(bad.split("://")[0])):
+            async for _ in runner.watch([handle, bad]):
+                pass
+        assert not runner.hub("scripted").awaited()
+
+
+async def test_one_handle_instead_of_a_list_is_a_clear_error() -> None:
+    """wait_all/as_completed/watch given one handle string raise TypeError naming it, not its first character."""
+    backend = ScriptedBackend("scripted", AppScript(states=[(0, AppState.SUCCEEDED)]))
+    async with AsyncRunner(name="s", scheduler_factories={"scripted": backend}) as runner:
+        handle = await runner.run(sh_app("true"), "scripted")
+        with anyio.fail_after(10):
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                await runner.wait_all(handle)
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                async for _ in runner.as_completed(handle):
+                    pass
+            with pytest.raises(TypeError, match=re.escape(repr(handle))):
+                async for _ in runner.watch(handle):
+                    pass
+
+
 async def test_wait_timeout_leaves_app_running(runner: AsyncRunner) -> None:
     """wait(timeout=) raises TimeoutError and the app is still RUNNING afterwards."""
     handle = await runner.run(sh_app("sleep 30"), LOCAL)
@@ -377,6 +408,28 @@ async def test_bad_input_fails_before_anything_runs(runner: AsyncRunner) -> None
     assert await runner.list(LOCAL) == []
 
 
+async def test_a_cfg_that_is_not_a_mapping_is_a_clear_error(runner: AsyncRunner) -> None:
+    """cfg given as a 'k=v' string (or a list) raises TypeError naming it; nothing is launched."""
+    for bad in ["log_dir=/tmp/x", [("prepend_cwd", True)]]:
+        with pytest.raises(TypeError, match="cfg must be a mapping .* got " + re.escape(repr(bad))):
+            await runner.run(sh_app("true"), LOCAL, bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="cfg must be a mapping"):
+            runner.dryrun(sh_app("true"), LOCAL, bad)  # type: ignore[arg-type]
+    assert await runner.list(LOCAL) == []
+
+
+async def test_component_args_given_as_one_string_is_a_clear_error(runner: AsyncRunner) -> None:
+    """component_args '--msg hi' (a string) raises TypeError naming it, not 'unrecognized arguments: - - m s g'."""
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        await runner.run_component("utils.echo", "--msg hi", LOCAL)
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        runner.dryrun_component("utils.echo", "--msg hi", LOCAL)
+    with pytest.raises(TypeError, match=r"component_args must be .* got '--msg hi'"):
+        async with runner.launched("utils.echo", LOCAL, component_args="--msg hi"):
+            pass
+    assert await runner.list(LOCAL) == []
+
+
 def tree(path: Path) -> set[str]:
     """Every file and directory under ``path`` (relative), empty when it does not exist."""
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
@@ -430,6 +483,13 @@ async def test_run_opts_and_cfg_from_str(runner: AsyncRunner) -> None:
 # -- lifecycle -------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["..", ".", "a\0b", "a/b", "a b", None])
+def test_a_bad_runner_name_is_refused_naming_it(name: object) -> None:
+    """A runner name that is no safe directory name ('..', NUL, '/') raises ValueError naming it."""
+    with pytest.raises(ValueError, match="runner name must be .* got " + re.escape(repr(name))):
+        AsyncRunner(name=name)  # type: ignore[arg-type]
+
+
 async def test_close_twice_and_use_after_close(root: Path) -> None:
     """close() twice is fine; after it every method raises RuntimeError('...closed')."""
     runner = AsyncRunner(name=session(), local_root=str(root))
@@ -448,6 +508,38 @@ async def test_close_twice_and_use_after_close(root: Path) -> None:
         await runner.wait(handle)
     with pytest.raises(RuntimeError, match="closed"):
         await runner.open()
+
+
+def test_a_runner_used_from_another_event_loop_says_so() -> None:
+    """A runner opened in one asyncio.run and called from a second raises RuntimeError at once."""
+    backend = ScriptedBackend("scripted", AppScript(states=[(0, AppState.SUCCEEDED)]))
+    runner = AsyncRunner(name=session(), scheduler_factories={"scripted": backend})
+
+    async def first() -> str:
+        await runner.open()
+        handle = await runner.run(sh_app("true"), "scripted")
+        await runner.wait(handle, timeout=30)
+        return handle
+
+    handle = asyncio.run(first())
+
+    async def second() -> list[str]:
+        calls = [
+            lambda: runner.run(sh_app("true"), "scripted"),
+            lambda: runner.status(handle),
+            lambda: runner.wait(handle),
+            lambda: runner.wait_all([handle]),
+            runner.close,
+        ]
+        errors = []
+        for call in calls:
+            with anyio.fail_after(10), pytest.raises(RuntimeError) as info:
+                await call()
+            errors.append(str(info.value))
+        return errors
+
+    for error in asyncio.run(second()):
+        assert "opened in another event loop" in error
 
 
 async def test_a_first_run_in_progress_when_the_runner_closes_raises_closed(root: Path) -> None:

@@ -165,6 +165,9 @@ class LaunchGroup:
     _failure: tuple[AppHandle, AppStatus | None] | None = None
     _closing: bool = False
     _runner_closed: bool = False
+    # set when the block ends: whether an app whose submit was still in flight then is cancelled
+    _cancel_late: bool = False
+    _cleanup_timeout: float = DEFAULT_CLEANUP_TIMEOUT
 
     @property
     def handles(self) -> list[AppHandle]:
@@ -185,12 +188,37 @@ class LaunchGroup:
         Keyword arguments not named here go to ``run``/``run_component`` as they are.
 
         Raises:
-            RuntimeError: the group's block has ended.
+            RuntimeError: the group's block has ended (also when it ended while this app was being
+                submitted, from a task that outlived the block, and the block's apps were
+                cancelled: this app then was too).
             TypeError: ``component_args`` given with an ``AppDef``.
         """
         if self._closing:
             raise RuntimeError("the launch group's block has ended: launch no more apps into it")
-        guard = _SubmitGuard(self._add)
+        late: list[AppHandle] = []
+        try:
+            handle = await self._launch(app, scheduler, cfg, component_args, late, run_kwargs)
+        except BaseException:
+            await self._cleanup(late, self._cleanup_timeout)
+            raise
+        if late:
+            await self._cleanup(late, self._cleanup_timeout)
+            raise RuntimeError(
+                f"the launch group's block ended while {handle} was being submitted: "
+                "it was cancelled with the group's other apps"
+            )
+        return handle
+
+    async def _launch(
+        self,
+        app: AppDef | str,
+        scheduler: str,
+        cfg: Mapping[str, CfgVal] | None,
+        component_args: Sequence[str] | Mapping[str, Any] | None,
+        late: list[AppHandle],
+        run_kwargs: dict[str, Any],
+    ) -> AppHandle:
+        guard = _SubmitGuard(lambda handle: self._add(handle, late))
         token = _SUBMIT_GUARD.set(guard)
         try:
             if isinstance(app, AppDef):
@@ -212,11 +240,15 @@ class LaunchGroup:
         finally:
             _SUBMIT_GUARD.reset(token)
 
-    def _add(self, handle: AppHandle) -> None:
-        """Called by the runner as soon as the backend returned the app's id (before any await)."""
+    def _add(self, handle: AppHandle, late: list[AppHandle]) -> None:
+        """Called by the runner as soon as the backend returned the app's id (before any await);
+        an app submitted after the block ended goes to ``late`` if the block cancelled its apps."""
+        if self._closing and self._cancel_late:
+            late.append(handle)
+            return
         member = _Member(handle)
         self._members[handle] = member
-        if self.gang:
+        if self.gang and not self._closing:  # after the block, nobody would stop watching it
             member.stop_watching = self._runner.watch_final(
                 handle, lambda status: self._on_final(handle, status)
             )
@@ -298,7 +330,7 @@ async def launch_group(
 ) -> AsyncIterator[LaunchGroup]:
     """See ``AsyncRunner.launch_group``."""
     timeout = _check_timeout(cleanup_timeout)
-    group = LaunchGroup(runner, gang)
+    group = LaunchGroup(runner, gang, _cleanup_timeout=timeout)
     ended_normally = False
     try:
         with group._scope:
@@ -314,6 +346,9 @@ async def launch_group(
             stop = group.handles if cancel_on_normal_exit else []
         else:
             stop = group.handles if cancel_on_exit else []
+        group._cancel_late = failure is not None or (
+            cancel_on_normal_exit if ended_normally else cancel_on_exit
+        )
         left = await group._cleanup(stop, timeout)
         if left and (failure is not None or not ended_normally):  # else raised below
             logger.warning("%s", group._not_stopped(left, timeout))

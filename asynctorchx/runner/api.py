@@ -140,14 +140,18 @@ class AsyncRunner:
         clock: Clock | None = None,
         **scheduler_params: Any,
     ) -> None:
+        # the name is a directory of the local backends' state root: '..' would escape it
         if (
             not isinstance(name, str)
             or "/" in name
             or ":" in name
+            or "\0" in name
+            or name in (".", "..")
             or any(c.isspace() for c in name)
         ):
             raise ValueError(
-                f"runner name must be a string without '/', ':' or spaces, got {name!r}"
+                "runner name must be a string without '/', ':', spaces or NUL, and not '.' or "
+                f"'..', got {name!r}"
             )
         self._name = name
         self._component_defaults = {k: dict(v) for k, v in (component_defaults or {}).items()}
@@ -172,6 +176,8 @@ class AsyncRunner:
                 raise UnknownSchedulerException(backend, self._available())
         self._launch_events = LaunchEvents()
         self._closing: asyncio.Task[None] | None = None  # close()'s clean-up, awaited by every call
+        # the loop open() ran in: the hubs, schedulers and their tasks belong to it
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -195,6 +201,7 @@ class AsyncRunner:
         """
         if self._state is not _Lifecycle.UNOPENED:
             raise RuntimeError(f"cannot open a runner that is {self._state.value}")
+        self._loop = asyncio.get_running_loop()
         self._state = _Lifecycle.OPENED
 
     async def close(self) -> None:
@@ -203,6 +210,7 @@ class AsyncRunner:
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
         """
+        self._check_loop()
         if self._closing is None:
             self._state = _Lifecycle.CLOSED
             for queue in self._readers:
@@ -230,6 +238,23 @@ class AsyncRunner:
             )
         if self._state is _Lifecycle.CLOSED:
             raise RuntimeError("the runner is closed")
+        self._check_loop()
+
+    def _check_loop(self) -> None:
+        """Raises RuntimeError when called in an event loop other than the one ``open()`` ran in:
+        the runner's hubs and schedulers wait on that loop's futures, so a call from another loop
+        (a second ``asyncio.run``) would wait forever."""
+        if self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous call (launched(), hub()) outside any loop
+            return
+        if running is not self._loop:
+            raise RuntimeError(
+                "this runner was opened in another event loop: a runner belongs to the loop it "
+                "was opened in (make one per asyncio.run)"
+            )
 
     def _check_not_closed(self) -> None:
         if self._state is _Lifecycle.CLOSED:
@@ -345,6 +370,7 @@ class AsyncRunner:
             InvalidWorkspaceException: the workspace cannot be used (names it and why).
             WorkspaceNotSupportedException: the scheduler ships no workspace.
         """
+        _check_cfg(cfg)
         ws = Workspace.of(workspace)
         sched = self._scheduler(scheduler)
         tracked = self._with_tracking(app, scheduler, parent_run_id)
@@ -365,6 +391,7 @@ class AsyncRunner:
         ws = Workspace.of(workspace)
         if ws is None:
             return self.dryrun(app, scheduler, cfg, None, parent_run_id)
+        _check_cfg(cfg)
         tracked = self._with_tracking(app, scheduler, parent_run_id)
         return await self._scheduler(scheduler).submit_dryrun_async(tracked, cfg or {}, ws)
 
@@ -432,6 +459,11 @@ class AsyncRunner:
         from asynctorchx.components import get_component
         from asynctorchx.specs.builders import call_component, materialize_appdef
 
+        if isinstance(component_args, str):  # its characters would be taken as the arguments
+            raise TypeError(
+                f"component_args must be a list of arguments or a mapping, not a string: got "
+                f"{component_args!r} for component {component!r} (pass {component_args.split()!r})"
+            )
         found = get_component(component)
         defaults = self._component_defaults.get(component) or self._component_defaults.get(
             found.name
@@ -786,6 +818,7 @@ class AsyncRunner:
         Raises:
             TimeoutError: some app was still running after ``timeout`` seconds.
             ValueError: ``timeout`` is negative or not a number.
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         results: dict[AppHandle, AppStatus | None] = {}
         async for handle, status in self.as_completed(app_handles, timeout=timeout):
@@ -805,10 +838,11 @@ class AsyncRunner:
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
             ValueError: ``timeout`` is negative or not a number.
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
         _check_timeout(timeout)
-        handles = list(dict.fromkeys(app_handles))
+        handles = list(dict.fromkeys(_handles(app_handles)))
         if not handles:
             return
         deadline = math.inf if timeout is None else time.monotonic() + timeout
@@ -879,6 +913,9 @@ class AsyncRunner:
         """Yields an ``AppEvent`` for every state change (and restart) of the apps until all are final.
 
         The first event of each app is its state when the runner first sees it.
+
+        Raises:
+            TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
         queue: asyncio.Queue[AppEvent] = asyncio.Queue()
@@ -905,20 +942,21 @@ class AsyncRunner:
                 )
             )
 
-        for handle in dict.fromkeys(app_handles):
-            backend, app_id = self._split(handle)
-            hub = self._hub(backend)
-            entry = hub.track(app_id)
-            live[handle] = entry
-
-            def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
-                emit(handle, e)
-
-            stop_listening.append(hub.listen(entry, on_change))
-            if entry.known:
-                emit(handle, entry)
         self._readers.add(queue)
         try:
+            # inside the try: a bad handle after good ones must not leave their listeners behind
+            for handle in dict.fromkeys(_handles(app_handles)):
+                backend, app_id = self._split(handle)
+                hub = self._hub(backend)
+                entry = hub.track(app_id)
+                live[handle] = entry
+
+                def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
+                    emit(handle, e)
+
+                stop_listening.append(hub.listen(entry, on_change))
+                if entry.known:
+                    emit(handle, entry)
             remaining = set(live)
             while remaining:
                 event = await self._next_item(queue, "watching apps")
@@ -1059,9 +1097,38 @@ class AsyncRunner:
         return f"<AsyncRunner name={self._name!r} {self._state.value}>"
 
 
+def _check_cfg(cfg: object) -> None:
+    """Raises TypeError unless ``cfg`` is a mapping or None (a ``"k=v"`` string is a likely slip)."""
+    if cfg is not None and not isinstance(cfg, Mapping):
+        hint = (
+            " (parse a 'key=value,...' string with runner.cfg_from_str)"
+            if isinstance(cfg, str)
+            else ""
+        )
+        raise TypeError(f"cfg must be a mapping of run options or None, got {cfg!r}{hint}")
+
+
+def _handles(app_handles: Iterable[AppHandle]) -> Iterable[AppHandle]:
+    """``app_handles``, unless it is one handle (a string, whose characters would be taken as handles).
+
+    Raises:
+        TypeError: ``app_handles`` is a string.
+    """
+    if isinstance(app_handles, str):
+        raise TypeError(
+            f"app_handles must be an iterable of app handles, not one handle: got {app_handles!r} "
+            "(pass [handle])"
+        )
+    return app_handles
+
+
 def _check_timeout(timeout: float | None) -> None:
     """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
-    if timeout is not None and not timeout >= 0:  # also rejects NaN
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not timeout >= 0  # also rejects NaN
+    ):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
 
 

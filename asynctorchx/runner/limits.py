@@ -32,6 +32,7 @@ import enum
 import math
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -368,23 +369,27 @@ class LaunchEventStream:
 
 
 class LaunchEvents:
-    """The runner's launch counter and the streams that listen to its launches."""
+    """The runner's launch counter and the streams that listen to its launches.
+
+    Streams are held weakly: one its reader dropped without closing it (``break`` out of an
+    ``async for`` without ``async with``) can never be read again, so it must not buffer every
+    later launch's events for the runner's whole life.
+    """
 
     def __init__(self) -> None:
-        self._streams: list[LaunchEventStream] = []
+        self._streams: weakref.WeakSet[LaunchEventStream] = weakref.WeakSet()
         self._next_id = 0
 
     def stream(self) -> LaunchEventStream:
         s = LaunchEventStream(self._remove)
-        self._streams.append(s)
+        self._streams.add(s)
         return s
 
     def _remove(self, stream: LaunchEventStream) -> None:
-        if stream in self._streams:
-            self._streams.remove(stream)
+        self._streams.discard(stream)
 
     def close(self) -> None:
-        for s in self._streams:
+        for s in list(self._streams):
             s._end()
         self._streams.clear()
 
@@ -397,5 +402,5 @@ class LaunchEvents:
         return bool(self._streams)
 
     def emit(self, event: LaunchEvent) -> None:
-        for s in self._streams:
+        for s in list(self._streams):
             s._put(event)
