@@ -620,26 +620,25 @@ def test_nul_bytes_are_rejected_naming_role_field_and_value(
     assert "role 'main'" in message and field in message and "\\x00" in message
 
 
+def sleepers(name: str, token: str, replicas: int) -> Role:
+    """A role of ``replicas`` long ``sleep`` processes marked with ``token``."""
+    return Role(
+        name,
+        image="x",
+        entrypoint="sleep",
+        args=["1000"],
+        num_replicas=replicas,
+        env={"ATX_TOKEN": token},
+    )
+
+
 @pytest.mark.timeout(60)
 async def test_any_failure_during_a_launch_leaves_nothing(
     root: Path, sched: LocalScheduler, token: str
 ) -> None:
     """An unexpected error in the middle of a launch (here a request altered after its dry run)
     stops the replicas already started and removes the app's directory and record."""
-    app = AppDef(
-        "half",
-        [
-            Role(
-                "ok",
-                image="x",
-                entrypoint="sleep",
-                args=["1000"],
-                num_replicas=3,
-                env={"ATX_TOKEN": token},
-            ),
-            Role("bad", image="x", entrypoint="sleep", args=["1000"], env={"ATX_TOKEN": token}),
-        ],
-    )
+    app = AppDef("half", [sleepers("ok", token, 3), sleepers("bad", token, 1)])
     info = sched.submit_dryrun(app, {})
     request = info.request
     bad = request.roles[1]
@@ -663,15 +662,7 @@ async def test_a_launch_cut_short_by_a_cancel_scope_is_undone_before_it_returns(
     """A submit whose anyio cancel scope is cancelled once its replicas run returns only when
     they are gone and the app is forgotten (the scope's repeated cancellation does not cut the
     wait for the undo short)."""
-    role = Role(
-        "main",
-        image="x",
-        entrypoint="sleep",
-        args=["1000"],
-        num_replicas=8,
-        env={"ATX_TOKEN": token},
-    )
-    info = sched.submit_dryrun(AppDef("cut", [role]), {})
+    info = sched.submit_dryrun(AppDef("cut", [sleepers("main", token, 8)]), {})
     spawner = sched._launcher._spawner
     start = spawner.start
     with anyio.CancelScope() as scope:
