@@ -627,7 +627,8 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
     Raises:
         ComponentValidationException: the function returned None or something that is not an
             AppDef (the message names its type and module), its TorchX AppDef holds something with
-            no counterpart here, or it used a TorchX API asynctorchx does not provide.
+            no counterpart here, it used a TorchX API asynctorchx does not provide, or it called
+            ``sys.exit``.
     """
     from asynctorchx.specs._torchx import TorchXUnsupportedError
 
@@ -635,6 +636,10 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
         app = fn(*args, **kwargs)
     except TorchXUnsupportedError as e:
         raise ComponentValidationException(component, reason=str(e)) from None
+    except SystemExit as e:
+        raise ComponentValidationException(
+            component, reason=f"it called sys.exit({e.code!r}) instead of returning an AppDef"
+        ) from None
     return as_appdef(app, component)
 
 
