@@ -381,6 +381,7 @@ def create_args_parser(
 
     Raises:
         TypeError: the component takes ``**kwargs``.
+        ComponentValidationException: two parameters declare the same option (``Annotated``).
     """
     component = _component_name(cmpnt_fn, name)
     params = inspect.signature(cmpnt_fn).parameters
@@ -438,7 +439,12 @@ def create_args_parser(
             kwargs["default"] = default
         else:
             kwargs["required"] = True
-        parser.add_argument(*flags, dest=pname, **kwargs)
+        try:
+            parser.add_argument(*flags, dest=pname, **kwargs)
+        except argparse.ArgumentError as e:  # an Annotated alias taken by another parameter
+            raise ComponentValidationException(
+                component, reason=f"parameter {pname!r}: {e.message}"
+            ) from None
     return parser
 
 
