@@ -312,6 +312,21 @@ def test_annotated_short_flag():
     assert materialize_appdef(hydra_like, ["--config_name", "c"]).roles[0].args == ["c", "1"]
 
 
+def test_an_option_declared_by_two_parameters_is_a_component_error_naming_them():
+    """Two parameters declaring one option is a ComponentValidationException naming it."""
+
+    def clash(a: Annotated[str, "-x"] = "a", b: Annotated[str, "-x"] = "b") -> AppDef:
+        return _app(a, b)
+
+    def shadows(j: str = "a", k: Annotated[str, "-j"] = "b") -> AppDef:
+        return _app(j, k)
+
+    with pytest.raises(ComponentValidationException, match=r"'clash'.*parameter 'b'.*: -x"):
+        materialize_appdef(clash, [], name="clash")
+    with pytest.raises(ComponentValidationException, match=r"parameter 'k'.*: -j"):
+        format_help(shadows)
+
+
 def test_positional_and_keyword_parameters_are_passed_correctly():
     """Positional-or-keyword parameters, *args and keyword-only parameters reach the function."""
 

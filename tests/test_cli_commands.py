@@ -355,6 +355,37 @@ def test_ctrl_c_cancels_a_local_app_with_no_survivor(cli: Cli) -> None:
     assert cli.status(handle)["state"] == "CANCELLED"
 
 
+@pytest.mark.parametrize("dryrun", [True, False], ids=["dryrun", "run"])
+def test_ctrl_c_interrupts_a_component_file_that_loops_at_import(
+    cli: Cli, tmp_path: Path, dryrun: bool
+) -> None:
+    """A first SIGINT ends `run` with 130 while a component file's import never returns."""
+    started = tmp_path / "importing"
+    path = tmp_path / "loops.py"
+    path.write_text(
+        "import pathlib\n"
+        "from asynctorchx.specs import AppDef\n"
+        "def comp() -> AppDef:\n"
+        "    return AppDef('x')\n"
+        f"pathlib.Path({str(started)!r}).touch()\n"
+        "while True:\n"
+        "    pass\n"
+    )
+    proc = cli.popen("run", *(["--dryrun"] if dryrun else []), f"{path}:comp")
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the file was never imported"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "interrupted again" not in stderr
+
+
 def test_second_ctrl_c_exits_at_once_and_leaves_no_survivor(cli: Cli) -> None:
     """A second SIGINT exits 130 at once, even while replicas ignore SIGTERM; none survives."""
     proc = cli.popen(

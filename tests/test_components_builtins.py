@@ -362,3 +362,17 @@ def test_spmd_topology(args: list[str], nnodes: str, nproc: str):
         nnodes,
         nproc,
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([], r"^dist\.spmd needs exactly one of --script and -m$"),
+        (["--script", "t.py", "-m", "mod"], r"^dist\.spmd needs exactly one of"),
+        (["--script", "t.py", "-j", "0"], r"^-j '0': the number of nodes must be at least 1$"),
+    ],
+)
+def test_spmd_errors_name_spmd_and_the_j_given(args: list[str], message: str):
+    """dist.spmd's errors name dist.spmd and the -j as given (not dist.ddp, not '0x1')."""
+    with pytest.raises(ValueError, match=message):
+        build("dist.spmd", *args)

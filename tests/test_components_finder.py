@@ -348,3 +348,43 @@ def test_file_component_import_error(tmp_path: Path):
         ComponentValidationException, match=r"ModuleNotFoundError.*not_a_module_anywhere"
     ):
         get_component(f"{path}:comp")
+
+
+@pytest.mark.parametrize("code", ["0", "3", "'bye'"])
+def test_a_file_that_exits_at_import_is_an_error_naming_the_call(tmp_path: Path, code: str):
+    """A file calling sys.exit at import (a script parsing sys.argv) is an error, not an exit."""
+    path = _write(
+        tmp_path / "script.py",
+        f'''
+        import sys
+        from asynctorchx.specs import AppDef
+
+        def comp() -> AppDef:
+            """Doc."""
+            return AppDef("x")
+
+        sys.exit({code})
+        ''',
+    )
+    with pytest.raises(
+        ComponentValidationException, match=rf"script\.py' called sys\.exit\({code}\)"
+    ):
+        get_component(f"{path}:comp")
+
+
+def test_a_component_that_calls_sys_exit_is_an_error_naming_it(tmp_path: Path):
+    """A component function calling sys.exit is an error naming it, not a silent exit."""
+    path = _write(
+        tmp_path / "c.py",
+        '''
+        import sys
+        from asynctorchx.specs import AppDef
+
+        def comp() -> AppDef:
+            """Doc."""
+            sys.exit(0)
+        ''',
+    )
+    component = get_component(f"{path}:comp")
+    with pytest.raises(ComponentValidationException, match=r"comp.*called sys\.exit\(0\)"):
+        materialize_appdef(component.fn, [], name=component.name)

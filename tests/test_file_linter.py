@@ -179,6 +179,30 @@ def test_nested_function_is_not_a_component():
     assert "not defined at the top level" in messages[0].description
 
 
+def test_a_function_defined_under_if_or_try_at_the_top_level_is_a_component():
+    """A function defined in an if/try/with block of the module is found, as TorchX finds it."""
+    source = textwrap.dedent(
+        """
+        import sys
+        from asynctorchx.specs import AppDef
+        if sys.version_info >= (3, 8):
+            try:
+                import json
+            except ImportError:
+                pass
+            else:
+                def comp(n: int = 1) -> AppDef:
+                    return AppDef("x")
+        class C:
+            def method(self) -> AppDef:
+                return AppDef("x")
+        """
+    )
+    assert errors_only(validate_source(source, "comp", "f.py")) == []
+    messages = validate_source(source, "method", "f.py")
+    assert "not defined at the top level" in messages[0].description
+
+
 def test_validate_reads_the_file(tmp_path: Path):
     """validate() lints a file on disk without importing it."""
     path = tmp_path / "c.py"

@@ -147,10 +147,11 @@ def test_duplicate_role_names_are_rejected() -> None:
         (AppDef(name="app", roles=[]), r"roles must be a non-empty list"),
         (AppDef(name="", roles=[Role("r", "i", "e")]), r"app name.*''"),
         (AppDef(name="a", roles=["trainer"]), r"roles\[0\] must be a Role, got 'trainer'"),  # type: ignore[list-item]
+        (AppDef(name="a", roles=Role("r", "i", "e")), r"roles must be a non-empty list.*Role\("),  # type: ignore[arg-type]
     ],
 )
 def test_bad_app_fields_are_rejected(app: AppDef, pattern: str) -> None:
-    """An empty app name, no roles or a non-Role entry are rejected naming the field."""
+    """An empty app name, no roles, a Role not in a list or a non-Role entry name the field."""
     with pytest.raises(InvalidAppDefException, match=pattern):
         app.validate()
 

@@ -12,10 +12,12 @@ Only the CLI installs these handlers, for its own process; library code never do
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+import threading
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,6 +43,7 @@ class Interrupts:
         self.signum: int | None = None
         self._event = asyncio.Event()
         self._racing = 0
+        self._absorbed = 0
         self._main: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -75,6 +78,9 @@ class Interrupts:
                 pass
 
     def _on_signal(self, signum: int) -> None:
+        if self._absorbed:
+            self._absorbed -= 1
+            return
         self.count += 1
         if self.count > 1:
             self._exit_now(signum)
@@ -94,6 +100,35 @@ class Interrupts:
         except (OSError, ValueError):
             pass
         os._exit(128 + (self.signum or signum))
+
+    @contextlib.contextmanager
+    def while_blocking(self) -> Iterator[None]:
+        """Makes a signal interrupt the synchronous code run inside (e.g. a component file's import).
+
+        Such code blocks the event loop, which therefore never runs the handlers ``install`` set: a
+        file that loops at import ignored every Ctrl+C. Inside this block a signal raises
+        ``asyncio.CancelledError`` in that code instead, as the loop's handler would have cancelled
+        the command; outside it, the loop's handlers are back.
+        """
+        if self._loop is None or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def interrupt(signum: int, frame: object) -> None:
+            self._absorbed += 1  # the loop hears of it too (its wakeup fd), later: not twice
+            self.count += 1
+            self.signum = self.signum or signum
+            self._event.set()
+            raise asyncio.CancelledError
+
+        previous = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+        for signum in _SIGNALS:
+            signal.signal(signum, interrupt)
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     async def race(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` until it finishes or a first signal arrives.

@@ -174,7 +174,14 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)
         try:
             dryrun = await _dryrun(
-                runner, component, component_args, scheduler, cfg, workspace, args.parent_run_id
+                runner,
+                component,
+                component_args,
+                scheduler,
+                cfg,
+                workspace,
+                args.parent_run_id,
+                interrupts,
             )
         except SystemExit as e:  # the component's --help
             return e.code if isinstance(e.code, int) else 0
@@ -228,12 +235,18 @@ async def _dryrun(
     cfg: dict[str, CfgVal],
     workspace: str | None,
     parent_run_id: str | None,
+    interrupts: Interrupts,
 ) -> AppDryRunInfo[Any]:
-    """The dry run; with a workspace, made in a worker thread (it reads and hashes the files)."""
+    """The dry run; with a workspace, made in a worker thread (it reads and hashes the files).
+
+    Without one it runs on the loop's thread, where a signal interrupts the component's code (a
+    file that loops or hangs at import) rather than waiting for it to return.
+    """
     if not workspace:
-        return runner.dryrun_component(
-            component, component_args, scheduler, cfg, parent_run_id=parent_run_id
-        )
+        with interrupts.while_blocking():
+            return runner.dryrun_component(
+                component, component_args, scheduler, cfg, parent_run_id=parent_run_id
+            )
     import functools
 
     from asynctorchx.schedulers.workspace import run_in_thread

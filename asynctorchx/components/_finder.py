@@ -277,6 +277,13 @@ def _load_file_component(name: str) -> Component:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        # e.g. a training script that parses sys.argv at import: the CLI would exit silently
+        # with the script's code (0 reads as success, 3 as cancelled) having launched nothing
+        sys.modules.pop(module_name, None)
+        raise ComponentValidationException(
+            name, reason=f"importing {str(path)!r} called sys.exit({e.code!r})"
+        ) from None
     except Exception as e:
         sys.modules.pop(module_name, None)
         if isinstance(e, TorchXUnsupportedError):

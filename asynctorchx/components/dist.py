@@ -269,8 +269,12 @@ def spmd(
         mounts: mounts for the nodes (e.g. type=bind,src=/host,dst=/job[,readonly])
         debug: set PyTorch's debugging environment variables
     """
+    if (script is None) == (m is None):
+        raise ValueError("dist.spmd needs exactly one of --script and -m")
     topology = j.strip()
     if re.fullmatch(r"\d+", topology):
+        if int(topology) < 1:
+            raise ValueError(f"-j {j!r}: the number of nodes must be at least 1")
         gpus = get_named_resource(h).gpu if h else 0
         topology = f"{topology}x{max(gpus, 1)}"
     return ddp(

@@ -392,7 +392,7 @@ class AppDef:
         """Raises InvalidAppDefException naming the role, field and value of the first bad field."""
         if not isinstance(self.name, str) or not self.name.strip():
             raise _bad("app name", self.name, "a non-empty string")
-        if not self.roles:
+        if not isinstance(self.roles, (list, tuple)) or not self.roles:
             raise _bad("roles", self.roles, "a non-empty list of Role")
         seen: set[str] = set()
         for i, role in enumerate(self.roles):

@@ -381,6 +381,7 @@ def create_args_parser(
 
     Raises:
         TypeError: the component takes ``**kwargs``.
+        ComponentValidationException: two parameters declare the same option (``Annotated``).
     """
     component = _component_name(cmpnt_fn, name)
     params = inspect.signature(cmpnt_fn).parameters
@@ -438,7 +439,12 @@ def create_args_parser(
             kwargs["default"] = default
         else:
             kwargs["required"] = True
-        parser.add_argument(*flags, dest=pname, **kwargs)
+        try:
+            parser.add_argument(*flags, dest=pname, **kwargs)
+        except argparse.ArgumentError as e:  # an Annotated alias taken by another parameter
+            raise ComponentValidationException(
+                component, reason=f"parameter {pname!r}: {e.message}"
+            ) from None
     return parser
 
 
@@ -627,7 +633,8 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
     Raises:
         ComponentValidationException: the function returned None or something that is not an
             AppDef (the message names its type and module), its TorchX AppDef holds something with
-            no counterpart here, or it used a TorchX API asynctorchx does not provide.
+            no counterpart here, it used a TorchX API asynctorchx does not provide, or it called
+            ``sys.exit``.
     """
     from asynctorchx.specs._torchx import TorchXUnsupportedError
 
@@ -635,6 +642,10 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
         app = fn(*args, **kwargs)
     except TorchXUnsupportedError as e:
         raise ComponentValidationException(component, reason=str(e)) from None
+    except SystemExit as e:
+        raise ComponentValidationException(
+            component, reason=f"it called sys.exit({e.code!r}) instead of returning an AppDef"
+        ) from None
     return as_appdef(app, component)
 
 

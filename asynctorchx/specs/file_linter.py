@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -362,6 +362,19 @@ def default_validators() -> list[ComponentFunctionValidator]:
     return [ArgTypeValidator(), ReturnTypeValidator(), DocstringValidator()]
 
 
+def _module_functions(nodes: Iterable[ast.AST]) -> Iterator[FunctionNode]:
+    """The functions defined at a module's top level, under ``if``/``try``/``with``... included
+    (as TorchX finds them: ``if sys.version_info...: def comp()`` is a component), not in classes
+    or other functions."""
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+        elif isinstance(node, (ast.stmt, ast.excepthandler, ast.match_case)) and not isinstance(
+            node, ast.ClassDef
+        ):
+            yield from _module_functions(ast.iter_child_nodes(node))
+
+
 def validate_source(
     source: str,
     component_function: str,
@@ -388,11 +401,10 @@ def validate_source(
         ]
     found: FunctionNode | None = None
     defined: list[str] = []
-    for node in module.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defined.append(node.name)
-            if node.name == component_function:
-                found = node
+    for node in _module_functions(module.body):
+        defined.append(node.name)
+        if node.name == component_function:
+            found = node
     if found is None:
         known = f"; functions defined there: {', '.join(defined)}" if defined else ""
         return [
