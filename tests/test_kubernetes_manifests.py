@@ -341,6 +341,49 @@ def test_roles_kubernetes_cannot_run_fail_with_clear_errors(role: Role, pattern:
         scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
 
 
+_MISSHAPEN_OVERLAYS = [
+    ({"spec": "x"}, r"an object \(or null\) at spec\b"),
+    ({"metadata": {"labels": "x"}}, r"at metadata\.labels"),
+    ({"spec": {"containers": ["x"]}}, r"a list of objects \(or null\) at spec\.containers"),
+    ({"spec": {"volumes": [1]}}, r"at spec\.volumes"),
+    ({"spec": {"tolerations": "x"}}, r"at spec\.tolerations"),
+    ({"spec": {"containers": [{"name": "w", "env": ["x"]}]}}, r"spec\.containers\[0\]\.env"),
+    (
+        {"spec": {"containers": [{"name": "w", "resources": {"limits": "x"}}]}},
+        r"spec\.containers\[0\]\.resources\.limits",
+    ),
+    ({"spec": {"containers": [{"name": 5}]}}, r"a string as spec\.containers\[0\]\.name"),
+    ({"spec": {"activeDeadlineSeconds": float("nan")}}, r"JSON.*[Nn]a[Nn]"),
+]
+
+
+@pytest.mark.parametrize(("overlay", "pattern"), _MISSHAPEN_OVERLAYS)
+def test_a_misshapen_pod_overlay_option_is_refused_naming_the_option_and_the_place(
+    overlay: dict[str, Any], pattern: str
+) -> None:
+    """A pod_overlay run option with the wrong type where the template has an object or a list
+    (or NaN) is refused naming the option and the place (it was an AttributeError from the lint)."""
+    raw = json.dumps(overlay)
+    with pytest.raises(InvalidRunConfigException, match=r"'pod_overlay'.*" + pattern):
+        scheduler().submit_dryrun(two_role_app(), {"pod_overlay": raw})
+
+
+@pytest.mark.parametrize(
+    ("overlay", "pattern"), [*_MISSHAPEN_OVERLAYS, ("spec: {}", r"a JSON object"), ([1], r"object")]
+)
+def test_a_misshapen_role_pod_overlay_is_refused_naming_the_role_and_the_field(
+    overlay: Any, pattern: str
+) -> None:
+    """A role's metadata['kubernetes']['pod_overlay'] that is not an object of the template's
+    shape is refused naming the role and the field (it was an AttributeError from the lint)."""
+    role = Role("w", image="i", entrypoint="e", metadata={"kubernetes": {"pod_overlay": overlay}})
+    with pytest.raises(
+        InvalidAppDefException,
+        match=r"role 'w': metadata\['kubernetes'\]\['pod_overlay'\] must be .*" + pattern,
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
 def test_role_names_that_collide_in_kubernetes_are_rejected() -> None:
     """Two roles whose DNS forms are equal (Trainer, trainer) are rejected, naming both."""
     app = AppDef(
