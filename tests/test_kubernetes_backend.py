@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio
 import pytest
+from aiohttp import web
 from k8s_fake import ApiError, FakeKubeApiServer, PodContext, PodScript
 from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
@@ -714,6 +715,23 @@ async def test_failed_submit_leaves_nothing(
         await k8s_scheduler.schedule(info)
     await until(fake_k8s, lambda: not fake_k8s.store.objects)
     assert fake_k8s.requests_for("DELETE", "services")
+
+
+async def test_a_response_that_is_not_json_is_a_kube_api_error_quoting_it(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A 2xx answer that is not JSON (an HTML page from a proxy) is a KubeApiError "BadResponse"
+    quoting its start, for submits and status reads alike (it was a bare JSONDecodeError)."""
+    app_id = await k8s_scheduler.submit(AppDef("html", roles=[role()]), {})
+
+    async def html_page(request: web.Request) -> web.Response:
+        return web.Response(status=200, text="<html>Sign in to the proxy</html>")
+
+    fake_k8s.intercept = html_page
+    with pytest.raises(KubeApiError, match=r"200 BadResponse: .*<html>Sign in to the proxy"):
+        await k8s_scheduler.describe(app_id)
+    with pytest.raises(KubeApiError, match=r"200 BadResponse: .*<html>Sign in"):
+        await k8s_scheduler.submit(AppDef("html2", roles=[role()]), {})
 
 
 async def test_close_stops_the_watches(fake_k8s: FakeKubeApiServer) -> None:

@@ -187,7 +187,10 @@ class KubeApi:
             resp.release()
         if not 200 <= resp.status < 300:
             raise _error_from_body(resp.status, body)
-        data = json.loads(body)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
         if not isinstance(data, dict):
             raise KubeApiError(
                 resp.status, "BadResponse", f"expected a JSON object, got {body[:200]!r}"
