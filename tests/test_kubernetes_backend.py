@@ -717,6 +717,80 @@ async def test_failed_submit_leaves_nothing(
     assert fake_k8s.requests_for("DELETE", "services")
 
 
+def answer_services_late(
+    fake_k8s: FakeKubeApiServer, created: asyncio.Event, release: asyncio.Event
+) -> Any:
+    """An intercept under which the fake creates each Service at once but answers only once
+    ``release`` is set (a slow API server, or a connection lost after the request arrived)."""
+
+    async def intercept(request: web.Request) -> web.Response | None:
+        if request.method != "POST" or not request.path.endswith("/services"):
+            return None
+        fake_k8s.store.create("services", NS, await request.json())
+        created.set()
+        await release.wait()
+        return web.json_response({}, status=500)
+
+    return intercept
+
+
+async def test_a_submit_whose_service_create_times_out_leaves_no_service(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A Service created by the server whose answer comes after the request timeout is deleted
+    by the failed submit (it stayed, an app PENDING forever in list)."""
+    created, release = asyncio.Event(), asyncio.Event()
+    fake_k8s.intercept = answer_services_late(fake_k8s, created, release)
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    try:
+        with pytest.raises(KubeApiError, match="Unreachable"):
+            await sched.submit(AppDef("late", roles=[role()]), {})
+        assert created.is_set()
+        await until(fake_k8s, lambda: not fake_k8s.store.objects)
+        assert fake_k8s.requests_for("POST", "jobs") == []
+    finally:
+        release.set()
+        await sched.close()
+
+
+async def test_a_submit_cancelled_while_its_service_is_created_leaves_no_service(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A submit cancelled after the server created its Service but before the answer came
+    deletes that Service (it stayed)."""
+    created, release = asyncio.Event(), asyncio.Event()
+    fake_k8s.intercept = answer_services_late(fake_k8s, created, release)
+    try:
+        submit = asyncio.ensure_future(k8s_scheduler.submit(AppDef("cut", roles=[role()]), {}))
+        with anyio.fail_after(20):
+            await created.wait()
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    finally:
+        release.set()
+
+
+async def test_a_service_create_refused_as_a_conflict_deletes_nothing(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A Service create refused with 409 (the name is another app's) deletes nothing."""
+
+    async def conflict(request: web.Request) -> web.Response | None:
+        if request.method == "POST" and request.path.endswith("/services"):
+            body = {"kind": "Status", "reason": "AlreadyExists", "code": 409, "message": "taken"}
+            return web.json_response(body, status=409)
+        return None
+
+    fake_k8s.intercept = conflict
+    with pytest.raises(KubeApiError, match="409 AlreadyExists: taken"):
+        await k8s_scheduler.submit(AppDef("taken", roles=[role()]), {})
+    assert [r.method for r in fake_k8s.requests if r.method != "GET"] == ["POST"]
+
+
 async def test_a_response_that_is_not_json_is_a_kube_api_error_quoting_it(
     fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
 ) -> None:

@@ -268,7 +268,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     # -- submit -----------------------------------------------------------------------------------
 
     async def schedule(self, dryrun_info: AppDryRunInfo[KubernetesRequest]) -> str:
-        """Creates the Service, then the Jobs it owns. On any failure, deletes what was created.
+        """Creates the Service, then the Jobs it owns. On any failure, deletes what was (or may
+        have been: a create whose answer never came) created.
 
         A dry run made with a workspace first gets its image built and pushed (nothing is created
         on the API server when either fails).
@@ -283,13 +284,20 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             await self._ship_workspace(dryrun_info.workspace)
         api = await self._connection.api()
         ns = request.namespace
-        service = await api.create("services", ns, request.service)
+        service: dict[str, Any] | None = None
         try:
+            service = await api.create("services", ns, request.service)
             for job in request.jobs:
                 await api.create("jobs", ns, owned_by(job, service))
-        except BaseException:
-            cleanup = self._delete_app(ns, request.name, request.jobs)
-            await finish_shielded(self._tasks, cleanup, f"cleanup:{request.app_id}")
+        except BaseException as e:
+            # a Service create that timed out, was cut off or was cancelled may still have been
+            # carried out; only a refusal (4xx, e.g. 409 for a name another app holds) certainly
+            # created nothing
+            refused = isinstance(e, KubeApiError) and 400 <= e.status < 500
+            if service is not None or not refused:
+                jobs = request.jobs if service is not None else []
+                cleanup = self._delete_app(ns, request.name, jobs)
+                await finish_shielded(self._tasks, cleanup, f"cleanup:{request.app_id}")
             raise
         self._namespaces_used.add(ns)
         self._follow_ups.manage(request, service)
