@@ -223,6 +223,27 @@ async def test_cancel_leaves_finished_and_unknown_apps_alone(
     assert resp is not None and resp.state == AppState.SUCCEEDED
 
 
+async def test_the_apps_a_scheduler_remembers_as_cancelled_are_bounded(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler, monkeypatch: Any
+) -> None:
+    """Once their objects are gone, only the last _REMEMBERED_CANCELS cancelled apps are kept
+    as CANCELLED; older ones read as unknown (every cancel was kept forever)."""
+    import asynctorchx.schedulers.kubernetes as k8s_module
+
+    monkeypatch.setattr(k8s_module, "_REMEMBERED_CANCELS", 2)
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=asyncio.Event())
+    app_ids = [await k8s_scheduler.submit(AppDef(f"c{i}", roles=[role()]), {}) for i in range(4)]
+    for app_id in app_ids:
+        await k8s_scheduler.cancel(app_id)
+    await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    states = [
+        resp.state if resp is not None else None
+        for resp in (await k8s_scheduler.describe_many(app_ids)).values()
+    ]
+    assert states == [None, None, AppState.CANCELLED, AppState.CANCELLED]
+    assert len(k8s_scheduler._cancelled) == 2
+
+
 async def test_replica_retry(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
     """REPLICA: the failed index is replaced by Kubernetes (per-index backoff); the app succeeds."""
     fake_k8s.cluster.script = lambda ctx: PodScript(

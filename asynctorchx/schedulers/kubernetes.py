@@ -108,6 +108,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KubeApiError", "KubernetesRequest", "KubernetesScheduler", "create_scheduler"]
 
+# How many apps cancelled by this scheduler it still reports as CANCELLED once their objects are
+# gone (the oldest are forgotten: then they read as unknown, like apps cancelled by another process)
+_REMEMBERED_CANCELS = 10_000
+
 
 class KubernetesScheduler(Scheduler[KubernetesRequest]):
     """Runs apps on a Kubernetes cluster as Indexed Jobs under a headless Service.
@@ -403,6 +407,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         resp.state = AppState.CANCELLED
         resp.msg = "cancelled"
         self._cancelled[app_id] = resp
+        while len(self._cancelled) > _REMEMBERED_CANCELS:
+            del self._cancelled[next(iter(self._cancelled))]
         self._notify(app_id)
 
     # -- logs and lifecycle -----------------------------------------------------------------------
