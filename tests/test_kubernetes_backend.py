@@ -606,6 +606,46 @@ async def test_follow_resumes_a_dropped_stream_without_duplicates(
     assert len(log_reads) >= 3 and log_reads[-1].query.get("sinceTime")
 
 
+@pytest.mark.timeout(60)
+async def test_a_log_read_longer_than_the_request_timeout_returns_every_line(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A log read (no follow) that keeps sending for 5 request timeouts returns all its lines
+    (it was cut after each request timeout and failed after 3 resumes: "Unreachable")."""
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    count, gap = 250, 0.02  # 5 s of sending: more than the 4 timeouts a read could take before
+    base_ns = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 10**9
+
+    async def slow_log(request: web.Request) -> web.StreamResponse | None:
+        if not request.path.endswith("/log"):
+            return None
+        since = request.query.get("sinceTime")
+        first = 0 if since is None else ((parse_time_ns(since) or base_ns) - base_ns) // 10**9
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(first, count):  # a line a second of the pod's time: resumes are exact
+            await resp.write(f"{format_ts(base_ns + i * 10**9)} line {i}\n".encode())
+            await asyncio.sleep(gap)
+        await resp.write_eof()
+        return resp
+
+    try:
+        app_id = await sched.submit(AppDef("slowlog", roles=[role()]), {})
+        await until(
+            fake_k8s,
+            lambda: any(
+                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
+            ),
+        )
+        fake_k8s.intercept = slow_log
+        lines = [line async for line in sched.log_iter(app_id, "worker", 0)]
+        assert lines == [f"line {i}\n" for i in range(count)]
+    finally:
+        await sched.close()
+
+
 async def test_log_arguments_are_checked(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
     """Separate stdout/stderr, unknown roles and replicas out of range are clear errors."""
     handle = await runner.run(AppDef("args", roles=[role(replicas=2)]), scheduler="kubernetes")

@@ -316,7 +316,9 @@ class KubeApi:
                 header_params={"Accept": "*/*"},
                 auth_settings=["BearerToken"],
                 _preload_content=False,
-                _request_timeout=(10, None) if follow else self._timeout,
+                # a stream has no total timeout (a long log takes as long as it takes to send): a
+                # read without follow times out only when nothing comes for the request timeout
+                _request_timeout=(10, None) if follow else (self._timeout, self._timeout),
             )
         except self._net as e:
             raise _unreachable(e) from e
