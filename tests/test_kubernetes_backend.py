@@ -816,6 +816,31 @@ async def test_a_submit_whose_service_create_times_out_leaves_no_service(
         await sched.close()
 
 
+async def test_a_request_without_an_answer_names_the_timeout(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A read the API server does not answer within request_timeout says so, with the timeout
+    (the message was an empty "TimeoutError: ")."""
+    release = asyncio.Event()
+
+    async def never(request: web.Request) -> web.Response | None:
+        await release.wait()
+        return None
+
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    fake_k8s.intercept = never
+    try:
+        with pytest.raises(
+            KubeApiError, match=r"0 Unreachable: TimeoutError: no answer within 1 s$"
+        ):
+            await sched.describe("default:nobody-12345678")
+    finally:
+        release.set()
+        await sched.close()
+
+
 async def test_a_submit_cancelled_while_its_service_is_created_leaves_no_service(
     fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
 ) -> None:
