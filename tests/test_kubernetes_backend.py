@@ -909,6 +909,44 @@ async def test_close_stops_the_watches(fake_k8s: FakeKubeApiServer) -> None:
         await sched.describe(app_id)
 
 
+async def test_close_during_a_submit_lets_it_create_its_objects(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """close() while a submit creates its Jobs waits for it: the submit returns its app, whole
+    (the client was closed under it: "Server disconnected", and a new client was opened and
+    leaked to clean up)."""
+    sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
+    sched.subscribe(lambda app_id: None)  # the submit then starts the namespace's watch too
+    creating, release = asyncio.Event(), asyncio.Event()
+
+    async def hold_jobs(request: web.Request) -> web.Response | None:
+        if request.method == "POST" and request.path.endswith("/jobs"):
+            creating.set()
+            await release.wait()
+        return None
+
+    fake_k8s.intercept = hold_jobs
+    submit = asyncio.ensure_future(sched.submit(AppDef("cl", roles=[role(), role("ps")]), {}))
+    with anyio.fail_after(20):
+        await creating.wait()
+    closing = asyncio.ensure_future(sched.close())
+    with anyio.fail_after(20):
+        while not sched._closed:  # close() has begun
+            await asyncio.sleep(0.01)
+    assert not closing.done()
+    release.set()
+    with anyio.fail_after(20):
+        app_id = await submit
+        await closing
+    name = app_id_of(f"kubernetes://test/{app_id}").split(":")[1]
+    assert {o["metadata"]["name"] for o in fake_k8s.store.list("jobs", NS)} == {
+        f"{name}-worker",
+        f"{name}-ps",
+    }
+    with pytest.raises(RuntimeError, match="closed"):
+        await sched.submit(AppDef("after", roles=[role()]), {})
+
+
 async def test_disruption_is_a_restart_not_a_failure(
     fake_k8s: FakeKubeApiServer, runner: AsyncRunner
 ) -> None:

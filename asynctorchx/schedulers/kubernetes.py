@@ -48,6 +48,7 @@ foreground deletion).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import copy
 import functools
@@ -111,6 +112,8 @@ __all__ = ["KubeApiError", "KubernetesRequest", "KubernetesScheduler", "create_s
 # How many apps cancelled by this scheduler it still reports as CANCELLED once their objects are
 # gone (the oldest are forgotten: then they read as unknown, like apps cancelled by another process)
 _REMEMBERED_CANCELS = 10_000
+#: how long ``close`` waits for the submits under way to finish creating their objects
+_CLOSE_GRACE = 30.0
 
 
 class KubernetesScheduler(Scheduler[KubernetesRequest]):
@@ -175,6 +178,9 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         self._engine: DockerEngine | None = None
         self._flights = SingleFlight(self._tasks)
         self._pushed: set[str] = set()
+        self._submitting = 0
+        self._no_submits = asyncio.Event()
+        self._no_submits.set()
 
     # -- options, dry runs and workspaces -------------------------------------------------------
 
@@ -283,9 +289,19 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden).
         """
         self._check_open()
-        request = dryrun_info.request
-        if dryrun_info.workspace is not None:
-            await self._ship_workspace(dryrun_info.workspace)
+        self._submitting += 1
+        self._no_submits.clear()
+        try:
+            return await self._schedule(dryrun_info.request, dryrun_info.workspace)
+        finally:
+            self._submitting -= 1
+            if not self._submitting:
+                self._no_submits.set()
+
+    async def _schedule(self, request: KubernetesRequest, workspace: WorkspacePlan | None) -> str:
+        if workspace is not None:
+            await self._ship_workspace(workspace)
+            self._check_open()  # closed while the image was built or pushed: nothing was created
         api = await self._connection.api()
         ns = request.namespace
         service: dict[str, Any] | None = None
@@ -305,7 +321,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             raise
         self._namespaces_used.add(ns)
         self._follow_ups.manage(request, service)
-        if self._wants_watch():
+        if self._wants_watch() and not self._closed:
             await self._watch(ns)
         return request.app_id
 
@@ -422,10 +438,16 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         return self._logs.entries(query)
 
     async def close(self) -> None:
-        """Stops the watches and restart tasks, and closes the client it created. Idempotent."""
+        """Stops the watches and restart tasks, and closes the client it created. Idempotent.
+
+        Submits creating their objects are waited for (up to 30 s) and complete; one still
+        building or pushing its workspace image then raises "closed" having created nothing.
+        """
         if self._closed:
             return
         self._closed = True
+        with anyio.move_on_after(_CLOSE_GRACE):
+            await self._no_submits.wait()
         await self._tasks.aclose()
         self._informers.clear()
         self._follow_ups.forget()
