@@ -300,6 +300,14 @@ def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
         ({"pod_overlay": "{not json"}, r"pod_overlay"),
         ({"pod_overlay": '{"containers": []}'}, r"pod_overlay.*metadata.*spec"),
         ({"queue": "Team_A"}, r"'queue'.*Kueue LocalQueue.*Team_A"),
+        (
+            {"labels": {"app.kubernetes.io/managed-by": "me"}},
+            r"'labels'.*which the backend sets itself, got 'app\.kubernetes\.io/managed-by:me'",
+        ),
+        (
+            {"labels": {"asynctorchx.dev/app-id": "other"}},
+            r"'labels'.*which the backend sets itself, got 'asynctorchx\.dev/app-id:other'",
+        ),
         ({"queue": "a" * 64}, r"'queue'.*Kueue LocalQueue"),
         (
             {"queue": "team-a", "labels": {"kueue.x-k8s.io/queue-name": "team-b"}},

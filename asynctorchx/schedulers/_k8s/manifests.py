@@ -173,6 +173,15 @@ class KubernetesOptions:
                 _bad_cfg(key, value, "a DNS subdomain (lowercase a-z, 0-9, '-', '.')", cfg)
         node_selector = _label_map(cfg, "node_selector")
         labels = _label_map(cfg, "labels")
+        for key, value in labels.items():
+            if key == n.LABEL_MANAGED_BY or key.startswith(f"{n.DOMAIN}/"):
+                _bad_cfg(
+                    "labels",
+                    f"{key}:{value}",
+                    f"labels other than {n.LABEL_MANAGED_BY} and {n.DOMAIN}/*, which the "
+                    "backend sets itself",
+                    cfg,
+                )
         queue = _queue(cfg, labels)
         secrets = _strings(cfg, "image_pull_secrets")
         for secret in secrets:
