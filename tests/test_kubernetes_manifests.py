@@ -310,6 +310,10 @@ def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
         ),
         ({"queue": "a" * 64}, r"'queue'.*Kueue LocalQueue"),
         (
+            {"labels": {"kueue.x-k8s.io/queue-name": "Team_A"}},
+            r"'labels'.*Kueue LocalQueue.*'kueue\.x-k8s\.io/queue-name:Team_A'",
+        ),
+        (
             {"queue": "team-a", "labels": {"kueue.x-k8s.io/queue-name": "team-b"}},
             r"'queue'.*same queue as labels' kueue\.x-k8s\.io/queue-name:team-b",
         ),

@@ -234,6 +234,13 @@ def _queue(cfg: Mapping[str, CfgVal], labels: Mapping[str, str]) -> str | None:
     labelled = labels.get(n.LABEL_KUEUE_QUEUE)
     if queue is not None and not (n.is_label_value(queue) and n.is_dns1123_subdomain(queue)):
         _bad_cfg("queue", queue, "the name of a Kueue LocalQueue (a DNS label)", cfg)
+    if labelled is not None and not n.is_dns1123_subdomain(labelled):
+        _bad_cfg(
+            "labels",
+            f"{n.LABEL_KUEUE_QUEUE}:{labelled}",
+            f"a {n.LABEL_KUEUE_QUEUE} naming a Kueue LocalQueue (a DNS label)",
+            cfg,
+        )
     if queue is not None and labelled is not None and labelled != queue:
         _bad_cfg(
             "queue",
