@@ -396,6 +396,59 @@ def test_a_misshapen_role_pod_overlay_is_refused_naming_the_role_and_the_field(
         scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
 
 
+@pytest.mark.parametrize("version", ["1.29.0", "1.32.0"])
+def test_a_role_mount_at_dev_shm_replaces_the_default_one(version: str) -> None:
+    """A role mounting a volume at /dev/shm gets it instead of the default memory volume (both
+    were mounted there: the API server refuses a path mounted twice)."""
+    role = Role("w", image="i", entrypoint="e", mounts=[BindMount("/host/shm", "/dev/shm")])
+    req = scheduler().submit_dryrun(AppDef("x", roles=[role]), {}).request
+    pod = req.jobs[0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "mount-0", "mountPath": "/dev/shm", "readOnly": False}
+    ]
+    assert pod["volumes"] == [{"name": "mount-0", "hostPath": {"path": "/host/shm"}}]
+    validate_all(req.manifests(), version)
+
+
+def test_two_mounts_at_one_path_are_refused_naming_them() -> None:
+    """Two mounts of a role at the same path are refused at the dry run, naming both (the API
+    server refused the Job: "mountPath: must be unique")."""
+    role = Role(
+        "w",
+        image="i",
+        entrypoint="e",
+        mounts=[BindMount("/a", "/data"), VolumeMount("claim", "/data/")],
+    )
+    with pytest.raises(
+        InvalidAppDefException,
+        match=r"role 'w': mounts\[1\]\.dst_path '/data/' is also mounts\[0\]'s",
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+def test_lint_catches_a_path_mounted_twice() -> None:
+    """The lint reports a mountPath that two volumeMounts use (an overlay can add one)."""
+    overlay = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "w",
+                    "volumeMounts": [
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                        {"name": "dshm2", "mountPath": "/dev/shm"},
+                    ],
+                }
+            ],
+            "volumes": [{"name": "dshm2", "emptyDir": {}}],
+        }
+    }
+    with pytest.raises(InvalidAppDefException, match=r"mountPath '/dev/shm' is mounted twice"):
+        scheduler().submit_dryrun(
+            AppDef("x", roles=[Role("w", image="i", entrypoint="e")]),
+            {"pod_overlay": json.dumps(overlay)},
+        )
+
+
 def test_role_names_that_collide_in_kubernetes_are_rejected() -> None:
     """Two roles whose DNS forms are equal (Trainer, trainer) are rejected, naming both."""
     app = AppDef(

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -564,8 +565,22 @@ def resource_requirements(role: Role) -> dict[str, Any]:
 
 
 def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
-    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    dsts: dict[str, int] = {}
+    for i, m in enumerate(role.mounts):
+        dst = posixpath.normpath(m.dst_path)
+        if dst in dsts:
+            raise InvalidAppDefException(
+                f"mounts[{i}].dst_path {m.dst_path!r} is also mounts[{dsts[dst]}]'s: Kubernetes "
+                "mounts one volume per path",
+                role=role.name,
+                field_name=f"mounts[{i}].dst_path",
+            )
+        dsts[dst] = i
+    if "/dev/shm" not in dsts:  # a mount the role makes there replaces the default one
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     privileged = False
     for i, m in enumerate(role.mounts):
         name = f"mount-{i}"
@@ -985,9 +1000,14 @@ def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> 
         for p in c.get("ports") or []:
             if "name" in p and not n.is_port_name(p["name"]):
                 problems.append(f"{where} port name {p['name']!r} is not an IANA service name")
+        paths: set[str] = set()
         for vm in c.get("volumeMounts") or []:
             if vm.get("name") not in volume_names:
                 problems.append(f"{where} volumeMount {vm.get('name')!r} has no volume")
+            path = vm.get("mountPath")
+            if isinstance(path, str) and path in paths:
+                problems.append(f"{where} mountPath {path!r} is mounted twice")
+            paths.add(str(path))
 
 
 def lint(objs: list[dict[str, Any]]) -> list[str]:
