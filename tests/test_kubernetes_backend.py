@@ -23,6 +23,7 @@ from typing import Any
 
 import anyio
 import pytest
+from aiohttp import web
 from k8s_fake import ApiError, FakeKubeApiServer, PodContext, PodScript
 from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
@@ -220,6 +221,27 @@ async def test_cancel_leaves_finished_and_unknown_apps_alone(
     assert fake_k8s.requests_for("DELETE", "services") == []
     resp = await k8s_scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.SUCCEEDED
+
+
+async def test_the_apps_a_scheduler_remembers_as_cancelled_are_bounded(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler, monkeypatch: Any
+) -> None:
+    """Once their objects are gone, only the last _REMEMBERED_CANCELS cancelled apps are kept
+    as CANCELLED; older ones read as unknown (every cancel was kept forever)."""
+    import asynctorchx.schedulers.kubernetes as k8s_module
+
+    monkeypatch.setattr(k8s_module, "_REMEMBERED_CANCELS", 2)
+    fake_k8s.cluster.script = lambda ctx: PodScript(hold=asyncio.Event())
+    app_ids = [await k8s_scheduler.submit(AppDef(f"c{i}", roles=[role()]), {}) for i in range(4)]
+    for app_id in app_ids:
+        await k8s_scheduler.cancel(app_id)
+    await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    states = [
+        resp.state if resp is not None else None
+        for resp in (await k8s_scheduler.describe_many(app_ids)).values()
+    ]
+    assert states == [None, None, AppState.CANCELLED, AppState.CANCELLED]
+    assert len(k8s_scheduler._cancelled) == 2
 
 
 async def test_replica_retry(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
@@ -584,6 +606,46 @@ async def test_follow_resumes_a_dropped_stream_without_duplicates(
     assert len(log_reads) >= 3 and log_reads[-1].query.get("sinceTime")
 
 
+@pytest.mark.timeout(60)
+async def test_a_log_read_longer_than_the_request_timeout_returns_every_line(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A log read (no follow) that keeps sending for 5 request timeouts returns all its lines
+    (it was cut after each request timeout and failed after 3 resumes: "Unreachable")."""
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    count, gap = 250, 0.02  # 5 s of sending: more than the 4 timeouts a read could take before
+    base_ns = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 10**9
+
+    async def slow_log(request: web.Request) -> web.StreamResponse | None:
+        if not request.path.endswith("/log"):
+            return None
+        since = request.query.get("sinceTime")
+        first = 0 if since is None else ((parse_time_ns(since) or base_ns) - base_ns) // 10**9
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(first, count):  # a line a second of the pod's time: resumes are exact
+            await resp.write(f"{format_ts(base_ns + i * 10**9)} line {i}\n".encode())
+            await asyncio.sleep(gap)
+        await resp.write_eof()
+        return resp
+
+    try:
+        app_id = await sched.submit(AppDef("slowlog", roles=[role()]), {})
+        await until(
+            fake_k8s,
+            lambda: any(
+                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
+            ),
+        )
+        fake_k8s.intercept = slow_log
+        lines = [line async for line in sched.log_iter(app_id, "worker", 0)]
+        assert lines == [f"line {i}\n" for i in range(count)]
+    finally:
+        await sched.close()
+
+
 async def test_log_arguments_are_checked(fake_k8s: FakeKubeApiServer, runner: AsyncRunner) -> None:
     """Separate stdout/stderr, unknown roles and replicas out of range are clear errors."""
     handle = await runner.run(AppDef("args", roles=[role(replicas=2)]), scheduler="kubernetes")
@@ -716,6 +778,122 @@ async def test_failed_submit_leaves_nothing(
     assert fake_k8s.requests_for("DELETE", "services")
 
 
+def answer_services_late(
+    fake_k8s: FakeKubeApiServer, created: asyncio.Event, release: asyncio.Event
+) -> Any:
+    """An intercept under which the fake creates each Service at once but answers only once
+    ``release`` is set (a slow API server, or a connection lost after the request arrived)."""
+
+    async def intercept(request: web.Request) -> web.Response | None:
+        if request.method != "POST" or not request.path.endswith("/services"):
+            return None
+        fake_k8s.store.create("services", NS, await request.json())
+        created.set()
+        await release.wait()
+        return web.json_response({}, status=500)
+
+    return intercept
+
+
+async def test_a_submit_whose_service_create_times_out_leaves_no_service(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A Service created by the server whose answer comes after the request timeout is deleted
+    by the failed submit (it stayed, an app PENDING forever in list)."""
+    created, release = asyncio.Event(), asyncio.Event()
+    fake_k8s.intercept = answer_services_late(fake_k8s, created, release)
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    try:
+        with pytest.raises(KubeApiError, match="Unreachable"):
+            await sched.submit(AppDef("late", roles=[role()]), {})
+        assert created.is_set()
+        await until(fake_k8s, lambda: not fake_k8s.store.objects)
+        assert fake_k8s.requests_for("POST", "jobs") == []
+    finally:
+        release.set()
+        await sched.close()
+
+
+async def test_a_request_without_an_answer_names_the_timeout(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A read the API server does not answer within request_timeout says so, with the timeout
+    (the message was an empty "TimeoutError: ")."""
+    release = asyncio.Event()
+
+    async def never(request: web.Request) -> web.Response | None:
+        await release.wait()
+        return None
+
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    fake_k8s.intercept = never
+    try:
+        with pytest.raises(
+            KubeApiError, match=r"0 Unreachable: TimeoutError: no answer within 1 s$"
+        ):
+            await sched.describe("default:nobody-12345678")
+    finally:
+        release.set()
+        await sched.close()
+
+
+async def test_a_submit_cancelled_while_its_service_is_created_leaves_no_service(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A submit cancelled after the server created its Service but before the answer came
+    deletes that Service (it stayed)."""
+    created, release = asyncio.Event(), asyncio.Event()
+    fake_k8s.intercept = answer_services_late(fake_k8s, created, release)
+    try:
+        submit = asyncio.ensure_future(k8s_scheduler.submit(AppDef("cut", roles=[role()]), {}))
+        with anyio.fail_after(20):
+            await created.wait()
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+        await until(fake_k8s, lambda: not fake_k8s.store.objects)
+    finally:
+        release.set()
+
+
+async def test_a_service_create_refused_as_a_conflict_deletes_nothing(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A Service create refused with 409 (the name is another app's) deletes nothing."""
+
+    async def conflict(request: web.Request) -> web.Response | None:
+        if request.method == "POST" and request.path.endswith("/services"):
+            body = {"kind": "Status", "reason": "AlreadyExists", "code": 409, "message": "taken"}
+            return web.json_response(body, status=409)
+        return None
+
+    fake_k8s.intercept = conflict
+    with pytest.raises(KubeApiError, match="409 AlreadyExists: taken"):
+        await k8s_scheduler.submit(AppDef("taken", roles=[role()]), {})
+    assert [r.method for r in fake_k8s.requests if r.method != "GET"] == ["POST"]
+
+
+async def test_a_response_that_is_not_json_is_a_kube_api_error_quoting_it(
+    fake_k8s: FakeKubeApiServer, k8s_scheduler: KubernetesScheduler
+) -> None:
+    """A 2xx answer that is not JSON (an HTML page from a proxy) is a KubeApiError "BadResponse"
+    quoting its start, for submits and status reads alike (it was a bare JSONDecodeError)."""
+    app_id = await k8s_scheduler.submit(AppDef("html", roles=[role()]), {})
+
+    async def html_page(request: web.Request) -> web.Response:
+        return web.Response(status=200, text="<html>Sign in to the proxy</html>")
+
+    fake_k8s.intercept = html_page
+    with pytest.raises(KubeApiError, match=r"200 BadResponse: .*<html>Sign in to the proxy"):
+        await k8s_scheduler.describe(app_id)
+    with pytest.raises(KubeApiError, match=r"200 BadResponse: .*<html>Sign in"):
+        await k8s_scheduler.submit(AppDef("html2", roles=[role()]), {})
+
+
 async def test_close_stops_the_watches(fake_k8s: FakeKubeApiServer) -> None:
     """close() ends the watch task; the scheduler refuses work afterwards."""
     sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
@@ -729,6 +907,44 @@ async def test_close_stops_the_watches(fake_k8s: FakeKubeApiServer) -> None:
     await until(fake_k8s, lambda: fake_k8s.open_watches == 0)
     with pytest.raises(RuntimeError, match="closed"):
         await sched.describe(app_id)
+
+
+async def test_close_during_a_submit_lets_it_create_its_objects(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """close() while a submit creates its Jobs waits for it: the submit returns its app, whole
+    (the client was closed under it: "Server disconnected", and a new client was opened and
+    leaked to clean up)."""
+    sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
+    sched.subscribe(lambda app_id: None)  # the submit then starts the namespace's watch too
+    creating, release = asyncio.Event(), asyncio.Event()
+
+    async def hold_jobs(request: web.Request) -> web.Response | None:
+        if request.method == "POST" and request.path.endswith("/jobs"):
+            creating.set()
+            await release.wait()
+        return None
+
+    fake_k8s.intercept = hold_jobs
+    submit = asyncio.ensure_future(sched.submit(AppDef("cl", roles=[role(), role("ps")]), {}))
+    with anyio.fail_after(20):
+        await creating.wait()
+    closing = asyncio.ensure_future(sched.close())
+    with anyio.fail_after(20):
+        while not sched._closed:  # close() has begun
+            await asyncio.sleep(0.01)
+    assert not closing.done()
+    release.set()
+    with anyio.fail_after(20):
+        app_id = await submit
+        await closing
+    name = app_id_of(f"kubernetes://test/{app_id}").split(":")[1]
+    assert {o["metadata"]["name"] for o in fake_k8s.store.list("jobs", NS)} == {
+        f"{name}-worker",
+        f"{name}-ps",
+    }
+    with pytest.raises(RuntimeError, match="closed"):
+        await sched.submit(AppDef("after", roles=[role()]), {})
 
 
 async def test_disruption_is_a_restart_not_a_failure(

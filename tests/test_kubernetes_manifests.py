@@ -300,7 +300,19 @@ def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
         ({"pod_overlay": "{not json"}, r"pod_overlay"),
         ({"pod_overlay": '{"containers": []}'}, r"pod_overlay.*metadata.*spec"),
         ({"queue": "Team_A"}, r"'queue'.*Kueue LocalQueue.*Team_A"),
+        (
+            {"labels": {"app.kubernetes.io/managed-by": "me"}},
+            r"'labels'.*which the backend sets itself, got 'app\.kubernetes\.io/managed-by:me'",
+        ),
+        (
+            {"labels": {"asynctorchx.dev/app-id": "other"}},
+            r"'labels'.*which the backend sets itself, got 'asynctorchx\.dev/app-id:other'",
+        ),
         ({"queue": "a" * 64}, r"'queue'.*Kueue LocalQueue"),
+        (
+            {"labels": {"kueue.x-k8s.io/queue-name": "Team_A"}},
+            r"'labels'.*Kueue LocalQueue.*'kueue\.x-k8s\.io/queue-name:Team_A'",
+        ),
         (
             {"queue": "team-a", "labels": {"kueue.x-k8s.io/queue-name": "team-b"}},
             r"'queue'.*same queue as labels' kueue\.x-k8s\.io/queue-name:team-b",
@@ -339,6 +351,102 @@ def test_roles_kubernetes_cannot_run_fail_with_clear_errors(role: Role, pattern:
     """Role fields Kubernetes would reject fail in the dry run, naming the role and the value."""
     with pytest.raises(InvalidAppDefException, match=pattern):
         scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+_MISSHAPEN_OVERLAYS = [
+    ({"spec": "x"}, r"an object \(or null\) at spec\b"),
+    ({"metadata": {"labels": "x"}}, r"at metadata\.labels"),
+    ({"spec": {"containers": ["x"]}}, r"a list of objects \(or null\) at spec\.containers"),
+    ({"spec": {"volumes": [1]}}, r"at spec\.volumes"),
+    ({"spec": {"tolerations": "x"}}, r"at spec\.tolerations"),
+    ({"spec": {"containers": [{"name": "w", "env": ["x"]}]}}, r"spec\.containers\[0\]\.env"),
+    (
+        {"spec": {"containers": [{"name": "w", "resources": {"limits": "x"}}]}},
+        r"spec\.containers\[0\]\.resources\.limits",
+    ),
+    ({"spec": {"containers": [{"name": 5}]}}, r"a string as spec\.containers\[0\]\.name"),
+    ({"spec": {"activeDeadlineSeconds": float("nan")}}, r"JSON.*[Nn]a[Nn]"),
+]
+
+
+@pytest.mark.parametrize(("overlay", "pattern"), _MISSHAPEN_OVERLAYS)
+def test_a_misshapen_pod_overlay_option_is_refused_naming_the_option_and_the_place(
+    overlay: dict[str, Any], pattern: str
+) -> None:
+    """A pod_overlay run option with the wrong type where the template has an object or a list
+    (or NaN) is refused naming the option and the place (it was an AttributeError from the lint)."""
+    raw = json.dumps(overlay)
+    with pytest.raises(InvalidRunConfigException, match=r"'pod_overlay'.*" + pattern):
+        scheduler().submit_dryrun(two_role_app(), {"pod_overlay": raw})
+
+
+@pytest.mark.parametrize(
+    ("overlay", "pattern"), [*_MISSHAPEN_OVERLAYS, ("spec: {}", r"a JSON object"), ([1], r"object")]
+)
+def test_a_misshapen_role_pod_overlay_is_refused_naming_the_role_and_the_field(
+    overlay: Any, pattern: str
+) -> None:
+    """A role's metadata['kubernetes']['pod_overlay'] that is not an object of the template's
+    shape is refused naming the role and the field (it was an AttributeError from the lint)."""
+    role = Role("w", image="i", entrypoint="e", metadata={"kubernetes": {"pod_overlay": overlay}})
+    with pytest.raises(
+        InvalidAppDefException,
+        match=r"role 'w': metadata\['kubernetes'\]\['pod_overlay'\] must be .*" + pattern,
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+@pytest.mark.parametrize("version", ["1.29.0", "1.32.0"])
+def test_a_role_mount_at_dev_shm_replaces_the_default_one(version: str) -> None:
+    """A role mounting a volume at /dev/shm gets it instead of the default memory volume (both
+    were mounted there: the API server refuses a path mounted twice)."""
+    role = Role("w", image="i", entrypoint="e", mounts=[BindMount("/host/shm", "/dev/shm")])
+    req = scheduler().submit_dryrun(AppDef("x", roles=[role]), {}).request
+    pod = req.jobs[0]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "mount-0", "mountPath": "/dev/shm", "readOnly": False}
+    ]
+    assert pod["volumes"] == [{"name": "mount-0", "hostPath": {"path": "/host/shm"}}]
+    validate_all(req.manifests(), version)
+
+
+def test_two_mounts_at_one_path_are_refused_naming_them() -> None:
+    """Two mounts of a role at the same path are refused at the dry run, naming both (the API
+    server refused the Job: "mountPath: must be unique")."""
+    role = Role(
+        "w",
+        image="i",
+        entrypoint="e",
+        mounts=[BindMount("/a", "/data"), VolumeMount("claim", "/data/")],
+    )
+    with pytest.raises(
+        InvalidAppDefException,
+        match=r"role 'w': mounts\[1\]\.dst_path '/data/' is also mounts\[0\]'s",
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+def test_lint_catches_a_path_mounted_twice() -> None:
+    """The lint reports a mountPath that two volumeMounts use (an overlay can add one)."""
+    overlay = {
+        "spec": {
+            "containers": [
+                {
+                    "name": "w",
+                    "volumeMounts": [
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                        {"name": "dshm2", "mountPath": "/dev/shm"},
+                    ],
+                }
+            ],
+            "volumes": [{"name": "dshm2", "emptyDir": {}}],
+        }
+    }
+    with pytest.raises(InvalidAppDefException, match=r"mountPath '/dev/shm' is mounted twice"):
+        scheduler().submit_dryrun(
+            AppDef("x", roles=[Role("w", image="i", entrypoint="e")]),
+            {"pod_overlay": json.dumps(overlay)},
+        )
 
 
 def test_role_names_that_collide_in_kubernetes_are_rejected() -> None:

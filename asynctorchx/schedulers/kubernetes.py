@@ -48,6 +48,7 @@ foreground deletion).
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import copy
 import functools
@@ -107,6 +108,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["KubeApiError", "KubernetesRequest", "KubernetesScheduler", "create_scheduler"]
+
+# How many apps cancelled by this scheduler it still reports as CANCELLED once their objects are
+# gone (the oldest are forgotten: then they read as unknown, like apps cancelled by another process)
+_REMEMBERED_CANCELS = 10_000
+#: how long ``close`` waits for the submits under way to finish creating their objects
+_CLOSE_GRACE = 30.0
 
 
 class KubernetesScheduler(Scheduler[KubernetesRequest]):
@@ -171,6 +178,9 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         self._engine: DockerEngine | None = None
         self._flights = SingleFlight(self._tasks)
         self._pushed: set[str] = set()
+        self._submitting = 0
+        self._no_submits = asyncio.Event()
+        self._no_submits.set()
 
     # -- options, dry runs and workspaces -------------------------------------------------------
 
@@ -268,7 +278,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
     # -- submit -----------------------------------------------------------------------------------
 
     async def schedule(self, dryrun_info: AppDryRunInfo[KubernetesRequest]) -> str:
-        """Creates the Service, then the Jobs it owns. On any failure, deletes what was created.
+        """Creates the Service, then the Jobs it owns. On any failure, deletes what was (or may
+        have been: a create whose answer never came) created.
 
         A dry run made with a workspace first gets its image built and pushed (nothing is created
         on the API server when either fails).
@@ -278,22 +289,39 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden).
         """
         self._check_open()
-        request = dryrun_info.request
-        if dryrun_info.workspace is not None:
-            await self._ship_workspace(dryrun_info.workspace)
+        self._submitting += 1
+        self._no_submits.clear()
+        try:
+            return await self._schedule(dryrun_info.request, dryrun_info.workspace)
+        finally:
+            self._submitting -= 1
+            if not self._submitting:
+                self._no_submits.set()
+
+    async def _schedule(self, request: KubernetesRequest, workspace: WorkspacePlan | None) -> str:
+        if workspace is not None:
+            await self._ship_workspace(workspace)
+            self._check_open()  # closed while the image was built or pushed: nothing was created
         api = await self._connection.api()
         ns = request.namespace
-        service = await api.create("services", ns, request.service)
+        service: dict[str, Any] | None = None
         try:
+            service = await api.create("services", ns, request.service)
             for job in request.jobs:
                 await api.create("jobs", ns, owned_by(job, service))
-        except BaseException:
-            cleanup = self._delete_app(ns, request.name, request.jobs)
-            await finish_shielded(self._tasks, cleanup, f"cleanup:{request.app_id}")
+        except BaseException as e:
+            # a Service create that timed out, was cut off or was cancelled may still have been
+            # carried out; only a refusal (4xx, e.g. 409 for a name another app holds) certainly
+            # created nothing
+            refused = isinstance(e, KubeApiError) and 400 <= e.status < 500
+            if service is not None or not refused:
+                jobs = request.jobs if service is not None else []
+                cleanup = self._delete_app(ns, request.name, jobs)
+                await finish_shielded(self._tasks, cleanup, f"cleanup:{request.app_id}")
             raise
         self._namespaces_used.add(ns)
         self._follow_ups.manage(request, service)
-        if self._wants_watch():
+        if self._wants_watch() and not self._closed:
             await self._watch(ns)
         return request.app_id
 
@@ -395,6 +423,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         resp.state = AppState.CANCELLED
         resp.msg = "cancelled"
         self._cancelled[app_id] = resp
+        while len(self._cancelled) > _REMEMBERED_CANCELS:
+            del self._cancelled[next(iter(self._cancelled))]
         self._notify(app_id)
 
     # -- logs and lifecycle -----------------------------------------------------------------------
@@ -408,10 +438,16 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         return self._logs.entries(query)
 
     async def close(self) -> None:
-        """Stops the watches and restart tasks, and closes the client it created. Idempotent."""
+        """Stops the watches and restart tasks, and closes the client it created. Idempotent.
+
+        Submits creating their objects are waited for (up to 30 s) and complete; one still
+        building or pushing its workspace image then raises "closed" having created nothing.
+        """
         if self._closed:
             return
         self._closed = True
+        with anyio.move_on_after(_CLOSE_GRACE):
+            await self._no_submits.wait()
         await self._tasks.aclose()
         self._informers.clear()
         self._follow_ups.forget()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
@@ -117,6 +117,9 @@ class FakeKubeApiServer:
         self._activity: list[Callable[[], None]] = []
         # id(watch request) -> the resourceVersions of what was written on it (see sent_versions)
         self._sent: dict[int, list[str]] = {}
+        #: a test's fault injection: called with each request (after it is recorded); a response it
+        #: returns is sent instead of the fake's own (None: the fake answers as usual)
+        self.intercept: Callable[[web.Request], Awaitable[web.StreamResponse | None]] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -230,6 +233,10 @@ class FakeKubeApiServer:
         received = Request(request.method, request.path, query, body)
         self.store.requests.append(received)
         self._active()
+        if self.intercept is not None:
+            injected = await self.intercept(request)
+            if injected is not None:
+                return injected
         m = _PATH.fullmatch(request.path)
         if (
             not m

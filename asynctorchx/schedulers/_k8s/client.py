@@ -69,8 +69,11 @@ def net_errors() -> tuple[type[BaseException], ...]:
     return (OSError, asyncio.TimeoutError, aiohttp.ClientError)
 
 
-def _unreachable(e: BaseException) -> KubeApiError:
-    return KubeApiError(0, "Unreachable", f"{type(e).__name__}: {e}")
+def _unreachable(e: BaseException, timeout: float | None = None) -> KubeApiError:
+    detail = str(e)
+    if not detail and isinstance(e, asyncio.TimeoutError):
+        detail = "no answer in time" if timeout is None else f"no answer within {timeout:g} s"
+    return KubeApiError(0, "Unreachable", f"{type(e).__name__}: {detail}")
 
 
 def _error_from_body(status: int, body: bytes) -> KubeApiError:
@@ -176,18 +179,21 @@ class KubeApi:
                 *args, _preload_content=False, _request_timeout=self._timeout, **kwargs
             )
         except self._net as e:
-            raise _unreachable(e) from e
+            raise _unreachable(e, self._timeout) from e
         except self._k8s.client.ApiException as e:
             raise KubeApiError(e.status or 0, str(e.reason or ""), str(e.body or e)) from e
         try:
             body = await resp.read()
         except self._net as e:
-            raise _unreachable(e) from e
+            raise _unreachable(e, self._timeout) from e
         finally:
             resp.release()
         if not 200 <= resp.status < 300:
             raise _error_from_body(resp.status, body)
-        data = json.loads(body)
+        try:
+            data = json.loads(body)
+        except ValueError:
+            data = None
         if not isinstance(data, dict):
             raise KubeApiError(
                 resp.status, "BadResponse", f"expected a JSON object, got {body[:200]!r}"
@@ -313,7 +319,9 @@ class KubeApi:
                 header_params={"Accept": "*/*"},
                 auth_settings=["BearerToken"],
                 _preload_content=False,
-                _request_timeout=(10, None) if follow else self._timeout,
+                # a stream has no total timeout (a long log takes as long as it takes to send): a
+                # read without follow times out only when nothing comes for the request timeout
+                _request_timeout=(10, None) if follow else (self._timeout, self._timeout),
             )
         except self._net as e:
             raise _unreachable(e) from e

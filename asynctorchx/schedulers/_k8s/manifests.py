@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -173,6 +174,15 @@ class KubernetesOptions:
                 _bad_cfg(key, value, "a DNS subdomain (lowercase a-z, 0-9, '-', '.')", cfg)
         node_selector = _label_map(cfg, "node_selector")
         labels = _label_map(cfg, "labels")
+        for key, value in labels.items():
+            if key == n.LABEL_MANAGED_BY or key.startswith(f"{n.DOMAIN}/"):
+                _bad_cfg(
+                    "labels",
+                    f"{key}:{value}",
+                    f"labels other than {n.LABEL_MANAGED_BY} and {n.DOMAIN}/*, which the "
+                    "backend sets itself",
+                    cfg,
+                )
         queue = _queue(cfg, labels)
         secrets = _strings(cfg, "image_pull_secrets")
         for secret in secrets:
@@ -225,6 +235,13 @@ def _queue(cfg: Mapping[str, CfgVal], labels: Mapping[str, str]) -> str | None:
     labelled = labels.get(n.LABEL_KUEUE_QUEUE)
     if queue is not None and not (n.is_label_value(queue) and n.is_dns1123_subdomain(queue)):
         _bad_cfg("queue", queue, "the name of a Kueue LocalQueue (a DNS label)", cfg)
+    if labelled is not None and not n.is_dns1123_subdomain(labelled):
+        _bad_cfg(
+            "labels",
+            f"{n.LABEL_KUEUE_QUEUE}:{labelled}",
+            f"a {n.LABEL_KUEUE_QUEUE} naming a Kueue LocalQueue (a DNS label)",
+            cfg,
+        )
     if queue is not None and labelled is not None and labelled != queue:
         _bad_cfg(
             "queue",
@@ -240,12 +257,82 @@ def _pod_overlay(cfg: Mapping[str, CfgVal]) -> dict[str, Any] | None:
     if raw is None:
         return None
     try:
-        overlay = json.loads(raw)
+        overlay = json.loads(raw, parse_constant=_no_constant)
     except ValueError as e:
         _bad_cfg("pod_overlay", raw, f"a JSON object ({e})", cfg)
-    if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
-        _bad_cfg("pod_overlay", raw, "a JSON object with 'metadata' and/or 'spec'", cfg)
+    problem = overlay_problem(overlay)
+    if problem is not None or not isinstance(overlay, dict):
+        _bad_cfg("pod_overlay", raw, problem or "a JSON object", cfg)
     return overlay
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+# Where a pod template holds objects, lists of objects or strings: an overlay that puts another
+# type there is refused before it is merged (the lint and the API server expect these shapes).
+_OVERLAY_OBJECTS = {("metadata",), ("metadata", "labels"), ("metadata", "annotations"), ("spec",)}
+_OVERLAY_LISTS = {("spec", "containers"), ("spec", "volumes"), ("spec", "tolerations")}
+_CONTAINER_OBJECTS = {("resources",), ("resources", "requests"), ("resources", "limits")}
+_CONTAINER_LISTS = {("env",), ("ports",), ("volumeMounts",)}
+
+
+def overlay_problem(overlay: object) -> str | None:
+    """What makes ``overlay`` unfit to merge into a pod template, or None when it is fit.
+
+    A pod overlay is a JSON object with ``metadata`` and/or ``spec``; where the template has an
+    object (``spec``, ``metadata.labels``, a container's ``resources``...) or a list of objects
+    (``spec.containers``, ``volumes``, ``tolerations``, a container's ``env``, ``ports``,
+    ``volumeMounts``), the overlay must have one too (or null, to remove it).
+    """
+    expected = "a JSON object with 'metadata' and/or 'spec'"
+    if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
+        return expected
+    try:
+        json.dumps(overlay, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        return f"{expected} of JSON values only ({e})"
+    for path, value in _walk(overlay, ()):
+        if path in _OVERLAY_OBJECTS and not isinstance(value, dict):
+            return f"{expected}, with an object (or null) at {'.'.join(path)}"
+        if path in _OVERLAY_LISTS:
+            if not _objects(value):
+                return f"{expected}, with a list of objects (or null) at {'.'.join(path)}"
+            if path == ("spec", "containers"):
+                for i, container in enumerate(value):
+                    problem = _container_problem(container, f"spec.containers[{i}]")
+                    if problem is not None:
+                        return f"{expected}, {problem}"
+    return None
+
+
+def _walk(obj: dict[str, Any], path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
+    """``(path, value)`` of every non-null value of ``obj`` down to two levels."""
+    out = []
+    for key, value in obj.items():
+        if value is None:
+            continue
+        out.append(((*path, key), value))
+        if isinstance(value, dict) and not path:
+            out.extend(_walk(value, (key,)))
+    return out
+
+
+def _objects(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(x, dict) for x in value)
+
+
+def _container_problem(container: dict[str, Any], where: str) -> str | None:
+    name = container.get("name")
+    if name is not None and not isinstance(name, str):
+        return f"with a string as {where}.name"
+    for path, value in _walk(container, ()):
+        if path in _CONTAINER_OBJECTS and not isinstance(value, dict):
+            return f"with an object (or null) at {where}.{'.'.join(path)}"
+        if path in _CONTAINER_LISTS and not _objects(value):
+            return f"with a list of objects (or null) at {where}.{'.'.join(path)}"
+    return None
 
 
 def _bad_cfg(key: str, value: object, expected: str, cfg: Mapping[str, CfgVal]) -> NoReturn:
@@ -478,8 +565,22 @@ def resource_requirements(role: Role) -> dict[str, Any]:
 
 
 def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
-    volumes: list[dict[str, Any]] = [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}]
-    mounts: list[dict[str, Any]] = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}]
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    dsts: dict[str, int] = {}
+    for i, m in enumerate(role.mounts):
+        dst = posixpath.normpath(m.dst_path)
+        if dst in dsts:
+            raise InvalidAppDefException(
+                f"mounts[{i}].dst_path {m.dst_path!r} is also mounts[{dsts[dst]}]'s: Kubernetes "
+                "mounts one volume per path",
+                role=role.name,
+                field_name=f"mounts[{i}].dst_path",
+            )
+        dsts[dst] = i
+    if "/dev/shm" not in dsts:  # a mount the role makes there replaces the default one
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     privileged = False
     for i, m in enumerate(role.mounts):
         name = f"mount-{i}"
@@ -637,8 +738,17 @@ def pod_template(
     template: dict[str, Any] = {"metadata": {"labels": dict(labels)}, "spec": spec}
     overlays = [opts.pod_overlay]
     role_k8s = role.metadata.get("kubernetes")
-    if isinstance(role_k8s, dict):
-        overlays.append(role_k8s.get("pod_overlay"))
+    if isinstance(role_k8s, dict) and role_k8s.get("pod_overlay") is not None:
+        role_overlay = role_k8s["pod_overlay"]
+        problem = overlay_problem(role_overlay)
+        if problem is not None:
+            field_name = "metadata['kubernetes']['pod_overlay']"
+            raise InvalidAppDefException(
+                f"{field_name} must be {problem}, got {role_overlay!r}",
+                role=role.name,
+                field_name=field_name,
+            )
+        overlays.append(role_overlay)
     for overlay in overlays:
         if overlay:
             template = merge_overlay(template, overlay)
@@ -890,9 +1000,14 @@ def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> 
         for p in c.get("ports") or []:
             if "name" in p and not n.is_port_name(p["name"]):
                 problems.append(f"{where} port name {p['name']!r} is not an IANA service name")
+        paths: set[str] = set()
         for vm in c.get("volumeMounts") or []:
             if vm.get("name") not in volume_names:
                 problems.append(f"{where} volumeMount {vm.get('name')!r} has no volume")
+            path = vm.get("mountPath")
+            if isinstance(path, str) and path in paths:
+                problems.append(f"{where} mountPath {path!r} is mounted twice")
+            paths.add(str(path))
 
 
 def lint(objs: list[dict[str, Any]]) -> list[str]:
