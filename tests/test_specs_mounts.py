@@ -1,14 +1,21 @@
-"""parse_mounts: the CLI mount syntax for bind, volume and device mounts, and its errors."""
+"""parse_mounts: the CLI mount syntax for bind, volume and device mounts, and its errors; which
+mounts the backends that run on the host's own file system accept."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from asynctorchx.schedulers import get_scheduler_factories
 from asynctorchx.specs import (
+    AppDef,
     BindMount,
     DeviceMount,
     InvalidAppDefException,
+    Mount,
     MountType,
+    Role,
     VolumeMount,
     parse_mounts,
 )
@@ -102,3 +109,39 @@ def test_bad_input_names_the_field_and_value(opts: list[str], pattern: str) -> N
     with pytest.raises(InvalidAppDefException, match=pattern) as ei:
         parse_mounts(opts)
     assert isinstance(ei.value, ValueError)
+
+
+@pytest.mark.parametrize("backend", ["local_cwd", "local_dir", "slurm"])
+@pytest.mark.parametrize(
+    "mount",
+    [
+        BindMount("/data", "/job"),
+        BindMount("/data", "/data", read_only=True),
+        VolumeMount("cache", "/cache"),
+        DeviceMount("/dev/fuse", "/dev/fuse"),
+    ],
+    ids=["bind-elsewhere", "bind-read-only", "volume", "device"],
+)
+def test_a_mount_a_host_backend_cannot_apply_fails_its_dry_run_naming_it(
+    backend: str, mount: Mount, tmp_path: Path
+) -> None:
+    """On the backends whose replicas run on the host's own file system, a mount they cannot
+    apply fails the dry run naming the role, the mount and the backend (it was accepted and
+    ignored)."""
+    sched = get_scheduler_factories()[backend]("s")
+    app = AppDef("a", [Role("r", image=str(tmp_path), entrypoint="true", mounts=[mount])])
+    with pytest.raises(InvalidAppDefException) as info:
+        sched.submit_dryrun(app, {})
+    message = str(info.value)
+    assert "role 'r': mounts[0]" in message and backend in message and repr(mount) in message
+
+
+@pytest.mark.parametrize("backend", ["local_cwd", "local_dir", "slurm"])
+def test_a_bind_mount_of_a_path_onto_itself_holds_on_a_host_backend(
+    backend: str, tmp_path: Path
+) -> None:
+    """A writable bind mount of a path onto itself needs nothing on the host: it is accepted."""
+    sched = get_scheduler_factories()[backend]("s")
+    mount = BindMount(str(tmp_path) + "/", str(tmp_path))
+    app = AppDef("a", [Role("r", image=str(tmp_path), entrypoint="true", mounts=[mount])])
+    assert sched.submit_dryrun(app, {}).request is not None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import posixpath
 import re
 import string
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -1120,6 +1121,28 @@ def make_unique(name: str, string_length: int = 8, max_length: int = 40) -> str:
 # ---------------------------------------------------------------------------------------------
 # Mount parsing (the CLI syntax)
 # ---------------------------------------------------------------------------------------------
+
+
+def check_host_mounts(app: AppDef, backend: str) -> None:
+    """Raises InvalidAppDefException for a mount a backend whose replicas run on the host's own
+    file system (``local_cwd``, ``local_dir``, ``slurm``) cannot apply: every mount but a bind mount
+    of a path onto itself (which holds as it is). Such a backend would otherwise accept the mount and
+    do nothing with it."""
+    for role in app.roles:
+        for i, mount in enumerate(role.mounts):
+            if (
+                isinstance(mount, BindMount)
+                and not mount.read_only
+                and posixpath.normpath(mount.src_path) == posixpath.normpath(mount.dst_path)
+            ):
+                continue
+            raise InvalidAppDefException(
+                f"mounts[{i}] ({mount!r}) cannot be applied by {backend}: its replicas run on the "
+                "host's own file system, where only a writable bind mount of a path onto itself "
+                "holds; use the path as it is, or a container backend (local_docker, kubernetes)",
+                role=role.name,
+                field_name=f"mounts[{i}]",
+            )
 
 
 def parse_mounts(opts: list[str]) -> list[Mount]:

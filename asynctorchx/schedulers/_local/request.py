@@ -24,6 +24,7 @@ from asynctorchx.specs.api import (
     InvalidRunConfigException,
     RetryPolicy,
     Role,
+    check_host_mounts,
     macros,
     make_app_handle,
     make_unique,
@@ -356,9 +357,11 @@ def build_request(
             image (the directory may not exist yet: ``schedule`` makes it).
 
     Raises:
-        InvalidAppDefException: more replicas than this host can hold processes.
+        InvalidAppDefException: more replicas than this host can hold processes; a mount that
+            cannot be applied on the host (``check_host_mounts``).
     """
     check_replica_count(app, backend, max_processes())
+    check_host_mounts(app, backend)
     app_id = app_id or make_unique(app.name)
     app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
     handle = make_app_handle(backend, session, app_id)

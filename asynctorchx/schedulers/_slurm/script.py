@@ -41,6 +41,7 @@ from asynctorchx.specs.api import (
     InvalidRunConfigException,
     Resource,
     Role,
+    check_host_mounts,
     macros,
 )
 
@@ -397,7 +398,9 @@ def build_request(
 
     Raises:
         InvalidRunConfigException: a cfg value cannot go into an sbatch option.
+        InvalidAppDefException: a mount that cannot be applied on the nodes (``check_host_mounts``).
     """
+    check_host_mounts(app, "slurm")
     replicas = [
         replica_request(role, i, cfg) for role in app.roles for i in range(role.num_replicas)
     ]
