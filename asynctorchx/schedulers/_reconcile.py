@@ -15,8 +15,9 @@ objects) as such a task, and waits for it even if the caller is cancelled meanwh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -97,3 +98,29 @@ async def finish_shielded(tasks: TaskSupervisor, coro: Coroutine[Any, Any, T], n
         with anyio.CancelScope(shield=True):
             return await coro
     return await await_shielded(tasks.spawn(coro, name=name))
+
+
+class CallsUnderWay:
+    """Counts a backend's calls under way (its submits) so that ``close`` can let them finish."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._none = asyncio.Event()
+        self._none.set()
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        """Counts the calls made inside."""
+        self._count += 1
+        self._none.clear()
+        try:
+            yield
+        finally:
+            self._count -= 1
+            if not self._count:
+                self._none.set()
+
+    async def finished(self, limit: float) -> None:
+        """Waits until no call is under way, at most ``limit`` seconds."""
+        with anyio.move_on_after(limit):
+            await self._none.wait()

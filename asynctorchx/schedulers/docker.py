@@ -42,8 +42,6 @@ import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import anyio
-
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
@@ -70,7 +68,7 @@ from asynctorchx.schedulers._docker.state import (
     group_by_app,
     restarted_by_docker,
 )
-from asynctorchx.schedulers._reconcile import Reconciler, finish_shielded
+from asynctorchx.schedulers._reconcile import CallsUnderWay, Reconciler, finish_shielded
 from asynctorchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler
 from asynctorchx.schedulers.workspace import (
     SingleFlight,
@@ -145,9 +143,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         )
         self._follow_ups = FollowUps(self._engine, self._events.app_containers)
         self._launcher = Launcher(self._engine, self._tasks)
-        self._submitting = 0  # schedule() calls under way; close() lets them finish
-        self._no_submits = asyncio.Event()
-        self._no_submits.set()
+        self._submits = CallsUnderWay()  # close() lets them finish
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -213,9 +209,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         """
         self._check_open()
         job = dryrun_info.request
-        self._submitting += 1
-        self._no_submits.clear()
-        try:
+        with self._submits.one():
             if dryrun_info.workspace is not None:
                 await ensure_image(
                     self._engine, dryrun_info.workspace, self._flights, current_progress()
@@ -229,10 +223,6 @@ class DockerScheduler(Scheduler[DockerJob]):
                 purge = self._launcher.purge(job.app_id, job.network_request)
                 await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
                 raise
-        finally:
-            self._submitting -= 1
-            if not self._submitting:
-                self._no_submits.set()
         logger.info("launched %s: %d container(s)", job.app_id, len(job.containers))
         return job.app_id
 
@@ -377,8 +367,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         if self._closed:
             return
         self._closed = True
-        with anyio.move_on_after(_CLOSE_GRACE):
-            await self._no_submits.wait()
+        await self._submits.finished(_CLOSE_GRACE)
         await self._reconciler.drain(_CLOSE_GRACE)
         await self._tasks.aclose()
         await self._engine.close()

@@ -48,7 +48,6 @@ foreground deletion).
 
 from __future__ import annotations
 
-import asyncio
 import builtins
 import copy
 import functools
@@ -81,7 +80,7 @@ from asynctorchx.schedulers._k8s.manifests import (
 )
 from asynctorchx.schedulers._k8s.reads import AppReader
 from asynctorchx.schedulers._k8s.status import describe_app, labels_of, meta
-from asynctorchx.schedulers._reconcile import Reconciler, finish_shielded
+from asynctorchx.schedulers._reconcile import CallsUnderWay, Reconciler, finish_shielded
 from asynctorchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler
 from asynctorchx.schedulers.workspace import (
     SingleFlight,
@@ -178,9 +177,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         self._engine: DockerEngine | None = None
         self._flights = SingleFlight(self._tasks)
         self._pushed: set[str] = set()
-        self._submitting = 0
-        self._no_submits = asyncio.Event()
-        self._no_submits.set()
+        self._submits = CallsUnderWay()  # close() lets them finish
 
     # -- options, dry runs and workspaces -------------------------------------------------------
 
@@ -289,14 +286,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden).
         """
         self._check_open()
-        self._submitting += 1
-        self._no_submits.clear()
-        try:
+        with self._submits.one():
             return await self._schedule(dryrun_info.request, dryrun_info.workspace)
-        finally:
-            self._submitting -= 1
-            if not self._submitting:
-                self._no_submits.set()
 
     async def _schedule(self, request: KubernetesRequest, workspace: WorkspacePlan | None) -> str:
         if workspace is not None:
@@ -446,8 +437,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         if self._closed:
             return
         self._closed = True
-        with anyio.move_on_after(_CLOSE_GRACE):
-            await self._no_submits.wait()
+        await self._submits.finished(_CLOSE_GRACE)
         await self._tasks.aclose()
         self._informers.clear()
         self._follow_ups.forget()
