@@ -720,6 +720,9 @@ class RecordWriter:
         self._in_flight: asyncio.Future[dict[str, BaseException]] | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
+        self._filler: asyncio.Task[None] | None = None
+        self._spares_retry_at = 0.0
+        self._last_put = float("-inf")
 
     @property
     def failing(self) -> list[str]:
@@ -740,6 +743,7 @@ class RecordWriter:
         is called once this document or a later one is on disk.
         """
         self._pending[app_id] = doc
+        self._last_put = time.monotonic()
         self._failing.pop(app_id, None)
         if on_written is not None:
             self._written.setdefault(app_id, []).append(on_written)
@@ -817,6 +821,41 @@ class RecordWriter:
             self._after_batch(batch, errors, loop.time())
             if done is not None and not done.done():
                 done.set_result(errors)
+            self.make_spares()
+
+    #: Seconds without a new record (or a change to one) before spares are made: in the lull after a
+    #: burst of launches, not during it (they would take the burst's processor time).
+    SPARES_LULL = 0.05
+    #: Seconds before spares are tried again after they could not be made.
+    SPARES_RETRY = 30.0
+
+    def make_spares(self) -> None:
+        """Has the spare files the store lacks made in a worker thread once no record was queued
+        for ``SPARES_LULL`` seconds (``spares.py``; a record written meanwhile is created the usual
+        way). On the event loop."""
+        if (
+            self._filler is None
+            and self._store.spares.wanted
+            and not self._supervisor.closed
+            and time.monotonic() >= self._spares_retry_at
+        ):
+            self._filler = self._supervisor.spawn(self._make_spares(), "record-spares")
+
+    async def _make_spares(self) -> None:
+        spares = self._store.spares
+        try:
+            while spares.wanted:
+                quiet = time.monotonic() - self._last_put
+                if quiet < self.SPARES_LULL or self._in_flight is not None:
+                    await asyncio.sleep(max(self.SPARES_LULL - quiet, 0.005))
+                    continue
+                # a chunk at a time: a burst that starts meanwhile, or closing, waits for one at most
+                await anyio.to_thread.run_sync(spares.fill_some)
+        except OSError as e:
+            logger.debug("cannot make spare record files (%s); records are created as usual", e)
+            self._spares_retry_at = time.monotonic() + self.SPARES_RETRY
+        finally:
+            self._filler = None
 
     def _after_batch(self, batch: dict[str, _Doc], errors: dict[str, Any], now: float) -> None:
         if errors:

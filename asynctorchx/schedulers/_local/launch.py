@@ -144,6 +144,7 @@ class AppLauncher:
         self._on_prepared()
         self._spawner.stdin_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._prepared = True
+        rt.writer.make_spares()
 
     def _prepare_blocking(self) -> None:
         self._rt.store.ensure()

@@ -37,7 +37,7 @@ import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 MARKER_ENV = "ASYNCTORCHX_REPLICA"
 MARKER_ENV_BYTES = MARKER_ENV.encode()
@@ -194,10 +194,18 @@ COMPACT_SIZE = 65536
 COMPACT_FACTOR = 4
 
 
-def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
+def write_record_file(
+    records_dir: str,
+    app_id: str,
+    data: bytes,
+    spares: Spares | None = None,
+) -> None:
     """Makes ``data`` (one JSON document, no newline in it) the record of ``app_id``. Raises OSError.
 
-    Every writer of records calls this. The first version creates the file (mode 0600); every
+    Every writer of records calls this. The first version creates the file (mode 0600): given
+    ``spares`` (``spares.SparePool``: empty files of this user's made ahead in ``records_dir``), it
+    is written into a spare, which is then linked into
+    place, so the record appears whole and no inode is allocated. Every
     version is appended as one line with a single ``write()`` on an ``O_APPEND`` descriptor, so a
     version after the first costs no new inode. In a file that is not empty the line starts with a
     newline, which ends a line torn by a writer that died or ran out of space (and the document of
@@ -222,11 +230,16 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
     while True:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         try:
-            fd = os.open(final, flags if reopened else flags | os.O_CREAT, 0o600)
+            fd = os.open(final, flags if reopened or spares else flags | os.O_CREAT, 0o600)
         except FileNotFoundError:
             if reopened:
                 return  # removed while this version was being written: the removal wins
-            raise
+            if spares is None:
+                raise
+            if _link_spare(spares, final, line[1:]):
+                return
+            spares = None  # none to be had: created the usual way
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
             st = os.fstat(fd)
@@ -249,6 +262,47 @@ def write_record_file(records_dir: str, app_id: str, data: bytes) -> None:
             return
         finally:
             os.close(fd)
+
+
+class Spares(Protocol):
+    """Empty files made ahead (``spares.SparePool``)."""
+
+    def take(self) -> str | None:
+        """The path of a spare, now the caller's; None when there is none."""
+
+    def lost(self) -> None:
+        """The spares were found removed: forget them."""
+
+
+def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
+    """Writes ``content`` into a spare file and links it to ``final``; False when there was no
+    spare, or it could not be written or linked (``final`` exists now, the disk is full, or the
+    directory is gone: the caller then goes the usual way, which says so)."""
+    path = spares.take()
+    if path is None:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    except FileNotFoundError:
+        spares.lost()
+        return False
+    except OSError:
+        return False
+    try:
+        try:
+            if os.fstat(fd).st_size:  # written by a launcher that died before linking it
+                os.ftruncate(fd, 0)
+            _write_all(fd, content)
+        finally:
+            os.close(fd)
+        os.link(path, final)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return True
 
 
 def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:

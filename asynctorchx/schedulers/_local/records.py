@@ -14,7 +14,9 @@ through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.
 once the record is terminal (``protocol.py``).
 
 A write that finds the records directory gone creates it again; one that finds the file system
-full rewrites the record in place when it fits in the space the file already holds.
+full rewrites the record in place when it fits in the space the file already holds. A new record's
+first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
+which is then linked into place.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from asynctorchx.schedulers._local.recordfile import ROOT_ENV as ROOT_ENV
 from asynctorchx.schedulers._local.recordfile import TERMINAL_NAMES as TERMINAL_NAMES
 from asynctorchx.schedulers._local.recordfile import Owner as Owner
 from asynctorchx.schedulers._local.recordfile import default_root as default_root
+from asynctorchx.schedulers._local.spares import SparePool
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
     NONE,
@@ -258,6 +261,8 @@ class RecordStore:
         self._ready = False
         self._lock = threading.Lock()
         self._ticks: dict[tuple[int, Any], int | None] = {}
+        #: empty files the first versions of records are written into (``spares.py``)
+        self.spares = SparePool(str(self.records_dir))
 
     def ensure(self) -> None:
         """Creates the state root (private to this user) and the records directory."""
@@ -309,9 +314,10 @@ class RecordStore:
             try:
                 data = json.dumps(doc, separators=(",", ":"), default=str).encode()
                 try:
-                    protocol.write_record_file(records_dir, app_id, data)
+                    protocol.write_record_file(records_dir, app_id, data, self.spares)
                 except FileNotFoundError:
                     self._ready = False
+                    self.spares.lost()
                     self.ensure()
                     protocol.write_record_file(records_dir, app_id, data)
                 if doc.get("state") in TERMINAL_NAMES and self._has_side_files(app_id):
