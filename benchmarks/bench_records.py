@@ -3,11 +3,15 @@ JSON.
 
     python benchmarks/bench_records.py              # under the temp dir (this VM: ext4)
     python benchmarks/bench_records.py --root DIR   # under DIR (e.g. a tmpfs)
+    python benchmarks/bench_records.py --churn 5000 # after 5000 files were created and deleted
 
 Three measurements, each in a fresh directory:
 
 - ``lifecycle``: N apps of one replica, each written twice (RUNNING, then SUCCEEDED), as a fan-out
   writes them, one app per ``write_many`` call: the time per app and its file-system cost.
+  ``lifecycle_from_spares``: the same with the store's spare files made first (as a launcher makes
+  them in a lull; that cost is reported apart, per spare), so each new record is a spare linked
+  into place (trees without spares skip it).
 - ``read_1_replica`` and ``read_2000_replicas``: ``RecordStore.read`` of an app of one replica and
   of one of 2000 replicas, whose record was written ``--versions`` times (as an app's record is
   written while its replicas start and end), timed one read at a time: median, p90 and max in
@@ -75,19 +79,30 @@ def _stats_us(samples: list[float]) -> dict[str, float]:
     }
 
 
-def lifecycle(parent: str, apps: int) -> dict[str, Any]:
-    """N apps written RUNNING then SUCCEEDED; the time per app."""
+def lifecycle(parent: str, apps: int, spares: bool = False) -> dict[str, Any]:
+    """N apps written RUNNING then SUCCEEDED; the time per app. ``spares``: with the store's spare
+    files made first, as a launcher makes them in a lull (that time is reported apart)."""
     work = Path(tempfile.mkdtemp(prefix="atx-bench-records-", dir=parent))
     try:
         store = RecordStore(work / "root")
         store.ensure()
+        made: dict[str, Any] = {}
+        if spares:
+            pool = store.spares
+            pool.target = apps
+            start = time.perf_counter()
+            while pool.fill_some(64):
+                pass
+            made = {
+                "spares_made_per_spare_us": round((time.perf_counter() - start) / apps * 1e6, 1)
+            }
         start = time.perf_counter()
         for i in range(apps):
             assert store.write_many({f"a-{i}": _doc(f"a-{i}", 1, "RUNNING", 0)}) == {}
         for i in range(apps):
             assert store.write_many({f"a-{i}": _doc(f"a-{i}", 1, "SUCCEEDED", 1)}) == {}
         seconds = time.perf_counter() - start
-        return {"apps": apps, "per_app_us": round(seconds / apps * 1e6, 1)}
+        return {"apps": apps, "per_app_us": round(seconds / apps * 1e6, 1), **made}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -117,10 +132,27 @@ def main() -> None:
     parser.add_argument("--root", default=tempfile.gettempdir(), help="parent directory")
     parser.add_argument("--apps", type=int, default=500)
     parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        help="create and delete this many files under --root first (the state a test suite or "
+        "compare_torchx leaves: on a journal-less ext4 each creation then skips the freed inodes)",
+    )
     args = parser.parse_args()
+    if args.churn:
+        churn = Path(tempfile.mkdtemp(prefix="atx-bench-churn-", dir=args.root))
+        for i in range(args.churn):
+            (churn / str(i)).touch()
+        shutil.rmtree(churn)
     result = {
         "root": args.root,
         "lifecycle": lifecycle(args.root, args.apps),
+        **(
+            {"lifecycle_from_spares": lifecycle(args.root, args.apps, spares=True)}
+            if hasattr(RecordStore(Path(args.root)), "spares")
+            else {}
+        ),
         "read_1_replica": reads(args.root, 1, args.versions, 2000),
         "read_2000_replicas": reads(args.root, 2000, args.versions, 30),
     }
