@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,3 +66,10 @@ def group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
             members.append(int(name))
     return members
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped (nothing runs under it now)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid

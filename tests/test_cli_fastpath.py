@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _local_env import dead_pid
 from test_cli_commands import _script
 
 from asynctorchx.cli import _fastpath
@@ -84,12 +85,6 @@ async def main():
 
 anyio.run(main)
 """
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 class Apps:
@@ -173,7 +168,7 @@ def apps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Apps]:
 
 def _add_hand_written_records(apps: Apps) -> None:
     running = apps.doc("running")
-    dead = _dead_pid()
+    dead = dead_pid()
     owner = {"pid": dead, "start_ticks": 1, "watchdog_pid": dead, "watchdog_start_ticks": 1}
     lost = {**running, "app_id": "lost-1", "owner": owner, "submitted_at": 1.0}
     lost["replicas"] = [{**r, "pid": dead} for r in running["replicas"]]
@@ -386,7 +381,7 @@ def test_a_config_file_sends_the_query_to_the_runner_with_the_same_answer(
 def test_the_lost_check_agrees_with_the_scheduler(apps: Apps) -> None:
     """recordfile.lost_message finds lost exactly the records LocalScheduler's check does."""
     running = apps.doc("running")
-    dead = _dead_pid()
+    dead = dead_pid()
     me = {"pid": os.getpid(), "start_ticks": recordfile.proc_start_ticks(os.getpid())}
     gone = {"pid": dead, "start_ticks": 5}
     cases = []

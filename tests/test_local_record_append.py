@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _local_env import GATE, wait_for
+from _local_env import GATE, dead_pid, wait_for
 
 from asynctorchx.schedulers._local import guard, protocol, recordfile, watchdog
 from asynctorchx.schedulers._local.records import AppRecord, RecordStore
@@ -47,12 +47,6 @@ def _doc(app_id: str, state: str = "RUNNING", owner_pid: int = 1, **extra: Any) 
 
 def _dumps(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 @pytest.fixture
@@ -356,7 +350,7 @@ def test_the_watchdog_script_finishes_an_appended_record(store: RecordStore) -> 
     """The watchdog, run as its standalone script (escalate mode, launcher gone), appends the
     CANCELLED version to a record of several versions; the store reads it."""
     app_id = "w-1"
-    dead = _dead_pid()
+    dead = dead_pid()
     for msg in ("starting", "running"):
         store.write_many({app_id: _doc(app_id, "RUNNING", owner_pid=dead, msg=msg)})
     path = store.records_dir / f"{app_id}.json"
@@ -378,7 +372,7 @@ def test_the_watchdog_writes_its_fallback_over_a_record_never_written(store: Rec
     fallback record, marked FAILED."""
     app_id = "w-2"
     (store.records_dir / f"{app_id}.json").write_bytes(b"")
-    fallback = _doc(app_id, "RUNNING", owner_pid=_dead_pid())
+    fallback = _doc(app_id, "RUNNING", owner_pid=dead_pid())
     watchdog.finish_record(
         str(store.records_dir), app_id, "launcher died", False, "FAILED", fallback
     )
@@ -393,7 +387,7 @@ def test_the_watchdog_appends_to_a_record_of_the_single_document_layout(
     """A record of the old layout whose launcher is gone is finished by the watchdog, readably."""
     app_id = "w-3"
     path = store.records_dir / f"{app_id}.json"
-    path.write_bytes(_dumps(_doc(app_id, "RUNNING", owner_pid=_dead_pid())))
+    path.write_bytes(_dumps(_doc(app_id, "RUNNING", owner_pid=dead_pid())))
     watchdog.finish_record(str(store.records_dir), app_id, "why", only_if_owner_gone=True)
     record = store.read(app_id)
     assert record is not None and record.state == AppState.CANCELLED and record.msg == "why"

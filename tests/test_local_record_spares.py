@@ -14,7 +14,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import poll_until
+from _local_env import dead_pid, poll_until
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
@@ -28,12 +28,6 @@ REPO = Path(__file__).resolve().parent.parent
 def _data(app_id: str, state: str = "RUNNING") -> bytes:
     doc = {"app_id": app_id, "state": state, "owner": {"pid": 1}, "replicas": []}
     return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 @pytest.fixture
@@ -101,7 +95,7 @@ def test_the_spares_of_a_process_that_is_gone_are_adopted_not_made_again(
     and files that are not spares are left alone."""
     spare_dir = Path(records_dir, spares.SPARE_DIR)
     spare_dir.mkdir()
-    dead = _dead_pid()
+    dead = dead_pid()
     theirs = [spare_dir / f"{dead}.12345.cafe0001.{n}" for n in range(3)]
     for path in theirs:
         path.touch()

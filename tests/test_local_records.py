@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
+
+from _local_env import dead_pid
 
 from asynctorchx.schedulers._local import watchdog
 from asynctorchx.schedulers._local.procs import proc_start_ticks
@@ -60,12 +61,6 @@ def full_app() -> AppDef:
         ],
         metadata={"m": "v"},
     )
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
 
 
 def record(app_id: str, owner: Owner, state: AppState = AppState.RUNNING) -> AppRecord:
