@@ -225,6 +225,30 @@ def test_bad_default_value_names_argument():
         parse_args(typed, [], {"count": "many"})
 
 
+def test_a_bad_default_says_where_it_was_set():
+    """A default that does not decode names its source ([component:NAME] or config=), since the
+    command line the user typed does not hold it."""
+    with pytest.raises(
+        InvalidComponentArgsException,
+        match=r"argument --count: invalid int value: 'many' \(the default set in "
+        r"\[component:utils\.typed\] \(\.torchxconfig or component_defaults=\)\)",
+    ):
+        parse_args(typed, [], {"count": "many"}, name="utils.typed")
+    with pytest.raises(InvalidComponentArgsException, match=r"'many' \(the config\)"):
+        parse_args(typed, [], None, {"count": "many"})
+    with pytest.raises(InvalidComponentArgsException, match=r"\[component:typed\]"):
+        materialize_appdef_from_kwargs(typed, {}, {"count": "x"})
+
+
+def test_a_bad_default_replaced_on_the_command_line_is_no_error():
+    """A default is decoded only when used: one replaced by an explicit argument cannot fail."""
+    assert parse_args(typed, ["--count", "3"], {"count": "many"}).count == 3
+    explicit = "".join(["ma", "ny"])  # (a string of its own, as argv's are: not the constant)
+    with pytest.raises(InvalidComponentArgsException) as caught:
+        parse_args(typed, ["--count", explicit], {"count": "many"})
+    assert "default" not in str(caught.value)  # the explicit value is the bad one
+
+
 def test_unknown_default_key_warns():
     """A component default that is not a parameter is ignored with a ConfigWarning naming it."""
     with pytest.warns(

@@ -430,6 +430,22 @@ async def test_component_args_given_as_one_string_is_a_clear_error(runner: Async
     assert await runner.list(LOCAL) == []
 
 
+async def test_component_args_as_a_mapping_get_decoded_config_defaults(root: Path) -> None:
+    """With component_args given as a mapping, [component:NAME] defaults (strings, as
+    .torchxconfig holds them) are decoded by each parameter's type, as with a list of arguments;
+    one that does not decode names where it was set."""
+    defaults = {"utils.echo": {"num_replicas": "2"}}
+    async with AsyncRunner(session(), defaults, local_root=str(root)) as runner:
+        info = runner.dryrun_component("utils.echo", {"msg": "hi"}, LOCAL)
+        assert info.app is not None and info.app.roles[0].num_replicas == 2
+        assert info.app.roles[0].args == ["hi"]
+    bad = {"utils.echo": {"num_replicas": "two"}}
+    async with AsyncRunner(session(), bad, local_root=str(root)) as runner:
+        with pytest.raises(InvalidComponentArgsException, match=r"\[component:utils\.echo\]"):
+            await runner.run_component("utils.echo", {"msg": "hi"}, LOCAL)
+        assert await runner.list(LOCAL) == []
+
+
 def tree(path: Path) -> set[str]:
     """Every file and directory under ``path`` (relative), empty when it does not exist."""
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()

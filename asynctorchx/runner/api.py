@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import time
@@ -56,7 +55,6 @@ from asynctorchx.specs.api import (
     parse_app_handle,
     runopts,
 )
-from asynctorchx.specs.errors import InvalidComponentArgsException
 from asynctorchx.specs.workspace import Workspace
 from asynctorchx.tracker.api import TrackerSetting
 
@@ -457,7 +455,7 @@ class AsyncRunner:
         self, component: str, component_args: Sequence[str] | Mapping[str, Any]
     ) -> AppDef:
         from asynctorchx.components import get_component
-        from asynctorchx.specs.builders import call_component, materialize_appdef
+        from asynctorchx.specs.builders import materialize_appdef, materialize_appdef_from_kwargs
 
         if isinstance(component_args, str):  # its characters would be taken as the arguments
             raise TypeError(
@@ -469,12 +467,10 @@ class AsyncRunner:
             found.name
         )
         if isinstance(component_args, Mapping):
-            merged: dict[str, Any] = {**(defaults or {}), **component_args}
-            try:
-                inspect.signature(found.fn).bind(**merged)
-            except TypeError as e:  # a missing or unknown argument
-                raise InvalidComponentArgsException(component, str(e)) from None
-            return call_component(found.fn, found.name, **merged)
+            # (the defaults are strings, from .torchxconfig: decoded by each parameter's type)
+            return materialize_appdef_from_kwargs(
+                found.fn, component_args, defaults, name=found.name
+            )
         return materialize_appdef(found.fn, list(component_args), defaults, name=found.name)
 
     async def run(

@@ -340,12 +340,20 @@ def _component_name(fn: Callable[..., Any], name: str | None) -> str:
     return name or str(getattr(fn, "__name__", "component"))
 
 
+def _default_source(component: str) -> str:
+    """Where a component default comes from, for messages."""
+    return f"the default set in [component:{component}] (.torchxconfig or component_defaults=)"
+
+
 def _defaults(
     fn: Callable[..., Any],
     cmpnt_defaults: Mapping[str, Any] | None,
     config: Mapping[str, Any] | None,
     component: str,
+    sources: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """The defaults that override the signature's; ``sources`` (if given) gets, per parameter,
+    where its value came from (for messages)."""
     params = inspect.signature(fn).parameters
     merged: dict[str, Any] = {}
     for source, values in (("component default", cmpnt_defaults), ("config", config)):
@@ -361,7 +369,32 @@ def _defaults(
                 )
                 continue
             merged[key] = value
+            if sources is not None:
+                sources[key] = (
+                    _default_source(component) if source == "component default" else "the config"
+                )
     return merged
+
+
+def _naming_source(
+    convert: Callable[[str], Any], default: str, source: str
+) -> Callable[[str], Any]:
+    """``convert``, saying where a string default that does not decode came from (argparse decodes
+    a string default only when the option is not given, with the option's own converter)."""
+
+    def decode_value(value: str) -> Any:
+        try:
+            return convert(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            if value is not default:
+                raise
+            what = getattr(convert, "__name__", "")
+            said = str(e) if isinstance(e, argparse.ArgumentTypeError) else ""
+            said = said or f"invalid {what} value: {value!r}".replace("  ", " ")
+            raise argparse.ArgumentTypeError(f"{said} ({source})") from None
+
+    decode_value.__name__ = getattr(convert, "__name__", "value")
+    return decode_value
 
 
 def create_args_parser(
@@ -387,7 +420,8 @@ def create_args_parser(
     params = inspect.signature(cmpnt_fn).parameters
     description, arg_help = get_fn_docstring(cmpnt_fn)
     annotations = _annotations(cmpnt_fn)
-    overrides = _defaults(cmpnt_fn, cmpnt_defaults, config, component)
+    sources: dict[str, str] = {}
+    overrides = _defaults(cmpnt_fn, cmpnt_defaults, config, component, sources)
     parser = _ComponentParser(
         component,
         prog=f"asynctorchx run <run args...> {component}",
@@ -433,6 +467,8 @@ def create_args_parser(
         elif len(pname) == 1:
             flags.insert(0, f"-{pname}")
         kwargs["type"] = _argparse_type(tp)
+        if pname in overrides and isinstance(default, str):
+            kwargs["type"] = _naming_source(kwargs["type"], default, sources[pname])
         if decode_optional(tp) is bool:
             kwargs.update(nargs="?", const=True, metavar="{true,false}")
         if has_default:
@@ -575,7 +611,7 @@ def materialize_appdef_from_kwargs(
                     value = decode(defaults[pname], annotations[pname])
             except ValueError as e:
                 raise InvalidComponentArgsException(
-                    component, f"argument --{pname}: {e}", usage
+                    component, f"argument --{pname}: {e} ({_default_source(component)})", usage
                 ) from None
         elif param.default is not inspect.Parameter.empty:
             value = param.default
