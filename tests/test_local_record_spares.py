@@ -88,6 +88,16 @@ def test_the_pool_grows_to_the_largest_burst_up_to_its_bound(records_dir: str) -
     assert pool.target == spares.MAX_TARGET
 
 
+def test_records_made_while_the_pool_is_empty_grow_it(records_dir: str) -> None:
+    """New records that found no spare count as demand: the pool then keeps that many."""
+    pool = SparePool(records_dir)
+    for i in range(spares.MIN_TARGET + 30):
+        protocol.write_record_file(records_dir, f"a-{i}", _data(f"a-{i}"), pool)
+    assert len(recordfile.list_ids(records_dir)) == spares.MIN_TARGET + 30
+    pool.fill_some(1)
+    assert pool.target == spares.MIN_TARGET + 30
+
+
 def test_the_spares_of_a_process_that_is_gone_are_adopted_not_made_again(
     records_dir: str,
 ) -> None:

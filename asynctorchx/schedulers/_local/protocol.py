@@ -230,7 +230,8 @@ def write_record_file(
     while True:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         try:
-            fd = os.open(final, flags if reopened or spares else flags | os.O_CREAT, 0o600)
+            creat = 0 if reopened or spares is not None else os.O_CREAT
+            fd = os.open(final, flags | creat, 0o600)
         except FileNotFoundError:
             if reopened:
                 return  # removed while this version was being written: the removal wins
