@@ -1,0 +1,118 @@
+"""Faults around spare record files (``spares.py``, ``protocol._link_spare``): spares left in odd
+states by killed launchers or by hand, and the pool's growth through real record writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from asynctorchx.schedulers._local import protocol, recordfile, spares
+from asynctorchx.schedulers._local.spares import SparePool
+
+
+def _data(app_id: str, state: str = "RUNNING") -> bytes:
+    doc = {"app_id": app_id, "state": state, "owner": {"pid": 1}, "replicas": []}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def records_dir(tmp_path: Path) -> str:
+    d = tmp_path / ".apps"
+    d.mkdir()
+    return str(d)
+
+
+def _dead_spare(records_dir: str) -> Path:
+    """The path of a spare named for a launcher that is gone (the next pool adopts it)."""
+    spare_dir = Path(records_dir, spares.SPARE_DIR)
+    spare_dir.mkdir(exist_ok=True)
+    return spare_dir / f"{_dead_pid()}.12345.cafe0001.0"
+
+
+def test_a_spare_a_killed_launcher_had_linked_does_not_overwrite_its_record(
+    records_dir: str,
+) -> None:
+    """A spare its launcher linked to a record before being killed (it is that record) is dropped
+    when adopted, never emptied and reused: the old app keeps its record, the new one gets its own."""
+    spare = _dead_spare(records_dir)
+    spare.write_bytes(_data("old-1") + b"\n")
+    old = protocol.record_path(records_dir, "old-1")
+    os.link(spare, old)  # (killed between the link and the unlink of the spare)
+    pool = SparePool(records_dir)
+    pool.fill_some(0)  # (adopts it)
+    assert len(pool) == 1
+    protocol.write_record_file(records_dir, "new-1", _data("new-1"), pool)
+    new = protocol.record_path(records_dir, "new-1")
+    assert recordfile.read_document(old)["app_id"] == "old-1"
+    assert recordfile.read_document(new)["app_id"] == "new-1"
+    assert os.stat(old).st_ino != os.stat(new).st_ino
+    assert os.stat(old).st_nlink == 1  # the stale link in .spare is gone
+    assert os.listdir(os.path.join(records_dir, spares.SPARE_DIR)) == []
+
+
+def test_a_spare_that_is_a_symlink_is_not_written_through(records_dir: str, tmp_path: Path) -> None:
+    """A spare that is a symlink is dropped, not followed: the file it names is left as it was and
+    the record is a regular file of its own."""
+    precious = tmp_path / "precious.txt"
+    precious.write_bytes(b"keep me\n")
+    _dead_spare(records_dir).symlink_to(precious)
+    pool = SparePool(records_dir)
+    pool.fill_some(0)
+    assert len(pool) == 1
+    protocol.write_record_file(records_dir, "a-1", _data("a-1"), pool)
+    assert precious.read_bytes() == b"keep me\n"
+    record = Path(protocol.record_path(records_dir, "a-1"))
+    assert not record.is_symlink() and record.read_bytes() == _data("a-1") + b"\n"
+    assert os.listdir(os.path.join(records_dir, spares.SPARE_DIR)) == []
+
+
+def test_a_spare_that_is_a_fifo_does_not_block_the_writer(records_dir: str) -> None:
+    """A spare that is a FIFO is dropped at once (opening it for writing would block until a
+    reader came): the record is written the usual way."""
+    fifo = _dead_spare(records_dir)
+    os.mkfifo(fifo)
+    pool = SparePool(records_dir)
+    pool.fill_some(0)
+    assert len(pool) == 1
+    adopted = pool._free[0]
+    writer = threading.Thread(
+        target=protocol.write_record_file,
+        args=(records_dir, "a-1", _data("a-1"), pool),
+        daemon=True,
+    )
+    writer.start()
+    writer.join(10)
+    blocked = writer.is_alive()
+    if blocked:  # (unblock the writer: open the FIFO for reading)
+        fd = os.open(adopted, os.O_RDONLY | os.O_NONBLOCK)
+        writer.join(10)
+        os.close(fd)
+    assert not blocked
+    assert recordfile.read_document(protocol.record_path(records_dir, "a-1"))["app_id"] == "a-1"
+
+
+def test_a_spare_that_is_a_directory_is_skipped_for_the_next(records_dir: str) -> None:
+    """A spare that is a directory is passed over and the next spare used."""
+    pool = SparePool(records_dir)
+    pool.fill_some(1)
+    (real,) = pool._free
+    weird = _dead_spare(records_dir)
+    weird.mkdir()
+    pool._scanned = False
+    pool.fill_some(0)  # (adopts the directory, after the real one: it is taken first)
+    assert len(pool) == 2 and pool._free[0] == real
+    protocol.write_record_file(records_dir, "a-1", _data("a-1"), pool)
+    record = protocol.record_path(records_dir, "a-1")
+    assert recordfile.read_document(record)["app_id"] == "a-1"
+    assert len(pool) == 0
