@@ -116,3 +116,17 @@ def test_a_spare_that_is_a_directory_is_skipped_for_the_next(records_dir: str) -
     record = protocol.record_path(records_dir, "a-1")
     assert recordfile.read_document(record)["app_id"] == "a-1"
     assert len(pool) == 0
+
+
+def test_a_burst_larger_than_the_pool_grows_it_through_record_writes(records_dir: str) -> None:
+    """New records written while the pool is empty count as spares asked for in vain, so the pool
+    grows to the burst (as the README says), not only to the spares it had."""
+    pool = SparePool(records_dir)
+    pool.fill_some(10)
+    burst = spares.MIN_TARGET + 36
+    for n in range(burst):
+        protocol.write_record_file(records_dir, f"b-{n}", _data(f"b-{n}"), pool)
+    assert len(pool) == 0
+    assert len(recordfile.list_ids(records_dir)) == burst
+    pool.fill_some(0)
+    assert pool.target == burst

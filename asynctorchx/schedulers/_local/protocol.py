@@ -231,7 +231,10 @@ def write_record_file(
     while True:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         try:
-            fd = os.open(final, flags if reopened or spares else flags | os.O_CREAT, 0o600)
+            # (``spares is not None``: an empty pool is falsy, and a record made while it is empty
+            # must still ask it for a spare, which counts towards the pool's growth)
+            creating = not reopened and spares is None
+            fd = os.open(final, flags | os.O_CREAT if creating else flags, 0o600)
         except FileNotFoundError:
             if reopened:
                 return  # removed while this version was being written: the removal wins
