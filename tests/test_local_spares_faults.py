@@ -3,16 +3,19 @@ states by killed launchers or by hand, and the pool's growth through real record
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import threading
 from pathlib import Path
 
+import anyio
 import pytest
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.spares import SparePool
+from asynctorchx.schedulers.local import LocalScheduler
 
 
 def _data(app_id: str, state: str = "RUNNING") -> bytes:
@@ -130,3 +133,36 @@ def test_a_burst_larger_than_the_pool_grows_it_through_record_writes(records_dir
     assert len(recordfile.list_ids(records_dir)) == burst
     pool.fill_some(0)
     assert pool.target == burst
+
+
+async def test_a_record_another_process_links_into_place_is_announced(tmp_path: Path) -> None:
+    """A subscriber is told of a new record made from a spare by another writer (a link makes no
+    IN_CLOSE_WRITE in the records directory), as it is of one created the usual way."""
+    root = tmp_path / "root"
+    records_dir = root / ".apps"
+    records_dir.mkdir(parents=True, mode=0o700)
+    scheduler = LocalScheduler("faults", local_root=root)
+    told: set[str] = set()
+    changed = asyncio.Event()
+
+    def on_change(app_id: str) -> None:
+        told.add(app_id)
+        changed.set()
+
+    unsubscribe = scheduler.subscribe(on_change)
+    try:
+        pool = SparePool(str(records_dir))  # (another launcher's)
+        await anyio.to_thread.run_sync(pool.fill_some, 2)
+        for app_id, spares_of in (("usual-1", None), ("linked-1", pool)):
+            data = _data(app_id)
+            await anyio.to_thread.run_sync(
+                protocol.write_record_file, str(records_dir), app_id, data, spares_of
+            )
+            with anyio.fail_after(10):
+                while app_id not in told:
+                    await changed.wait()
+                    changed.clear()
+        assert len(pool) == 1  # (the second record was made from a spare)
+    finally:
+        unsubscribe()
+        await scheduler.close()

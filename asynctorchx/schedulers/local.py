@@ -72,6 +72,7 @@ from asynctorchx.logs import LogQuery
 from asynctorchx.logs._cursor import Position
 from asynctorchx.logs._inotify import (
     IN_CLOSE_WRITE,
+    IN_CREATE,
     IN_DELETE_SELF,
     IN_MOVE_SELF,
     IN_MOVED_TO,
@@ -140,7 +141,9 @@ logger = logging.getLogger(__name__)
 
 #: The longest grace period ``close()`` gives an app between SIGTERM and SIGKILL.
 CLOSE_MAX_GRACE = 30.0
-_RECORD_EVENTS = IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
+_RECORD_EVENTS = (
+    IN_CREATE | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
+)
 
 
 class LocalScheduler(Scheduler[LocalRequest]):
@@ -390,7 +393,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
         try:
             # the log follower's inotify hub (one instance per loop) carries this watch too;
             # a record's versions are appended (IN_CLOSE_WRITE) or, compacted, renamed into place
-            # (IN_MOVED_TO); cancel markers are renamed into place
+            # (IN_MOVED_TO); a new record made from a spare is linked into place, whole
+            # (IN_CREATE: written under .spare, it makes no IN_CLOSE_WRITE here); cancel markers
+            # are renamed into place
             self._records_watch = watch_directory(
                 str(self._runtime.store.records_dir), self._on_records_event, _RECORD_EVENTS
             )
