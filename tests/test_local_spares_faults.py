@@ -166,3 +166,18 @@ async def test_a_record_another_process_links_into_place_is_announced(tmp_path: 
     finally:
         unsubscribe()
         await scheduler.close()
+
+
+def test_names_with_non_ascii_digits_are_left_alone_not_a_crash(records_dir: str) -> None:
+    """A name in .spare whose fields are digits int() does not take (superscripts) is not a spare's
+    name: it is left alone, and the pool fills (it used to raise ValueError at every fill, logged as
+    a failed background task after every write batch)."""
+    spare_dir = Path(records_dir, spares.SPARE_DIR)
+    spare_dir.mkdir()
+    # (the second is read as a spare of this live process whose start time is unknown)
+    odd = [spare_dir / "\u00b2.1.cafe.0", spare_dir / f"{os.getpid()}.\u00b2.cafe.0"]
+    for path in odd:
+        path.touch()
+    pool = SparePool(records_dir)
+    assert pool.fill_some(4) == spares.MIN_TARGET - 4
+    assert all(path.exists() for path in odd) and len(pool) == 4

@@ -137,7 +137,13 @@ class SparePool:
 def _owner(name: str) -> tuple[int, int | None] | None:
     """The (pid, start ticks) a spare's name gives, or None when it is not a spare's name."""
     parts = name.split(".")
-    if len(parts) != 4 or not parts[0].isdigit() or not parts[3].isdigit():
+    if len(parts) != 4 or not _number(parts[0]) or not _number(parts[3]):
         return None
-    ticks = int(parts[1]) if parts[1].isdigit() else None
+    ticks = int(parts[1]) if _number(parts[1]) else None
     return int(parts[0]), ticks
+
+
+def _number(text: str) -> bool:
+    """True for ASCII digits only (``str.isdigit`` is also true of superscripts, which int() does
+    not take)."""
+    return text.isascii() and text.isdigit()
