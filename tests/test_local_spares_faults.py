@@ -181,3 +181,23 @@ def test_names_with_non_ascii_digits_are_left_alone_not_a_crash(records_dir: str
     pool = SparePool(records_dir)
     assert pool.fill_some(4) == spares.MIN_TARGET - 4
     assert all(path.exists() for path in odd) and len(pool) == 4
+
+
+def test_a_pool_whose_spare_directory_was_removed_while_empty_makes_it_again(
+    records_dir: str,
+) -> None:
+    """The .spare directory removed while the pool held no spare (a burst took them all): the fill
+    that finds it gone fails, and the next one makes the directory again (no spare of the pool is
+    left to be found missing, which is what used to reset it)."""
+    pool = SparePool(records_dir)
+    pool.fill_some(3)
+    while pool.take() is not None:
+        pass
+    spare_dir = Path(records_dir, spares.SPARE_DIR)
+    for name in os.listdir(spare_dir):
+        os.unlink(spare_dir / name)
+    spare_dir.rmdir()
+    with pytest.raises(FileNotFoundError):
+        pool.fill_some(2)  # (the filler backs off after this)
+    pool.fill_some(2)
+    assert len(pool) == 2 and len(os.listdir(spare_dir)) == 2

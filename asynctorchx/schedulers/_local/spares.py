@@ -96,7 +96,12 @@ class SparePool:
         prefix = self._own_prefix()
         for _ in range(min(count, self.wanted)):
             path = f"{prefix}{next(self._counter)}"
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                self._scanned = False  # the directory was removed: the next fill makes it again
+                raise
+            os.close(fd)
             with self._lock:
                 self._free.append(path)
         return self.wanted
