@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ import anyio
 import pytest
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
+from asynctorchx.schedulers._local.records import RecordStore
 from asynctorchx.schedulers._local.spares import SparePool
 from asynctorchx.schedulers.local import LocalScheduler
 
@@ -201,3 +203,22 @@ def test_a_pool_whose_spare_directory_was_removed_while_empty_makes_it_again(
         pool.fill_some(2)  # (the filler backs off after this)
     pool.fill_some(2)
     assert len(pool) == 2 and len(os.listdir(spare_dir)) == 2
+
+
+def test_a_pool_never_makes_the_records_directory_or_the_state_root(tmp_path: Path) -> None:
+    """With the records directory (or the whole state root) removed, a fill fails rather than make
+    them with the umask's mode: only the store makes them (private, checked to be this user's)."""
+    root = tmp_path / "root"
+    store = RecordStore(root)
+    store.ensure()
+    store.spares.fill_some(2)
+    shutil.rmtree(root)
+    store.spares.lost()
+    with pytest.raises(FileNotFoundError):
+        store.spares.fill_some(2)
+    assert not root.exists()
+    assert store.write_many({"a-1": json.loads(_data("a-1"))}) == {}  # (the store remakes them)
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert store.records_dir.stat().st_mode & 0o777 == 0o700
+    store.spares.fill_some(2)
+    assert len(store.spares) == 2

@@ -83,14 +83,18 @@ class SparePool:
         adopts the spares of processes that are gone); returns how many it still lacks.
 
         Raises:
-            OSError: a spare cannot be made (full disk, no permission, the directory removed).
+            OSError: a spare cannot be made (full disk, no permission, the records directory
+                removed: ``RecordStore.ensure`` makes it again).
         """
         with self._lock:
             if self._given:
                 self.target = max(self.target, min(MAX_TARGET, self._given))
                 self._given = 0
         if not self._scanned:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            # (not makedirs: the records directory and the state root are the store's to make,
+            # private and checked to be this user's; a fill that finds them gone fails)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.directory, 0o700)
             self._adopt()
             self._scanned = True
         prefix = self._own_prefix()
