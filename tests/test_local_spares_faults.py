@@ -18,6 +18,7 @@ from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
 from asynctorchx.schedulers._local.spares import SparePool
 from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.specs import AppDef, Role
 
 
 def _data(app_id: str, state: str = "RUNNING") -> bytes:
@@ -222,3 +223,40 @@ def test_a_pool_never_makes_the_records_directory_or_the_state_root(tmp_path: Pa
     assert store.records_dir.stat().st_mode & 0o777 == 0o700
     store.spares.fill_some(2)
     assert len(store.spares) == 2
+
+
+def test_the_spares_of_a_released_pool_go_to_the_next_pool_of_this_process(
+    records_dir: str,
+) -> None:
+    """A pool released (its scheduler closed) hands its spares to the next pool of its directory
+    in this process, which makes none (its owner lives on: nobody would adopt them)."""
+    first = SparePool(records_dir)
+    first.fill_some(8)
+    inodes = {os.stat(p).st_ino for p in first._free}
+    first.release()
+    assert len(first) == 0 and first.take() is None
+    second = SparePool(records_dir)
+    second.fill_some(0)
+    assert len(second) == 8
+    assert {os.stat(p).st_ino for p in second._free} == inodes
+    assert len(os.listdir(os.path.join(records_dir, spares.SPARE_DIR))) == 8
+
+
+@pytest.mark.timeout(60)
+async def test_schedulers_made_and_closed_in_turn_do_not_pile_up_spares(tmp_path: Path) -> None:
+    """Schedulers of one state root made and closed one after another in one process keep about
+    one pool's worth of spares, not one per scheduler."""
+    root = tmp_path / "root"
+    spare_dir = root / ".apps" / spares.SPARE_DIR
+    for n in range(3):
+        s = LocalScheduler("faults", local_root=root)
+        try:
+            app = AppDef("q", [Role("main", image=str(tmp_path), entrypoint="true")])
+            await s.submit(app, {})
+            pool = s._runtime.store.spares
+            with anyio.fail_after(30):
+                while pool.wanted:  # (made in the lull after the launch)
+                    await anyio.sleep(0.01)
+        finally:
+            await s.close()
+        assert len(os.listdir(spare_dir)) == spares.MIN_TARGET, n

@@ -532,6 +532,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         await self._spawner.exits.idle()
         await rt.contain.aclose()  # before its background tasks are cancelled
         await rt.supervisor.aclose()
+        rt.store.spares.release()  # (no record is written, and no spare made, from now on)
         await rt.reaper.aclose()
         self._launcher.close()
 
