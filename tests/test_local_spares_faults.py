@@ -260,3 +260,26 @@ async def test_schedulers_made_and_closed_in_turn_do_not_pile_up_spares(tmp_path
         finally:
             await s.close()
         assert len(os.listdir(spare_dir)) == spares.MIN_TARGET, n
+
+
+def test_a_forked_child_does_not_take_the_spares_its_parent_released(records_dir: str) -> None:
+    """The spares released by a closed pool stay the parent's: a pool in a forked child makes its
+    own (both taking the same spare would write two apps' records into one file)."""
+    first = SparePool(records_dir)
+    first.fill_some(4)
+    released = set(first._free)
+    first.release()
+    pid = os.fork()
+    if pid == 0:  # (the child: no pytest machinery, only an exit code)
+        code = 1
+        try:
+            child = SparePool(records_dir)
+            child.fill_some(4)
+            code = 0 if not set(child._free) & released and len(child) == 4 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    second = SparePool(records_dir)
+    second.fill_some(0)  # (also adopts the spares of the child, which is gone)
+    assert released <= set(second._free)

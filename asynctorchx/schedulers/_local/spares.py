@@ -46,6 +46,17 @@ _released: dict[str, list[str]] = {}
 _released_lock = threading.Lock()
 
 
+def _forget_released() -> None:
+    """In a forked child: the released spares are the parent's to give (were both to take one, two
+    apps' records would be written into one file)."""
+    global _released_lock
+    _released.clear()
+    _released_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_released)
+
+
 class SparePool:
     """The empty files of one records directory that this pool may use (``take``), and their making
     (``fill_some``, in a worker thread while nothing waits for it).
