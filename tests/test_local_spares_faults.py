@@ -7,12 +7,12 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
 import anyio
 import pytest
+from test_local_record_spares import _data, _dead_pid
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
@@ -21,21 +21,10 @@ from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, Role
 
 
-def _data(app_id: str, state: str = "RUNNING") -> bytes:
-    doc = {"app_id": app_id, "state": state, "owner": {"pid": 1}, "replicas": []}
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
-
-
 @pytest.fixture
 def records_dir(tmp_path: Path) -> str:
     d = tmp_path / ".apps"
-    d.mkdir()
+    d.mkdir(mode=0o700)
     return str(d)
 
 
