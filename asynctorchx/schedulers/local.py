@@ -392,9 +392,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
             return
         try:
             # the log follower's inotify hub (one instance per loop) carries this watch too;
-            # a record's first version is linked into place from a spare (IN_CREATE), the next
-            # ones appended (IN_CLOSE_WRITE) or, compacted, renamed into place (IN_MOVED_TO);
-            # cancel markers are renamed into place
+            # a record's versions are appended (IN_CLOSE_WRITE) or, compacted, renamed into place
+            # (IN_MOVED_TO); a new record made from a spare is linked into place, whole
+            # (IN_CREATE: written under .spare, it makes no IN_CLOSE_WRITE here); cancel markers
+            # are renamed into place
             self._records_watch = watch_directory(
                 str(self._runtime.store.records_dir), self._on_records_event, _RECORD_EVENTS
             )
@@ -531,6 +532,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         await self._spawner.exits.idle()
         await rt.contain.aclose()  # before its background tasks are cancelled
         await rt.supervisor.aclose()
+        rt.store.spares.release()  # (no record is written, and no spare made, from now on)
         await rt.reaper.aclose()
         self._launcher.close()
 

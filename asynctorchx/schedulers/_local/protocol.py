@@ -34,6 +34,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -230,8 +231,10 @@ def write_record_file(
     while True:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
         try:
-            creat = 0 if reopened or spares is not None else os.O_CREAT
-            fd = os.open(final, flags | creat, 0o600)
+            # (``spares is not None``: an empty pool is falsy, and a record made while it is empty
+            # must still ask it for a spare, which counts towards the pool's growth)
+            creating = not reopened and spares is None
+            fd = os.open(final, flags | os.O_CREAT if creating else flags, 0o600)
         except FileNotFoundError:
             if reopened:
                 return  # removed while this version was being written: the removal wins
@@ -278,32 +281,54 @@ class Spares(Protocol):
 def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
     """Writes ``content`` into a spare file and links it to ``final``; False when there was no
     spare, or it could not be written or linked (``final`` exists now, the disk is full, or the
-    directory is gone: the caller then goes the usual way, which says so)."""
-    path = spares.take()
-    if path is None:
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-    except FileNotFoundError:
-        spares.lost()
-        return False
-    except OSError:
-        return False
-    try:
+    directory is gone: the caller then goes the usual way, which says so).
+
+    A spare that is not an empty-able regular file of its own is dropped and the next one taken:
+    one a launcher linked to its record before it was killed (it is that record: emptying it would
+    destroy another app's record), a symlink (writing through it would change the file it names),
+    a FIFO (opening it would block) or a directory.
+    """
+    while (path := spares.take()) is not None:
         try:
-            if os.fstat(fd).st_size:  # written by a launcher that died before linking it
-                os.ftruncate(fd, 0)
-            _write_all(fd, content)
-        finally:
-            os.close(fd)
-        os.link(path, final)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        return False
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | _SPARE_OPEN)
+        except FileNotFoundError:
+            spares.lost()
+            return False
+        except OSError as e:
+            if e.errno not in _NOT_A_SPARE:
+                return False
+            _drop(path)
+            continue
+        try:
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    _drop(path)
+                    continue
+                if st.st_size:  # written by a launcher that died before linking it
+                    os.ftruncate(fd, 0)
+                _write_all(fd, content)
+            finally:
+                os.close(fd)
+            os.link(path, final)
+        except OSError:
+            _drop(path)
+            return False
+        _drop(path)
+        return True
+    return False
+
+
+#: ``O_NOFOLLOW``: a spare that is a symlink is not written through; ``O_NONBLOCK``: one that is a
+#: FIFO does not block the writer (no effect on a regular file).
+_SPARE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK
+#: What opening a spare that is a symlink, a FIFO or a directory fails with.
+_NOT_A_SPARE = (errno.ELOOP, errno.ENXIO, errno.EISDIR)
+
+
+def _drop(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
-    return True
 
 
 def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:

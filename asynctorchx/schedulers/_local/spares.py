@@ -17,7 +17,8 @@ adopted the spare (pid and start time), a token per pool (two schedulers of one 
 process keep apart) and a counter. A pool takes only its own spares, since a spare is written before
 it is linked; the spares of a process that is gone are adopted, each renamed to the adopter's name
 (one atomic rename: one adopter wins), by the next pool that fills, so a state root holds about one
-pool's worth of spares however many launchers came and went.
+pool's worth of spares however many launchers came and went. A pool whose scheduler closed gives its
+spares to the next pool of the same directory in the same process (``release``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,22 @@ MAX_TARGET = 1024
 #: Spares made per call of ``fill_some`` (a call takes a few milliseconds: a pool that is closed
 #: waits for one at most).
 CHUNK = 16
+
+#: The spares of the closed pools of this process, by spare directory: the next pool of the
+#: directory in this process takes them first (its owner lives on, so no other process adopts them).
+_released: dict[str, list[str]] = {}
+_released_lock = threading.Lock()
+
+
+def _forget_released() -> None:
+    """In a forked child: the released spares are the parent's to give (were both to take one, two
+    apps' records would be written into one file)."""
+    global _released_lock
+    _released.clear()
+    _released_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_released)
 
 
 class SparePool:
@@ -78,28 +95,60 @@ class SparePool:
             self._free.clear()
             self._scanned = False
 
+    def release(self) -> None:
+        """Gives this pool's spares up (its scheduler closed) to the next pool of its directory in
+        this process. Without it a process that makes and closes schedulers on one state root left
+        a pool's worth of spares per scheduler, which nobody adopted while it lived."""
+        with self._lock:
+            free, self._free = self._free, []
+        if free:
+            with _released_lock:
+                _released.setdefault(self.directory, []).extend(free)
+
     def fill_some(self, count: int = CHUNK) -> int:
-        """Makes up to ``count`` of the spares the pool lacks (the first call makes the directory and
-        adopts the spares of processes that are gone); returns how many it still lacks.
+        """Makes up to ``count`` of the spares the pool lacks (first taking those released by closed
+        pools of this process; the first call makes the directory and adopts the spares of processes
+        that are gone); returns how many it still lacks.
 
         Raises:
-            OSError: a spare cannot be made (full disk, no permission, the directory removed).
+            OSError: a spare cannot be made (full disk, no permission, the records directory
+                removed: ``RecordStore.ensure`` makes it again).
         """
         with self._lock:
             if self._given:
                 self.target = max(self.target, min(MAX_TARGET, self._given))
                 self._given = 0
+        self._take_released()
         if not self._scanned:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            # (not makedirs: the records directory and the state root are the store's to make,
+            # private and checked to be this user's; a fill that finds them gone fails)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.directory, 0o700)
             self._adopt()
             self._scanned = True
         prefix = self._own_prefix()
         for _ in range(min(count, self.wanted)):
             path = f"{prefix}{next(self._counter)}"
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileNotFoundError:
+                self._scanned = False  # the directory was removed: the next fill makes it again
+                raise
+            os.close(fd)
             with self._lock:
                 self._free.append(path)
         return self.wanted
+
+    def _take_released(self) -> None:
+        with _released_lock:
+            released = _released.get(self.directory)
+            if not released:
+                return
+            with self._lock:
+                while released and len(self._free) < self.target:
+                    self._free.append(released.pop())
+            if not released:
+                del _released[self.directory]
 
     def _own_prefix(self) -> str:
         if self._prefix is None:
@@ -137,7 +186,13 @@ class SparePool:
 def _owner(name: str) -> tuple[int, int | None] | None:
     """The (pid, start ticks) a spare's name gives, or None when it is not a spare's name."""
     parts = name.split(".")
-    if len(parts) != 4 or not parts[0].isdigit() or not parts[3].isdigit():
+    if len(parts) != 4 or not _number(parts[0]) or not _number(parts[3]):
         return None
-    ticks = int(parts[1]) if parts[1].isdigit() else None
+    ticks = int(parts[1]) if _number(parts[1]) else None
     return int(parts[0]), ticks
+
+
+def _number(text: str) -> bool:
+    """True for ASCII digits only (``str.isdigit`` is also true of superscripts, which int() does
+    not take)."""
+    return text.isascii() and text.isdigit()
