@@ -14,13 +14,13 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import GATE, dead_pid, poll_until
+from _local_env import dead_pid, poll_until
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
 from asynctorchx.schedulers._local.spares import SparePool
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role, is_terminal
+from asynctorchx.specs import AppDef, Role, is_terminal
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,16 +86,6 @@ def test_the_pool_grows_to_the_largest_burst_up_to_its_bound(records_dir: str) -
         pool.take()
     pool.fill_some(1)
     assert pool.target == spares.MAX_TARGET
-
-
-def test_records_made_while_the_pool_is_empty_grow_it(records_dir: str) -> None:
-    """New records that found no spare count as demand: the pool then keeps that many."""
-    pool = SparePool(records_dir)
-    for i in range(spares.MIN_TARGET + 30):
-        protocol.write_record_file(records_dir, f"a-{i}", _data(f"a-{i}"), pool)
-    assert len(recordfile.list_ids(records_dir)) == spares.MIN_TARGET + 30
-    pool.fill_some(1)
-    assert pool.target == spares.MIN_TARGET + 30
 
 
 def test_the_spares_of_a_process_that_is_gone_are_adopted_not_made_again(
@@ -287,45 +277,6 @@ async def test_a_scheduler_makes_spares_in_a_lull_and_its_records_come_from_them
     finally:
         await s.close()
     assert sorted(recordfile.list_ids(records_dir)) == sorted([first, second])
-
-
-@pytest.mark.timeout(60)
-async def test_another_scheduler_is_told_of_a_record_linked_from_a_spare(tmp_path: Path) -> None:
-    """A scheduler watching the same root hears of another's new app at its first version, which
-    appears by a link (no write in the records directory itself)."""
-    root = tmp_path / "root"
-    records_dir = str(root / ".apps")
-    first = LocalScheduler("sp", local_root=root)
-    second = LocalScheduler("sp", local_root=root)
-    told = anyio.Event()
-    wanted: list[str] = []
-    unsubscribe = second.subscribe(lambda a: told.set() if a in wanted else None)
-    go = tmp_path / "go"
-    try:
-        quick = await first.submit(_quick(tmp_path), {})
-        await _ended(first, quick)
-        assert await second.describe(quick) is not None  # (it watches the records from here on)
-        await poll_until(
-            lambda: len(_spare_names(records_dir)) >= spares.MIN_TARGET, "the spares to be made"
-        )
-        role = Role(
-            "main", image=str(tmp_path), entrypoint="sh", args=["-c", GATE], env={"GO": str(go)}
-        )
-        app = AppDef("gated", [role])
-        info = first.submit_dryrun(app, {})
-        wanted.append(info.request.app_id)
-        before = len(_spare_names(records_dir))
-        app_id = await first.schedule(info)
-        assert len(_spare_names(records_dir)) == before - 1  # (its record came from a spare)
-        with anyio.fail_after(10):
-            await told.wait()
-        desc = await second.describe(app_id)
-        assert desc is not None and desc.state == AppState.RUNNING
-    finally:
-        go.touch()
-        unsubscribe()
-        await first.close()
-        await second.close()
 
 
 @pytest.mark.timeout(60)

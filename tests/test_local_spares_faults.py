@@ -12,7 +12,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from test_local_record_spares import _data, _dead_pid
+from _local_env import dead_pid
+from test_local_record_spares import _data
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
@@ -32,7 +33,7 @@ def _dead_spare(records_dir: str) -> Path:
     """The path of a spare named for a launcher that is gone (the next pool adopts it)."""
     spare_dir = Path(records_dir, spares.SPARE_DIR)
     spare_dir.mkdir(exist_ok=True)
-    return spare_dir / f"{_dead_pid()}.12345.cafe0001.0"
+    return spare_dir / f"{dead_pid()}.12345.cafe0001.0"
 
 
 def test_a_spare_a_killed_launcher_had_linked_does_not_overwrite_its_record(
