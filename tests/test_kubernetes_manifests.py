@@ -282,6 +282,37 @@ def test_bad_memory_fails_with_a_clear_error() -> None:
         scheduler().submit_dryrun(negative, {})
 
 
+def test_counts_kubernetes_cannot_hold_fail_at_the_dry_run() -> None:
+    """More replicas than an Indexed Job may run (100 000) and per-replica retries past a 32-bit
+    backoffLimitPerIndex are refused at the dry run, naming the role and the field (the API server
+    refused them only at submit); the largest allowed values pass and validate."""
+    big = Role("w", image="i", entrypoint="e", num_replicas=100_001)
+    with pytest.raises(InvalidAppDefException, match=r"role 'w'.*num_replicas.*100000.*100001"):
+        scheduler().submit_dryrun(AppDef("x", roles=[big]), {})
+    huge = Role("w", image="i", entrypoint="e", num_replicas=2**31)
+    with pytest.raises(InvalidAppDefException, match=r"num_replicas.*2147483648"):
+        scheduler().submit_dryrun(AppDef("x", roles=[huge]), {})
+    retries = Role(
+        "w", image="i", entrypoint="e", max_retries=2**31, retry_policy=RetryPolicy.REPLICA
+    )
+    with pytest.raises(InvalidAppDefException, match=r"role 'w'.*max_retries.*2147483648"):
+        scheduler().submit_dryrun(AppDef("x", roles=[retries]), {})
+    most = Role(
+        "w",
+        image="i",
+        entrypoint="e",
+        num_replicas=100_000,
+        max_retries=2**31 - 1,
+        retry_policy=RetryPolicy.REPLICA,
+    )
+    info = scheduler().submit_dryrun(AppDef("x", roles=[most]), {})
+    (job,) = info.request.jobs
+    assert job["spec"]["parallelism"] == 100_000
+    assert job["spec"]["backoffLimitPerIndex"] == 2**31 - 1
+    app_retries = Role("w", image="i", entrypoint="e", max_retries=2**40)  # (restarted by us)
+    scheduler().submit_dryrun(AppDef("x", roles=[app_retries]), {})
+
+
 def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
     """A retry policy that is not REPLICA, ROLE or APPLICATION is rejected, naming it."""
     role = Role("w", image="i", entrypoint="e", max_retries=1)

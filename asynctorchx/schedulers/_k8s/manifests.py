@@ -790,6 +790,11 @@ def _container(
     return container
 
 
+#: The most pods one Indexed Job may have (its parallelism; Kubernetes' validation).
+MAX_INDEXED_PODS = 100_000
+MAX_INT32 = 2**31 - 1
+
+
 def _job_retry_spec(role: Role) -> dict[str, Any]:
     spec: dict[str, Any] = {}
     if role.max_retries > 0 and RetryPolicy(role.retry_policy) == RetryPolicy.REPLICA:
@@ -872,7 +877,26 @@ def _job(
     opts: KubernetesOptions,
     rank0_host: str,
 ) -> dict[str, Any]:
-    """The Indexed Job of the role at ``index`` (macros expanded per pod by Kubernetes)."""
+    """The Indexed Job of the role at ``index`` (macros expanded per pod by Kubernetes).
+
+    Raises:
+        InvalidAppDefException: more replicas than an Indexed Job may run, or more retries than
+            its per-index backoff limit holds (the API server would refuse the Job at submit).
+    """
+    if role.num_replicas > MAX_INDEXED_PODS:
+        raise InvalidAppDefException(
+            f"num_replicas must be at most {MAX_INDEXED_PODS} on Kubernetes (the pods of one "
+            f"Indexed Job), got {role.num_replicas}",
+            role=role.name,
+            field_name="num_replicas",
+        )
+    if "backoffLimitPerIndex" in _job_retry_spec(role) and role.max_retries > MAX_INT32:
+        raise InvalidAppDefException(
+            f"max_retries must be at most {MAX_INT32} on Kubernetes (a Job's backoffLimitPerIndex "
+            f"is a 32-bit int), got {role.max_retries}",
+            role=role.name,
+            field_name="max_retries",
+        )
     values = macros.Values(
         img_root="", app_id=app_name, replica_id=f"$({REPLICA_INDEX_ENV})", rank0_env=RANK0_ENV
     )
