@@ -225,6 +225,7 @@ def test_hostnames_are_dns_labels_unique_per_role_and_within_63_chars() -> None:
         ({"resource": Resource(cpu=1, gpu=0, memMB=math.inf)}, "resource.memMB"),
         ({"resource": Resource(cpu=1, gpu=0, memMB=10**20)}, "resource.memMB"),
         ({"resource": Resource(cpu=10**400, gpu=0, memMB=0)}, "resource.cpu"),
+        ({"num_replicas": 10**9}, "num_replicas"),  # (built container by container: out of memory)
     ],
 )
 def test_values_docker_cannot_take_fail_the_dryrun_naming_the_field(

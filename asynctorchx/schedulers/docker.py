@@ -77,9 +77,11 @@ from asynctorchx.schedulers.workspace import (
     run_in_thread,
 )
 from asynctorchx.specs.api import (
+    LINUX_PID_MAX_LIMIT,
     AppDef,
     AppDryRunInfo,
     CfgVal,
+    check_replica_count,
     is_terminal,
     make_app_handle,
     make_unique,
@@ -166,6 +168,13 @@ class DockerScheduler(Scheduler[DockerJob]):
         return run_options()
 
     def _submit_dryrun(self, app: AppDef, cfg: Mapping[str, CfgVal]) -> AppDryRunInfo[DockerJob]:
+        check_replica_count(
+            app,
+            self.backend,
+            LINUX_PID_MAX_LIMIT,
+            "each replica is a container, at least one process of the Docker host, and a Linux "
+            f"host runs at most {LINUX_PID_MAX_LIMIT} (the kernel's PID_MAX_LIMIT)",
+        )
         job = build_job(
             app,
             cfg,

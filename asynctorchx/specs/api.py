@@ -1118,6 +1118,30 @@ def make_unique(name: str, string_length: int = 8, max_length: int = 40) -> str:
     return f"{prefix}-{suffix}"
 
 
+#: The most processes a Linux host can ever run (the kernel's PID_MAX_LIMIT on 64-bit): a bound
+#: on the replicas of a backend that runs each as at least one process of one host.
+LINUX_PID_MAX_LIMIT = 4 * 1024 * 1024
+
+
+def check_replica_count(app: AppDef, backend: str, limit: int, why: str) -> None:
+    """Raises InvalidAppDefException when ``app`` has more replicas in all than ``limit``, the most
+    ``backend`` can ever run (``why`` says why).
+
+    A count a backend can never run (a typo, ``-j 1000000000x1``) is refused before a request is
+    built for every replica, which would exhaust the memory first.
+    """
+    total = sum(r.num_replicas for r in app.roles)
+    if total <= limit:
+        return
+    role = max(app.roles, key=lambda r: r.num_replicas)
+    raise InvalidAppDefException(
+        f"num_replicas {role.num_replicas} is more than {backend} can run: {why}"
+        + (f"; the app has {total} replicas in all" if total != role.num_replicas else ""),
+        role=role.name,
+        field_name="num_replicas",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Mount parsing (the CLI syntax)
 # ---------------------------------------------------------------------------------------------

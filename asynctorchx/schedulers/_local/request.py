@@ -25,6 +25,7 @@ from asynctorchx.specs.api import (
     RetryPolicy,
     Role,
     check_host_mounts,
+    check_replica_count,
     macros,
     make_app_handle,
     make_unique,
@@ -310,25 +311,6 @@ def max_processes() -> int | None:
         return None
 
 
-def check_replica_count(app: AppDef, backend: str, limit: int | None) -> None:
-    """Raises InvalidAppDefException when ``app`` has more replicas than ``limit`` processes.
-
-    Each replica is a process of this host: a count it can never run (a typo, ``-j 1000000000x1``)
-    is refused before a request is built for every replica, which would exhaust the memory first.
-    """
-    total = sum(r.num_replicas for r in app.roles)
-    if limit is None or total <= limit:
-        return
-    role = max(app.roles, key=lambda r: r.num_replicas)
-    raise InvalidAppDefException(
-        f"num_replicas {role.num_replicas} is more than {backend} can run: each replica is a "
-        f"process and this host holds at most {limit} (kernel.pid_max)"
-        + (f"; the app has {total} replicas in all" if total != role.num_replicas else ""),
-        role=role.name,
-        field_name="num_replicas",
-    )
-
-
 def build_request(
     app: AppDef,
     cfg: Mapping[str, CfgVal],
@@ -360,7 +342,14 @@ def build_request(
         InvalidAppDefException: more replicas than this host can hold processes; a mount that
             cannot be applied on the host (``check_host_mounts``).
     """
-    check_replica_count(app, backend, max_processes())
+    limit = max_processes()
+    if limit is not None:
+        check_replica_count(
+            app,
+            backend,
+            limit,
+            f"each replica is a process and this host holds at most {limit} (kernel.pid_max)",
+        )
     check_host_mounts(app, backend)
     app_id = app_id or make_unique(app.name)
     app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
