@@ -13,6 +13,7 @@ import pytest
 from asynctorchx.schedulers.slurm import SlurmBatchRequest, SlurmScheduler, create_scheduler
 from asynctorchx.specs.api import (
     AppDef,
+    InvalidAppDefException,
     InvalidRunConfigException,
     Resource,
     Role,
@@ -168,6 +169,25 @@ def test_sbatch_args_cannot_rename_components_or_move_the_job(arg: str) -> None:
     job_dir) in sbatch_args are refused, naming the option, in any spelling sbatch accepts."""
     with pytest.raises(InvalidRunConfigException, match=r"cannot set --(job-name|chdir)"):
         _scheduler().submit_dryrun(_two_by_two(), {"sbatch_args": [arg]})
+
+
+@pytest.mark.parametrize("replicas", [[129], [10**9], [100, 29]])
+def test_more_replicas_than_a_het_job_has_components_fail_the_dryrun(replicas: list[int]) -> None:
+    """More than 128 replicas in all (Slurm's MAX_HET_JOB_COMPONENTS) fail the dry run at once,
+    naming the role, num_replicas and the limit (10**9 built the script until memory ran out)."""
+    roles = [
+        Role(f"r{i}", "/code", entrypoint="true", num_replicas=n) for i, n in enumerate(replicas)
+    ]
+    with pytest.raises(InvalidAppDefException, match=r"num_replicas \d+ .*at most 128") as info:
+        _scheduler().submit_dryrun(AppDef("big", roles), {})
+    assert info.value.role == "r0" and info.value.field_name == "num_replicas"
+
+
+def test_a_het_job_of_128_replicas_is_built() -> None:
+    """128 replicas, Slurm's most components of a job, still make a dry run of 128 components."""
+    app = AppDef("full", [Role("w", "/code", entrypoint="true", num_replicas=128)])
+    script = _scheduler().submit_dryrun(app, {}).request.materialize()
+    assert script.count("#SBATCH hetjob") == 127
 
 
 def test_wrong_cfg_type_names_the_key() -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import subprocess
 from pathlib import Path
 
+import anyio
 import pytest
 from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
     NO_ACCOUNTING_MESSAGE,
@@ -33,7 +34,7 @@ from conftest import engine_missing
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.slurm import SlurmScheduler, SlurmSubmitError
-from asynctorchx.specs.api import AppDef, AppState, Resource, Role
+from asynctorchx.specs.api import AppDef, AppState, InvalidAppDefException, Resource, Role
 
 pytestmark = [pytest.mark.slurm]
 
@@ -316,6 +317,75 @@ async def test_bad_input_is_rejected_with_sbatch_message(
     with pytest.raises(SlurmSubmitError, match="nothing was queued") as info:
         await sched.submit(AppDef("bad", [role]), {"job_dir": str(job_dir), **cfg})
     assert words in str(info.value)
+    assert _my_live_jobs() <= before
+
+
+@pytest.mark.parametrize("partition", [None, "short"])
+@pytest.mark.timeout(60)
+async def test_more_replicas_than_the_partition_has_nodes_are_refused_and_nothing_queued(
+    slurm_scheduler: SlurmScheduler,
+    slurm_runner: CountingRunner,
+    tmp_path: Path,
+    partition: str | None,
+) -> None:
+    """An app with one replica more than the partition has nodes (Slurm kept it PENDING, reason
+    Resources, forever) is refused before sbatch naming the role, the partition and its nodes."""
+    nodes = len(_cluster_nodes())
+    app = AppDef("wide", [sh("a", "true", replicas=nodes - 1), sh("b", "true", replicas=2)])
+    cfg = {"job_dir": str(tmp_path / "jobs")} | ({"partition": partition} if partition else {})
+    before = _my_live_jobs()
+    with pytest.raises(InvalidAppDefException) as info:
+        await slurm_scheduler.submit(app, cfg)
+    words = f"num_replicas {nodes - 1} is more than partition '{partition or 'debug'}'"
+    assert words in str(info.value)
+    assert f"it has {nodes} nodes" in str(info.value) and info.value.role == "a"
+    assert slurm_runner.counts["sbatch"] == 0 and _my_live_jobs() <= before
+    assert not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.timeout(90)
+async def test_a_pending_reason_that_means_never_is_in_the_status_message(
+    slurm_cluster: None, slurm_runner: CountingRunner, job_dir: Path
+) -> None:
+    """An app Slurm will never start (here: a dependency on an app that failed) stays PENDING, as
+    Slurm and TorchX report it, with Slurm's reason (DependencyNeverSatisfied) in its message."""
+    sched = SlurmScheduler("never", runner=slurm_runner)
+    cfg = {"job_dir": str(job_dir)}
+    try:
+        failed = await sched.submit(AppDef("first", [sh("w", "exit 3", replicas=2)]), cfg)
+        assert (await wait_for_state(sched, failed)).state == AppState.FAILED
+        after = ["--dependency=afterok:" + failed]
+        app_id = await sched.submit(
+            AppDef("second", [sh("w", "true", replicas=2)]), {**cfg, "sbatch_args": after}
+        )
+        with anyio.fail_after(30):
+            while True:
+                resp = await sched.describe(app_id)
+                assert resp is not None and resp.state == AppState.PENDING, resp
+                if resp.msg == "PENDING: DependencyNeverSatisfied":
+                    break
+                await asyncio.sleep(0.2)
+    finally:
+        await sched.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_script_over_max_script_size_is_refused_naming_the_clusters_limit(
+    slurm_cluster: None, slurm_runner: CountingRunner, job_dir: Path
+) -> None:
+    """A batch script over the controller's max_script_size (4 MiB here) fails naming its size and
+    the cluster's limit (sbatch alone says "Pathname ... too long"); nothing is queued."""
+    sched = SlurmScheduler("big", runner=slurm_runner)
+    role = sh("w", "true")
+    role.args.append("x" * 5_000_000)
+    before = _my_live_jobs()
+    try:
+        with pytest.raises(
+            SlurmSubmitError, match=r"more than this cluster accepts \(4194304 bytes"
+        ):
+            await sched.submit(AppDef("big", [role]), {"job_dir": str(job_dir)})
+    finally:
+        await sched.close()
     assert _my_live_jobs() <= before
 
 

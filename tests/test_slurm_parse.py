@@ -9,13 +9,17 @@ from typing import Any
 import pytest
 
 from asynctorchx.schedulers._slurm.parse import (
+    DEFAULT_MAX_SCRIPT_SIZE,
     KNOWN_STATES,
     SlurmJob,
     SlurmOutputError,
+    SlurmPartition,
     base_state,
     first_host,
     json_errors,
     num,
+    parse_max_script_size,
+    parse_partitions,
     parse_sacct_parsable,
     parse_sbatch_parsable,
     parse_squeue_json,
@@ -378,3 +382,41 @@ def test_sbatch_without_id_raises() -> None:
     """No job id in sbatch's output raises SlurmOutputError."""
     with pytest.raises(SlurmOutputError, match="no job id"):
         parse_sbatch_parsable("Submitted nothing\n")
+
+
+# -- cluster configuration ---------------------------------------------------------------------
+
+
+def test_partitions_from_scontrol_oneliner() -> None:
+    """scontrol --oneliner show partition gives each partition's node count and the default one;
+    a line without a count is skipped."""
+    text = (
+        "PartitionName=debug Default=YES MaxNodes=UNLIMITED Nodes=node[1-4] TotalNodes=4 State=UP\n"
+        "PartitionName=gpu Default=NO Nodes=g[1-16] TotalCPUs=64 TotalNodes=16\n"
+        "PartitionName=broken Default=NO\n"
+    )
+    assert parse_partitions(text) == {
+        "debug": SlurmPartition("debug", 4, True),
+        "gpu": SlurmPartition("gpu", 16, False),
+    }
+    assert parse_partitions("") == {}
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ("bf_interval=1,bf_hetjob_immediate", DEFAULT_MAX_SCRIPT_SIZE),
+        ("(null)", DEFAULT_MAX_SCRIPT_SIZE),
+        ("bf_interval=1,max_script_size=1000", 1000),
+        ("max_script_size=20000000", 20_000_000),
+    ],
+)
+def test_max_script_size_from_scontrol_show_config(params: str, expected: int) -> None:
+    """The controller's max_script_size is SchedulerParameters' value, else Slurm's 4 MiB default."""
+    text = f"MaxJobCount             = 10000\nSchedulerParameters     = {params}\n"
+    assert parse_max_script_size(text) == expected
+
+
+def test_max_script_size_is_unknown_without_a_configuration_listing() -> None:
+    """Output that is no configuration listing (e.g. an error) gives no limit rather than a guess."""
+    assert parse_max_script_size("slurm_load_ctl_conf error: Unable to contact controller") is None

@@ -25,7 +25,14 @@ from asynctorchx.schedulers.slurm import (
     SlurmSubmitError,
     SubprocessRunner,
 )
-from asynctorchx.specs.api import AppDef, AppState, Resource, Role, UnknownAppException
+from asynctorchx.specs.api import (
+    AppDef,
+    AppState,
+    InvalidAppDefException,
+    Resource,
+    Role,
+    UnknownAppException,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slurm"
 SCENARIOS: dict[str, dict[str, Any]] = json.loads((FIXTURES / "scenarios.json").read_text())
@@ -42,6 +49,7 @@ class FakeSlurm:
         self.sacct_error = sacct_error
         self.scancel: CommandResult | None = None
         self.sbatch: CommandResult | None = None
+        self.scontrol: CommandResult | None = None
         self.calls: list[tuple[str, ...]] = []
         self.stdin: list[str | None] = []
 
@@ -63,6 +71,8 @@ class FakeSlurm:
             return self.scancel
         if argv[0] == "sbatch" and self.sbatch is not None:
             return self.sbatch
+        if argv[0] == "scontrol" and self.scontrol is not None:
+            return self.scontrol
         return CommandResult(argv, 0, "", "")
 
 
@@ -201,6 +211,74 @@ async def test_cancelled_submit_withdraws_the_job(tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.01)
     assert ("scancel", "99") in calls
+
+
+PARTITIONS = (
+    "PartitionName=small Default=YES Nodes=n[1-2] TotalNodes=2\n"
+    "PartitionName=big Default=NO Nodes=n[1-8] TotalNodes=8\n"
+)
+
+
+def _replicas(n: int) -> AppDef:
+    return AppDef("a", [Role("w", "/tmp", entrypoint="true", num_replicas=n)])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "replicas", "refused"),
+    [
+        ({}, 3, True),  # the default partition has 2 nodes
+        ({}, 2, False),
+        ({"partition": "big"}, 8, False),
+        ({"partition": "big"}, 9, True),
+        ({"partition": "small,big"}, 10, False),  # either partition: up to 2 + 8 nodes
+        ({"partition": "unlisted"}, 9, False),  # not listed (hidden, or a typo sbatch reports)
+        ({"sbatch_args": ["--partition=small"]}, 9, False),  # sbatch_args decide: not checked
+        ({"sbatch_args": ["-Mother"]}, 9, False),  # another cluster: not checked
+    ],
+)
+async def test_more_replicas_than_the_partition_has_nodes_are_refused_before_sbatch(
+    cfg: dict[str, Any], replicas: int, refused: bool, tmp_path: Path
+) -> None:
+    """An app with more replicas than its partition has nodes (which Slurm never starts) is refused
+    naming the role, num_replicas, the partition and its node count, and sbatch never runs; the check
+    is skipped when sbatch_args choose the partition or the cluster, or scontrol does not list it."""
+    fake = FakeSlurm("")
+    fake.sbatch = CommandResult(("sbatch",), 0, "7\n", "")
+    fake.scontrol = CommandResult(("scontrol",), 0, PARTITIONS, "")
+    sched = SlurmScheduler("s", runner=fake)
+    cfg = {"job_dir": str(tmp_path / "jobs"), **cfg}
+    if not refused:
+        assert await sched.submit(_replicas(replicas), cfg) == "7"
+        return
+    with pytest.raises(InvalidAppDefException, match=rf"num_replicas {replicas} .* has \d nodes"):
+        await sched.submit(_replicas(replicas), cfg)
+    assert fake.count("sbatch") == 0
+    assert not (tmp_path / "jobs").exists()
+
+
+async def test_partition_sizes_cost_one_scontrol_per_ttl_and_none_for_one_replica(
+    tmp_path: Path,
+) -> None:
+    """Apps of one replica ask nothing; apps of several share one scontrol while it is fresh."""
+    fake = FakeSlurm("")
+    fake.sbatch = CommandResult(("sbatch",), 0, "7\n", "")
+    fake.scontrol = CommandResult(("scontrol",), 0, PARTITIONS, "")
+    sched = SlurmScheduler("s", runner=fake)
+    cfg = {"job_dir": str(tmp_path)}
+    await sched.submit(_replicas(1), cfg)
+    assert fake.count("scontrol") == 0
+    for _ in range(3):
+        await sched.submit(_replicas(2), cfg)
+    assert fake.count("scontrol") == 1
+
+
+async def test_a_failing_scontrol_does_not_block_the_submit(tmp_path: Path) -> None:
+    """When scontrol cannot list the partitions the app is submitted unchecked (sbatch decides)."""
+    fake = FakeSlurm("")
+    fake.sbatch = CommandResult(("sbatch",), 0, "7\n", "")
+    fake.scontrol = CommandResult(("scontrol",), 1, "", "slurm_load_partitions: Unable to contact")
+    sched = SlurmScheduler("s", runner=fake)
+    assert await sched.submit(_replicas(5), {"job_dir": str(tmp_path)}) == "7"
 
 
 # -- describing --------------------------------------------------------------------------------

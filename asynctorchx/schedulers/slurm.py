@@ -26,6 +26,13 @@ its ``stderr.log``, and one without timing samples by its files' modification ti
 Workspaces (``_slurm/workspace.py``): the workspace is copied into the job directory (``job_dir``,
 which must be new or empty), where every role runs.
 
+Limits: an app has at most 128 replicas in all (Slurm's ``MAX_HET_JOB_COMPONENTS``), refused at the
+dry run; one with more replicas than its partition has nodes is refused at submit (Slurm would keep it
+PENDING, reason ``Resources``, forever: it starts a heterogeneous job only when every component has a
+node of its own); a batch script over the controller's ``max_script_size`` fails naming both sizes.
+Any other reason Slurm gives for keeping an app pending (``DependencyNeverSatisfied``...) is in the
+status message; the app stays PENDING, as Slurm and TorchX report it.
+
 Retries: the batch script requeues the job (``scontrol requeue``) after a failure while
 ``SLURM_RESTART_COUNT`` is below the smallest ``max_retries`` of the app's roles; a requeued job waits
 Slurm's ``cred_expire`` (120 s by default) before it may start again. Every retry restarts the whole app,
@@ -59,7 +66,10 @@ from asynctorchx.schedulers._slurm.parse import (
     SACCT_FIELDS,
     SlurmJob,
     SlurmOutputError,
+    SlurmPartition,
     json_errors,
+    parse_max_script_size,
+    parse_partitions,
     parse_sacct_parsable,
     parse_sbatch_parsable,
     parse_squeue_json,
@@ -71,6 +81,7 @@ from asynctorchx.schedulers._slurm.script import (
     SlurmReplicaRequest,
     build_request,
     log_dir,
+    names_option,
 )
 from asynctorchx.schedulers._slurm.status import SLURM_STATES, app_state_of, describe_from_records
 from asynctorchx.schedulers.api import (
@@ -87,6 +98,7 @@ from asynctorchx.specs.api import (
     AppDryRunInfo,
     AppState,
     CfgVal,
+    InvalidAppDefException,
     ReplicaStatus,
     UnknownAppException,
     is_terminal,
@@ -124,6 +136,10 @@ _FINAL_CACHE_SIZE = 10_000
 _DETAIL_MAX = 1000
 #: How long ``close()`` waits for the sbatch (or scancel of a withdrawn job) still running.
 CLOSE_WAIT = 30.0
+#: How long the partitions' node counts, asked for at submit, are trusted (seconds).
+PARTITIONS_TTL = 60.0
+#: What sbatch prints when the controller finds a field, the batch script among them, too long.
+_TOO_LONG = re.compile(r"too long", re.IGNORECASE)
 
 
 class SlurmCommandError(RuntimeError):
@@ -190,6 +206,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._workdirs: dict[str, str] = {}
         self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
+        self._partitions: tuple[float, dict[str, SlurmPartition]] | None = None
         self._tasks = TaskSupervisor(f"slurm:{session_name}")
 
     @property
@@ -270,10 +287,13 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         Raises:
             SlurmSubmitError: sbatch rejected the job (nothing was queued); carries sbatch's message.
             SlurmNotFoundError: sbatch is not installed.
+            InvalidAppDefException: more replicas than the partition has nodes (see
+                ``_check_partition``); nothing was queued.
             OSError: the job directory cannot be created (the message names ``job_dir``).
             InvalidWorkspaceException: the job directory holds files, or the workspace changed.
         """
         req = dryrun_info.request
+        await self._check_partition(req)
         if dryrun_info.workspace is None:
             return await self._submit(req)
         shipped = await slurm_workspace.ship(dryrun_info.workspace, current_progress())
@@ -312,8 +332,84 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             if not self._submitting[req.job_dir]:
                 del self._submitting[req.job_dir]
 
+    async def _check_partition(self, req: SlurmBatchRequest) -> None:
+        """Refuses an app with more replicas than its partition has nodes, before anything is made.
+
+        Slurm starts a heterogeneous job only when it can give each component a node of its own
+        (its backfill scheduler, the only one that starts them, plans so), so such a job would stay
+        PENDING with the reason ``Resources`` forever; sbatch takes it without a word. The node
+        counts come from one ``scontrol show partition``, trusted for ``PARTITIONS_TTL`` seconds,
+        asked only for apps of several replicas. The check is skipped when it cannot be sure:
+        ``sbatch_args`` choosing the partition or the cluster, a partition scontrol does not list,
+        or scontrol failing.
+        """
+        if len(req.replicas) < 2 or any(
+            names_option(arg, option, letter)
+            for arg in req.cmd[1:]
+            for option, letter in (("partition", "p"), ("clusters", "M"))
+        ):
+            return
+        partitions = await self._partition_nodes()
+        wanted = req.replicas[0].sbatch_opts.get("partition")
+        if wanted:
+            named = [partitions.get(name) for name in wanted.split(",")]
+            chosen = [p for p in named if p is not None]
+            if len(chosen) < len(named):
+                return
+        else:
+            chosen = [p for p in partitions.values() if p.default]
+        nodes = sum(p.total_nodes for p in chosen)
+        if not chosen or len(req.replicas) <= nodes:
+            return
+        counts = Counter(r.role for r in req.replicas)
+        role, count = counts.most_common(1)[0]
+        where = ", ".join(repr(p.name) for p in chosen)
+        total = f" (the app has {len(req.replicas)} replicas in all)" if len(counts) > 1 else ""
+        raise InvalidAppDefException(
+            f"num_replicas {count} is more than partition {where} can run at once{total}: it has "
+            f"{nodes} nodes, and Slurm starts a job only when each replica (one component of a "
+            "heterogeneous job) has a node of its own, so it would stay PENDING (Resources) forever",
+            role=role,
+            field_name="num_replicas",
+        )
+
+    async def _partition_nodes(self) -> dict[str, SlurmPartition]:
+        """The partitions and their node counts (cached ``PARTITIONS_TTL`` s); {} if scontrol fails."""
+        now = time.monotonic()
+        if self._partitions is not None and now - self._partitions[0] < PARTITIONS_TTL:
+            return self._partitions[1]
+        try:
+            result = await self._run(["scontrol", "--all", "--oneliner", "show", "partition"])
+        except SlurmNotFoundError as e:
+            logger.warning("%s", e)
+            return {}
+        if result.returncode != 0:
+            logger.warning("%s", SlurmCommandError("scontrol show partition failed", result))
+            return {}
+        partitions = parse_partitions(result.stdout)
+        self._partitions = (now, partitions)
+        return partitions
+
+    async def _script_too_big(self, script: str) -> str | None:
+        """Why the controller refused ``script`` when it is over the cluster's ``max_script_size``
+        (asked with ``scontrol show config``), else None."""
+        size = len(script.encode())
+        try:
+            result = await self._run(["scontrol", "show", "config"])
+        except SlurmNotFoundError:
+            return None
+        limit = parse_max_script_size(result.stdout) if result.returncode == 0 else None
+        if limit is None or size <= limit:
+            return None
+        return (
+            f"the batch script is {size} bytes, more than this cluster accepts ({limit} bytes: "
+            "max_script_size in slurm.conf's SchedulerParameters); it grows with the replicas and "
+            "their arguments and environment; nothing was queued"
+        )
+
     async def _sbatch(self, req: SlurmBatchRequest) -> str:
-        submit = self._tasks.spawn(self._run(req.cmd, stdin=req.materialize()), "sbatch")
+        script = req.materialize()
+        submit = self._tasks.spawn(self._run(req.cmd, stdin=script), "sbatch")
         try:
             result = await asyncio.shield(submit)
         except asyncio.CancelledError:
@@ -322,7 +418,8 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             await await_shielded(self._tasks.spawn(self._withdraw(submit), "withdraw"))
             raise
         if result.returncode != 0:
-            raise SlurmSubmitError("sbatch rejected the job; nothing was queued", result)
+            why = await self._script_too_big(script) if _TOO_LONG.search(result.stderr) else None
+            raise SlurmSubmitError(why or "sbatch rejected the job; nothing was queued", result)
         try:
             app_id = parse_sbatch_parsable(result.stdout)
         except SlurmOutputError as e:

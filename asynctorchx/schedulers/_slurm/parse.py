@@ -395,3 +395,48 @@ def first_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return f"{prefix}{first}"
+
+
+# -- cluster configuration ---------------------------------------------------------------------
+
+#: Slurm's default ``max_script_size`` (``DEFAULT_BATCH_SCRIPT_LIMIT``: 4 MiB, per slurm.conf(5)).
+DEFAULT_MAX_SCRIPT_SIZE = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SlurmPartition:
+    """One partition as ``scontrol --oneliner show partition`` reports it.
+
+    Args:
+        name: the partition's name.
+        total_nodes: how many nodes it holds, whatever their state.
+        default: whether jobs that name no partition go to it.
+    """
+
+    name: str
+    total_nodes: int
+    default: bool
+
+
+def parse_partitions(text: str) -> dict[str, SlurmPartition]:
+    """The partitions of ``scontrol --oneliner show partition`` (one line each, ``Key=Value`` words);
+    a line without a name or a node count is skipped."""
+    out: dict[str, SlurmPartition] = {}
+    for line in text.splitlines():
+        fields = dict(w.partition("=")[::2] for w in line.split() if "=" in w)
+        name, total = fields.get("PartitionName", ""), fields.get("TotalNodes", "")
+        if name and total.isdigit():
+            out[name] = SlurmPartition(name, int(total), fields.get("Default") == "YES")
+    return out
+
+
+def parse_max_script_size(text: str) -> int | None:
+    """The largest batch script the controller accepts (bytes), from ``scontrol show config``:
+    ``max_script_size`` in ``SchedulerParameters``, else Slurm's default; None when the output
+    holds no ``SchedulerParameters`` line (not a configuration listing)."""
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "SchedulerParameters":
+            m = re.search(r"(?:^|,)\s*max_script_size=(\d+)", value.strip())
+            return int(m.group(1)) if m else DEFAULT_MAX_SCRIPT_SIZE
+    return None

@@ -42,6 +42,7 @@ from asynctorchx.specs.api import (
     Resource,
     Role,
     check_host_mounts,
+    check_replica_count,
     macros,
 )
 
@@ -49,6 +50,10 @@ from asynctorchx.specs.api import (
 GROUP_OPTIONS: tuple[str, ...] = ("partition", "time", "constraint", "qos")
 #: Whole-job sbatch options that come from the cfg (given once, on the sbatch command line).
 JOB_OPTIONS: tuple[str, ...] = ("comment", "mail-user", "mail-type")
+
+#: The most components a heterogeneous Slurm job can have (``MAX_HET_JOB_COMPONENTS`` in Slurm's
+#: ``slurm.h``: srun numbers het groups 0-127, slurmrestd refuses bigger het jobs); each replica is one.
+MAX_COMPONENTS = 128
 
 #: The environment variable holding rank 0's host name inside every replica.
 RANK0_ENV = "TORCHX_RANK0_HOST"
@@ -329,10 +334,8 @@ def _extra_args(cfg: Mapping[str, CfgVal]) -> list[str]:
                 "sbatch_args",
                 cfg,
             )
-        short = arg.startswith("-") and not arg.startswith("--")
         for option, letter, instead in _RESERVED_ARGS:
-            # sbatch takes any unambiguous abbreviation of a long option (--job=NAME)
-            if name[:1] == letter if short else len(name) >= 3 and option.startswith(name):
+            if names_option(arg, option, letter):
                 raise InvalidRunConfigException(
                     f"Run option 'sbatch_args' cannot set --{option} ({item!r}): {instead}",
                     "sbatch_args",
@@ -340,6 +343,16 @@ def _extra_args(cfg: Mapping[str, CfgVal]) -> list[str]:
                 )
         out.append(arg if arg.startswith("-") else f"--{arg}")
     return out
+
+
+def names_option(arg: str, option: str, letter: str) -> bool:
+    """True when the sbatch argument ``arg`` (``--name=value``, ``name``, ``-Xvalue``) sets the long
+    option ``option`` or its short form ``letter`` (sbatch takes any unambiguous abbreviation of a
+    long option, e.g. ``--job=NAME``)."""
+    name = arg.lstrip("-").partition("=")[0]
+    if arg.startswith("-") and not arg.startswith("--"):
+        return name[:1] == letter
+    return len(name) >= 3 and option.startswith(name)
 
 
 def _resource_opts(resource: Resource, nomem: bool) -> dict[str, str | None]:
@@ -398,8 +411,16 @@ def build_request(
 
     Raises:
         InvalidRunConfigException: a cfg value cannot go into an sbatch option.
-        InvalidAppDefException: a mount that cannot be applied on the nodes (``check_host_mounts``).
+        InvalidAppDefException: more replicas than a Slurm job has components (``MAX_COMPONENTS``);
+            a mount that cannot be applied on the nodes (``check_host_mounts``).
     """
+    check_replica_count(
+        app,
+        "slurm",
+        MAX_COMPONENTS,
+        "each replica is one component of a heterogeneous Slurm job, and a job has at most "
+        f"{MAX_COMPONENTS} (Slurm's MAX_HET_JOB_COMPONENTS)",
+    )
     check_host_mounts(app, "slurm")
     replicas = [
         replica_request(role, i, cfg) for role in app.roles for i in range(role.num_replicas)
