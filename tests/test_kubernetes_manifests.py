@@ -398,7 +398,7 @@ def test_a_role_past_the_annotation_limit_fails_at_the_dry_run(role: Role, field
 def test_an_app_name_past_the_annotation_limit_fails_at_the_dry_run() -> None:
     """An app name too large for the Service's annotations fails at the dry run naming it."""
     app = AppDef("a" * 300_000, roles=[Role("w", image="i", entrypoint="e")])
-    with pytest.raises(InvalidAppDefException, match=r"app name of 300000 characters.*262144"):
+    with pytest.raises(InvalidAppDefException, match=r"app name \(300000 characters\).*262144"):
         scheduler().submit_dryrun(app, {})
 
 
@@ -477,6 +477,32 @@ def test_bad_run_options_fail_with_clear_errors(cfg: dict[str, Any], pattern: st
         (
             Role("w", image="i", entrypoint="e", mounts=[VolumeMount("Bad_Claim", "/x")]),
             r"Bad_Claim",
+        ),
+        (
+            Role("w", image="i", entrypoint="e", mounts=[BindMount("/data/../etc", "/x")]),
+            r"role 'w': mounts\[0\]\.src_path must not contain '\.\.'.*'/data/\.\./etc'",
+        ),
+        (
+            Role("w", image="i", entrypoint="e", mounts=[DeviceMount("../dev/fuse", "/dev/fuse")]),
+            r"role 'w': mounts\[0\]\.src_path must not contain '\.\.'",
+        ),
+        (
+            Role(
+                "w",
+                image="i",
+                entrypoint="e",
+                resource=Resource(cpu=1, gpu=0, memMB=1, devices={"efa": 1}),
+            ),
+            r"role 'w': resource\.devices key 'efa'.*domain prefix",
+        ),
+        (
+            Role(
+                "w",
+                image="i",
+                entrypoint="e",
+                resource=Resource(cpu=1, gpu=0, memMB=1, devices={"cpu": 4}),
+            ),
+            r"role 'w': resource\.devices key 'cpu'.*resource\.cpu",
         ),
     ],
 )

@@ -76,6 +76,7 @@ _QUANTITY = re.compile(
     r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 )
+_STANDARD_DEVICE = re.compile(r"ephemeral-storage|hugepages-.+")
 _RESOURCE_NAME = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
@@ -654,6 +655,19 @@ def resource_requirements(role: Role) -> dict[str, Any]:
                 role=role.name,
                 field_name="resource.devices",
             )
+        if "/" not in dev and not _STANDARD_DEVICE.fullmatch(dev):
+            # the API server takes only its standard names without a domain prefix
+            hint = (
+                "set resource.cpu or resource.memMB instead"
+                if dev in ("cpu", "memory")
+                else "an extended resource needs a domain prefix, like 'vpc.amazonaws.com/efa'"
+            )
+            raise InvalidAppDefException(
+                f"resource.devices key {dev!r} is not a resource a Kubernetes container can "
+                f"request: {hint}",
+                role=role.name,
+                field_name="resource.devices",
+            )
         if isinstance(count, bool) or not isinstance(count, int) or count > MAX_INT64:
             raise InvalidAppDefException(
                 f"resource.devices[{dev!r}] must be a whole number of devices of at most "
@@ -691,6 +705,13 @@ def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bo
     privileged = False
     for i, m in enumerate(role.mounts):
         name = f"mount-{i}"
+        if not isinstance(m, VolumeMount) and ".." in m.src_path.split("/"):
+            raise InvalidAppDefException(
+                f"mounts[{i}].src_path must not contain '..' on Kubernetes (a hostPath volume "
+                f"cannot step back), got {m.src_path!r}",
+                role=role.name,
+                field_name=f"mounts[{i}].src_path",
+            )
         if isinstance(m, BindMount):
             volumes.append({"name": name, "hostPath": {"path": m.src_path}})
             mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
@@ -946,9 +967,9 @@ def build_request(
     size = annotations_size(annotations)
     if size > MAX_ANNOTATIONS_SIZE:
         raise InvalidAppDefException(
-            f"app name of {len(app.name)} characters is too large for Kubernetes: kept as the "
-            f"Service's annotation, it makes {size} bytes of annotations where an object may "
-            f"have {MAX_ANNOTATIONS_SIZE} (256 KiB)",
+            f"app name ({len(app.name)} characters) and session name ({len(session_name)}) are "
+            f"too large for Kubernetes: kept as the Service's annotations, they make {size} bytes "
+            f"of annotations where an object may have {MAX_ANNOTATIONS_SIZE} (256 KiB)",
             field_name="name",
         )
     service = {
