@@ -72,6 +72,16 @@ async def runner(fake_k8s: FakeKubeApiServer) -> Any:
         yield r
 
 
+async def submit_and_finish(srv: FakeKubeApiServer, sched: KubernetesScheduler, name: str) -> str:
+    """Submits a one-replica app and returns its id once its pod has succeeded."""
+    app_id = await sched.submit(AppDef(name, roles=[role()]), {})
+    await until(
+        srv,
+        lambda: any(p["status"].get("phase") == "Succeeded" for p in srv.store.list("pods", NS)),
+    )
+    return app_id
+
+
 def app_id_of(handle: str) -> str:
     return parse_app_handle(handle).app_id
 
@@ -659,13 +669,7 @@ async def test_following_an_ended_pod_whose_log_never_comes_fails_instead_of_han
         "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
     )
     try:
-        app_id = await sched.submit(AppDef("ended", roles=[role()]), {})
-        await until(
-            fake_k8s,
-            lambda: any(
-                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
-            ),
-        )
+        app_id = await submit_and_finish(fake_k8s, sched, "ended")
         fake_k8s.intercept = silent_log
         with anyio.fail_after(45), pytest.raises(KubeApiError, match="Unreachable"):
             async for _ in sched.log_iter(app_id, "worker", 0, should_tail=True):
@@ -711,13 +715,7 @@ async def test_a_log_read_longer_than_the_request_timeout_returns_every_line(
         return resp
 
     try:
-        app_id = await sched.submit(AppDef("slowlog", roles=[role()]), {})
-        await until(
-            fake_k8s,
-            lambda: any(
-                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
-            ),
-        )
+        app_id = await submit_and_finish(fake_k8s, sched, "slowlog")
         fake_k8s.intercept = slow_log
         lines = [line async for line in sched.log_iter(app_id, "worker", 0)]
         assert lines == [f"line {i}\n" for i in range(count)]

@@ -51,6 +51,12 @@ def scheduler() -> KubernetesScheduler:
     return KubernetesScheduler("sess")
 
 
+def device_role(devices: dict[str, int]) -> Role:
+    return Role(
+        "w", image="i", entrypoint="e", resource=Resource(cpu=1, gpu=0, memMB=1, devices=devices)
+    )
+
+
 def two_role_app() -> AppDef:
     return AppDef(
         "trainer",
@@ -486,24 +492,8 @@ def test_bad_run_options_fail_with_clear_errors(cfg: dict[str, Any], pattern: st
             Role("w", image="i", entrypoint="e", mounts=[DeviceMount("../dev/fuse", "/dev/fuse")]),
             r"role 'w': mounts\[0\]\.src_path must not contain '\.\.'",
         ),
-        (
-            Role(
-                "w",
-                image="i",
-                entrypoint="e",
-                resource=Resource(cpu=1, gpu=0, memMB=1, devices={"efa": 1}),
-            ),
-            r"role 'w': resource\.devices key 'efa'.*domain prefix",
-        ),
-        (
-            Role(
-                "w",
-                image="i",
-                entrypoint="e",
-                resource=Resource(cpu=1, gpu=0, memMB=1, devices={"cpu": 4}),
-            ),
-            r"role 'w': resource\.devices key 'cpu'.*resource\.cpu",
-        ),
+        (device_role({"efa": 1}), r"role 'w': resource\.devices key 'efa'.*domain prefix"),
+        (device_role({"cpu": 4}), r"role 'w': resource\.devices key 'cpu'.*resource\.cpu"),
     ],
 )
 def test_roles_kubernetes_cannot_run_fail_with_clear_errors(role: Role, pattern: str) -> None:
