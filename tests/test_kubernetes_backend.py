@@ -72,6 +72,16 @@ async def runner(fake_k8s: FakeKubeApiServer) -> Any:
         yield r
 
 
+async def submit_and_finish(srv: FakeKubeApiServer, sched: KubernetesScheduler, name: str) -> str:
+    """Submits a one-replica app and returns its id once its pod has succeeded."""
+    app_id = await sched.submit(AppDef(name, roles=[role()]), {})
+    await until(
+        srv,
+        lambda: any(p["status"].get("phase") == "Succeeded" for p in srv.store.list("pods", NS)),
+    )
+    return app_id
+
+
 def app_id_of(handle: str) -> str:
     return parse_app_handle(handle).app_id
 
@@ -606,6 +616,79 @@ async def test_follow_resumes_a_dropped_stream_without_duplicates(
     assert len(log_reads) >= 3 and log_reads[-1].query.get("sinceTime")
 
 
+async def test_a_silent_follow_is_reopened_without_losing_or_repeating_a_line(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A followed log whose connection goes silent without closing (half-open) is re-opened after
+    the log read timeout from its last line; the follow ends with the pod, no line lost or repeated.
+    """
+    lines = [f"line {i}\n" for i in range(10)]
+    # lines 3-9 are written only once the stream went silent after lines 0-2; lines are stamped in
+    # pairs, so line 3 shares line 2's timestamp: the re-opened read must skip exactly one line
+    gates = {3: asyncio.Event()}
+    fake_k8s.cluster.script = lambda ctx: PodScript(
+        lines=lines, line_interval=0.01, gates=gates, burst=2
+    )
+    got: list[str] = []
+    silenced = 0
+    async with AsyncRunner(
+        name="test",
+        poll_settings=PUSH_ONLY,
+        k8s_configuration=fake_k8s.configuration(),
+        log_read_timeout=0.5,
+    ) as runner:
+        handle = await runner.run(AppDef("silent", roles=[role()]), scheduler="kubernetes")
+        with anyio.fail_after(45):
+            async for line in runner.log_lines(handle, "worker", should_tail=True):
+                got.append(line)
+                if len(got) == 3:
+                    silenced += fake_k8s.silence_log_streams()
+                    gates[3].set()
+    assert silenced == 1 and fake_k8s.silenced_log_streams == 1
+    assert got == lines
+    log_reads = [r for r in fake_k8s.requests if r.path.endswith("/log")]
+    assert len(log_reads) >= 2 and log_reads[-1].query.get("sinceTime")
+
+
+async def test_following_an_ended_pod_whose_log_never_comes_fails_instead_of_hanging(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """Following the log of a pod that has ended, on a server that answers and then sends
+    nothing, fails with "Unreachable" after a few read timeouts instead of waiting forever."""
+    released = asyncio.Event()
+
+    async def silent_log(request: web.Request) -> web.StreamResponse | None:
+        if not request.path.endswith("/log"):
+            return None
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await released.wait()
+        return resp
+
+    sched = KubernetesScheduler(
+        "test", k8s_configuration=fake_k8s.configuration(), request_timeout=1
+    )
+    try:
+        app_id = await submit_and_finish(fake_k8s, sched, "ended")
+        fake_k8s.intercept = silent_log
+        with anyio.fail_after(45), pytest.raises(KubeApiError, match="Unreachable"):
+            async for _ in sched.log_iter(app_id, "worker", 0, should_tail=True):
+                pass
+        log_reads = [r for r in fake_k8s.requests if r.path.endswith("/log")]
+        assert all(r.query.get("follow") is None for r in log_reads)
+    finally:
+        released.set()
+        await sched.close()
+
+
+def test_a_log_read_timeout_that_is_not_a_positive_number_is_refused() -> None:
+    """``log_read_timeout`` of 0, a negative number or infinity is a clear error, not a follow
+    that never times out or times out at once."""
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"log_read_timeout must be a positive number"):
+            KubernetesScheduler("test", log_read_timeout=bad)
+
+
 @pytest.mark.timeout(60)
 async def test_a_log_read_longer_than_the_request_timeout_returns_every_line(
     fake_k8s: FakeKubeApiServer,
@@ -632,13 +715,7 @@ async def test_a_log_read_longer_than_the_request_timeout_returns_every_line(
         return resp
 
     try:
-        app_id = await sched.submit(AppDef("slowlog", roles=[role()]), {})
-        await until(
-            fake_k8s,
-            lambda: any(
-                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
-            ),
-        )
+        app_id = await submit_and_finish(fake_k8s, sched, "slowlog")
         fake_k8s.intercept = slow_log
         lines = [line async for line in sched.log_iter(app_id, "worker", 0)]
         assert lines == [f"line {i}\n" for i in range(count)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,12 @@ NEWEST = kubernetes_validate.latest_version()
 
 def scheduler() -> KubernetesScheduler:
     return KubernetesScheduler("sess")
+
+
+def device_role(devices: dict[str, int]) -> Role:
+    return Role(
+        "w", image="i", entrypoint="e", resource=Resource(cpu=1, gpu=0, memMB=1, devices=devices)
+    )
 
 
 def two_role_app() -> AppDef:
@@ -313,6 +320,107 @@ def test_counts_kubernetes_cannot_hold_fail_at_the_dry_run() -> None:
     scheduler().submit_dryrun(AppDef("x", roles=[app_retries]), {})
 
 
+@pytest.mark.parametrize(
+    ("resource", "pattern"),
+    [
+        (Resource(cpu=1e30, gpu=0, memMB=1), r"resource\.cpu must be at most 9223372036854775 "),
+        (Resource(cpu=1, gpu=0, memMB=2**53), r"resource\.memMB must be at most 8796093022207 "),
+        (Resource(cpu=1, gpu=2**63, memMB=1), r"resource\.gpu must be at most 9223372036854775807"),
+        (
+            Resource(cpu=1, gpu=0, memMB=1, devices={"example.com/efa": 2**63}),
+            r"resource\.devices\['example\.com/efa'\].*got 9223372036854775808",
+        ),
+        (
+            Resource(cpu=1, gpu=0, memMB=1, devices={"example.com/efa": True}),
+            r"resource\.devices\['example\.com/efa'\].*got True",
+        ),
+    ],
+)
+def test_resource_amounts_kubernetes_cannot_hold_fail_at_the_dry_run(
+    resource: Resource, pattern: str
+) -> None:
+    """Resource amounts past a 64-bit quantity (millicores, bytes, devices) or a device count
+    that is not a number fail at the dry run naming the role, field and value (the API server
+    capped them, and the pod could never be placed, or refused them at submit)."""
+    role = Role("w", image="i", entrypoint="e", resource=resource)
+    with pytest.raises(InvalidAppDefException, match=r"role 'w': " + pattern):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+def test_the_largest_resource_amounts_pass_the_dry_run() -> None:
+    """The largest CPU, memory, GPU and device amounts a quantity holds pass and validate."""
+    res = Resource(
+        cpu=(2**63 - 1) // 1000,
+        gpu=2**63 - 1,
+        memMB=(2**63 - 1) // 2**20,
+        devices={"example.com/efa": 2**63 - 1},
+    )
+    info = scheduler().submit_dryrun(
+        AppDef("x", roles=[Role("w", image="i", entrypoint="e", resource=res)]), {}
+    )
+    (job,) = info.request.jobs
+    limits = job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {
+        "cpu": "9223372036854775",
+        "memory": "8796093022207Mi",
+        "nvidia.com/gpu": 2**63 - 1,
+        "example.com/efa": 2**63 - 1,
+    }
+    for version in (OLDEST, NEWEST):
+        for obj in info.request.manifests():
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("image", ["", " img:1", "img:1\n"])
+def test_an_empty_or_padded_image_fails_at_the_dry_run(image: str) -> None:
+    """An empty image (the Job refused at submit) or one with surrounding whitespace (the Job
+    created, each of its pods refused) fails at the dry run naming the role and the value."""
+    role = Role("w", image=image, entrypoint="e")
+    with pytest.raises(
+        InvalidAppDefException, match=r"role 'w': image must be .*" + re.escape(repr(image))
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+
+
+@pytest.mark.parametrize(
+    ("role", "field"),
+    [
+        (Role("w", image="i", entrypoint="e", args=["x" * 300_000]), "args"),
+        (Role("w", image="i", entrypoint="e", env={"BIG": "x" * 300_000}), "env"),
+    ],
+)
+def test_a_role_past_the_annotation_limit_fails_at_the_dry_run(role: Role, field: str) -> None:
+    """A role whose definition (kept as its Job's annotation) passes the API's 256 KiB of
+    annotations fails at the dry run naming the role and the field (the server refused the Job
+    at submit)."""
+    with pytest.raises(
+        InvalidAppDefException, match=rf"role 'w': {field} is too large for Kubernetes.*262144"
+    ):
+        scheduler().submit_dryrun(AppDef("x", roles=[role]), {})
+    fits = Role("w", image="i", entrypoint="e", args=["x" * 200_000])
+    scheduler().submit_dryrun(AppDef("x", roles=[fits]), {})
+
+
+def test_an_app_name_past_the_annotation_limit_fails_at_the_dry_run() -> None:
+    """An app name too large for the Service's annotations fails at the dry run naming it."""
+    app = AppDef("a" * 300_000, roles=[Role("w", image="i", entrypoint="e")])
+    with pytest.raises(InvalidAppDefException, match=r"app name \(300000 characters\).*262144"):
+        scheduler().submit_dryrun(app, {})
+
+
+def test_a_pod_overlay_with_integers_in_range_passes() -> None:
+    """An overlay's integer fields within their ranges (an unset hostPort 0 included) pass."""
+    overlay = {
+        "spec": {
+            "terminationGracePeriodSeconds": 2**63 - 1,
+            "priority": -(2**31),
+            "containers": [{"name": "w", "ports": [{"containerPort": 65535, "hostPort": 0}]}],
+        }
+    }
+    info = scheduler().submit_dryrun(two_role_app(), {"pod_overlay": json.dumps(overlay)})
+    assert info.request.jobs[0]["spec"]["template"]["spec"]["priority"] == -(2**31)
+
+
 def test_unknown_retry_policy_fails_with_a_clear_error() -> None:
     """A retry policy that is not REPLICA, ROLE or APPLICATION is rejected, naming it."""
     role = Role("w", image="i", entrypoint="e", max_retries=1)
@@ -376,6 +484,16 @@ def test_bad_run_options_fail_with_clear_errors(cfg: dict[str, Any], pattern: st
             Role("w", image="i", entrypoint="e", mounts=[VolumeMount("Bad_Claim", "/x")]),
             r"Bad_Claim",
         ),
+        (
+            Role("w", image="i", entrypoint="e", mounts=[BindMount("/data/../etc", "/x")]),
+            r"role 'w': mounts\[0\]\.src_path must not contain '\.\.'.*'/data/\.\./etc'",
+        ),
+        (
+            Role("w", image="i", entrypoint="e", mounts=[DeviceMount("../dev/fuse", "/dev/fuse")]),
+            r"role 'w': mounts\[0\]\.src_path must not contain '\.\.'",
+        ),
+        (device_role({"efa": 1}), r"role 'w': resource\.devices key 'efa'.*domain prefix"),
+        (device_role({"cpu": 4}), r"role 'w': resource\.devices key 'cpu'.*resource\.cpu"),
     ],
 )
 def test_roles_kubernetes_cannot_run_fail_with_clear_errors(role: Role, pattern: str) -> None:
@@ -397,6 +515,20 @@ _MISSHAPEN_OVERLAYS = [
     ),
     ({"spec": {"containers": [{"name": 5}]}}, r"a string as spec\.containers\[0\]\.name"),
     ({"spec": {"activeDeadlineSeconds": float("nan")}}, r"JSON.*[Nn]a[Nn]"),
+    ({"spec": {"priority": 2**31}}, r"a 32-bit integer at spec\.priority \(not 2147483648\)"),
+    (
+        {"spec": {"terminationGracePeriodSeconds": 2**63}},
+        r"a 64-bit integer at spec\.terminationGracePeriodSeconds \(not 9223372036854775808\)",
+    ),
+    ({"spec": {"activeDeadlineSeconds": 1.5}}, r"a 64-bit integer at spec\.activeDeadlineSeconds"),
+    (
+        {"spec": {"containers": [{"name": "w", "ports": [{"containerPort": 70000}]}]}},
+        r"a port in \[1, 65535\] at spec\.containers\[0\]\.ports\[0\]\.containerPort \(not 70000\)",
+    ),
+    (
+        {"spec": {"securityContext": {"supplementalGroups": [1, 2**64]}}},
+        r"a 64-bit integer at spec\.securityContext\.supplementalGroups\[1\]",
+    ),
 ]
 
 

@@ -34,7 +34,8 @@ manifests name that image; all of it before anything is created on the API serve
 orphan their pods): the app reads CANCELLED while its pods terminate, and this scheduler keeps
 reporting CANCELLED after the objects are gone. ``log_iter`` reads the newest pod of a replica with
 timestamps (stdout and stderr as one log, which is all Kubernetes keeps); following it survives
-dropped streams (resuming from the last timestamp without duplicates) and pod replacements (retries).
+dropped or silent streams (a follow that sends nothing for ``log_read_timeout`` is re-opened, resuming
+from the last timestamp without duplicates) and pod replacements (retries).
 
 The parts: ``_k8s/manifests.py`` builds the objects (pure), ``_k8s/status.py`` assesses an app from
 them (pure: the status and the follow-up owed), ``_k8s/client.py`` talks to the API server
@@ -52,6 +53,7 @@ import builtins
 import copy
 import functools
 import logging
+import math
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -127,6 +129,9 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         kube_context: the kubeconfig context to use.
         watch_timeout: seconds after which the API server ends (and the scheduler resumes) a watch.
         request_timeout: total timeout of each non-streaming API call, in seconds.
+        log_read_timeout: how long a followed log may send nothing before it is re-opened from
+            its last line, in seconds (a connection gone half-open would otherwise hang the
+            follow; a quiet container only costs a re-open per period).
         restart_timeout: how long a restart waits for the failed Jobs to be deleted, in seconds.
         docker_host: the Docker engine that builds workspace images (default: aiodocker's
             resolution, ``DOCKER_HOST`` then the local socket).
@@ -149,10 +154,15 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         kube_context: str | None = None,
         watch_timeout: int = 300,
         request_timeout: float = 30.0,
+        log_read_timeout: float = 60.0,
         restart_timeout: float = 300.0,
         docker_host: str | None = None,
     ) -> None:
         super().__init__("kubernetes", session_name)
+        if not (isinstance(log_read_timeout, int | float) and 0 < log_read_timeout < math.inf):
+            raise ValueError(
+                f"log_read_timeout must be a positive number of seconds, got {log_read_timeout!r}"
+            )
         self._namespace = namespace or "default"
         self._connection = KubeConnection(
             client=k8s_client,
@@ -160,6 +170,7 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
             kubeconfig=kubeconfig,
             context=kube_context,
             request_timeout=request_timeout,
+            log_read_timeout=log_read_timeout,
         )
         self._tasks = TaskSupervisor(f"kubernetes:{session_name}")
         self._informers = Informers(self._tasks, self._on_change, watch_timeout=watch_timeout)
@@ -466,6 +477,7 @@ def create_scheduler(session_name: str, **kwargs: Any) -> KubernetesScheduler:
         "kube_context",
         "watch_timeout",
         "request_timeout",
+        "log_read_timeout",
         "restart_timeout",
         "docker_host",
     }

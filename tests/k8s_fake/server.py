@@ -16,7 +16,8 @@ stream, as the real server sends it. Created objects are validated against the o
 reject for an unknown or mistyped field is rejected here too.
 
 Test hooks: ``drop_watches`` (end or cut every open watch), ``compact`` (forget the history: the next
-resume gets 410), ``drop_log_streams``, ``requests`` (every request received), ``sent_versions``
+resume gets 410), ``drop_log_streams``, ``silence_log_streams`` (a connection gone half-open),
+``requests`` (every request received), ``sent_versions``
 (the resourceVersions a watch request was sent, events and bookmarks, in order).
 """
 
@@ -114,6 +115,9 @@ class FakeKubeApiServer:
         self.port = 0
         self._watch_queues: set[asyncio.Queue[Event | str]] = set()
         self._log_drops: set[asyncio.Event] = set()
+        self._log_silences: set[asyncio.Event] = set()
+        #: how many log streams went silent (``silence_log_streams``)
+        self.silenced_log_streams = 0
         self._activity: list[Callable[[], None]] = []
         # id(watch request) -> the resourceVersions of what was written on it (see sent_versions)
         self._sent: dict[int, list[str]] = {}
@@ -203,6 +207,14 @@ class FakeKubeApiServer:
         for ev in list(self._log_drops):
             ev.set()
         return len(self._log_drops)
+
+    def silence_log_streams(self) -> int:
+        """Makes every open log stream send nothing more and never end, as a connection gone
+        half-open does (the client only learns it by a read timeout); streams opened later are
+        served as usual. Returns how many went silent."""
+        for ev in list(self._log_silences):
+            ev.set()
+        return len(self._log_silences)
 
     @property
     def open_watches(self) -> int:
@@ -425,24 +437,38 @@ class FakeKubeApiServer:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         drop = asyncio.Event()
+        silence = asyncio.Event()
         self._log_drops.add(drop)
+        self._log_silences.add(silence)
         self._active()
         i = 0
         try:
             while log is not None:
-                while i < len(log.lines):
+                while i < len(log.lines) and not silence.is_set():
                     ts, text = log.lines[i]
                     i += 1
                     if since_ns is not None and ts < since_ns:
                         continue
                     await resp.write(((format_ts(ts) + " ") if stamps else "").encode() + text)
+                if silence.is_set():
+                    self._log_silences.discard(silence)
+                    self.silenced_log_streams += 1
+                    self._active()
+                    await drop.wait()  # held open, saying nothing, until the server closes
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return resp
                 if not follow or log.closed:
                     break
                 changed = asyncio.ensure_future(log.changed.wait())
                 dropped = asyncio.ensure_future(drop.wait())
-                await asyncio.wait({changed, dropped}, return_when=asyncio.FIRST_COMPLETED)
+                silenced = asyncio.ensure_future(silence.wait())
+                await asyncio.wait(
+                    {changed, dropped, silenced}, return_when=asyncio.FIRST_COMPLETED
+                )
                 changed.cancel()
                 dropped.cancel()
+                silenced.cancel()
                 if drop.is_set():
                     if request.transport is not None:
                         request.transport.abort()
@@ -451,6 +477,7 @@ class FakeKubeApiServer:
             return resp
         finally:
             self._log_drops.discard(drop)
+            self._log_silences.discard(silence)
             self._active()
         return await _finish(resp)
 

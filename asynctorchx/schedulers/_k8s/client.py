@@ -112,16 +112,24 @@ class KubeApi:
         api_client: the client to use.
         owns_client: close ``api_client`` on ``close()``.
         request_timeout: the total timeout (seconds) of a non-streaming call.
+        log_read_timeout: how long (seconds) a followed log may send nothing before its read
+            fails (status 0), so that a half-open connection cannot hang the follow.
     """
 
     def __init__(
-        self, api_client: Any, *, owns_client: bool, request_timeout: float = 30.0
+        self,
+        api_client: Any,
+        *,
+        owns_client: bool,
+        request_timeout: float = 30.0,
+        log_read_timeout: float = 60.0,
     ) -> None:
         k8s = import_kubernetes_asyncio()
         self._k8s = k8s
         self._client = api_client
         self._owns = owns_client
         self._timeout = request_timeout
+        self._log_read_timeout = log_read_timeout
         self._net = net_errors()
         self._apis = {
             _CORE: k8s.client.CoreV1Api(api_client),
@@ -136,6 +144,7 @@ class KubeApi:
         kubeconfig: str | None = None,
         context: str | None = None,
         request_timeout: float = 30.0,
+        log_read_timeout: float = 60.0,
     ) -> KubeApi:
         """A client for the configured cluster.
 
@@ -161,7 +170,10 @@ class KubeApi:
                     persist_config=False,
                 )
         return cls(
-            k8s.client.ApiClient(configuration), owns_client=True, request_timeout=request_timeout
+            k8s.client.ApiClient(configuration),
+            owns_client=True,
+            request_timeout=request_timeout,
+            log_read_timeout=log_read_timeout,
         )
 
     async def close(self) -> None:
@@ -301,7 +313,8 @@ class KubeApi:
         """Opens a pod's log with timestamps; yields an iterator of its raw lines.
 
         Raises:
-            KubeApiError: the log cannot be read (404 no such pod, 400 the container has not started).
+            KubeApiError: the log cannot be read (404 no such pod, 400 the container has not started),
+                or nothing came for the read timeout (status 0; ``log_read_timeout`` when following).
         """
         query: list[tuple[str, str]] = [("timestamps", "true")]
         if follow:
@@ -319,9 +332,12 @@ class KubeApi:
                 header_params={"Accept": "*/*"},
                 auth_settings=["BearerToken"],
                 _preload_content=False,
-                # a stream has no total timeout (a long log takes as long as it takes to send): a
-                # read without follow times out only when nothing comes for the request timeout
-                _request_timeout=(10, None) if follow else (self._timeout, self._timeout),
+                # a stream has no total timeout (a long log takes as long as it takes to send),
+                # only a read timeout: nothing came for that long (a quiet container, or a
+                # connection gone half-open); the caller resumes from its last line
+                _request_timeout=(10, self._log_read_timeout)
+                if follow
+                else (self._timeout, self._timeout),
             )
         except self._net as e:
             raise _unreachable(e) from e
@@ -354,6 +370,8 @@ class KubeConnection:
         kubeconfig: a kubeconfig file (default: ``$KUBECONFIG``, ``~/.kube/config``, in-cluster).
         context: the kubeconfig context to use.
         request_timeout: total timeout of each non-streaming call, in seconds.
+        log_read_timeout: how long a followed log may send nothing before it is re-opened, in
+            seconds.
     """
 
     def __init__(
@@ -364,12 +382,14 @@ class KubeConnection:
         kubeconfig: str | None = None,
         context: str | None = None,
         request_timeout: float = 30.0,
+        log_read_timeout: float = 60.0,
     ) -> None:
         self._given = client
         self._configuration = configuration
         self._kubeconfig = kubeconfig
         self._context = context
         self.request_timeout = request_timeout
+        self.log_read_timeout = log_read_timeout
         self._api: KubeApi | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -385,12 +405,18 @@ class KubeConnection:
 
     async def _connect(self) -> KubeApi:
         if self._given is not None:
-            return KubeApi(self._given, owns_client=False, request_timeout=self.request_timeout)
+            return KubeApi(
+                self._given,
+                owns_client=False,
+                request_timeout=self.request_timeout,
+                log_read_timeout=self.log_read_timeout,
+            )
         return await KubeApi.connect(
             configuration=self._configuration,
             kubeconfig=self._kubeconfig,
             context=self._context,
             request_timeout=self.request_timeout,
+            log_read_timeout=self.log_read_timeout,
         )
 
     async def close(self) -> None:

@@ -3,9 +3,11 @@
 A replica is the newest pod of its completion index; following it goes on across pod replacements
 (REPLICA retries, disruptions, restarts of the Job) until the app is terminal. Logs are read with
 ``timestamps=true``: the kubelet prefixes each line with its RFC 3339 nanosecond time and a space,
-which gives ``since``/``until`` per line. A dropped stream is resumed from ``sinceTime`` (rounded
-down to the second by the API) with the shared ``ResumeCursor`` skipping the lines already
-returned. Kubernetes keeps a container's stdout and stderr as one log: only COMBINED is readable.
+which gives ``since``/``until`` per line. A dropped stream, or a followed one silent for the
+connection's ``log_read_timeout`` (a quiet container, or a connection gone half-open), is resumed
+from ``sinceTime`` (rounded down to the second by the API) with the shared ``ResumeCursor`` skipping
+the lines already returned; a pod that has ended is read to its end without follow. Kubernetes
+keeps a container's stdout and stderr as one log: only COMBINED is readable.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
 
-#: a log read (without following) cut this many times in a row raises instead of returning a part
+#: a log read (without following: an ended pod's, or any without follow) cut this many times in a
+#: row without a new line raises instead of returning a part or retrying forever
 _MAX_LOG_RESUMES = 3
 
 
@@ -129,16 +132,20 @@ class KubeLogSource:
             uid = str(meta(pod).get("uid", "")) if pod is not None else ""
             if pod is not None and uid not in state.finished and pod_started(pod):
                 was_terminal = is_terminal(pod_state(pod))
+                # an ended pod's log is read to its end without follow: that read has a timeout
+                # and a bounded number of resumes, where a silent follow would be re-opened forever
+                following = query.follow and not was_terminal
                 read = _PodRead()
                 cursor = state.cursors.setdefault(uid, ResumeCursor())
-                pod_lines = self._read_pod(ns, pod, query, cursor, read)
+                pod_lines = self._read_pod(ns, pod, query, cursor, read, following)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
+                        state.drops = 0  # counted only in a row: this read got somewhere
                         yield (uid, cursor.last_ns or 0, cursor.at_last), line
                 if read.past_until:
                     return
                 if older:
-                    if read.error is not None and read.error.status == 0 and not query.follow:
+                    if read.error is not None and read.error.status == 0 and not following:
                         state.drops += 1
                         if state.drops > _MAX_LOG_RESUMES:
                             raise read.error
@@ -159,12 +166,12 @@ class KubeLogSource:
                     # followed while terminating: read it again (to its end) once it has ended
                     await self._wait(ns, app, state.pause)
                     continue
+                if read.error is not None and read.error.status == 0 and not following:
+                    state.drops += 1
+                    if state.drops > _MAX_LOG_RESUMES:
+                        raise read.error
+                    continue
                 if not query.follow:
-                    if read.error is not None and read.error.status == 0:
-                        state.drops += 1
-                        if state.drops > _MAX_LOG_RESUMES:
-                            raise read.error
-                        continue
                     return
                 if read.clean and was_terminal:
                     state.finished.add(uid)
@@ -197,10 +204,16 @@ class KubeLogSource:
         return parts
 
     async def _read_pod(
-        self, ns: str, pod: Obj, query: LogQuery, cursor: ResumeCursor, read: _PodRead
+        self,
+        ns: str,
+        pod: Obj,
+        query: LogQuery,
+        cursor: ResumeCursor,
+        read: _PodRead,
+        follow: bool,
     ) -> AsyncGenerator[str, None]:
-        """The new lines of one pod's log (following it with ``query.follow``); how the read
-        ended goes to ``read``."""
+        """The new lines of one pod's log (following it with ``follow``); how the read ended goes
+        to ``read`` (a follow silent for the log read timeout ends as a drop, status 0)."""
         since_ns = None if query.since is None else seconds_to_ns(query.since)
         until_ns = None if query.until is None else seconds_to_ns(query.until)
         start = cursor.last_ns if cursor.last_ns is not None else since_ns
@@ -208,7 +221,7 @@ class KubeLogSource:
         api = await self._connection.api()
         try:
             async with api.pod_log(
-                ns, meta(pod)["name"], follow=query.follow, since_time=since_time
+                ns, meta(pod)["name"], follow=follow, since_time=since_time
             ) as raw_lines:
                 new = cursor.begin_pass()
                 async for raw in raw_lines:

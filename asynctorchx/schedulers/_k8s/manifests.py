@@ -76,6 +76,7 @@ _QUANTITY = re.compile(
     r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 )
+_STANDARD_DEVICE = re.compile(r"ephemeral-storage|hugepages-.+")
 _RESOURCE_NAME = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
@@ -284,7 +285,9 @@ def overlay_problem(overlay: object) -> str | None:
     A pod overlay is a JSON object with ``metadata`` and/or ``spec``; where the template has an
     object (``spec``, ``metadata.labels``, a container's ``resources``...) or a list of objects
     (``spec.containers``, ``volumes``, ``tolerations``, a container's ``env``, ``ports``,
-    ``volumeMounts``), the overlay must have one too (or null, to remove it).
+    ``volumeMounts``), the overlay must have one too (or null, to remove it). Its integer fields
+    (``priority``, ``terminationGracePeriodSeconds``, ports...) must be whole numbers in their
+    32- or 64-bit range, ports in 1..65535.
     """
     expected = "a JSON object with 'metadata' and/or 'spec'"
     if not isinstance(overlay, dict) or set(overlay) - {"metadata", "spec"}:
@@ -293,6 +296,9 @@ def overlay_problem(overlay: object) -> str | None:
         json.dumps(overlay, allow_nan=False)
     except (TypeError, ValueError) as e:
         return f"{expected} of JSON values only ({e})"
+    problem = _numbers_problem(overlay, ())
+    if problem is not None:
+        return f"{expected}, {problem}"
     for path, value in _walk(overlay, ()):
         if path in _OVERLAY_OBJECTS and not isinstance(value, dict):
             return f"{expected}, with an object (or null) at {'.'.join(path)}"
@@ -305,6 +311,79 @@ def overlay_problem(overlay: object) -> str | None:
                     if problem is not None:
                         return f"{expected}, {problem}"
     return None
+
+
+# The integer fields of a pod template (core/v1, from the OpenAPI schemas: each name has one
+# format there) and the ports among them; the schemas check neither range nor that a JSON number
+# is whole, and the API server refuses the object when it cannot decode it.
+_INT32_FIELDS = frozenset(
+    {
+        "containerPort",
+        "defaultMode",
+        "failureThreshold",
+        "hostPort",
+        "initialDelaySeconds",
+        "lun",
+        "maxSkew",
+        "minDomains",
+        "mode",
+        "partition",
+        "periodSeconds",
+        "port",
+        "priority",
+        "successThreshold",
+        "timeoutSeconds",
+        "weight",
+    }
+)
+_INT64_FIELDS = frozenset(
+    {
+        "activeDeadlineSeconds",
+        "expirationSeconds",
+        "fsGroup",
+        "runAsGroup",
+        "runAsUser",
+        "seconds",
+        "supplementalGroups",
+        "terminationGracePeriodSeconds",
+        "tolerationSeconds",
+    }
+)
+_PORT_FIELDS = frozenset({"containerPort", "hostPort", "port"})
+
+
+def _numbers_problem(value: object, path: tuple[str | int, ...]) -> str | None:
+    """What is wrong with the first integer field of ``value`` (at any depth) that Kubernetes
+    cannot hold: not a whole number, past 32 or 64 bits, or a port outside 1..65535."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = _numbers_problem(item, (*path, str(key)))
+            if problem is not None:
+                return problem
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            problem = _numbers_problem(item, (*path, i))
+            if problem is not None:
+                return problem
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        key = next((p for p in reversed(path) if isinstance(p, str)), "")
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        unset_host_port = key == "hostPort" and value == 0
+        if key in _PORT_FIELDS and not unset_host_port and not _is_port(value):
+            return f"with a port in [1, 65535] at {where} (not {value!r})"
+        if key in _INT32_FIELDS and not (
+            isinstance(value, int) and -(MAX_INT32 + 1) <= value <= MAX_INT32
+        ):
+            return f"with a 32-bit integer at {where} (not {value!r})"
+        if key in _INT64_FIELDS and not (
+            isinstance(value, int) and -(MAX_INT64 + 1) <= value <= MAX_INT64
+        ):
+            return f"with a 64-bit integer at {where} (not {value!r})"
+    return None
+
+
+def _is_port(value: object) -> bool:
+    return isinstance(value, int) and 1 <= value <= 65535
 
 
 def _walk(obj: dict[str, Any], path: tuple[str, ...]) -> list[tuple[tuple[str, ...], Any]]:
@@ -488,6 +567,15 @@ def new_app_name(app: AppDef, role_dns: list[str]) -> str:
 # -- resources -----------------------------------------------------------------------------------
 
 
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+#: the most cores / MiB a quantity holds: Kubernetes counts CPU in millicores and memory in bytes,
+#: as 64-bit ints (larger values are capped or overflow, and the pod can never be placed)
+MAX_CPU = MAX_INT64 // 1000
+MAX_MEM_MB = MAX_INT64 // 2**20
+_UNITS = {"cpu": "millicores", "memMB": "bytes", "gpu": "GPUs"}
+
+
 def cpu_quantity(cpu: float) -> str:
     """CPU cores as a Kubernetes quantity (``2``, ``500m``)."""
     if float(cpu).is_integer():
@@ -506,8 +594,9 @@ def resource_requirements(role: Role) -> dict[str, Any]:
     """Requests equal to limits for every resource the role asks for (nothing is trimmed).
 
     Raises:
-        InvalidAppDefException: a value Kubernetes cannot represent (infinite, fractional GPUs,
-            a device name that is not a resource name).
+        InvalidAppDefException: a value Kubernetes cannot represent (infinite, past a 64-bit
+            quantity, fractional GPUs, a device count that is not an int, a device name that is
+            not a resource name).
     """
     res = role.resource
     if res is NULL_RESOURCE or res == NULL_RESOURCE:
@@ -517,6 +606,18 @@ def resource_requirements(role: Role) -> dict[str, Any]:
         if not math.isfinite(value):
             raise InvalidAppDefException(
                 f"resource.{fname} must be a finite number, got {value!r}",
+                role=role.name,
+                field_name=f"resource.{fname}",
+            )
+    for fname, value, most in (
+        ("cpu", res.cpu, MAX_CPU),
+        ("memMB", res.memMB, MAX_MEM_MB),
+        ("gpu", res.gpu, MAX_INT64),
+    ):
+        if value > most:
+            raise InvalidAppDefException(
+                f"resource.{fname} must be at most {most} on Kubernetes (a quantity is held as "
+                f"a 64-bit count of {_UNITS[fname]}), got {value!r}",
                 role=role.name,
                 field_name=f"resource.{fname}",
             )
@@ -554,6 +655,26 @@ def resource_requirements(role: Role) -> dict[str, Any]:
                 role=role.name,
                 field_name="resource.devices",
             )
+        if "/" not in dev and not _STANDARD_DEVICE.fullmatch(dev):
+            # the API server takes only its standard names without a domain prefix
+            hint = (
+                "set resource.cpu or resource.memMB instead"
+                if dev in ("cpu", "memory")
+                else "an extended resource needs a domain prefix, like 'vpc.amazonaws.com/efa'"
+            )
+            raise InvalidAppDefException(
+                f"resource.devices key {dev!r} is not a resource a Kubernetes container can "
+                f"request: {hint}",
+                role=role.name,
+                field_name="resource.devices",
+            )
+        if isinstance(count, bool) or not isinstance(count, int) or count > MAX_INT64:
+            raise InvalidAppDefException(
+                f"resource.devices[{dev!r}] must be a whole number of devices of at most "
+                f"{MAX_INT64} on Kubernetes, got {count!r}",
+                role=role.name,
+                field_name="resource.devices",
+            )
         if count > 0:
             amounts[dev] = count
     if not amounts:
@@ -584,6 +705,13 @@ def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bo
     privileged = False
     for i, m in enumerate(role.mounts):
         name = f"mount-{i}"
+        if not isinstance(m, VolumeMount) and ".." in m.src_path.split("/"):
+            raise InvalidAppDefException(
+                f"mounts[{i}].src_path must not contain '..' on Kubernetes (a hostPath volume "
+                f"cannot step back), got {m.src_path!r}",
+                role=role.name,
+                field_name=f"mounts[{i}].src_path",
+            )
         if isinstance(m, BindMount):
             volumes.append({"name": name, "hostPath": {"path": m.src_path}})
             mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
@@ -792,7 +920,6 @@ def _container(
 
 #: The most pods one Indexed Job may have (its parallelism; Kubernetes' validation).
 MAX_INDEXED_PODS = 100_000
-MAX_INT32 = 2**31 - 1
 
 
 def _job_retry_spec(role: Role) -> dict[str, Any]:
@@ -832,6 +959,19 @@ def build_request(
     name = app_name or new_app_name(app, role_dns)
     common = {**opts.labels, n.LABEL_MANAGED_BY: n.MANAGED_BY, n.LABEL_VERSION: __version__}
     app_labels = {**common, n.LABEL_APP_ID: name}
+    annotations = {
+        n.ANN_APP_NAME: app.name,
+        n.ANN_SESSION: session_name,
+        n.ANN_ROLES: json.dumps([r.name for r in app.roles]),
+    }
+    size = annotations_size(annotations)
+    if size > MAX_ANNOTATIONS_SIZE:
+        raise InvalidAppDefException(
+            f"app name ({len(app.name)} characters) and session name ({len(session_name)}) are "
+            f"too large for Kubernetes: kept as the Service's annotations, they make {size} bytes "
+            f"of annotations where an object may have {MAX_ANNOTATIONS_SIZE} (256 KiB)",
+            field_name="name",
+        )
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -839,11 +979,7 @@ def build_request(
             "name": name,
             "namespace": opts.namespace,
             "labels": dict(app_labels),
-            "annotations": {
-                n.ANN_APP_NAME: app.name,
-                n.ANN_SESSION: session_name,
-                n.ANN_ROLES: json.dumps([r.name for r in app.roles]),
-            },
+            "annotations": annotations,
         },
         "spec": {
             "clusterIP": "None",
@@ -880,8 +1016,9 @@ def _job(
     """The Indexed Job of the role at ``index`` (macros expanded per pod by Kubernetes).
 
     Raises:
-        InvalidAppDefException: more replicas than an Indexed Job may run, or more retries than
-            its per-index backoff limit holds (the API server would refuse the Job at submit).
+        InvalidAppDefException: more replicas than an Indexed Job may run, more retries than
+            its per-index backoff limit holds, an empty or whitespace-padded image, or a role too
+            large for the Job's annotations (the API server would refuse the Job or its pods).
     """
     if role.num_replicas > MAX_INDEXED_PODS:
         raise InvalidAppDefException(
@@ -889,6 +1026,13 @@ def _job(
             f"Indexed Job), got {role.num_replicas}",
             role=role.name,
             field_name="num_replicas",
+        )
+    if not role.image or role.image != role.image.strip():
+        raise InvalidAppDefException(
+            f"image must be an image reference without surrounding whitespace on Kubernetes, "
+            f"got {role.image!r}",
+            role=role.name,
+            field_name="image",
         )
     if "backoffLimitPerIndex" in _job_retry_spec(role) and role.max_retries > MAX_INT32:
         raise InvalidAppDefException(
@@ -915,6 +1059,17 @@ def _job(
         rank0_host=rank0_host,
         is_rank0_role=index == 0,
     )
+    annotations = {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(index)}
+    size = annotations_size(annotations)
+    if size > MAX_ANNOTATIONS_SIZE:
+        big = max(("args", "env"), key=lambda f: len(json.dumps(getattr(role, f))))
+        raise InvalidAppDefException(
+            f"{big} is too large for Kubernetes: the role, kept as its Job's annotation, makes "
+            f"{size} bytes of annotations where an object may have {MAX_ANNOTATIONS_SIZE} "
+            "(256 KiB); pass large inputs through a file or a mounted volume",
+            role=role.name,
+            field_name=big,
+        )
     job_labels = dict(labels)
     queued: dict[str, Any] = {}
     if opts.queue:
@@ -929,7 +1084,7 @@ def _job(
             "name": n.job_name(app_name, role_dns),
             "namespace": opts.namespace,
             "labels": job_labels,
-            "annotations": {n.ANN_ROLE: role_to_json(role), n.ANN_ROLE_INDEX: str(index)},
+            "annotations": annotations,
         },
         "spec": {
             "completionMode": "Indexed",
@@ -973,6 +1128,18 @@ def owned_by(job: Mapping[str, Any], service: Mapping[str, Any]) -> dict[str, An
 # -- lint: what the OpenAPI schemas do not check -------------------------------------------------
 
 
+#: the most bytes of annotations (keys and values) one object may have (the API's validation)
+MAX_ANNOTATIONS_SIZE = 256 * 1024
+
+
+def annotations_size(annotations: Mapping[str, Any]) -> int:
+    """The size of annotations as the API server counts it: UTF-8 bytes of keys and values."""
+    return sum(
+        len(str(k).encode("utf-8", "replace")) + len(str(v).encode("utf-8", "replace"))
+        for k, v in annotations.items()
+    )
+
+
 def is_quantity(value: object) -> bool:
     """True for a Kubernetes resource quantity (an int, or a string such as ``500m``, ``4Gi``)."""
     if isinstance(value, bool):
@@ -991,6 +1158,12 @@ def _lint_meta(kind: str, meta: Mapping[str, Any], problems: list[str]) -> None:
     for key in meta.get("annotations") or {}:
         if not n.is_label_key(key):
             problems.append(f"{kind} annotation key {key!r} is not valid")
+    size = annotations_size(meta.get("annotations") or {})
+    if size > MAX_ANNOTATIONS_SIZE:
+        problems.append(
+            f"{kind} annotations are {size} bytes, more than the {MAX_ANNOTATIONS_SIZE} an object "
+            "may have"
+        )
 
 
 def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> None:
@@ -1037,8 +1210,9 @@ def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> 
 def lint(objs: list[dict[str, Any]]) -> list[str]:
     """Problems in the backend's manifests that the OpenAPI schemas do not catch.
 
-    Checks name lengths and syntax (DNS labels, label values, the pod hostname budget), enum values,
-    quantities, ``clusterIP: "None"`` as a string, and that each Job matches the Service.
+    Checks name lengths and syntax (DNS labels, label values, the pod hostname budget), the size of
+    annotations, enum values, quantities, ``clusterIP: "None"`` as a string, and that each Job
+    matches the Service.
     Returns an empty list when there are none.
     """
     problems: list[str] = []
