@@ -344,3 +344,23 @@ def test_an_absurd_rate_is_capped_not_a_crash() -> None:
     limiter = RateLimiter(1e300, VirtualClock())
     assert limiter.burst == 100_000 and limiter.window < 1e-290
     assert Limits(max_concurrent_submits=10**18).max_concurrent_submits == 10**18
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_all"])
+async def test_a_wait_timeout_is_kept_when_the_rate_holds_the_last_round_back(call: str) -> None:
+    """wait/wait_all(timeout=T) raise TimeoutError at T when the call rate holds the last status
+    round back (it waited for the rate slot, up to 1/R later), and make no call beyond the rate."""
+    clock = VirtualClock()  # never advanced: the next rate slot never comes
+    backend = ScriptedBackend(NAME, clock=clock)
+    timeout = 0.5
+    async with runner_with(
+        backend, limits={NAME: Limits(max_calls_per_second=1)}, clock=clock
+    ) as runner:
+        handle = await runner.run(app(), NAME)  # takes the only slot of the window
+        with anyio.move_on_after(20 * timeout) as guard, pytest.raises(TimeoutError):
+            if call == "wait":
+                await runner.wait(handle, timeout=timeout)
+            else:
+                await runner.wait_all([handle], timeout=timeout)
+        assert not guard.cancelled_caught, "the wait outlived its timeout, waiting for the rate"
+        assert backend.calls["describe"] == backend.calls["describe_many"] == 0

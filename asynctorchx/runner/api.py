@@ -310,6 +310,7 @@ class AsyncRunner:
                 self._supervisor,
                 self._poll_settings,
                 before_round=None if limiter is None else limiter.call,
+                round_would_wait=None if limiter is None else limiter.call_would_wait,
             )
             self._hubs[backend] = hub
         return hub
@@ -770,7 +771,8 @@ class AsyncRunner:
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
         leaves the app running. When the deadline passes, the scheduler is asked once more before
         ``TimeoutError`` is raised: an app that is already terminal is returned even with
-        ``timeout=0``.
+        ``timeout=0``. That last question is not asked when the backend's ``max_calls_per_second``
+        would hold it back past the deadline: the timeout is kept.
 
         Args:
             app_handle: the app.
@@ -829,7 +831,8 @@ class AsyncRunner:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
         When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
-        raised: apps that are already terminal are yielded even with ``timeout=0``.
+        raised: apps that are already terminal are yielded even with ``timeout=0`` (unless a
+        backend's ``max_calls_per_second`` would hold that question back past the deadline).
 
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
@@ -885,7 +888,8 @@ class AsyncRunner:
                         if handle not in seen and not entry.final
                     ]
                     for hub, entry, token in checks:
-                        await hub.wait_consulted(entry, token)
+                        if not await hub.wait_consulted(entry, token):
+                            break  # rate-limited: the deadline is kept
                     continue
                 handle, entry = item
                 if handle in seen:

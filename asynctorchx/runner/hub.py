@@ -14,7 +14,9 @@ A wait with a deadline never times out on what the hub happened to know: when th
 with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
 after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
 on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
-its deadline costs no extra round.
+its deadline costs no extra round. That last round is not waited for when the backend's call-rate
+limit holds it back (``round_would_wait``): the timeout is kept, the rate too, and the wait raises
+``TimeoutError`` on what the hub knew.
 """
 
 from __future__ import annotations
@@ -107,6 +109,8 @@ class StatusHub:
         supervisor: the task supervisor (owned by the runner) that runs the hub's loop.
         settings: pacing of the rounds.
         before_round: awaited before each status round (the backend's call-rate limit, if any).
+        round_would_wait: True when ``before_round`` would have to wait now; a waiter whose
+            deadline passed then gives up instead of waiting for that round.
     """
 
     def __init__(
@@ -115,10 +119,13 @@ class StatusHub:
         supervisor: TaskSupervisor,
         settings: PollSettings | None = None,
         before_round: Callable[[], Awaitable[None]] | None = None,
+        round_would_wait: Callable[[], bool] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.settings = settings or PollSettings()
         self._before_round = before_round
+        self._round_would_wait = round_would_wait
+        self._throttled = False  # the loop waits for before_round to let the next round go
         self._supervisor = supervisor
         self._entries: dict[str, AppEntry] = {}
         # the apps still followed, in the order they were first tracked (an ordered set)
@@ -222,14 +229,22 @@ class StatusHub:
             self._mark_dirty(app_id)
         return entry, self.rounds
 
-    async def wait_consulted(self, entry: AppEntry, token: int) -> None:
-        """Returns once ``entry`` is final or a round numbered above ``token`` has answered for it."""
+    async def wait_consulted(self, entry: AppEntry, token: int) -> bool:
+        """Waits until ``entry`` is final or a round numbered above ``token`` has answered for it.
+
+        Returns:
+            True then; False at once when the next round is held back by the call-rate limit
+            (the caller's deadline has passed: it does not wait for a rate slot).
+        """
         while not entry.final and entry.consulted <= token:
             self._check_open()
+            if self._throttled:
+                return False
             if entry.answered is None:
                 entry.answered = asyncio.Event()
             entry.answered.clear()
             await entry.answered.wait()
+        return True
 
     async def wait_final(
         self,
@@ -266,7 +281,7 @@ class StatusHub:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
-                    await self.wait_consulted(entry, token)
+                    await self.wait_consulted(entry, token)  # False: rate-limited, not asked
                     if entry.final:
                         break
                     raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
@@ -356,7 +371,13 @@ class StatusHub:
 
     async def _round(self, ids: list[str]) -> bool:
         if self._before_round is not None:
-            await self._before_round()
+            if self._round_would_wait is not None and self._round_would_wait():
+                self._throttled = True
+                self._wake_consulting()
+            try:
+                await self._before_round()
+            finally:
+                self._throttled = False
         self.rounds += 1
         number = self.rounds
         try:
@@ -374,6 +395,13 @@ class StatusHub:
                 changed |= self._apply(entry, responses.get(app_id))
         self._answered(ids, number)
         return changed
+
+    def _wake_consulting(self) -> None:
+        """Wakes the waiters of a last round (``wait_consulted``): it is held back by the rate."""
+        for app_id in self._live:
+            entry = self._entries.get(app_id)
+            if entry is not None and entry.answered is not None:
+                entry.answered.set()
 
     def _answered(self, ids: list[str], number: int) -> None:
         """Marks the apps of round ``number`` as consulted and wakes whoever waits on that."""

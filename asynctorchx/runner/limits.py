@@ -209,6 +209,10 @@ class BackendLimiter:
             or (self._rate is not None and self._rate.would_wait())
         )
 
+    def call_would_wait(self) -> bool:
+        """True when a ``call`` now would have to wait for the rate."""
+        return self._rate is not None and self._rate.would_wait()
+
     async def call(self) -> None:
         """Waits (cancellably) until one more control-plane call may be made."""
         if self._rate is not None:
