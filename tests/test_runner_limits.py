@@ -364,3 +364,42 @@ async def test_a_wait_timeout_is_kept_when_the_rate_holds_the_last_round_back(ca
                 await runner.wait_all([handle], timeout=timeout)
         assert not guard.cancelled_caught, "the wait outlived its timeout, waiting for the rate"
         assert backend.calls["describe"] == backend.calls["describe_many"] == 0
+
+
+class KeepsSubmitting:
+    """A scripted scheduler that, like slurm's, still submits after ``close()``: only the runner
+    can stop a launch that reaches it late."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_launch_queued_when_the_runner_closes_submits_nothing() -> None:
+    """A run() waiting for a submit slot while the runner closes raises 'closed' once it gets
+    the slot, without submitting; the run() in flight then returns its handle."""
+    clock = VirtualClock()
+    backend = ScriptedBackend(NAME, clock=clock, submit_latency=1)
+    runner = AsyncRunner(
+        "t",
+        scheduler_factories={NAME: lambda *a, **k: KeepsSubmitting(backend(*a, **k))},
+        limits={NAME: Limits(max_concurrent_submits=1)},
+    )
+    await runner.open()
+    first = asyncio.create_task(runner.run(app("first"), NAME))
+    second = asyncio.create_task(runner.run(app("second"), NAME))
+    with anyio.fail_after(10):
+        while runner._limiters[NAME].waiting == 0:
+            await asyncio.sleep(0)
+        await runner.close()
+    await drive(clock, [first, second])
+    assert first.result() == "scripted://t/first-1"
+    with pytest.raises(RuntimeError, match="the runner is closed"):
+        second.result()
+    assert backend.calls["submit"] == 1 and list(backend.apps) == ["first-1"]

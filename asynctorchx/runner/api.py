@@ -486,6 +486,11 @@ class AsyncRunner:
     ) -> AppHandle:
         """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app).
 
+        A submit that completes while the runner closes still returns the handle: the app was
+        launched (the close stops it on the local backends, where it ends CANCELLED). A launch
+        that reaches the backend only after the runner closed raises RuntimeError and submits
+        nothing.
+
         Args:
             workspace: local code to ship with the app (see ``dryrun``); it goes into the first
                 role's image (a Docker image on local_docker and kubernetes, a snapshot directory
@@ -547,8 +552,13 @@ class AsyncRunner:
         scheduler = self._scheduler(backend)
         with reporting(progress):
             app_id = await self._submit(backend, scheduler, dryrun_info)
+        handle = make_app_handle(backend, self._name, app_id)
+        if self._state is _Lifecycle.CLOSED:
+            # the runner closed while the backend was asked: the app was launched all the same
+            # (and stopped by the close, on a local backend), so its handle is the answer
+            return handle
         self._hub(backend).track(app_id, submitted=True)
-        return make_app_handle(backend, self._name, app_id)
+        return handle
 
     async def _submit(
         self, backend: str, scheduler: Scheduler[Any], dryrun_info: AppDryRunInfo[Any]
@@ -584,6 +594,7 @@ class AsyncRunner:
                 if limiter is not None
                 else contextlib.nullcontext()
             ):
+                self._check_not_closed()  # closed while this launch waited for its slot
                 emit(LaunchPhase.SENT)
                 if guard is None:
                     app_id = await scheduler.schedule(dryrun_info)
