@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -11,7 +13,7 @@ from _fake_scheduler import FakeScheduler
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner import PollSettings
-from asynctorchx.schedulers.api import UnknownRoleException
+from asynctorchx.schedulers.api import DescribeAppResponse, UnknownRoleException
 from asynctorchx.specs import (
     AppDef,
     AppState,
@@ -420,3 +422,40 @@ async def test_close_finishes_when_its_caller_is_cancelled() -> None:
     with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
         await closer
     assert first.closed and second.closed
+
+
+class HangingScheduler(FakeScheduler):
+    """A FakeScheduler whose status rounds hang forever once ``hang`` is set."""
+
+    hang = False
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_all"])
+async def test_a_wait_timeout_is_kept_when_the_backend_hangs(call: str) -> None:
+    """wait/wait_all(timeout=T) on a backend whose status round hangs raise TimeoutError once the
+    last look has had PollSettings.final_look_timeout, instead of hanging with the round."""
+    made: list[HangingScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> HangingScheduler:
+        made.append(HangingScheduler(session_name, **params))
+        return made[-1]
+
+    timeout = 0.2
+    settings = replace(FAST, final_look_timeout=timeout)
+    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=settings)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        await made[0].wait_described("fake-0")
+        made[0].hang = True
+        with anyio.move_on_after(50 * timeout) as guard, pytest.raises(TimeoutError):
+            if call == "wait":
+                await runner.wait(handle, timeout=timeout)
+            else:
+                await runner.wait_all([handle], timeout=timeout)
+        assert not guard.cancelled_caught, "the wait hung with the backend's status round"
+

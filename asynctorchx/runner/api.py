@@ -899,8 +899,8 @@ class AsyncRunner:
                         if handle not in seen and not entry.final
                     ]
                     for hub, entry, token in checks:
-                        if not await hub.wait_consulted(entry, token):
-                            break  # rate-limited: the deadline is kept
+                        if not await hub.final_look(entry, token):
+                            break  # rate-limited or not answered in time: the deadline is kept
                     continue
                 handle, entry = item
                 if handle in seen:

@@ -15,8 +15,8 @@ with the app not terminal, it asks for a round and raises ``TimeoutError`` only 
 after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
 on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
 its deadline costs no extra round. That last round is not waited for when the backend's call-rate
-limit holds it back (``round_would_wait``): the timeout is kept, the rate too, and the wait raises
-``TimeoutError`` on what the hub knew.
+limit holds it back (``round_would_wait``), nor longer than ``PollSettings.final_look_timeout`` (a
+hung backend): the wait then raises ``TimeoutError`` on what the hub knew.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ class PollSettings:
         push_safety_interval: for pushing backends, how often all live apps are re-described anyway.
         unknown_grace: how long an app submitted by this runner may be unknown to its backend (e.g. not
             yet visible in a listing) before it is reported unknown.
+        final_look_timeout: how long a wait whose deadline passed waits for the scheduler's last
+            answer (see the module's docstring), so that a hung backend cannot hold it forever.
     """
 
     min_interval: float = 0.05
@@ -55,6 +57,7 @@ class PollSettings:
     backoff: float = 1.5
     push_safety_interval: float = 5.0
     unknown_grace: float = 10.0
+    final_look_timeout: float = 10.0
 
 
 @dataclass
@@ -246,6 +249,12 @@ class StatusHub:
             await entry.answered.wait()
         return True
 
+    async def final_look(self, entry: AppEntry, token: int) -> bool:
+        """``wait_consulted``, for at most ``PollSettings.final_look_timeout`` (False after it)."""
+        with anyio.move_on_after(self.settings.final_look_timeout):
+            return await self.wait_consulted(entry, token)
+        return False
+
     async def wait_final(
         self,
         app_id: str,
@@ -281,7 +290,7 @@ class StatusHub:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
-                    await self.wait_consulted(entry, token)  # False: rate-limited, not asked
+                    await self.final_look(entry, token)  # False: not answered in time
                     if entry.final:
                         break
                     raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
