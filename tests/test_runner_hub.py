@@ -459,3 +459,22 @@ async def test_a_wait_timeout_is_kept_when_the_backend_hangs(call: str) -> None:
                 await runner.wait_all([handle], timeout=timeout)
         assert not guard.cancelled_caught, "the wait hung with the backend's status round"
 
+
+async def test_an_int_timeout_too_large_for_a_float_means_no_limit() -> None:
+    """wait/wait_all(timeout=10**400) wait like timeout=None (they raised OverflowError), and
+    wait_interval=10**400 is refused like inf, with the ValueError naming it."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        waits = [
+            asyncio.create_task(runner.wait(handle, timeout=10**400)),
+            asyncio.create_task(runner.wait_all([handle], timeout=10**400)),
+        ]
+        await made[0].wait_described("fake-0")
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            single, every = await asyncio.gather(*waits)
+        assert single is not None and single.state == AppState.SUCCEEDED
+        assert every[handle] is not None and every[handle].state == AppState.SUCCEEDED
+        with pytest.raises(ValueError, match="wait_interval must be .* got 1000000"):
+            await runner.wait(handle, wait_interval=10**400)

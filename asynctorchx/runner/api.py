@@ -801,11 +801,11 @@ class AsyncRunner:
                 positive number.
         """
         self._check_open()
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         if wait_interval is not None and (
             isinstance(wait_interval, bool)
             or not isinstance(wait_interval, (int, float))
-            or not 0 < wait_interval < math.inf
+            or not 0 < _float(wait_interval) < math.inf
         ):
             raise ValueError(
                 f"wait_interval must be a positive number of seconds, got {wait_interval!r}"
@@ -851,7 +851,7 @@ class AsyncRunner:
             TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         handles = list(dict.fromkeys(_handles(app_handles)))
         if not handles:
             return
@@ -1133,14 +1133,29 @@ def _handles(app_handles: Iterable[AppHandle]) -> Iterable[AppHandle]:
     return app_handles
 
 
-def _check_timeout(timeout: float | None) -> None:
-    """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
-    if timeout is not None and (
+def _check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a float (an int too large for one is inf: no limit).
+
+    Raises:
+        ValueError: ``timeout`` is not None or a number of seconds >= 0.
+    """
+    if timeout is None:
+        return None
+    if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
         or not timeout >= 0  # also rejects NaN
     ):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return _float(timeout)
+
+
+def _float(seconds: float) -> float:
+    """``float(seconds)``, inf for an int too large for a float (10**400 s: no limit)."""
+    try:
+        return float(seconds)
+    except OverflowError:
+        return math.inf
 
 
 def get_runner(
