@@ -400,6 +400,30 @@ async def test_a_launch_queued_when_the_runner_closes_submits_nothing() -> None:
         await runner.close()
     await drive(clock, [first, second])
     assert first.result() == "scripted://t/first-1"
-    with pytest.raises(RuntimeError, match="the runner is closed"):
+    with pytest.raises(RuntimeError, match="the runner (is|was) closed"):
         second.result()
     assert backend.calls["submit"] == 1 and list(backend.apps) == ["first-1"]
+
+
+async def test_calls_and_launches_waiting_for_the_rate_end_when_the_runner_closes() -> None:
+    """A run() queued for a slot and a status() waiting for the call rate raise 'closed' as soon
+    as the runner closes (they waited for the slot, up to 1/R), and nothing reaches the backend."""
+    clock = VirtualClock()  # never advanced: the next rate slot never comes
+    backend = ScriptedBackend(NAME, clock=clock)
+    runner = runner_with(
+        backend, limits={NAME: Limits(max_calls_per_second=1, max_concurrent_submits=1)}, clock=clock
+    )
+    await runner.open()
+    handle = await runner.run(app("first"), NAME)  # takes the only call of the window
+    queued = [
+        asyncio.create_task(runner.run(app("second"), NAME)),
+        asyncio.create_task(runner.status(handle)),
+    ]
+    with anyio.fail_after(10):
+        while runner._limiters[NAME].waiting == 0 or backend.calls["describe"]:
+            await asyncio.sleep(0)
+        await runner.close()
+        for task in queued:
+            with pytest.raises(RuntimeError, match="closed"):
+                await task
+    assert backend.calls["submit"] == 1 and backend.calls["describe"] == 0

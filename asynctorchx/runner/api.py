@@ -222,6 +222,8 @@ class AsyncRunner:
     async def _close(self) -> None:
         for hub in self._hubs.values():
             await hub.aclose()
+        for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
+            limiter.close()
         await self._supervisor.aclose()
         for scheduler in self._schedulers.values():
             try:

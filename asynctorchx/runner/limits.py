@@ -33,7 +33,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -200,6 +200,29 @@ class BackendLimiter:
         rate = limits.max_calls_per_second
         self._rate = RateLimiter(rate, clock) if rate is not None else None
         self.waiting = 0  # launches waiting for a slot or a call
+        self._waits: set[anyio.CancelScope] = set()
+        self._closed = False
+
+    def close(self) -> None:
+        """Ends every wait for a slot or a call, and every later one, with RuntimeError: the
+        runner closed, and nothing it would let through may reach the backend."""
+        self._closed = True
+        for scope in self._waits:
+            scope.cancel()
+
+    @contextlib.contextmanager
+    def _wait(self) -> Iterator[None]:
+        """A wait that ``close()`` ends with RuntimeError."""
+        if self._closed:
+            raise RuntimeError("the runner is closed")
+        with anyio.CancelScope() as scope:
+            self._waits.add(scope)
+            try:
+                yield
+            finally:
+                self._waits.discard(scope)
+        if scope.cancelled_caught:
+            raise RuntimeError("the runner was closed while this call waited for its turn")
 
     def would_wait(self) -> bool:
         """True when a submit now would have to wait for a slot or for the rate."""
@@ -214,9 +237,14 @@ class BackendLimiter:
         return self._rate is not None and self._rate.would_wait()
 
     async def call(self) -> None:
-        """Waits (cancellably) until one more control-plane call may be made."""
+        """Waits (cancellably) until one more control-plane call may be made.
+
+        Raises:
+            RuntimeError: the runner closed (see ``close``).
+        """
         if self._rate is not None:
-            await self._rate.acquire()
+            with self._wait():
+                await self._rate.acquire()
 
     @contextlib.asynccontextmanager
     async def submit(self, on_queued: Callable[[int], None] | None = None) -> AsyncIterator[None]:
@@ -230,10 +258,12 @@ class BackendLimiter:
         self.waiting += 1
         acquired = False
         try:
-            if self._slots is not None:
-                await self._slots.acquire()
-                acquired = True
-            await self.call()
+            with self._wait():
+                if self._slots is not None:
+                    await self._slots.acquire()
+                    acquired = True
+                if self._rate is not None:
+                    await self._rate.acquire()
         except BaseException:
             if acquired and self._slots is not None:
                 self._slots.release()
