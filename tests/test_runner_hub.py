@@ -478,3 +478,27 @@ async def test_an_int_timeout_too_large_for_a_float_means_no_limit() -> None:
         assert every[handle] is not None and every[handle].state == AppState.SUCCEEDED
         with pytest.raises(ValueError, match="wait_interval must be .* got 1000000"):
             await runner.wait(handle, wait_interval=10**400)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"min_interval": float("nan")}, "min_interval must be a finite number > 0, got nan"),
+        ({"min_interval": 0}, "min_interval must be a finite number > 0, got 0"),
+        ({"min_interval": -1}, "min_interval must be a finite number > 0, got -1"),
+        ({"min_interval": "0.1"}, "min_interval must be a finite number > 0, got '0.1'"),
+        ({"max_interval": float("nan")}, "max_interval must be a number > 0, got nan"),
+        ({"min_interval": 5, "max_interval": 1}, r"max_interval \(1.0\) must not be below"),
+        ({"backoff": 0.5}, "backoff must be a finite number >= 1, got 0.5"),
+        ({"push_safety_interval": True}, "push_safety_interval must be a number > 0, got True"),
+        ({"unknown_grace": -1}, "unknown_grace must be a number >= 0, got -1"),
+        ({"final_look_timeout": float("nan")}, "final_look_timeout must be a number >= 0, got nan"),
+    ],
+)
+def test_bad_poll_settings_are_refused_naming_the_field(
+    settings: dict[str, Any], message: str
+) -> None:
+    """A PollSettings value that is NaN, not a number or out of range raises ValueError naming
+    it (a NaN stopped the hub's loop for good; min_interval <= 0 made it poll without pause)."""
+    with pytest.raises(ValueError, match=message):
+        PollSettings(**settings)

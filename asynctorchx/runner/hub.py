@@ -50,6 +50,10 @@ class PollSettings:
             yet visible in a listing) before it is reported unknown.
         final_look_timeout: how long a wait whose deadline passed waits for the scheduler's last
             answer (see the module's docstring), so that a hung backend cannot hold it forever.
+
+    Raises:
+        ValueError: a value that is no number of seconds in its range (NaN, a string, a
+            ``min_interval`` <= 0 or above ``max_interval``, a ``backoff`` below 1), naming it.
     """
 
     min_interval: float = 0.05
@@ -58,6 +62,41 @@ class PollSettings:
     push_safety_interval: float = 5.0
     unknown_grace: float = 10.0
     final_look_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        # (low, low allowed, inf allowed): a NaN or a string stopped the hub's loop for good, and
+        # a min_interval <= 0 had it describe the apps thousands of times a second
+        bounds = {
+            "min_interval": (0.0, False, False),
+            "max_interval": (0.0, False, True),
+            "backoff": (1.0, True, False),
+            "push_safety_interval": (0.0, False, True),
+            "unknown_grace": (0.0, True, True),
+            "final_look_timeout": (0.0, True, True),
+        }
+        for name, (low, low_ok, inf_ok) in bounds.items():
+            value = getattr(self, name)
+            seconds = math.nan
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    seconds = float(value)
+                except OverflowError:  # an int too large for a float
+                    seconds = math.inf
+            if (
+                not (seconds >= low if low_ok else seconds > low)  # also rejects NaN
+                or (seconds == math.inf and not inf_ok)
+            ):
+                kind = "a number" if inf_ok else "a finite number"
+                raise ValueError(
+                    f"PollSettings.{name} must be {kind} {'>=' if low_ok else '>'} {low:g}, "
+                    f"got {value!r}"
+                )
+            object.__setattr__(self, name, seconds)  # (frozen) the hub computes with floats
+        if self.max_interval < self.min_interval:
+            raise ValueError(
+                f"PollSettings.max_interval ({self.max_interval!r}) must not be below "
+                f"min_interval ({self.min_interval!r})"
+            )
 
 
 @dataclass
