@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -502,3 +503,41 @@ def test_bad_poll_settings_are_refused_naming_the_field(
     it (a NaN stopped the hub's loop for good; min_interval <= 0 made it poll without pause)."""
     with pytest.raises(ValueError, match=message):
         PollSettings(**settings)
+
+
+class StrayCancelScheduler(FakeScheduler):
+    """A FakeScheduler whose next status round raises CancelledError once ``stray`` is set,
+    though nothing cancelled it (a backend bug seen in client libraries)."""
+
+    stray = False
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        if self.stray:
+            self.stray = False
+            raise asyncio.CancelledError
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="needs Task.cancelling (Python 3.11)")
+async def test_a_stray_cancelled_error_from_the_backend_does_not_stop_the_hub() -> None:
+    """A status round that raises CancelledError nobody asked for counts as a failed round: the
+    hub goes on, and a wait without timeout still sees the app end (it waited forever)."""
+    made: list[StrayCancelScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> StrayCancelScheduler:
+        made.append(StrayCancelScheduler(session_name, **params))
+        return made[-1]
+
+    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=FAST)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        await made[0].wait_described("fake-0")
+        made[0].stray = True
+        waiter = asyncio.create_task(runner.wait(handle))
+        with anyio.fail_after(10):
+            while made[0].stray:
+                await asyncio.sleep(0.01)
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED

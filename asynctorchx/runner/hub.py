@@ -431,7 +431,16 @@ class StatusHub:
         try:
             responses = await self.scheduler.describe_many(ids)
         except asyncio.CancelledError:
-            raise
+            if not self._stray_cancellation():
+                raise
+            logger.error(
+                "status round for %d %s apps raised CancelledError though nothing cancelled it "
+                "(a backend bug): counted as a failed round",
+                len(ids),
+                self.scheduler.backend,
+            )
+            self._answered(ids, number)
+            return False
         except Exception:
             logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
             self._answered(ids, number)
@@ -443,6 +452,14 @@ class StatusHub:
                 changed |= self._apply(entry, responses.get(app_id))
         self._answered(ids, number)
         return changed
+
+    def _stray_cancellation(self) -> bool:
+        """True when a CancelledError from the backend did not come from cancelling this loop
+        (which only ``aclose`` does): letting it end the loop would leave every waiter waiting.
+        Python < 3.11 cannot tell (no ``Task.cancelling``): it is taken as a real one."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)
+        return not self._closed and cancelling is not None and cancelling() == 0
 
     def _wake_consulting(self) -> None:
         """Wakes the waiters of a last round (``wait_consulted``): it is held back by the rate."""
