@@ -257,6 +257,7 @@ async def test_the_rate_limiter_spaces_grants(rate: float, burst: int, window: f
         ({"max_calls_per_second": 0}, "max_calls_per_second must be a finite number > 0 .* got 0"),
         ({"max_calls_per_second": math.nan}, "got nan"),
         ({"max_calls_per_second": math.inf}, "got inf"),
+        ({"max_calls_per_second": 10**400}, "must be a finite number > 0 .* got 1000000"),
         ({"max_calls_per_second": "fast"}, "got 'fast'"),
         ({"max_calls_per_seconds": 1}, "unknown key 'max_calls_per_seconds'"),
     ],

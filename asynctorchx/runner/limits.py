@@ -95,6 +95,11 @@ def _check_rate(value: object, backend: str | None) -> float | None:
             number = float(value.strip())
         except ValueError:
             number = value
+    if isinstance(number, int) and not isinstance(number, bool):
+        try:
+            number = float(number)
+        except OverflowError:  # too large for a float: not finite either
+            number = math.inf
     if (
         isinstance(number, bool)
         or not isinstance(number, (int, float))
