@@ -477,7 +477,7 @@ async def test_an_int_timeout_too_large_for_a_float_means_no_limit() -> None:
             single, every = await asyncio.gather(*waits)
         assert single is not None and single.state == AppState.SUCCEEDED
         assert every[handle] is not None and every[handle].state == AppState.SUCCEEDED
-        with pytest.raises(ValueError, match="wait_interval must be .* got 1000000"):
+        with pytest.raises(ValueError, match=r"wait_interval must be .* got 1000000"):
             await runner.wait(handle, wait_interval=10**400)
 
 

@@ -401,7 +401,7 @@ async def test_a_launch_queued_when_the_runner_closes_submits_nothing() -> None:
         await runner.close()
     await drive(clock, [first, second])
     assert first.result() == "scripted://t/first-1"
-    with pytest.raises(RuntimeError, match="the runner (is|was) closed"):
+    with pytest.raises(RuntimeError, match=r"the runner (is|was) closed"):
         second.result()
     assert backend.calls["submit"] == 1 and list(backend.apps) == ["first-1"]
 
@@ -412,7 +412,9 @@ async def test_calls_and_launches_waiting_for_the_rate_end_when_the_runner_close
     clock = VirtualClock()  # never advanced: the next rate slot never comes
     backend = ScriptedBackend(NAME, clock=clock)
     runner = runner_with(
-        backend, limits={NAME: Limits(max_calls_per_second=1, max_concurrent_submits=1)}, clock=clock
+        backend,
+        limits={NAME: Limits(max_calls_per_second=1, max_concurrent_submits=1)},
+        clock=clock,
     )
     await runner.open()
     handle = await runner.run(app("first"), NAME)  # takes the only call of the window
