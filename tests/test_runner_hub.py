@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import anyio
 import pytest
 from _fake_scheduler import FakeScheduler
+from _runner_env import times_out_in_time
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner import PollSettings
-from asynctorchx.schedulers.api import UnknownRoleException
+from asynctorchx.schedulers.api import DescribeAppResponse, UnknownRoleException
 from asynctorchx.specs import (
     AppDef,
     AppState,
@@ -420,3 +424,117 @@ async def test_close_finishes_when_its_caller_is_cancelled() -> None:
     with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
         await closer
     assert first.closed and second.closed
+
+
+class HangingScheduler(FakeScheduler):
+    """A FakeScheduler whose status rounds hang forever once ``hang`` is set."""
+
+    hang = False
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_all"])
+async def test_a_wait_timeout_is_kept_when_the_backend_hangs(call: str) -> None:
+    """wait/wait_all(timeout=T) on a backend whose status round hangs raise TimeoutError once the
+    last look has had PollSettings.final_look_timeout, instead of hanging with the round."""
+    made: list[HangingScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> HangingScheduler:
+        made.append(HangingScheduler(session_name, **params))
+        return made[-1]
+
+    timeout = 0.2
+    settings = replace(FAST, final_look_timeout=timeout)
+    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=settings)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        await made[0].wait_described("fake-0")
+        made[0].hang = True
+        hung = "the wait hung with the backend's status round"
+        assert await times_out_in_time(runner, handle, call, timeout, guard=50 * timeout), hung
+
+
+async def test_an_int_timeout_too_large_for_a_float_means_no_limit() -> None:
+    """wait/wait_all(timeout=10**400) wait like timeout=None (they raised OverflowError), and
+    wait_interval=10**400 is refused like inf, with the ValueError naming it."""
+    runner, made = make_runner()
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        waits = [
+            asyncio.create_task(runner.wait(handle, timeout=10**400)),
+            asyncio.create_task(runner.wait_all([handle], timeout=10**400)),
+        ]
+        await made[0].wait_described("fake-0")
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            single, every = await asyncio.gather(*waits)
+        assert single is not None and single.state == AppState.SUCCEEDED
+        assert every[handle] is not None and every[handle].state == AppState.SUCCEEDED
+        with pytest.raises(ValueError, match=r"wait_interval must be .* got 1000000"):
+            await runner.wait(handle, wait_interval=10**400)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"min_interval": float("nan")}, "min_interval must be a finite number > 0, got nan"),
+        ({"min_interval": 0}, "min_interval must be a finite number > 0, got 0"),
+        ({"min_interval": -1}, "min_interval must be a finite number > 0, got -1"),
+        ({"min_interval": "0.1"}, "min_interval must be a finite number > 0, got '0.1'"),
+        ({"max_interval": float("nan")}, "max_interval must be a number > 0, got nan"),
+        ({"min_interval": 5, "max_interval": 1}, r"max_interval \(1.0\) must not be below"),
+        ({"backoff": 0.5}, "backoff must be a finite number >= 1, got 0.5"),
+        ({"push_safety_interval": True}, "push_safety_interval must be a number > 0, got True"),
+        ({"unknown_grace": -1}, "unknown_grace must be a number >= 0, got -1"),
+        ({"final_look_timeout": float("nan")}, "final_look_timeout must be a number >= 0, got nan"),
+    ],
+)
+def test_bad_poll_settings_are_refused_naming_the_field(
+    settings: dict[str, Any], message: str
+) -> None:
+    """A PollSettings value that is NaN, not a number or out of range raises ValueError naming
+    it (a NaN stopped the hub's loop for good; min_interval <= 0 made it poll without pause)."""
+    with pytest.raises(ValueError, match=message):
+        PollSettings(**settings)
+
+
+class StrayCancelScheduler(FakeScheduler):
+    """A FakeScheduler whose next status round raises CancelledError once ``stray`` is set,
+    though nothing cancelled it (a backend bug seen in client libraries)."""
+
+    stray = False
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        if self.stray:
+            self.stray = False
+            raise asyncio.CancelledError
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="needs Task.cancelling (Python 3.11)")
+async def test_a_stray_cancelled_error_from_the_backend_does_not_stop_the_hub() -> None:
+    """A status round that raises CancelledError nobody asked for counts as a failed round: the
+    hub goes on, and a wait without timeout still sees the app end (it waited forever)."""
+    made: list[StrayCancelScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> StrayCancelScheduler:
+        made.append(StrayCancelScheduler(session_name, **params))
+        return made[-1]
+
+    runner = AsyncRunner("test", scheduler_factories={"fake": factory}, poll_settings=FAST)
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        await made[0].wait_described("fake-0")
+        made[0].stray = True
+        waiter = asyncio.create_task(runner.wait(handle))
+        with anyio.fail_after(10):
+            while made[0].stray:
+                await asyncio.sleep(0.01)
+        made[0].set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED

@@ -377,6 +377,9 @@ async def test_bad_arguments_are_clear_errors() -> None:
         with pytest.raises(ValueError, match="got inf"):
             async with runner.launch_group(cleanup_timeout=float("inf")):
                 pass
+        with pytest.raises(ValueError, match=r"cleanup_timeout must be .* got 1000000"):
+            async with runner.launch_group(cleanup_timeout=10**400):  # too large for a float
+                pass
         with pytest.raises(TypeError, match="component_args apply to a component name"):
             async with runner.launched(app(), "scripted", component_args=["--x"]):
                 pass

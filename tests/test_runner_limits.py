@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import pytest
+from _runner_env import times_out_in_time
 
 from asynctorchx import AsyncRunner, get_runner
 from asynctorchx.runner import LaunchEvent, LaunchPhase, Limits
@@ -257,6 +258,7 @@ async def test_the_rate_limiter_spaces_grants(rate: float, burst: int, window: f
         ({"max_calls_per_second": 0}, "max_calls_per_second must be a finite number > 0 .* got 0"),
         ({"max_calls_per_second": math.nan}, "got nan"),
         ({"max_calls_per_second": math.inf}, "got inf"),
+        ({"max_calls_per_second": 10**400}, "must be a finite number > 0 .* got 1000000"),
         ({"max_calls_per_second": "fast"}, "got 'fast'"),
         ({"max_calls_per_seconds": 1}, "unknown key 'max_calls_per_seconds'"),
     ],
@@ -344,3 +346,84 @@ def test_an_absurd_rate_is_capped_not_a_crash() -> None:
     limiter = RateLimiter(1e300, VirtualClock())
     assert limiter.burst == 100_000 and limiter.window < 1e-290
     assert Limits(max_concurrent_submits=10**18).max_concurrent_submits == 10**18
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_all"])
+async def test_a_wait_timeout_is_kept_when_the_rate_holds_the_last_round_back(call: str) -> None:
+    """wait/wait_all(timeout=T) raise TimeoutError at T when the call rate holds the last status
+    round back (it waited for the rate slot, up to 1/R later), and make no call beyond the rate."""
+    clock = VirtualClock()  # never advanced: the next rate slot never comes
+    backend = ScriptedBackend(NAME, clock=clock)
+    timeout = 0.5
+    async with runner_with(
+        backend, limits={NAME: Limits(max_calls_per_second=1)}, clock=clock
+    ) as runner:
+        handle = await runner.run(app(), NAME)  # takes the only slot of the window
+        late = "the wait outlived its timeout, waiting for the rate"
+        assert await times_out_in_time(runner, handle, call, timeout, guard=20 * timeout), late
+        assert backend.calls["describe"] == backend.calls["describe_many"] == 0
+
+
+class KeepsSubmitting:
+    """A scripted scheduler that, like slurm's, still submits after ``close()``: only the runner
+    can stop a launch that reaches it late."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.closed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_launch_queued_when_the_runner_closes_submits_nothing() -> None:
+    """A run() waiting for a submit slot while the runner closes raises 'closed' once it gets
+    the slot, without submitting; the run() in flight then returns its handle."""
+    clock = VirtualClock()
+    backend = ScriptedBackend(NAME, clock=clock, submit_latency=1)
+    runner = AsyncRunner(
+        "t",
+        scheduler_factories={NAME: lambda *a, **k: KeepsSubmitting(backend(*a, **k))},
+        limits={NAME: Limits(max_concurrent_submits=1)},
+    )
+    await runner.open()
+    first = asyncio.create_task(runner.run(app("first"), NAME))
+    second = asyncio.create_task(runner.run(app("second"), NAME))
+    with anyio.fail_after(10):
+        while runner._limiters[NAME].waiting == 0:
+            await asyncio.sleep(0)
+        await runner.close()
+    await drive(clock, [first, second])
+    assert first.result() == "scripted://t/first-1"
+    with pytest.raises(RuntimeError, match=r"the runner (is|was) closed"):
+        second.result()
+    assert backend.calls["submit"] == 1 and list(backend.apps) == ["first-1"]
+
+
+async def test_calls_and_launches_waiting_for_the_rate_end_when_the_runner_closes() -> None:
+    """A run() queued for a slot and a status() waiting for the call rate raise 'closed' as soon
+    as the runner closes (they waited for the slot, up to 1/R), and nothing reaches the backend."""
+    clock = VirtualClock()  # never advanced: the next rate slot never comes
+    backend = ScriptedBackend(NAME, clock=clock)
+    runner = runner_with(
+        backend,
+        limits={NAME: Limits(max_calls_per_second=1, max_concurrent_submits=1)},
+        clock=clock,
+    )
+    await runner.open()
+    handle = await runner.run(app("first"), NAME)  # takes the only call of the window
+    queued = [
+        asyncio.create_task(runner.run(app("second"), NAME)),
+        asyncio.create_task(runner.status(handle)),
+    ]
+    with anyio.fail_after(10):
+        while runner._limiters[NAME].waiting == 0 or backend.calls["describe"]:
+            await asyncio.sleep(0)
+        await runner.close()
+        for task in queued:
+            with pytest.raises(RuntimeError, match="closed"):
+                await task
+    assert backend.calls["submit"] == 1 and backend.calls["describe"] == 0

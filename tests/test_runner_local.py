@@ -715,3 +715,54 @@ async def test_500_apps_through_as_completed_cost_one_round_per_tick(
         # exits spread out in time on a busy machine: 100-110 rounds for 500 apps were seen on a
         # loaded 2-core VM, 40-60 on a quiet one); a hub polling per waiter would need >= n calls
         assert rounds_to_finish <= n // 2
+
+
+class SubmitPause:
+    """Wraps the real local scheduler: its submits complete, then wait for ``go`` before returning."""
+
+    def __init__(self, inner: Scheduler[Any]) -> None:
+        self._inner = inner
+        self.submitted = asyncio.Event()
+        self.go = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def schedule(self, dryrun_info: Any) -> str:
+        app_id: str = await self._inner.schedule(dryrun_info)
+        self.submitted.set()
+        await self.go.wait()
+        return app_id
+
+
+async def test_a_run_whose_submit_ends_as_the_runner_closes_returns_the_handle(
+    root: Path,
+) -> None:
+    """A run() whose local submit completes while close() runs returns the handle of the app
+    (which the close stopped: CANCELLED), rather than raising 'closed' with the app unnamed."""
+    real = get_scheduler_factories()[LOCAL]
+    made: list[SubmitPause] = []
+
+    def factory(session_name: str, **params: Any) -> Any:
+        made.append(SubmitPause(real(session_name, **params)))
+        return made[-1]
+
+    name = session()
+    runner = AsyncRunner(name=name, local_root=str(root), scheduler_factories={LOCAL: factory})
+    await runner.open()
+    run = asyncio.create_task(runner.run(sh_app("exec sleep 60"), LOCAL))
+    with anyio.fail_after(30):
+        await until(lambda: bool(made), what="the scheduler")
+        await made[0].submitted.wait()
+        closing = asyncio.create_task(runner.close())
+        await until(lambda: made[0]._inner._closed, what="the close to reach the scheduler")
+        made[0].go.set()
+        handle = await run
+        await closing
+    assert parse_app_handle(handle)[:2] == (LOCAL, name)
+    async with AsyncRunner(name=name, local_root=str(root)) as other:
+        status = await other.status(handle)
+    assert status is not None and status.state == AppState.CANCELLED
+    pid = status.roles[0].replicas[0].pid
+    assert pid is not None
+    await until(lambda: not alive(pid), what="the app's process to be gone")

@@ -134,14 +134,13 @@ async def shielded(
 
 
 def _check_timeout(value: object) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int too large for a float
+            seconds = float(value)
+    if not 0 < seconds < math.inf:
         raise ValueError(f"cleanup_timeout must be a finite number of seconds > 0, got {value!r}")
-    return float(value)
+    return seconds
 
 
 @dataclass

@@ -222,6 +222,8 @@ class AsyncRunner:
     async def _close(self) -> None:
         for hub in self._hubs.values():
             await hub.aclose()
+        for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
+            limiter.close()
         await self._supervisor.aclose()
         for scheduler in self._schedulers.values():
             try:
@@ -310,6 +312,7 @@ class AsyncRunner:
                 self._supervisor,
                 self._poll_settings,
                 before_round=None if limiter is None else limiter.call,
+                round_would_wait=None if limiter is None else limiter.call_would_wait,
             )
             self._hubs[backend] = hub
         return hub
@@ -485,6 +488,11 @@ class AsyncRunner:
     ) -> AppHandle:
         """Submits ``app`` to ``scheduler`` and returns its handle (it does not wait for the app).
 
+        A submit that completes while the runner closes still returns the handle: the app was
+        launched (the close stops it on the local backends, where it ends CANCELLED). A launch
+        that reaches the backend only after the runner closed raises RuntimeError and submits
+        nothing.
+
         Args:
             workspace: local code to ship with the app (see ``dryrun``); it goes into the first
                 role's image (a Docker image on local_docker and kubernetes, a snapshot directory
@@ -546,8 +554,13 @@ class AsyncRunner:
         scheduler = self._scheduler(backend)
         with reporting(progress):
             app_id = await self._submit(backend, scheduler, dryrun_info)
+        handle = make_app_handle(backend, self._name, app_id)
+        if self._state is _Lifecycle.CLOSED:
+            # the runner closed while the backend was asked: the app was launched all the same
+            # (and stopped by the close, on a local backend), so its handle is the answer
+            return handle
         self._hub(backend).track(app_id, submitted=True)
-        return make_app_handle(backend, self._name, app_id)
+        return handle
 
     async def _submit(
         self, backend: str, scheduler: Scheduler[Any], dryrun_info: AppDryRunInfo[Any]
@@ -583,6 +596,7 @@ class AsyncRunner:
                 if limiter is not None
                 else contextlib.nullcontext()
             ):
+                self._check_not_closed()  # closed while this launch waited for its slot
                 emit(LaunchPhase.SENT)
                 if guard is None:
                     app_id = await scheduler.schedule(dryrun_info)
@@ -770,7 +784,8 @@ class AsyncRunner:
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
         leaves the app running. When the deadline passes, the scheduler is asked once more before
         ``TimeoutError`` is raised: an app that is already terminal is returned even with
-        ``timeout=0``.
+        ``timeout=0``. That last question is not asked when the backend's ``max_calls_per_second``
+        would hold it back past the deadline: the timeout is kept.
 
         Args:
             app_handle: the app.
@@ -788,11 +803,11 @@ class AsyncRunner:
                 positive number.
         """
         self._check_open()
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         if wait_interval is not None and (
             isinstance(wait_interval, bool)
             or not isinstance(wait_interval, (int, float))
-            or not 0 < wait_interval < math.inf
+            or not 0 < _float(wait_interval) < math.inf
         ):
             raise ValueError(
                 f"wait_interval must be a positive number of seconds, got {wait_interval!r}"
@@ -829,7 +844,8 @@ class AsyncRunner:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
         When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
-        raised: apps that are already terminal are yielded even with ``timeout=0``.
+        raised: apps that are already terminal are yielded even with ``timeout=0`` (unless a
+        backend's ``max_calls_per_second`` would hold that question back past the deadline).
 
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
@@ -837,7 +853,7 @@ class AsyncRunner:
             TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
-        _check_timeout(timeout)
+        timeout = _check_timeout(timeout)
         handles = list(dict.fromkeys(_handles(app_handles)))
         if not handles:
             return
@@ -885,7 +901,8 @@ class AsyncRunner:
                         if handle not in seen and not entry.final
                     ]
                     for hub, entry, token in checks:
-                        await hub.wait_consulted(entry, token)
+                        if not await hub.final_look(entry, token):
+                            break  # rate-limited or not answered in time: the deadline is kept
                     continue
                 handle, entry = item
                 if handle in seen:
@@ -1118,14 +1135,29 @@ def _handles(app_handles: Iterable[AppHandle]) -> Iterable[AppHandle]:
     return app_handles
 
 
-def _check_timeout(timeout: float | None) -> None:
-    """Raises ValueError unless ``timeout`` is None or a number of seconds >= 0 (inf: no limit)."""
-    if timeout is not None and (
+def _check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a float (an int too large for one is inf: no limit).
+
+    Raises:
+        ValueError: ``timeout`` is not None or a number of seconds >= 0.
+    """
+    if timeout is None:
+        return None
+    if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
         or not timeout >= 0  # also rejects NaN
     ):
         raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+    return _float(timeout)
+
+
+def _float(seconds: float) -> float:
+    """``float(seconds)``, inf for an int too large for a float (10**400 s: no limit)."""
+    try:
+        return float(seconds)
+    except OverflowError:
+        return math.inf
 
 
 def get_runner(

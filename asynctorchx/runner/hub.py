@@ -14,7 +14,9 @@ A wait with a deadline never times out on what the hub happened to know: when th
 with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
 after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
 on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
-its deadline costs no extra round.
+its deadline costs no extra round. That last round is not waited for when the backend's call-rate
+limit holds it back (``round_would_wait``), nor longer than ``PollSettings.final_look_timeout`` (a
+hung backend): the wait then raises ``TimeoutError`` on what the hub knew.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class PollSettings:
         push_safety_interval: for pushing backends, how often all live apps are re-described anyway.
         unknown_grace: how long an app submitted by this runner may be unknown to its backend (e.g. not
             yet visible in a listing) before it is reported unknown.
+        final_look_timeout: how long a wait whose deadline passed waits for the scheduler's last
+            answer (see the module's docstring), so that a hung backend cannot hold it forever.
+
+    Raises:
+        ValueError: a value that is no number of seconds in its range (NaN, a string, a
+            ``min_interval`` <= 0 or above ``max_interval``, a ``backoff`` below 1), naming it.
     """
 
     min_interval: float = 0.05
@@ -53,6 +61,42 @@ class PollSettings:
     backoff: float = 1.5
     push_safety_interval: float = 5.0
     unknown_grace: float = 10.0
+    final_look_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        # (low, low allowed, inf allowed): a NaN or a string stopped the hub's loop for good, and
+        # a min_interval <= 0 had it describe the apps thousands of times a second
+        bounds = {
+            "min_interval": (0.0, False, False),
+            "max_interval": (0.0, False, True),
+            "backoff": (1.0, True, False),
+            "push_safety_interval": (0.0, False, True),
+            "unknown_grace": (0.0, True, True),
+            "final_look_timeout": (0.0, True, True),
+        }
+        for name, (low, low_ok, inf_ok) in bounds.items():
+            value = getattr(self, name)
+            seconds = math.nan
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                try:
+                    seconds = float(value)
+                except OverflowError:  # an int too large for a float
+                    seconds = math.inf
+            if (
+                not (seconds >= low if low_ok else seconds > low)  # also rejects NaN
+                or (seconds == math.inf and not inf_ok)
+            ):
+                kind = "a number" if inf_ok else "a finite number"
+                raise ValueError(
+                    f"PollSettings.{name} must be {kind} {'>=' if low_ok else '>'} {low:g}, "
+                    f"got {value!r}"
+                )
+            object.__setattr__(self, name, seconds)  # (frozen) the hub computes with floats
+        if self.max_interval < self.min_interval:
+            raise ValueError(
+                f"PollSettings.max_interval ({self.max_interval!r}) must not be below "
+                f"min_interval ({self.min_interval!r})"
+            )
 
 
 @dataclass
@@ -107,6 +151,8 @@ class StatusHub:
         supervisor: the task supervisor (owned by the runner) that runs the hub's loop.
         settings: pacing of the rounds.
         before_round: awaited before each status round (the backend's call-rate limit, if any).
+        round_would_wait: True when ``before_round`` would have to wait now; a waiter whose
+            deadline passed then gives up instead of waiting for that round.
     """
 
     def __init__(
@@ -115,10 +161,13 @@ class StatusHub:
         supervisor: TaskSupervisor,
         settings: PollSettings | None = None,
         before_round: Callable[[], Awaitable[None]] | None = None,
+        round_would_wait: Callable[[], bool] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.settings = settings or PollSettings()
         self._before_round = before_round
+        self._round_would_wait = round_would_wait
+        self._throttled = False  # the loop waits for before_round to let the next round go
         self._supervisor = supervisor
         self._entries: dict[str, AppEntry] = {}
         # the apps still followed, in the order they were first tracked (an ordered set)
@@ -222,14 +271,28 @@ class StatusHub:
             self._mark_dirty(app_id)
         return entry, self.rounds
 
-    async def wait_consulted(self, entry: AppEntry, token: int) -> None:
-        """Returns once ``entry`` is final or a round numbered above ``token`` has answered for it."""
+    async def wait_consulted(self, entry: AppEntry, token: int) -> bool:
+        """Waits until ``entry`` is final or a round numbered above ``token`` has answered for it.
+
+        Returns:
+            True then; False at once when the next round is held back by the call-rate limit
+            (the caller's deadline has passed: it does not wait for a rate slot).
+        """
         while not entry.final and entry.consulted <= token:
             self._check_open()
+            if self._throttled:
+                return False
             if entry.answered is None:
                 entry.answered = asyncio.Event()
             entry.answered.clear()
             await entry.answered.wait()
+        return True
+
+    async def final_look(self, entry: AppEntry, token: int) -> bool:
+        """``wait_consulted``, for at most ``PollSettings.final_look_timeout`` (False after it)."""
+        with anyio.move_on_after(self.settings.final_look_timeout):
+            return await self.wait_consulted(entry, token)
+        return False
 
     async def wait_final(
         self,
@@ -266,7 +329,7 @@ class StatusHub:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
-                    await self.wait_consulted(entry, token)
+                    await self.final_look(entry, token)  # False: not answered in time
                     if entry.final:
                         break
                     raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
@@ -356,13 +419,28 @@ class StatusHub:
 
     async def _round(self, ids: list[str]) -> bool:
         if self._before_round is not None:
-            await self._before_round()
+            if self._round_would_wait is not None and self._round_would_wait():
+                self._throttled = True
+                self._wake_consulting()
+            try:
+                await self._before_round()
+            finally:
+                self._throttled = False
         self.rounds += 1
         number = self.rounds
         try:
             responses = await self.scheduler.describe_many(ids)
         except asyncio.CancelledError:
-            raise
+            if not self._stray_cancellation():
+                raise
+            logger.error(
+                "status round for %d %s apps raised CancelledError though nothing cancelled it "
+                "(a backend bug): counted as a failed round",
+                len(ids),
+                self.scheduler.backend,
+            )
+            self._answered(ids, number)
+            return False
         except Exception:
             logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
             self._answered(ids, number)
@@ -374,6 +452,21 @@ class StatusHub:
                 changed |= self._apply(entry, responses.get(app_id))
         self._answered(ids, number)
         return changed
+
+    def _stray_cancellation(self) -> bool:
+        """True when a CancelledError from the backend did not come from cancelling this loop
+        (which only ``aclose`` does): letting it end the loop would leave every waiter waiting.
+        Python < 3.11 cannot tell (no ``Task.cancelling``): it is taken as a real one."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)
+        return not self._closed and cancelling is not None and cancelling() == 0
+
+    def _wake_consulting(self) -> None:
+        """Wakes the waiters of a last round (``wait_consulted``): it is held back by the rate."""
+        for app_id in self._live:
+            entry = self._entries.get(app_id)
+            if entry is not None and entry.answered is not None:
+                entry.answered.set()
 
     def _answered(self, ids: list[str], number: int) -> None:
         """Marks the apps of round ``number`` as consulted and wakes whoever waits on that."""

@@ -33,7 +33,7 @@ import math
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -95,6 +95,11 @@ def _check_rate(value: object, backend: str | None) -> float | None:
             number = float(value.strip())
         except ValueError:
             number = value
+    if isinstance(number, int) and not isinstance(number, bool):
+        try:
+            number = float(number)
+        except OverflowError:  # too large for a float: not finite either
+            number = math.inf
     if (
         isinstance(number, bool)
         or not isinstance(number, (int, float))
@@ -200,6 +205,33 @@ class BackendLimiter:
         rate = limits.max_calls_per_second
         self._rate = RateLimiter(rate, clock) if rate is not None else None
         self.waiting = 0  # launches waiting for a slot or a call
+        self._waits: set[anyio.CancelScope] = set()
+        self._closed = False
+
+    def close(self) -> None:
+        """Ends every wait for a slot or a call, and every later one, with RuntimeError: the
+        runner closed, and nothing it would let through may reach the backend."""
+        self._closed = True
+        for scope in self._waits:
+            scope.cancel()
+
+    def _wait(self, at_once: bool) -> contextlib.AbstractContextManager[None]:
+        """A wait that ``close()`` ends with RuntimeError; ``at_once``: it will not suspend (a
+        free slot, a free call), so nothing can end it and it needs no cancel scope (5 us)."""
+        if self._closed:
+            raise RuntimeError("the runner is closed")
+        return contextlib.nullcontext() if at_once else self._closable()
+
+    @contextlib.contextmanager
+    def _closable(self) -> Iterator[None]:
+        with anyio.CancelScope() as scope:
+            self._waits.add(scope)
+            try:
+                yield
+            finally:
+                self._waits.discard(scope)
+        if scope.cancelled_caught:
+            raise RuntimeError("the runner was closed while this call waited for its turn")
 
     def would_wait(self) -> bool:
         """True when a submit now would have to wait for a slot or for the rate."""
@@ -209,10 +241,19 @@ class BackendLimiter:
             or (self._rate is not None and self._rate.would_wait())
         )
 
+    def call_would_wait(self) -> bool:
+        """True when a ``call`` now would have to wait for the rate."""
+        return self._rate is not None and self._rate.would_wait()
+
     async def call(self) -> None:
-        """Waits (cancellably) until one more control-plane call may be made."""
+        """Waits (cancellably) until one more control-plane call may be made.
+
+        Raises:
+            RuntimeError: the runner closed (see ``close``).
+        """
         if self._rate is not None:
-            await self._rate.acquire()
+            with self._wait(not self._rate.would_wait()):
+                await self._rate.acquire()
 
     @contextlib.asynccontextmanager
     async def submit(self, on_queued: Callable[[int], None] | None = None) -> AsyncIterator[None]:
@@ -226,10 +267,13 @@ class BackendLimiter:
         self.waiting += 1
         acquired = False
         try:
-            if self._slots is not None:
-                await self._slots.acquire()
-                acquired = True
-            await self.call()
+            slot_free = self._slots is None or not self._slots.locked()
+            with self._wait(slot_free and not self.call_would_wait()):
+                if self._slots is not None:
+                    await self._slots.acquire()
+                    acquired = True
+                if self._rate is not None:
+                    await self._rate.acquire()
         except BaseException:
             if acquired and self._slots is not None:
                 self._slots.release()
