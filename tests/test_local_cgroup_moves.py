@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
+import subprocess
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,8 +20,8 @@ from _local_env import wait_for
 from conftest import engine_missing
 from test_local_reliability import kill_token_procs, token_procs
 
-from asynctorchx.schedulers._local import contain
-from asynctorchx.schedulers._local.guard import Containment
+from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local.guard import CgroupMover, Containment, MoveJob, has_exited
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
@@ -52,15 +55,15 @@ def held_moves(
 ) -> Iterator[tuple[threading.Event, threading.Event]]:
     """(entered, release): the worker thread's moves wait for ``release`` once ``entered`` is set."""
     entered, release = threading.Event(), threading.Event()
-    real = Containment.adopt
+    real = CgroupMover._move
 
-    def adopt(self: Containment, *args: object, **kw: object) -> str | None:
+    def move(self: CgroupMover, jobs: list[MoveJob]) -> None:
         if threading.current_thread() is not threading.main_thread():
             entered.set()
             release.wait(30)
-        return real(self, *args, **kw)  # type: ignore[arg-type]
+        real(self, jobs)
 
-    monkeypatch.setattr(Containment, "adopt", adopt)
+    monkeypatch.setattr(CgroupMover, "_move", move)
     yield entered, release
     release.set()
 
@@ -162,3 +165,74 @@ async def test_closing_while_moves_wait_leaves_nothing_running(
         while token_procs(token):
             await asyncio.sleep(0.02)
     assert app_id
+
+
+@pytest.mark.timeout(30)
+def test_has_exited_tells_a_zombie_from_a_live_child_without_reaping_it() -> None:
+    """``has_exited`` (the worker thread's check before a move) is False for a running child and
+    for no pidfd, True once the child exited; the child stays a zombie for the loop to reap."""
+    live = subprocess.Popen(["sleep", "30"])
+    done = subprocess.Popen(["true"])
+    live_fd, done_fd = os.pidfd_open(live.pid), os.pidfd_open(done.pid)
+    try:
+        assert not has_exited(live_fd)
+        assert not has_exited(-1)
+        deadline = time.monotonic() + 20
+        while not has_exited(done_fd):
+            assert time.monotonic() < deadline
+            select.select([done_fd], [], [], 1)
+        assert Path(f"/proc/{done.pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z"
+        assert done.wait(5) == 0  # not reaped by the check: the exit code is still there
+    finally:
+        live.kill()
+        live.wait()
+        os.close(live_fd)
+        os.close(done_fd)
+
+
+@pytest.mark.timeout(60)
+async def test_one_sweep_puts_each_replicas_early_daemon_in_that_replicas_cgroup(
+    sched: LocalScheduler,
+    token: str,
+    cold: None,
+    held_moves: tuple[threading.Event, threading.Event],
+) -> None:
+    """Three replicas moved in one batch, each of which left a daemon before its move: each daemon
+    ends up in its own replica's cgroup, none in a sibling's (one sweep serves the batch)."""
+    entered, release = held_moves
+    role = Role(
+        "main",
+        image=".",
+        entrypoint="sh",
+        args=["-c", "(setsid sleep 1000 </dev/null >/dev/null 2>&1 &); exec sleep 1001"],
+        env={"ATX_TOKEN": token},
+        num_replicas=3,
+    )
+    with anyio.fail_after(20):
+        app_id = await sched.submit(AppDef("mv", [role]), {})
+        await anyio.to_thread.run_sync(entered.wait)
+        while len(token_procs(token)) < 6:
+            await asyncio.sleep(0.01)
+    app_dir = sched._runtime.contain.app_dir(app_id)
+    assert app_dir is not None
+    release.set()
+    daemons: dict[int, str | None] = {}
+    with anyio.fail_after(20):
+        while len(daemons) < 3:
+            daemons = {
+                pid: contain.marker_of(pid, protocol.MARKER_ENV_BYTES)
+                for pid in token_procs(token)
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0" + b"1000")
+            }
+            await asyncio.sleep(0.01)
+        for pid, marker in daemons.items():
+            assert marker is not None
+            index = int(marker.rsplit("/", 1)[1])
+            want = os.path.join(app_dir, f"{index}.1")
+            while pid not in cgroup_procs(want):
+                await asyncio.sleep(0.01)
+    await sched.cancel(app_id)
+    with anyio.fail_after(20):
+        await wait_for(sched, app_id)
+        while token_procs(token):
+            await asyncio.sleep(0.02)

@@ -201,6 +201,20 @@ def children(pid: int) -> list[int]:
     return [child for tid in tids for child in _children_of_task(pid, tid)]
 
 
+class Adoption:
+    """One just-spawned process for ``adopt_all`` to move into ``cgroup``; ``error`` is set when
+    the process itself could not be moved."""
+
+    __slots__ = ("cgroup", "error", "exited", "marker", "pid")
+
+    def __init__(self, cgroup: str, pid: int, marker: bytes = b"", exited: bool = False) -> None:
+        self.cgroup = cgroup
+        self.pid = pid
+        self.marker = marker  # NAME=value, the marker in the process's environment
+        self.exited = exited  # its main process has exited: only what it left is looked for
+        self.error: OSError | None = None
+
+
 def adopt(
     cgroup: str,
     pid: int,
@@ -208,32 +222,60 @@ def adopt(
     marker: bytes = b"",
     siblings: Collection[int] = (),
 ) -> None:
-    """Moves a just-spawned ``pid`` into ``cgroup``, then every descendant it already started.
+    """Moves a just-spawned ``pid`` into ``cgroup``, then every descendant it already started
+    (``adopt_all`` of one). Raises OSError when ``pid`` itself cannot be moved."""
+    one = Adoption(cgroup, pid, marker)
+    adopt_all([one], born_in, siblings)
+    if one.error is not None:
+        raise one.error
 
-    Once ``pid`` is inside, its new children are born inside; the ones it had already are moved one
-    by one (each move makes their own new children be born inside), so the walk ends. A descendant
-    whose parent has already exited (a double-forked daemon started before the move, on a busy
-    machine) is nobody's child any more: when ``born_in`` (the cgroup ``pid`` was born in) and
-    ``marker`` (``NAME=value``, the marker in ``pid``'s environment) are given, the processes still
-    in ``born_in`` that are newer than ``pid`` and carry the marker are moved too, until a pass finds
-    none. ``siblings`` are processes known not to be ``pid``'s (other replicas spawned by the
-    caller and not reaped yet): the sweep skips them, and it is skipped altogether when every pid
-    handed out since ``pid`` is a sibling's (nothing else was born since, so nothing escaped).
-    Raises OSError when ``pid`` itself cannot be moved (a descendant that exits meanwhile is
-    skipped).
+
+def adopt_all(
+    adoptions: list[Adoption], born_in: str | None = None, siblings: Collection[int] = ()
+) -> None:
+    """Moves each just-spawned process into its cgroup, then every descendant it already started.
+
+    Once a process is inside, its new children are born inside; the ones it had already are moved
+    one by one (each move makes their own new children be born inside), so the walk ends. A
+    descendant whose parent has already exited (a double-forked daemon started before the move, on
+    a busy machine) is nobody's child any more: when ``born_in`` (the cgroup the processes were born
+    in) and their markers are given, the processes still in ``born_in`` that are newer than one of
+    them and carry its marker are moved too, until a pass finds none. One sweep serves them all
+    (each candidate's environment is read once, however many processes are adopted). ``siblings``
+    are processes known to be none's strays (the replicas spawned by the caller and not reaped
+    yet): the sweep skips them, and it leaves out a process when every pid handed out since its own
+    is a sibling's (nothing else was born since, so nothing escaped). A process that has
+    ``exited`` (a zombie: the kernel would not move it, and its children were given away) is not
+    moved; only its strays are looked for. A process that cannot be moved gets its ``error``; a
+    descendant that exits meanwhile is skipped.
     """
-    move(cgroup, pid)
-    seen = {pid, *siblings}
-    # a process that has just exec'd has one thread (its task id is its pid)
-    _move_tree(cgroup, _children_of_task(pid, pid), seen)
-    if born_in is not None and marker and not _only_siblings_since(pid, siblings):
-        _move_strays(cgroup, born_in, pid, marker, seen)
-
-
-def _only_siblings_since(pid: int, siblings: Collection[int]) -> bool:
-    """True when every pid the kernel handed out after ``pid`` (in this pid namespace) is one of
-    ``siblings`` (none at all, when there are no siblings)."""
+    seen = {*siblings}
+    seen.update(a.pid for a in adoptions)
+    for a in adoptions:
+        if not a.exited:
+            try:
+                move(a.cgroup, a.pid)
+            except OSError as e:
+                a.error = e
+                continue
+            # a process that has just exec'd has one thread (its task id is its pid)
+            _move_tree(a.cgroup, _children_of_task(a.pid, a.pid), seen)
+    if born_in is None:
+        return
+    # (read after the moves: what the moved ones start from now on is born inside)
     newest = last_pid()
+    sweep = [
+        a
+        for a in adoptions
+        if a.error is None and a.marker and not _only_siblings_since(a.pid, siblings, newest)
+    ]
+    if sweep:
+        _move_strays(sweep, born_in, seen)
+
+
+def _only_siblings_since(pid: int, siblings: Collection[int], newest: int | None) -> bool:
+    """True when every pid the kernel handed out after ``pid`` up to ``newest`` (the last one
+    handed out in this pid namespace) is one of ``siblings`` (none at all, without siblings)."""
     if newest is None or newest < pid or newest - pid > len(siblings):
         return False
     return all(p in siblings for p in range(pid + 1, newest + 1))
@@ -257,29 +299,39 @@ def _move_tree(cgroup: str, todo: list[int], seen: set[int]) -> None:
 _STRAY_PASSES = 64
 
 
-def _move_strays(cgroup: str, born_in: str, pid: int, marker: bytes, seen: set[int]) -> None:
-    """Moves into ``cgroup`` the processes in ``born_in`` that carry ``marker`` and are newer than
-    ``pid`` (any pid once the pid counter has wrapped), and their descendants."""
+def _move_strays(adoptions: list[Adoption], born_in: str, seen: set[int]) -> None:
+    """Moves into each adoption's cgroup the processes in ``born_in`` that carry its marker and are
+    newer than its process (any pid once the pid counter has wrapped), and their descendants."""
     me = os.getpid()
-    name, _, value = marker.partition(b"=")
-    want = value.decode("utf-8", "replace")
     newest = last_pid()
-    floor = 0 if newest is not None and newest < pid else pid
+    wrapped = newest is not None and any(newest < a.pid for a in adoptions)
+    by_name: dict[bytes, dict[str, Adoption]] = {}
+    for a in adoptions:
+        name, _, raw = a.marker.partition(b"=")
+        by_name.setdefault(name, {})[raw.decode("utf-8", "replace")] = a
+    floor = 0 if wrapped else min(a.pid for a in adoptions)
     for _ in range(_STRAY_PASSES):
         data = read_file(os.path.join(born_in, "cgroup.procs"), None)
-        found = []
+        found: dict[Adoption, list[int]] = {}
         for word in (data or b"").split():
             other = int(word)
-            if other > floor and other != me and other not in seen:
-                if marker_of(other, name) == want:
-                    found.append(other)
-                else:
-                    seen.add(other)
+            if other <= floor or other == me or other in seen:
+                continue
+            seen.add(other)  # (found or not: a process carries one environment)
+            for name, by_value in by_name.items():
+                found_value = marker_of(other, name)
+                owner = None if found_value is None else by_value.get(found_value)
+                if owner is not None and (wrapped or other > owner.pid):
+                    found.setdefault(owner, []).append(other)
+                    break
         if not found:
             return
-        _move_tree(cgroup, found, seen)
+        for owner, pids in found.items():
+            seen.difference_update(pids)  # (for _move_tree, which marks what it moves)
+            _move_tree(owner.cgroup, pids, seen)
     logger.warning(
-        "processes of pid %d keep appearing outside %s; left to the marker scan", pid, cgroup
+        "processes of pids %s keep appearing outside their cgroups; left to the marker scan",
+        ", ".join(str(a.pid) for a in adoptions),
     )
 
 

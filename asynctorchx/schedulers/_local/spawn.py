@@ -268,7 +268,7 @@ class Spawner:
         if later:
             assert cgroup is not None
             rep.cgroup = None  # until the worker thread has moved it
-            rep.moving = MoveJob(cgroup, spawned.pid, rep.marker)
+            rep.moving = MoveJob(cgroup, spawned.pid, rep.marker, pidfd)
         else:
             rep.cgroup = contain.adopt(cgroup, spawned.pid, rep.marker)
         self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
