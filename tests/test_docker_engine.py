@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import sys
 import textwrap
 import time
@@ -770,6 +771,172 @@ async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing
                 assert await containers_of(app_id) == [], method
                 nets = await client.networks.list(filters={"name": [app_id]})
                 assert nets == [], method
+
+
+async def _running(app_id: str) -> list[str]:
+    """The names of the app's containers Docker has running (asked directly)."""
+    import aiodocker
+
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    async with aiodocker.Docker() as client:
+        filters = {"label": [f"{LABEL_APP_ID}={app_id}"], "status": ["running", "restarting"]}
+        return [
+            c["Names"][0]
+            for c in await client.containers.list(all=True, filters=json.dumps(filters))
+        ]
+
+
+@pytest.mark.parametrize(
+    "point", ["before the first create", "between replicas", "after the last start"]
+)
+async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_cancelled(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+) -> None:
+    """A cancel from a scheduler sharing nothing with the submitter (as another process) that
+    lands at ``point`` of a 3-replica submit: once both return, no container of the app runs and
+    both read CANCELLED."""
+    engine = docker_scheduler.engine
+    other = DockerScheduler("someone-else")
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    landed: list[str] = []
+    if point == "before the first create":
+        real_network = engine.create_network
+
+        async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
+            nid = await real_network(*args, **kwargs)
+            if not landed:
+                await other.cancel(app_id)
+                landed.append(point)
+            return nid
+
+        monkeypatch.setattr(engine, "create_network", network_then_cancel)
+    else:
+        real_start = engine.start_container
+        starts = 0
+
+        async def start_then_cancel(*args: Any, **kwargs: Any) -> None:
+            nonlocal starts
+            await real_start(*args, **kwargs)
+            starts += 1
+            if starts == (1 if point == "between replicas" else 3):
+                await other.cancel(app_id)
+                landed.append(point)
+
+        monkeypatch.setattr(engine, "start_container", start_then_cancel)
+    try:
+        with anyio.fail_after(60):
+            assert await docker_scheduler.schedule(info) == app_id
+        assert landed == [point]
+        assert await _running(app_id) == []
+        with anyio.fail_after(30):
+            seen_there = await other.describe(app_id)
+            seen_here = await wait_for(docker_scheduler, app_id)
+    finally:
+        await other.close()
+    assert seen_there is not None and seen_there.state == AppState.CANCELLED
+    assert seen_here.state == AppState.CANCELLED
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asynctorchx", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+
+
+async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
+    docker_scheduler: DockerScheduler,
+    docker_session: str,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``asynctorchx cancel`` run while another process's submit of a 3-replica app has made only
+    its network: it reports the cancel (not "unknown app"), and the submit then leaves the app
+    CANCELLED with no container running; a handle that never existed is still unknown."""
+    engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    handle = f"local_docker://{docker_session}/{app_id}"
+    outcome: list[subprocess.CompletedProcess[str]] = []
+    real_network = engine.create_network
+
+    async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
+        nid = await real_network(*args, **kwargs)
+        if not outcome:
+            outcome.append(await asyncio.to_thread(_cli, "cancel", handle))
+        return nid
+
+    monkeypatch.setattr(engine, "create_network", network_then_cancel)
+    with anyio.fail_after(90):
+        assert await docker_scheduler.schedule(info) == app_id
+    assert outcome[0].returncode == 0, outcome[0].stderr
+    assert "cancel requested" in outcome[0].stderr + outcome[0].stdout
+    assert await _running(app_id) == []
+    with anyio.fail_after(30):
+        assert (await wait_for(docker_scheduler, app_id)).state == AppState.CANCELLED
+    never = await asyncio.to_thread(_cli, "cancel", f"local_docker://{docker_session}/never-1a2b3c")
+    assert never.returncode != 0
+    assert "never-1a2b3c" in never.stderr
+
+
+@pytest.mark.parametrize("point", ["during its checks", "while it creates its containers"])
+async def test_a_cancel_in_process_during_a_submit_leaves_the_app_cancelled(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+) -> None:
+    """cancel() from another task of the submitting process while schedule() checks the images
+    (no container exists yet) or creates the containers: once both return, no container of the
+    app runs and it reads CANCELLED."""
+    engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    cancels: list[asyncio.Future[None]] = []
+    method = "inspect_image" if point == "during its checks" else "create_container"
+    real = getattr(engine, method)
+
+    async def cancel_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if not cancels:
+            cancels.append(asyncio.ensure_future(docker_scheduler.cancel(app_id)))
+            if point == "during its checks":
+                await cancels[0]  # returns at once: the submit has created nothing yet
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, method, cancel_meanwhile)
+    with anyio.fail_after(60):
+        assert await docker_scheduler.schedule(info) == app_id
+        await cancels[0]
+    assert await _running(app_id) == []
+    with anyio.fail_after(30):
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+
+
+async def test_a_cancel_of_an_app_that_never_existed_changes_nothing(
+    docker_scheduler: DockerScheduler,
+) -> None:
+    """cancel() of an id Docker knows nothing of returns; the app stays unknown (describe None,
+    exists False) and no container is made for it."""
+    await docker_scheduler.cancel("no-such-app-87654321")
+    assert await docker_scheduler.describe("no-such-app-87654321") is None
+    assert not await docker_scheduler.exists("no-such-app-87654321")
+    assert await containers_of("no-such-app-87654321") == []
 
 
 async def test_close_during_a_submit_lets_the_launch_finish_or_refuses_it_leaving_nothing(
