@@ -319,6 +319,28 @@ async def test_cancel_kills_a_container_that_ignores_sigterm(
     assert (await docker_scheduler.describe(app_id)).state == AppState.CANCELLED  # type: ignore[union-attr]
 
 
+async def test_a_cancel_sends_each_container_one_sigterm(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """A cancel (and the follow-up of the app it cancelled, in the same process) signals a
+    container whose SIGTERM handler keeps it running exactly once: the handler runs once."""
+    script = "trap 'echo term' TERM; echo up; while :; do sleep 0.05; done"
+    app_id = await docker_scheduler.submit(
+        AppDef("terms", [sh(busybox_image, script)]), {"stop_timeout": 2}
+    )
+    with anyio.fail_after(30):
+        async with contextlib.aclosing(
+            docker_scheduler.log_iter(app_id, "main", should_tail=True)  # type: ignore[type-var]
+        ) as tail:
+            async for line in tail:
+                assert line == "up\n"
+                break
+        await docker_scheduler.cancel(app_id)
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
 async def test_unknown_app_is_none_never_succeeded(docker_scheduler: DockerScheduler) -> None:
     """An app id Docker has no container for: describe is None, exists is False, logs raise."""
     assert await docker_scheduler.describe("no-such-app-12345678") is None
