@@ -319,24 +319,32 @@ async def test_cancel_kills_a_container_that_ignores_sigterm(
     assert (await docker_scheduler.describe(app_id)).state == AppState.CANCELLED  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("canceller", ["the launching process", "another process"])
 async def test_a_cancel_sends_each_container_one_sigterm(
-    docker_scheduler: DockerScheduler, busybox_image: str
+    docker_scheduler: DockerScheduler, busybox_image: str, canceller: str
 ) -> None:
-    """A cancel (and the follow-up of the app it cancelled, in the same process) signals a
-    container whose SIGTERM handler keeps it running exactly once: the handler runs once."""
-    script = "trap 'echo term' TERM; echo up; while :; do sleep 0.05; done"
+    """A cancel, from the process that launched the app (whose follow-ups of the cancelled app
+    run too) or from another, signals a container whose SIGTERM handler keeps it running exactly
+    once: the handler runs once."""
+    script = "trap 'echo term' TERM; echo up; while :; do sleep 0.001; done"
     app_id = await docker_scheduler.submit(
         AppDef("terms", [sh(busybox_image, script)]), {"stop_timeout": 2}
     )
-    with anyio.fail_after(30):
-        async with contextlib.aclosing(
-            docker_scheduler.log_iter(app_id, "main", should_tail=True)  # type: ignore[type-var]
-        ) as tail:
-            async for line in tail:
-                assert line == "up\n"
-                break
-        await docker_scheduler.cancel(app_id)
-        resp = await wait_for(docker_scheduler, app_id)
+    other = DockerScheduler("someone-else")
+    try:
+        with anyio.fail_after(30):
+            async with contextlib.aclosing(
+                docker_scheduler.log_iter(app_id, "main", should_tail=True)  # type: ignore[type-var]
+            ) as tail:
+                async for line in tail:
+                    assert line == "up\n"
+                    break
+            await (docker_scheduler if canceller == "the launching process" else other).cancel(
+                app_id
+            )
+            resp = await wait_for(docker_scheduler, app_id)
+    finally:
+        await other.close()
     assert resp.state == AppState.CANCELLED
     assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
 

@@ -17,6 +17,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.request import LABEL_APP_ID
 from asynctorchx.schedulers._docker.state import (
@@ -58,11 +59,18 @@ class FollowUps:
         return copy.deepcopy(response) if response is not None else None
 
     async def run(self, app_id: str) -> None:
-        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it)."""
+        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it).
+
+        Of a cancelled app, only the containers started after the cancel are stopped here (see
+        ``_started_since``).
+        """
         a = assess(app_id, await self._list_app(app_id))
         if a is None:
             return
         stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
+        marker = next((c for c in a.containers if c.is_marker), None)
+        if marker is not None and stops:
+            stops = await self._started_since(marker.id, stops)
         errors = [
             r
             for r in await asyncio.gather(
@@ -80,6 +88,28 @@ class FollowUps:
                 await self._once(("network", app_id), self._remove_network(app_id, action))
         if errors:
             raise errors[0]
+
+    async def _started_since(self, marker_id: str, cids: list[str]) -> list[str]:
+        """Those of ``cids`` (live containers of a cancelled app) that started after its cancel
+        marker was made (or whose times cannot be read).
+
+        The others are the canceller's to stop: it lists the app's containers after making the
+        marker and stops those alive, and a second stop would signal them again (their SIGTERM
+        handler would run twice). Both times are the engine's own.
+        """
+        infos = await asyncio.gather(
+            *(self._engine.inspect_container(c) for c in [marker_id, *cids]),
+            return_exceptions=True,
+        )
+        marked = _engine_time(infos[0], "Created")
+        if marked is None:
+            return cids
+        out = []
+        for cid, info in zip(cids, infos[1:], strict=True):
+            started = _engine_time(info, "State", "StartedAt")
+            if started is None or started > marked:
+                out.append(cid)
+        return out
 
     async def _once(self, key: tuple[str, ...], work: Awaitable[None]) -> None:
         """Does ``work`` unless the action ``key`` was done before; remembers it once done."""
@@ -145,6 +175,17 @@ class FollowUps:
         self._removed.move_to_end(response.app_id)
         while len(self._removed) > _REMEMBERED_APPS:
             self._removed.popitem(last=False)
+
+
+def _engine_time(info: object, *path: str) -> int | None:
+    """A time of an ``inspect`` answer (``path`` of keys), in nanoseconds; None if unreadable."""
+    value: object = info
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    try:
+        return parse_rfc3339_ns(str(value)) if value else None
+    except ValueError:
+        return None
 
 
 async def remove_networks(engine: DockerEngine, app_id: str) -> None:
