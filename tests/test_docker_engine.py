@@ -375,17 +375,20 @@ async def test_list_shows_apps_with_their_handles_and_states(
     assert listed[ok].app_handle == f"local_docker://{docker_session}/{ok}"
 
 
-def _run_in_new_process(code: str) -> dict[str, Any]:
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs a new Python process with ``args`` (from the repository, output captured)."""
+    return subprocess.run(
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO,
         check=False,
     )
+
+
+def _run_in_new_process(code: str) -> dict[str, Any]:
+    proc = _python("-c", textwrap.dedent(code))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -874,17 +877,6 @@ async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_canc
     assert seen_here.state == AppState.CANCELLED
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "asynctorchx", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
-
-
 async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
     docker_scheduler: DockerScheduler,
     docker_session: str,
@@ -906,7 +898,7 @@ async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
     async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
         nid = await real_network(*args, **kwargs)
         if not outcome:
-            outcome.append(await asyncio.to_thread(_cli, "cancel", handle))
+            outcome.append(await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", handle))
         return nid
 
     monkeypatch.setattr(engine, "create_network", network_then_cancel)
@@ -917,7 +909,8 @@ async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
     assert await _running(app_id) == []
     with anyio.fail_after(30):
         assert (await wait_for(docker_scheduler, app_id)).state == AppState.CANCELLED
-    never = await asyncio.to_thread(_cli, "cancel", f"local_docker://{docker_session}/never-1a2b3c")
+    never_existed = f"local_docker://{docker_session}/never-1a2b3c"
+    never = await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", never_existed)
     assert never.returncode != 0
     assert "never-1a2b3c" in never.stderr
 
