@@ -808,16 +808,22 @@ async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing
 
 async def _running(app_id: str) -> list[str]:
     """The names of the app's containers Docker has running (asked directly)."""
+    return [name for name, (state, _) in (await _containers_and_logs(app_id)).items() if state]
+
+
+async def _containers_and_logs(app_id: str) -> dict[str, tuple[bool, str]]:
+    """Each container of the app (asked directly): whether it runs, and its log."""
     import aiodocker
 
     from asynctorchx.schedulers._docker.request import LABEL_APP_ID
 
+    out = {}
     async with aiodocker.Docker() as client:
-        filters = {"label": [f"{LABEL_APP_ID}={app_id}"], "status": ["running", "restarting"]}
-        return [
-            c["Names"][0]
-            for c in await client.containers.list(all=True, filters=json.dumps(filters))
-        ]
+        label = json.dumps({"label": [f"{LABEL_APP_ID}={app_id}"]})
+        for c in await client.containers.list(all=True, filters=label):
+            name, running = c["Names"][0], c["State"] in ("running", "restarting")
+            out[name] = (running, "".join(await c.log(stdout=True, stderr=True)))
+    return out
 
 
 @pytest.mark.parametrize(
@@ -830,12 +836,13 @@ async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_canc
     point: str,
 ) -> None:
     """A cancel from a scheduler sharing nothing with the submitter (as another process) that
-    lands at ``point`` of a 3-replica submit: once both return, no container of the app runs and
-    both read CANCELLED."""
+    lands at ``point`` of a 3-replica submit: once both return, no container of the app runs,
+    each one started got one SIGTERM, and both read CANCELLED."""
     engine = docker_scheduler.engine
     other = DockerScheduler("someone-else")
+    script = "trap 'echo term' TERM; while :; do sleep 0.001; done"
     info = docker_scheduler.submit_dryrun(
-        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+        AppDef("c", [sh(busybox_image, script, n=3)]), {"stop_timeout": 1}
     )
     app_id = info.request.app_id
     landed: list[str] = []
@@ -867,7 +874,9 @@ async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_canc
         with anyio.fail_after(60):
             assert await docker_scheduler.schedule(info) == app_id
         assert landed == [point]
-        assert await _running(app_id) == []
+        containers = await _containers_and_logs(app_id)
+        assert not any(running for running, _ in containers.values()), containers
+        assert all(log.count("term") <= 1 for _, log in containers.values()), containers
         with anyio.fail_after(30):
             seen_there = await other.describe(app_id)
             seen_here = await wait_for(docker_scheduler, app_id)

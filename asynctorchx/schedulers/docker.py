@@ -25,7 +25,10 @@ How an app maps onto Docker:
   under way looks for the cancel (asked in its process, or the marker) before it creates the
   containers, before it starts them, after rank 0 and after the last start, and stops there; an
   app another process is submitting is found by its network before its containers exist (a
-  single-container app has none: until its container is created it is unknown elsewhere).
+  single-container app has none: until its container is created it is unknown elsewhere). Each
+  container is stopped once (a second SIGTERM would run its handler again): by the canceller if
+  it started before the marker, else by the launch (or retry) that started it; the follow-ups of
+  a cancelled app stop nothing.
 - Logs come from the Docker API: stdout and stderr kept apart (COMBINED: in arrival order), long
   lines joined back, ``since``/``until`` per line, a dropped follow stream resumed by timestamp.
 
@@ -50,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
-from asynctorchx.schedulers._docker.actions import FollowUps
+from asynctorchx.schedulers._docker.actions import FollowUps, started_after
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -420,19 +423,25 @@ class DockerScheduler(Scheduler[DockerJob]):
                 image = labels[LABEL_MARKER_IMAGE]
             marker = cancel_marker(app_id, name, session, image)
             what = f"marking {app_id} as cancelled"
-            await self._engine.create_container(
+            made = await self._engine.create_container(
                 marker.config, marker.name, what=what, exist_ok=True
             )
             # Listed again after the marker: a launch under way looks for the marker after its
-            # starts, so a container it started before that is in this listing.
+            # starts, so a container it started before the marker is in this listing (those
+            # started after it are the launch's to stop: see ``started_after``).
             a = assess(app_id, await self._events.containers(app_id))
-        alive = [c for c in (a.containers if a else []) if c.alive and not c.is_marker]
+            alive = [c.id for c in (a.containers if a else []) if c.alive and not c.is_marker]
+            if made is not None and alive:
+                after = await started_after(self._engine, made, alive)
+                alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
+        else:
+            alive = [c.id for c in a.containers if c.alive and not c.is_marker]
         results = await asyncio.gather(
-            *(self._engine.stop_container(c.id) for c in alive), return_exceptions=True
+            *(self._engine.stop_container(c) for c in alive), return_exceptions=True
         )
         # Inspecting waits until the engine has recorded each exit, so the listing shows it.
         await asyncio.gather(
-            *(self._engine.inspect_container(c.id) for c in alive), return_exceptions=True
+            *(self._engine.inspect_container(c) for c in alive), return_exceptions=True
         )
         self._notify(app_id)
         self._reconciler.request(app_id)  # the network of the app, once it is CANCELLED

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar, cast
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.schedulers._docker.actions import remove_networks
+from asynctorchx.schedulers._docker.actions import remove_networks, started_since
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
@@ -184,7 +184,11 @@ class Launcher:
     async def abandon(self, job: DockerJob) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
         stops what it started, removes what it never started (and its network when nothing of
-        the app remains on it). Returns False, for ``launch``."""
+        the app remains on it). Returns False, for ``launch``.
+
+        When another process made the marker, it stops the containers it saw alive after
+        making it; only those started since are stopped here (each container gets one SIGTERM).
+        """
         marker = cancel_marker(
             job.app_id,
             job.app_name,
@@ -192,21 +196,22 @@ class Launcher:
             _marker_image(job),
         )
         what = f"marking {job.app_id} as cancelled"
-        await self._engine.create_container(marker.config, marker.name, what=what, exist_ok=True)
+        made = await self._engine.create_container(
+            marker.config, marker.name, what=what, exist_ok=True
+        )
         replicas = [
             c
             for c in await self._engine.list_containers(f"{LABEL_APP_ID}={job.app_id}")
             if str(c.get("Id")) and (c.get("Names") or [""])[0].lstrip("/") != marker.name
         ]
         never_started = [c for c in replicas if c.get("State") == "created"]
+        started = [str(c["Id"]) for c in replicas if c not in never_started]
+        if made is None and started:  # marked by another process
+            started = await started_since(self._engine, marker.name, started)
         await _gather_all(
             [
                 *(self._engine.remove_container(str(c["Id"])) for c in never_started),
-                *(
-                    self._engine.stop_container(str(c["Id"]))
-                    for c in replicas
-                    if c not in never_started
-                ),
+                *(self._engine.stop_container(cid) for cid in started),
             ]
         )
         if job.network_request is not None and len(never_started) == len(replicas):
