@@ -676,6 +676,55 @@ async def test_application_retry_recreates_every_replica_as_a_new_attempt(
     assert await asyncio.wait_for(tail, 30) == both
 
 
+async def test_a_retry_started_after_a_cancel_is_stopped_by_the_retry(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ROLE retry whose new container is started just after another process cancelled the app
+    (the canceller saw it only created): the retry stops it and the app ends CANCELLED (it read
+    RUNNING, "cancelling", for as long as the container ran)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    script = "if [ ! -f /state/failed ]; then touch /state/failed; exit 2; fi; exec sleep 300"
+    role = sh(
+        busybox_image,
+        script,
+        max_retries=1,
+        retry_policy=RetryPolicy.ROLE,
+        mounts=[BindMount(str(state), "/state")],
+    )
+    engine = docker_scheduler.engine
+    other = DockerScheduler("someone-else")
+    app_ids: list[str] = []
+    retried = asyncio.Event()
+    real_start = engine.start_container
+
+    async def cancel_then_start(cid: str, *, what: str) -> None:
+        if what.startswith("retrying"):
+            await other.cancel(app_ids[0])
+            await real_start(cid, what=what)
+            retried.set()
+        else:
+            await real_start(cid, what=what)
+
+    monkeypatch.setattr(engine, "start_container", cancel_then_start)
+    try:
+        app_ids.append(
+            await docker_scheduler.submit(AppDef("retry-cancel", [role]), {"stop_timeout": 1})
+        )
+        with anyio.fail_after(60):
+            await retried.wait()
+        with anyio.fail_after(20):  # the retry's stop: SIGKILL after the 1 s stop_timeout
+            while await _running(app_ids[0]):
+                await asyncio.sleep(0.2)
+            resp = await wait_for(docker_scheduler, app_ids[0])
+    finally:
+        await other.close()
+    assert resp.state == AppState.CANCELLED and resp.num_restarts == 1
+
+
 @pytest.mark.timeout(60)
 async def test_runner_waits_for_a_docker_app_through_pushed_events(
     docker_engine: None, busybox_image: str, docker_session: str
