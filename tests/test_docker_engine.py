@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import sys
 import textwrap
 import time
@@ -318,6 +319,36 @@ async def test_cancel_kills_a_container_that_ignores_sigterm(
     assert (await docker_scheduler.describe(app_id)).state == AppState.CANCELLED  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("canceller", ["the launching process", "another process"])
+async def test_a_cancel_sends_each_container_one_sigterm(
+    docker_scheduler: DockerScheduler, busybox_image: str, canceller: str
+) -> None:
+    """A cancel, from the process that launched the app (whose follow-ups of the cancelled app
+    run too) or from another, signals a container whose SIGTERM handler keeps it running exactly
+    once: the handler runs once."""
+    script = "trap 'echo term' TERM; echo up; while :; do sleep 0.001; done"
+    app_id = await docker_scheduler.submit(
+        AppDef("terms", [sh(busybox_image, script)]), {"stop_timeout": 2}
+    )
+    other = DockerScheduler("someone-else")
+    try:
+        with anyio.fail_after(30):
+            async with contextlib.aclosing(
+                docker_scheduler.log_iter(app_id, "main", should_tail=True)  # type: ignore[type-var]
+            ) as tail:
+                async for line in tail:
+                    assert line == "up\n"
+                    break
+            await (docker_scheduler if canceller == "the launching process" else other).cancel(
+                app_id
+            )
+            resp = await wait_for(docker_scheduler, app_id)
+    finally:
+        await other.close()
+    assert resp.state == AppState.CANCELLED
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
 async def test_unknown_app_is_none_never_succeeded(docker_scheduler: DockerScheduler) -> None:
     """An app id Docker has no container for: describe is None, exists is False, logs raise."""
     assert await docker_scheduler.describe("no-such-app-12345678") is None
@@ -344,17 +375,20 @@ async def test_list_shows_apps_with_their_handles_and_states(
     assert listed[ok].app_handle == f"local_docker://{docker_session}/{ok}"
 
 
-def _run_in_new_process(code: str) -> dict[str, Any]:
-    import subprocess
-
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs a new Python process with ``args`` (from the repository, output captured)."""
+    return subprocess.run(
+        [sys.executable, *args],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO,
         check=False,
     )
+
+
+def _run_in_new_process(code: str) -> dict[str, Any]:
+    proc = _python("-c", textwrap.dedent(code))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -642,6 +676,55 @@ async def test_application_retry_recreates_every_replica_as_a_new_attempt(
     assert await asyncio.wait_for(tail, 30) == both
 
 
+async def test_a_retry_started_after_a_cancel_is_stopped_by_the_retry(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ROLE retry whose new container is started just after another process cancelled the app
+    (the canceller saw it only created): the retry stops it and the app ends CANCELLED (it read
+    RUNNING, "cancelling", for as long as the container ran)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    script = "if [ ! -f /state/failed ]; then touch /state/failed; exit 2; fi; exec sleep 300"
+    role = sh(
+        busybox_image,
+        script,
+        max_retries=1,
+        retry_policy=RetryPolicy.ROLE,
+        mounts=[BindMount(str(state), "/state")],
+    )
+    engine = docker_scheduler.engine
+    other = DockerScheduler("someone-else")
+    app_ids: list[str] = []
+    retried = asyncio.Event()
+    real_start = engine.start_container
+
+    async def cancel_then_start(cid: str, *, what: str) -> None:
+        if what.startswith("retrying"):
+            await other.cancel(app_ids[0])
+            await real_start(cid, what=what)
+            retried.set()
+        else:
+            await real_start(cid, what=what)
+
+    monkeypatch.setattr(engine, "start_container", cancel_then_start)
+    try:
+        app_ids.append(
+            await docker_scheduler.submit(AppDef("retry-cancel", [role]), {"stop_timeout": 1})
+        )
+        with anyio.fail_after(60):
+            await retried.wait()
+        with anyio.fail_after(20):  # the retry's stop: SIGKILL after the 1 s stop_timeout
+            while await _running(app_ids[0]):
+                await asyncio.sleep(0.2)
+            resp = await wait_for(docker_scheduler, app_ids[0])
+    finally:
+        await other.close()
+    assert resp.state == AppState.CANCELLED and resp.num_restarts == 1
+
+
 @pytest.mark.timeout(60)
 async def test_runner_waits_for_a_docker_app_through_pushed_events(
     docker_engine: None, busybox_image: str, docker_session: str
@@ -770,6 +853,171 @@ async def test_a_submit_cancelled_while_its_creates_are_in_flight_leaves_nothing
                 assert await containers_of(app_id) == [], method
                 nets = await client.networks.list(filters={"name": [app_id]})
                 assert nets == [], method
+
+
+async def _running(app_id: str) -> list[str]:
+    """The names of the app's containers Docker has running (asked directly)."""
+    return [name for name, (state, _) in (await _containers_and_logs(app_id)).items() if state]
+
+
+async def _containers_and_logs(app_id: str) -> dict[str, tuple[bool, str]]:
+    """Each container of the app (asked directly): whether it runs, and its log."""
+    import aiodocker
+
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    out = {}
+    async with aiodocker.Docker() as client:
+        label = json.dumps({"label": [f"{LABEL_APP_ID}={app_id}"]})
+        for c in await client.containers.list(all=True, filters=label):
+            name, running = c["Names"][0], c["State"] in ("running", "restarting")
+            out[name] = (running, "".join(await c.log(stdout=True, stderr=True)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "point", ["before the first create", "between replicas", "after the last start"]
+)
+async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_cancelled(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+) -> None:
+    """A cancel from a scheduler sharing nothing with the submitter (as another process) that
+    lands at ``point`` of a 3-replica submit: once both return, no container of the app runs,
+    each one started got one SIGTERM, and both read CANCELLED."""
+    engine = docker_scheduler.engine
+    other = DockerScheduler("someone-else")
+    script = "trap 'echo term' TERM; while :; do sleep 0.001; done"
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, script, n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    landed: list[str] = []
+    if point == "before the first create":
+        real_network = engine.create_network
+
+        async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
+            nid = await real_network(*args, **kwargs)
+            if not landed:
+                await other.cancel(app_id)
+                landed.append(point)
+            return nid
+
+        monkeypatch.setattr(engine, "create_network", network_then_cancel)
+    else:
+        real_start = engine.start_container
+        starts = 0
+
+        async def start_then_cancel(*args: Any, **kwargs: Any) -> None:
+            nonlocal starts
+            await real_start(*args, **kwargs)
+            starts += 1
+            if starts == (1 if point == "between replicas" else 3):
+                await other.cancel(app_id)
+                landed.append(point)
+
+        monkeypatch.setattr(engine, "start_container", start_then_cancel)
+    try:
+        with anyio.fail_after(60):
+            assert await docker_scheduler.schedule(info) == app_id
+        assert landed == [point]
+        containers = await _containers_and_logs(app_id)
+        assert not any(running for running, _ in containers.values()), containers
+        assert all(log.count("term") <= 1 for _, log in containers.values()), containers
+        with anyio.fail_after(30):
+            seen_there = await other.describe(app_id)
+            seen_here = await wait_for(docker_scheduler, app_id)
+    finally:
+        await other.close()
+    assert seen_there is not None and seen_there.state == AppState.CANCELLED
+    assert seen_here.state == AppState.CANCELLED
+
+
+async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
+    docker_scheduler: DockerScheduler,
+    docker_session: str,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``asynctorchx cancel`` run while another process's submit of a 3-replica app has made only
+    its network: it reports the cancel (not "unknown app"), and the submit then leaves the app
+    CANCELLED with no container running; a handle that never existed is still unknown."""
+    engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    handle = f"local_docker://{docker_session}/{app_id}"
+    outcome: list[subprocess.CompletedProcess[str]] = []
+    real_network = engine.create_network
+
+    async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
+        nid = await real_network(*args, **kwargs)
+        if not outcome:
+            outcome.append(await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", handle))
+        return nid
+
+    monkeypatch.setattr(engine, "create_network", network_then_cancel)
+    with anyio.fail_after(90):
+        assert await docker_scheduler.schedule(info) == app_id
+    assert outcome[0].returncode == 0, outcome[0].stderr
+    assert "cancel requested" in outcome[0].stderr + outcome[0].stdout
+    assert await _running(app_id) == []
+    with anyio.fail_after(30):
+        assert (await wait_for(docker_scheduler, app_id)).state == AppState.CANCELLED
+    never_existed = f"local_docker://{docker_session}/never-1a2b3c"
+    never = await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", never_existed)
+    assert never.returncode != 0
+    assert "never-1a2b3c" in never.stderr
+
+
+@pytest.mark.parametrize("point", ["during its checks", "while it creates its containers"])
+async def test_a_cancel_in_process_during_a_submit_leaves_the_app_cancelled(
+    docker_scheduler: DockerScheduler,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+) -> None:
+    """cancel() from another task of the submitting process while schedule() checks the images
+    (no container exists yet) or creates the containers: once both return, no container of the
+    app runs and it reads CANCELLED."""
+    engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("c", [sh(busybox_image, "exec sleep 300", n=3)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    cancels: list[asyncio.Future[None]] = []
+    method = "inspect_image" if point == "during its checks" else "create_container"
+    real = getattr(engine, method)
+
+    async def cancel_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if not cancels:
+            cancels.append(asyncio.ensure_future(docker_scheduler.cancel(app_id)))
+            if point == "during its checks":
+                await cancels[0]  # returns at once: the submit has created nothing yet
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, method, cancel_meanwhile)
+    with anyio.fail_after(60):
+        assert await docker_scheduler.schedule(info) == app_id
+        await cancels[0]
+    assert await _running(app_id) == []
+    with anyio.fail_after(30):
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+
+
+async def test_a_cancel_of_an_app_that_never_existed_changes_nothing(
+    docker_scheduler: DockerScheduler,
+) -> None:
+    """cancel() of an id Docker knows nothing of returns; the app stays unknown (describe None,
+    exists False) and no container is made for it."""
+    await docker_scheduler.cancel("no-such-app-87654321")
+    assert await docker_scheduler.describe("no-such-app-87654321") is None
+    assert not await docker_scheduler.exists("no-such-app-87654321")
+    assert await containers_of("no-such-app-87654321") == []
 
 
 async def test_close_during_a_submit_lets_the_launch_finish_or_refuses_it_leaving_nothing(

@@ -13,6 +13,7 @@ import pytest
 from _docker_env import FakeDocker
 
 from asynctorchx.logs._timestamps import parse_rfc3339_ns
+from asynctorchx.schedulers._docker.engine import DockerEngine
 from asynctorchx.schedulers._docker.frames import (
     STDERR,
     STDOUT,
@@ -769,9 +770,10 @@ async def test_a_replica_starting_after_its_app_failed_is_stopped() -> None:
     await scheduler.close()
 
 
-async def test_a_replica_starting_after_its_app_was_cancelled_is_stopped() -> None:
+async def test_the_follow_up_of_a_cancelled_app_stops_none_of_its_containers() -> None:
     """A cancel while the replicas are only created (their launch under way) stops nothing; their
-    start events after the cancel marker's create bring their stop, and the app ends CANCELLED."""
+    start events after the cancel marker's create bring no stop from the follow-up either (the
+    launch that started them stops them: one stop, one SIGTERM, per container)."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
     app_id = await scheduler.submit(_app(_role("r", 2)), {})
@@ -788,9 +790,9 @@ async def test_a_replica_starting_after_its_app_was_cancelled_is_stopped() -> No
         c.state = "running"
         scheduler._events.handle(_event(c, "start"))
     await scheduler._reconciler.wait_idle()
-    assert {name for op, name in docker.calls if op == "stop"} == {f"{app_id}-r-0", f"{app_id}-r-1"}
+    assert not any(op == "stop" for op, _ in docker.calls)
     resp = await scheduler.describe(app_id)
-    assert resp is not None and resp.state == AppState.CANCELLED
+    assert resp is not None and resp.state == AppState.RUNNING and resp.msg == "cancelling"
     await scheduler.close()
 
 
@@ -821,3 +823,53 @@ async def test_cancel_finishes_its_stops_when_the_caller_is_cancelled() -> None:
     resp = await scheduler.describe(app_id)
     assert resp is not None and resp.state == AppState.CANCELLED
     await scheduler.close()
+
+
+class _SlowStops:
+    """A client whose container stops wait for ``release`` (counts the requests)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, int | None]] = []
+        self.release = asyncio.Event()
+        self.asked = asyncio.Event()
+        self.containers = self
+
+    def container(self, cid: str) -> Any:
+        client = self
+
+        class _Container:
+            async def stop(self, t: int | None = None) -> None:
+                client.requests.append((cid, t))
+                client.asked.set()
+                await client.release.wait()
+
+        return _Container()
+
+
+async def test_a_stop_asked_again_while_under_way_sends_one_request() -> None:
+    """Concurrent stops of one container with the same timeout send one stop request (each would
+    signal the container again); another timeout, and a stop whose caller was cancelled, do not
+    hold back a new request."""
+    client = _SlowStops()
+    engine = DockerEngine(client)
+    with anyio.fail_after(10):
+        first = asyncio.ensure_future(engine.stop_container("c1"))
+        await client.asked.wait()
+        again = asyncio.ensure_future(engine.stop_container("c1"))
+        killed = asyncio.ensure_future(engine.stop_container("c1", timeout=0))
+        await asyncio.sleep(0)  # one turn of the loop: both run up to their first wait
+        client.release.set()
+        await asyncio.gather(first, again, killed)
+        assert client.requests == [("c1", None), ("c1", 0)]
+
+        client.requests.clear()
+        client.release.clear()
+        client.asked.clear()
+        abandoned = asyncio.ensure_future(engine.stop_container("c2"))
+        await client.asked.wait()
+        waiting = asyncio.ensure_future(engine.stop_container("c2"))
+        await asyncio.sleep(0)  # one turn of the loop: it waits for the first request
+        abandoned.cancel()
+        client.release.set()
+        await waiting
+        assert client.requests == [("c2", None), ("c2", None)]

@@ -10,7 +10,8 @@ How an app maps onto Docker:
 - Labels on the containers carry the app's id, session, shape and retry settings, so that any
   process (not only the launcher) can describe, list, cancel and read the logs of any app: apps
   outlive the process that launched them. An app id Docker has no container for is unknown
-  (``describe`` returns None); it is never reported as SUCCEEDED.
+  (``describe`` returns None) unless it is being submitted (PENDING); it is never reported as
+  SUCCEEDED.
 - Status is one container listing by label for any number of apps (none while Docker's event
   stream vouches for the last one); changes are pushed by one subscription to ``/events``.
 - Retries: a REPLICA retry policy is Docker's own ``on-failure`` restart policy; ROLE and
@@ -20,7 +21,14 @@ How an app maps onto Docker:
   network, or its containers with ``remove_finished``) are driven by Docker's events, in one task
   per app; a status read (``describe``, ``list``) never changes anything.
 - Cancel stops every container (SIGTERM, then SIGKILL after the app's ``stop_timeout``) and leaves
-  a never-started marker container, so that every process sees the app as CANCELLED.
+  a never-started marker container, so that every process sees the app as CANCELLED. A submit
+  under way looks for the cancel (asked in its process, or the marker) before it creates the
+  containers, before it starts them, after rank 0 and after the last start, and stops there; an
+  app another process is submitting is found by its network before its containers exist (a
+  single-container app has none: until its container is created it is unknown elsewhere). Each
+  container is stopped once (a second SIGTERM would run its handler again): by the canceller if
+  it started before the marker, else by the launch (or retry) that started it; the follow-ups of
+  a cancelled app stop nothing.
 - Logs come from the Docker API: stdout and stderr kept apart (COMBINED: in arrival order), long
   lines joined back, ``since``/``until`` per line, a dropped follow stream resumed by timestamp.
 
@@ -45,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
-from asynctorchx.schedulers._docker.actions import FollowUps
+from asynctorchx.schedulers._docker.actions import FollowUps, started_after
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -53,9 +61,13 @@ from asynctorchx.schedulers._docker.engine import (
 )
 from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
-from asynctorchx.schedulers._docker.launch import Launcher
+from asynctorchx.schedulers._docker.launch import CancelWatch, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
 from asynctorchx.schedulers._docker.request import (
+    LABEL_APP_ID,
+    LABEL_APP_NAME,
+    LABEL_MARKER_IMAGE,
+    LABEL_SESSION,
     DockerJob,
     build_job,
     cancel_marker,
@@ -80,6 +92,7 @@ from asynctorchx.specs.api import (
     LINUX_PID_MAX_LIMIT,
     AppDef,
     AppDryRunInfo,
+    AppState,
     CfgVal,
     check_replica_count,
     is_terminal,
@@ -146,6 +159,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         self._follow_ups = FollowUps(self._engine, self._events.app_containers)
         self._launcher = Launcher(self._engine, self._tasks)
         self._submits = CallsUnderWay()  # close() lets them finish
+        self._launches: dict[str, CancelWatch] = {}  # the submits under way, by app id
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -209,6 +223,8 @@ class DockerScheduler(Scheduler[DockerJob]):
         """Creates the app's network and containers, then starts them; returns the app id.
 
         A dry run made with a workspace first gets its image built (unless its tag exists).
+        An app cancelled meanwhile (from any process) is left CANCELLED: nothing more of it is
+        created or started, what was started is stopped, and its id is returned.
 
         Raises:
             WorkspaceBuildError: the workspace image did not build (nothing was created).
@@ -218,27 +234,46 @@ class DockerScheduler(Scheduler[DockerJob]):
         """
         self._check_open()
         job = dryrun_info.request
-        with self._submits.one():
-            if dryrun_info.workspace is not None:
-                await ensure_image(
-                    self._engine, dryrun_info.workspace, self._flights, current_progress()
-                )
-            await self._launcher.preflight(job)
-            self._check_open()  # closed during the checks: nothing was created
-            await self._events.connected()  # its follow-ups are driven by the events from now on
-            try:
-                await self._launcher.launch(job)
-            except BaseException:
-                purge = self._launcher.purge(job.app_id, job.network_request)
-                await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
-                raise
+        if job.app_id in self._launches:
+            raise DockerSchedulerError(
+                f"app {job.app_id!r} is being submitted already; a dry run can be scheduled only once"
+            )
+        watch = self._launches[job.app_id] = CancelWatch(self._engine, job.app_id)
+        try:
+            with self._submits.one():
+                launched = await self._schedule(dryrun_info, watch)
+        finally:
+            del self._launches[job.app_id]
+            watch.done.set()
+        if not launched:
+            self._notify(job.app_id)
+            self._reconciler.request(job.app_id)  # its network, once the app is CANCELLED
+            return job.app_id
         logger.info("launched %s: %d container(s)", job.app_id, len(job.containers))
         return job.app_id
+
+    async def _schedule(self, dryrun_info: AppDryRunInfo[DockerJob], watch: CancelWatch) -> bool:
+        """``schedule``'s checks and launch; False when the app was cancelled meanwhile."""
+        job = dryrun_info.request
+        if dryrun_info.workspace is not None:
+            await ensure_image(
+                self._engine, dryrun_info.workspace, self._flights, current_progress()
+            )
+        await self._launcher.preflight(job)
+        self._check_open()  # closed during the checks: nothing was created
+        await self._events.connected()  # its follow-ups are driven by the events from now on
+        try:
+            return await self._launcher.launch(job, watch)
+        except BaseException:
+            purge = self._launcher.purge(job.app_id, job.network_request)
+            await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
+            raise
 
     # -- status (reads only) --------------------------------------------------------------------
 
     async def describe(self, app_id: str) -> DescribeAppResponse | None:
-        """The app's status from its containers; None when Docker has no container of it."""
+        """The app's status from its containers; None when Docker has no container of it (and
+        it is not being submitted: then PENDING)."""
         return (await self.describe_many([app_id]))[app_id]
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
@@ -261,7 +296,22 @@ class DockerScheduler(Scheduler[DockerJob]):
                 found.append(assessment)
         for assessment in await asyncio.gather(*(self._with_restart_counts(a) for a in found)):
             out[assessment.response.app_id] = assessment.response
+        unknown = [app_id for app_id, r in out.items() if r is None]
+        if unknown:
+            for app_id in await self._being_launched(unknown):
+                out[app_id] = DescribeAppResponse(
+                    app_id=app_id, state=AppState.PENDING, msg="being submitted"
+                )
         return out
+
+    async def _being_launched(self, app_ids: list[str]) -> list[str]:
+        """Those of ``app_ids`` (apps Docker has no container of) being submitted: by this
+        process, or by another that has made the app's network so far."""
+        here = [a for a in app_ids if a in self._launches]
+        elsewhere = [a for a in app_ids if a not in self._launches]
+        if elsewhere:
+            here.extend(await self._launch_networks(elsewhere))
+        return here
 
     async def _with_restart_counts(self, a: Assessment) -> Assessment:
         """Adds Docker's restart counts for replicas that Docker restarts itself (REPLICA policy)."""
@@ -282,12 +332,27 @@ class DockerScheduler(Scheduler[DockerJob]):
         return assess(a.response.app_id, containers) or a
 
     async def exists(self, app_id: str) -> bool:
-        """True when Docker has a container of the app (or this process removed them)."""
+        """True when Docker has a container of the app (or this process removed them), or the
+        app is being submitted (by this process, or by another that made its network)."""
         self._check_open()
         return (
-            bool(await self._events.containers(app_id))
+            app_id in self._launches
+            or bool(await self._events.containers(app_id))
             or self._follow_ups.removed(app_id) is not None
+            or bool(await self._launch_networks([app_id]))
         )
+
+    async def _launch_networks(self, app_ids: Sequence[str]) -> dict[str, Mapping[str, str]]:
+        """The labels of the networks launches of these apps made, by app id (asked only for
+        apps Docker has no container of: a launch that has not created them yet)."""
+        wanted = set(app_ids)
+        label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_MARKER_IMAGE
+        out: dict[str, Mapping[str, str]] = {}
+        for n in await self._engine.list_networks(label=label):
+            labels = dict(n.get("Labels") or {})
+            if labels.get(LABEL_APP_ID) in wanted and labels.get(LABEL_MARKER_IMAGE):
+                out[labels[LABEL_APP_ID]] = labels
+        return out
 
     async def list(self) -> list[ListAppResponse]:
         """Every app with containers on this engine (any session), from one listing."""
@@ -327,28 +392,56 @@ class DockerScheduler(Scheduler[DockerJob]):
         The app then reads CANCELLED from any process; a finished app is left alone. Returns once
         the containers have stopped (at most the app's ``stop_timeout`` seconds); the work goes on
         even if the caller is cancelled meanwhile.
+
+        An app this process is submitting is told so: still in its checks (pulling an image, say),
+        it will create nothing but the cancel marker, and this returns at once; already creating
+        its containers, this waits for the launch to stop (it starts nothing more) first. An app
+        another process is submitting is marked, so that its launch stops likewise.
         """
         self._check_open()
+        watch = self._launches.get(app_id)
+        if watch is not None:
+            watch.requested = True
+            if not watch.launching:
+                return
+            await watch.done.wait()
         await finish_shielded(self._tasks, self._stop_app(app_id), f"cancel:{app_id}")
 
     async def _stop_app(self, app_id: str) -> None:
         a = assess(app_id, await self._events.containers(app_id))
-        if a is None or is_terminal(a.response.state):
+        if a is not None and is_terminal(a.response.state):
             return
-        replicas = [c for c in a.containers if not c.is_marker]  # some alive: not terminal
-        if len(replicas) == len(a.containers):  # not marked yet (by this process or another)
-            marker = cancel_marker(app_id, a.name, a.session, replicas[0].image)
+        if a is None or all(not c.is_marker for c in a.containers):  # not marked yet
+            if a is not None:
+                name, session, image = a.name, a.session, a.containers[0].image
+            else:  # being launched by another process, which has made only its network
+                labels = (await self._launch_networks([app_id])).get(app_id)
+                if labels is None:
+                    return
+                name = labels.get(LABEL_APP_NAME, "")
+                session = labels.get(LABEL_SESSION, "")
+                image = labels[LABEL_MARKER_IMAGE]
+            marker = cancel_marker(app_id, name, session, image)
             what = f"marking {app_id} as cancelled"
-            await self._engine.create_container(
+            made = await self._engine.create_container(
                 marker.config, marker.name, what=what, exist_ok=True
             )
-        alive = [c for c in replicas if c.alive]
+            # Listed again after the marker: a launch under way looks for the marker after its
+            # starts, so a container it started before the marker is in this listing (those
+            # started after it are the launch's to stop: see ``started_after``).
+            a = assess(app_id, await self._events.containers(app_id))
+            alive = [c.id for c in (a.containers if a else []) if c.alive and not c.is_marker]
+            if made is not None and alive:
+                after = await started_after(self._engine, made, alive)
+                alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
+        else:
+            alive = [c.id for c in a.containers if c.alive and not c.is_marker]
         results = await asyncio.gather(
-            *(self._engine.stop_container(c.id) for c in alive), return_exceptions=True
+            *(self._engine.stop_container(c) for c in alive), return_exceptions=True
         )
         # Inspecting waits until the engine has recorded each exit, so the listing shows it.
         await asyncio.gather(
-            *(self._engine.inspect_container(c.id) for c in alive), return_exceptions=True
+            *(self._engine.inspect_container(c) for c in alive), return_exceptions=True
         )
         self._notify(app_id)
         self._reconciler.request(app_id)  # the network of the app, once it is CANCELLED

@@ -17,8 +17,9 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
-from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+from asynctorchx.schedulers._docker.request import LABEL_APP_ID, marker_name
 from asynctorchx.schedulers._docker.state import (
     Assessment,
     ContainerInfo,
@@ -58,11 +59,18 @@ class FollowUps:
         return copy.deepcopy(response) if response is not None else None
 
     async def run(self, app_id: str) -> None:
-        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it)."""
+        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it).
+
+        The live containers of a cancelled app are not stopped here: each has one stopper (see
+        ``started_after``), and a stop from every process that follows the app's events would
+        signal it again and again.
+        """
         a = assess(app_id, await self._list_app(app_id))
         if a is None:
             return
         stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
+        if any(c.is_marker for c in a.containers):
+            stops = []  # the canceller's and the launches' (see ``started_after``)
         errors = [
             r
             for r in await asyncio.gather(
@@ -107,20 +115,25 @@ class FollowUps:
             if info is None:
                 raise DockerSchedulerError(f"container {old.name} of the retried replica is gone")
             configs.append((old, recreate_config(info, retry.attempt)))
-        started = 0
+        started: list[str] = []
         for old, config in configs:
             what = f"retrying role {old.role!r} replica {old.replica_id}"
             name = f"{old.hostname}-r{retry.attempt}"
             cid = await self._engine.create_container(config, name, what=what, exist_ok=True)
             if cid is not None:
                 await self._engine.start_container(cid, what=what)
-                started += 1
+                started.append(cid)
         logger.info(
             "app %s: retry attempt %d started %d replica(s)",
             a.response.app_id,
             retry.attempt,
-            started,
+            len(started),
         )
+        # Like a launch: a cancel made meanwhile leaves the containers started since to us.
+        marker = marker_name(a.response.app_id)
+        if started and await self._engine.inspect_container(marker) is not None:
+            late = await started_since(self._engine, marker, started)
+            await asyncio.gather(*(self._engine.stop_container(c) for c in late))
 
     async def _kill_quietly(self, cid: str) -> None:
         with contextlib.suppress(DockerSchedulerError):
@@ -145,6 +158,47 @@ class FollowUps:
         self._removed.move_to_end(response.app_id)
         while len(self._removed) > _REMEMBERED_APPS:
             self._removed.popitem(last=False)
+
+
+async def started_after(engine: DockerEngine, marker: str, cids: list[str]) -> list[bool | None]:
+    """For each of ``cids`` (live containers of a cancelled app): whether it started after the
+    app's cancel marker (id or name) was made; None when a time cannot be read.
+
+    This splits the stops between the canceller and the launch: the canceller lists the app after
+    making the marker and stops the containers started before it (they were running when it
+    listed), the launch (or a retry) looks for the marker after its starts and stops those started
+    after it. Each container is signalled once: a second stop would run its SIGTERM handler again.
+    Both times are the engine's own.
+    """
+    infos = await asyncio.gather(
+        *(engine.inspect_container(c) for c in [marker, *cids]), return_exceptions=True
+    )
+    marked = _engine_time(infos[0], "Created")
+    out: list[bool | None] = []
+    for info in infos[1:]:
+        started = _engine_time(info, "State", "StartedAt")
+        out.append(None if marked is None or started is None else started > marked)
+    return out
+
+
+async def started_since(engine: DockerEngine, marker: str, cids: list[str]) -> list[str]:
+    """Those of ``cids`` that started after the marker, or may have (see ``started_after``)."""
+    return [
+        c
+        for c, a in zip(cids, await started_after(engine, marker, cids), strict=True)
+        if a is not False
+    ]
+
+
+def _engine_time(info: object, *path: str) -> int | None:
+    """A time of an ``inspect`` answer (``path`` of keys), in nanoseconds; None if unreadable."""
+    value: object = info
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    try:
+        return parse_rfc3339_ns(str(value)) if value else None
+    except ValueError:
+        return None
 
 
 async def remove_networks(engine: DockerEngine, app_id: str) -> None:

@@ -338,6 +338,9 @@ class DockerEngine:
         #: container, network, volume, event and log requests sent, by kind
         self.requests: Counter[str] = Counter()
         self._ncpu: float | None = None
+        #: the stop requests under way, by container and timeout: a stop asked again meanwhile
+        #: waits for that one (each request sends the container its stop signal again)
+        self._stops: dict[tuple[str, int | None], asyncio.Future[BaseException | None]] = {}
 
     @property
     def docker_host(self) -> str | None:
@@ -674,7 +677,38 @@ class DockerEngine:
 
     async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:  # noqa: ASYNC109 - the engine's stop timeout, passed on
         """Stops a container: SIGTERM, then SIGKILL after ``timeout`` seconds (default: its own
-        stop timeout). A container already stopped or gone is left alone."""
+        stop timeout). A container already stopped or gone is left alone.
+
+        A stop of the container (with the same ``timeout``) already under way in this process is
+        waited for instead of asked again: the engine sends the signal on every request, and a
+        second SIGTERM runs the app's handler again (a cancel and the follow-up of the cancelled
+        app used to both stop it).
+        """
+        key = (cid, timeout)
+        under_way = self._stops.get(key)
+        if under_way is not None:
+            theirs = await asyncio.shield(under_way)
+            if theirs is None:
+                return
+            if not isinstance(theirs, asyncio.CancelledError):
+                raise theirs
+            # that request was abandoned by its caller: ask again
+            return await self.stop_container(cid, timeout=timeout)
+        mine: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+        self._stops[key] = mine
+        outcome: BaseException | None = asyncio.CancelledError()
+        try:
+            await self._stop(cid, timeout)
+            outcome = None
+        except Exception as e:
+            outcome = e
+            raise
+        finally:
+            if self._stops.get(key) is mine:
+                del self._stops[key]
+            mine.set_result(outcome)
+
+    async def _stop(self, cid: str, timeout: int | None) -> None:  # noqa: ASYNC109 - as above
         client = await self.client()
         self._count("container_stop")
         try:

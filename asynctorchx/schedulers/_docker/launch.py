@@ -16,19 +16,52 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar, cast
 
 from asynctorchx._tasks import TaskSupervisor
-from asynctorchx.schedulers._docker.actions import remove_networks
+from asynctorchx.schedulers._docker.actions import remove_networks, started_since
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
+    LABEL_APP_NAME,
+    LABEL_MARKER_IMAGE,
+    LABEL_SESSION,
     ContainerRequest,
     DockerJob,
     NetworkRequest,
+    cancel_marker,
+    marker_name,
 )
 from asynctorchx.schedulers._reconcile import finish_shielded
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class CancelWatch:
+    """Whether the app a submit is launching has been cancelled meanwhile.
+
+    A cancel from this process sets ``requested``; one from any other process leaves the app's
+    cancel marker (a container), which ``cancelled`` looks for. A canceller makes the marker before
+    it lists the containers to stop, and the launch looks for the marker after its starts: so
+    either the canceller sees a started container and stops it, or the launch sees the marker.
+
+    Args:
+        engine: the engine the app is launched on.
+        app_id: the app.
+    """
+
+    def __init__(self, engine: DockerEngine, app_id: str) -> None:
+        self._engine = engine
+        self.app_id = app_id
+        self.requested = False
+        self.launching = False  # past the checks: creating things
+        self.done = asyncio.Event()  # the submit has ended
+
+    async def cancelled(self, *, ask_engine: bool = True) -> bool:
+        """True once a cancel of the app was asked here or (``ask_engine``) its marker exists."""
+        if not self.requested and ask_engine:
+            marker = await self._engine.inspect_container(marker_name(self.app_id))
+            self.requested = marker is not None
+        return self.requested
 
 
 class Launcher:
@@ -108,26 +141,90 @@ class Launcher:
         except DockerSchedulerError as e:
             raise type(e)(f"role {role!r}: {e}") from None
 
-    async def launch(self, job: DockerJob) -> None:
+    async def launch(self, job: DockerJob, watch: CancelWatch) -> bool:
         """Creates the app's network and containers, then starts them (rank 0 first, see
-        ``_start_all``).
+        ``_start_all``); returns False when the app was cancelled meanwhile (``watch``).
+
+        A cancel is looked for before the containers are created, before they are started,
+        between rank 0 and the others, and after the last start; once seen, nothing more is
+        created or started, and the app is left CANCELLED (``abandon``).
 
         Raises:
             DockerSchedulerError: the engine refused something (names the role and replica); what
                 was created is left for ``purge``.
         """
+        watch.launching = True
+        if watch.requested:  # cancelled during the checks: nothing was created
+            return await self.abandon(job)
         network_id = None
         if job.network_request is not None:
-            network = self.create_network(job.network_request)
-            network_id = await self._to_the_end(network, f"network:{job.app_id}")
+            request = job.network_request
+            labels = {
+                **request.config["Labels"],
+                LABEL_APP_NAME: job.app_name,
+                LABEL_MARKER_IMAGE: _marker_image(job),
+            }
+            request = NetworkRequest(request.name, {**request.config, "Labels": labels})
+            network_id = await self._to_the_end(
+                self.create_network(request), f"network:{job.app_id}"
+            )
+        # Another process can only have found the app (and marked it) by its network so far.
+        if await watch.cancelled(ask_engine=network_id is not None):
+            return await self.abandon(job)
         created = await _gather_all([self._create(c, network_id) for c in job.containers])
-        await self._start_all(
-            list(zip(job.containers, created, strict=True)), network_id or job.network
-        )
+        if await watch.cancelled():
+            return await self.abandon(job)
+        pairs = list(zip(job.containers, created, strict=True))
+        if not await self._start_all(pairs, network_id or job.network, watch):
+            return await self.abandon(job)
+        if await watch.cancelled():
+            return await self.abandon(job)
+        return True
 
-    async def _start_all(self, pairs: list[tuple[ContainerRequest, str]], network: str) -> None:
+    async def abandon(self, job: DockerJob) -> bool:
+        """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
+        stops what it started, removes what it never started (and its network when nothing of
+        the app remains on it). Returns False, for ``launch``.
+
+        When another process made the marker, it stops the containers it saw alive after
+        making it; only those started since are stopped here (each container gets one SIGTERM).
+        """
+        marker = cancel_marker(
+            job.app_id,
+            job.app_name,
+            str(job.containers[0].config["Labels"].get(LABEL_SESSION, "")),
+            _marker_image(job),
+        )
+        what = f"marking {job.app_id} as cancelled"
+        made = await self._engine.create_container(
+            marker.config, marker.name, what=what, exist_ok=True
+        )
+        replicas = [
+            c
+            for c in await self._engine.list_containers(f"{LABEL_APP_ID}={job.app_id}")
+            if str(c.get("Id")) and (c.get("Names") or [""])[0].lstrip("/") != marker.name
+        ]
+        never_started = [c for c in replicas if c.get("State") == "created"]
+        started = [str(c["Id"]) for c in replicas if c not in never_started]
+        if made is None and started:  # marked by another process
+            started = await started_since(self._engine, marker.name, started)
+        await _gather_all(
+            [
+                *(self._engine.remove_container(str(c["Id"])) for c in never_started),
+                *(self._engine.stop_container(cid) for cid in started),
+            ]
+        )
+        if job.network_request is not None and len(never_started) == len(replicas):
+            await remove_networks(self._engine, job.app_id)
+        logger.info("the launch of %s stopped: the app was cancelled", job.app_id)
+        return False
+
+    async def _start_all(
+        self, pairs: list[tuple[ContainerRequest, str]], network: str, watch: CancelWatch
+    ) -> bool:
         """Starts rank 0, then the other replicas at once as soon as rank 0 has joined the
-        network, so the others never look for a TORCHX_RANK0_HOST that does not resolve yet.
+        network, so the others never look for a TORCHX_RANK0_HOST that does not resolve yet;
+        returns False, having started only rank 0, when the app was cancelled meanwhile.
 
         Docker announces the join (the network's ``connect`` event) once rank 0's endpoint is in
         the network, about 10-70 ms into a start that takes 0.2-0.4 s here (the rest is the runtime
@@ -140,7 +237,7 @@ class Launcher:
         (first, first_id), rest = pairs[0], pairs[1:]
         if not rest:
             await self._start(first, first_id)
-            return
+            return True
         async with contextlib.AsyncExitStack() as stack:
             try:
                 joins: AsyncIterator[str] | None = await stack.enter_async_context(
@@ -159,7 +256,16 @@ class Launcher:
                 raise
         if rank0.done() and rank0.exception() is not None:
             await rank0  # rank 0 failed before it joined: nothing else was started
+        try:
+            stop = await watch.cancelled()
+        except BaseException:
+            await asyncio.gather(rank0, return_exceptions=True)
+            raise
+        if stop:
+            await rank0
+            return False
         await _gather_all([rank0, *(self._start(c, cid) for c, cid in rest)])
+        return True
 
     async def create_network(self, request: NetworkRequest) -> str:
         """Creates the app's network and returns its id; idempotent and safe under races.
@@ -261,6 +367,11 @@ async def _until_joined(
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+
+
+def _marker_image(job: DockerJob) -> str:
+    """An image the app's cancel marker can be made from (the launch has it locally)."""
+    return str(job.containers[0].config["Image"])
 
 
 def _cpus_wanted(job: DockerJob) -> list[tuple[str, float]]:

@@ -47,6 +47,9 @@ LABEL_NETWORK = LABEL_PREFIX + "network"
 LABEL_REMOVE_FINISHED = LABEL_PREFIX + "remove-finished"
 LABEL_KIND = LABEL_PREFIX + "kind"
 LABEL_VERSION = LABEL_PREFIX + "version"
+#: on an app's own network: an image the app's launch has, for a cancel marker made before any
+#: container of the app exists
+LABEL_MARKER_IMAGE = LABEL_PREFIX + "marker-image"
 
 KIND_REPLICA = "replica"
 KIND_CANCEL_MARKER = "cancel-marker"
@@ -600,4 +603,9 @@ def cancel_marker(app_id: str, app_name: str, session: str, image: str) -> Conta
         },
         "HostConfig": {"NetworkMode": "none"},
     }
-    return ContainerRequest(name=f"{app_id}-cancelled", role="", replica_id=-1, config=config)
+    return ContainerRequest(name=marker_name(app_id), role="", replica_id=-1, config=config)
+
+
+def marker_name(app_id: str) -> str:
+    """The name of the container that marks app ``app_id`` as cancelled."""
+    return f"{app_id}-cancelled"
