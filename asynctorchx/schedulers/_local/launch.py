@@ -1,12 +1,13 @@
 """Launching a local app: from its dry run (``request.py``) to running replicas with a record on
 disk, or to nothing at all.
 
-The state root is prepared once; the app's programs and working directories are checked, the file
-descriptors it needs are promised (``procs.reserve_fds``), its log directory is checked not to
-exist (a dry run is scheduled once), and it is registered with the watchdog (with a minimal record
-for the watchdog to write if the launcher dies first) before its first replica starts. A launch
-that fails for any reason, a cancellation included, stops what it started and removes the app's
-directory, record and cgroups.
+The state root is prepared once; the app's id is claimed by making its record, which fails if it
+exists (``claim``: a dry run is scheduled once, even by two processes at once); the app's programs
+and working directories are checked, the file descriptors it needs are promised
+(``procs.reserve_fds``), its log directory is checked not to exist, and it is registered with the
+watchdog (with a minimal record for the watchdog to write if the launcher dies first) before its
+first replica starts. A launch that fails for any reason, a cancellation included, stops what it
+started and removes the app's directory, record and cgroups.
 
 Log directories and files are made lazily, on a replica's first output, in a worker thread
 (``LogDirMaker``): a replica that writes nothing costs no file-system creation at all.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -41,7 +43,7 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
-from asynctorchx.schedulers._local.records import appdef_to_json
+from asynctorchx.schedulers._local.records import Owner, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
@@ -92,15 +94,64 @@ class AppLauncher:
                 if not self._prepared:
                     await self._prepare()
 
-    async def launch(self, request: LocalRequest, appdef: AppDef) -> None:
-        """Starts the app of ``request`` (``appdef`` as submitted), once ``prepare`` was awaited;
-        see ``LocalScheduler.schedule``.
+    async def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
+        """Claims the id of the app of ``request`` (``appdef`` as submitted), once ``prepare`` was
+        awaited: makes its record (PENDING, naming this process), which fails if it exists. Two
+        schedulers or processes scheduling one dry run at once both looked for the record and
+        found none, then both started the app; the claim is one link that only one of them makes.
+
+        The record comes from a spare file when there is one (made on the event loop: a few
+        system calls, no inode allocated), else in a worker thread. A launcher killed before its
+        app's first record names its watchdog leaves a record that reads as lost
+        (``records.check_lost``).
+
+        Returns:
+            the app, claimed: ``launch`` starts it, or ``release`` gives its id up.
 
         Raises:
-            LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left.
+            ValueError: the app has a record already (a dry run scheduled twice, maybe by another
+                process); nothing was made.
+            LaunchError: the record cannot be made.
         """
         self._check_open()
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
+        store = self._rt.store
+        record = store.path(app.app_id)
+        if record is None:  # (not an id a record can have: nothing to claim)
+            return app
+        owner = Owner(pid=os.getpid(), start_ticks=self._rt.owner_ticks)
+        doc = app.minimal_record(owner).to_json()
+        data = json.dumps(doc, separators=(",", ":"), default=str).encode()
+        try:
+            if len(store.spares):
+                claimed = store.claim(app.app_id, data)
+            else:
+                claimed = await anyio.to_thread.run_sync(store.claim, app.app_id, data)
+        except OSError as e:
+            raise launch_error(app.app_id, e, "the app's record", store.records_dir) from None
+        if not claimed:
+            raise ValueError(
+                f"the record of app {app.app_id!r} already exists ({record}); "
+                "was this dry run already scheduled?"
+            )
+        app.claimed = True
+        return app
+
+    async def release(self, app: LiveApp) -> None:
+        """Gives up the claim of an app that was not launched (removes its record and side
+        files); runs to completion even if the caller is cancelled."""
+        if app.claimed:
+            app.claimed = False
+            await in_thread_shielded(self._rt.store.remove, app.app_id)
+
+    async def launch(self, app: LiveApp) -> None:
+        """Starts a claimed app; see ``LocalScheduler.schedule``.
+
+        Raises:
+            LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left
+                but its claim (``release``).
+        """
+        self._check_open()
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
         # a lazy writer keeps the descriptors of its files promised until it has them (they are
@@ -189,14 +240,15 @@ class AppLauncher:
         directory (``request.errors_dir_of``), made with the session's log directory, once, and
         again if it was removed; so nothing is made per app (the session's directory is made
         before the first launch, so that a ``log_dir`` that cannot be written fails it cleanly) and
-        the app's directory and record are looked up. A role whose error file is set under the
+        the app's directory is looked up (its record was made by ``claim``). A role whose error
+        file is set under the
         app's directory gets that directory made now, in a worker thread with the other launches
         of the moment (``LogDirMaker.make``; creating the app's directory is then the check).
 
         Raises:
             LaunchSpecError, LaunchError: a directory cannot be made.
-            ValueError: the app's directory or record exists already (a dry run scheduled twice,
-                maybe by another process).
+            ValueError: the app's directory exists already (a dry run scheduled before, whose
+                record was removed).
         """
         app_dir = app.request.app_dir
         inside = app_dir + os.sep
@@ -219,22 +271,23 @@ class AppLauncher:
             except OSError as e:
                 raise launch_error(app.app_id, e, f"the log directory {app_dir!r}", "") from None
             self._session_dirs.add(session_dir)
-        record = self._rt.store.path(app.app_id)
-        where = _existing(app_dir, None if record is None else str(record))
-        if where is not None:
+        if _exists(app_dir):
             raise ValueError(
-                f"the {where} of app {app.app_id!r} already exists "
-                f"({app_dir if where == 'log directory' else record}); "
+                f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
                 "was this dry run already scheduled?"
             )
 
     async def _start_app(self, app: LiveApp) -> None:
         """Registers the app with the watchdog (with a minimal record to write if the launcher
-        dies before the real one is), starts its replicas, and writes its record."""
+        dies before the real one is), starts its replicas (unless another process cancelled it
+        since its claim), and writes its record."""
         rt = self._rt
         app_id = app.app_id
         app.cgroup = rt.contain.app_dir(app_id)
         rt.apps[app_id] = app
+        # a cancel by another process since the claim: its marker's inotify event found no app
+        if _exists(protocol.cancel_path(str(rt.store.records_dir), app_id)):
+            self._supervision.hear_foreign_cancel(app)
         rt.watchdog.ensure_started()
         rt.watchdog.send_now(rt.registration(app))
         await self._prepare_cgroups(app)
@@ -301,6 +354,7 @@ class AppLauncher:
         # nothing runs any more: the watchdog must not record it (a record would be a ghost)
         rt.watchdog.send_now(protocol.forget_line(app.app_id))
         await rt.writer.flush()  # a write in flight must not land after the removal
+        app.claimed = False
         errors_dir = errors_dir_of(app.request.app_dir)  # (a role's own error file is left alone)
         error_files = [
             r.req.error_file
@@ -319,7 +373,7 @@ class AppLauncher:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         local_workspace.remove_workdir(self._rt.root, self._session, app_id)
-        self._rt.store.remove(app_id)
+        self._rt.store.remove(app_id)  # (the claim: ``_discard`` marked it given up)
         if cgroup is not None:
             deadline = time.monotonic() + CONTAIN_TIMEOUT
             while not contain.remove_tree(cgroup) and time.monotonic() < deadline:
@@ -341,13 +395,9 @@ def _missing(directory: str) -> bool:
     return not os.path.isdir(directory)
 
 
-def _existing(app_dir: str, record: str | None) -> str | None:
-    """Which of an app's log directory and record exists already (two lookups, no creation)."""
-    if os.path.lexists(app_dir):
-        return "log directory"
-    if record is not None and os.path.lexists(record):
-        return "record"
-    return None
+def _exists(path: str) -> bool:
+    """True when ``path`` exists (one lookup, no creation: a few microseconds on the loop)."""
+    return os.path.lexists(path)
 
 
 #: Seconds after its start when a replica that is still running and has not written anything yet

@@ -20,7 +20,9 @@ It finds the processes of an app that are in no known process group or cgroup (s
 escalator's command line.
 
 **Record files** (``write_record_file``) hold one JSON document per line, the last complete one
-being the record (``recordfile.py`` reads them).
+being the record (``recordfile.py`` reads them). A launcher makes an app's record, the claim of its
+id, before it registers the app or starts anything of it (``create_record_file``): two launchers
+of one dry run cannot both start it.
 
 **Record locks.** A process other than a live launcher changes a record only under
 ``.{app_id}.lock`` (``locked_record``); whoever holds it and finds the record terminal removes the
@@ -240,8 +242,9 @@ def write_record_file(
                 return  # removed while this version was being written: the removal wins
             if spares is None:
                 raise
-            if _link_spare(spares, final, line[1:]):
-                return
+            with contextlib.suppress(FileExistsError):  # (made meanwhile: appended to)
+                if _link_spare(spares, final, line[1:]):
+                    return
             spares = None  # none to be had: created the usual way
             continue
         try:
@@ -268,6 +271,42 @@ def write_record_file(
             os.close(fd)
 
 
+def create_record_file(
+    records_dir: str, app_id: str, data: bytes, spares: Spares | None = None
+) -> bool:
+    """Makes ``data`` (one JSON document, no newline in it) the first version of the record of
+    ``app_id`` unless it has a record: False then, and nothing is changed. Raises OSError.
+
+    This is the claim of an app id: of two launchers scheduling one dry run at once, one makes the
+    record and the other is told it exists. The record appears whole, by a hard link, which never
+    replaces a file: of a spare (``spares``, ~12 us), or else of a file made for it in
+    ``records_dir``. Later versions are appended by ``write_record_file``.
+    """
+    if b"\n" in data:
+        raise ValueError(f"a record must be one line; the record of {app_id} has a newline")
+    final = record_path(records_dir, app_id)
+    content = data + b"\n"
+    if spares is not None:
+        try:
+            if _link_spare(spares, final, content):
+                return True
+        except FileExistsError:
+            return False
+    tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.{threading.get_ident()}.new")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            _write_all(fd, content)
+        finally:
+            os.close(fd)
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    finally:
+        _drop(tmp)
+    return True
+
+
 class Spares(Protocol):
     """Empty files made ahead (``spares.SparePool``)."""
 
@@ -280,8 +319,8 @@ class Spares(Protocol):
 
 def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
     """Writes ``content`` into a spare file and links it to ``final``; False when there was no
-    spare, or it could not be written or linked (``final`` exists now, the disk is full, or the
-    directory is gone: the caller then goes the usual way, which says so).
+    spare, or it could not be written or linked (the disk is full, or the directory is gone: the
+    caller then goes the usual way, which says so). Raises FileExistsError when ``final`` exists.
 
     A spare that is not an empty-able regular file of its own is dropped and the next one taken:
     one a launcher linked to its record before it was killed (it is that record: emptying it would
@@ -311,6 +350,9 @@ def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
             finally:
                 os.close(fd)
             os.link(path, final)
+        except FileExistsError:
+            _drop(path)
+            raise
         except OSError:
             _drop(path)
             return False

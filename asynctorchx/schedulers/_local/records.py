@@ -13,7 +13,10 @@ A cancel requested by another process is a marker file ``{app_id}.cancel`` next 
 through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.lock`` are removed
 once the record is terminal (``protocol.py``).
 
-A write that finds the records directory gone creates it again; one that finds the file system
+A launcher makes an app's record before it starts anything of it, by a link that fails if the
+record exists: that claims the app's id (``RecordStore.claim``), so a dry run scheduled twice at
+once, even by two processes, starts once. A write that finds the records directory gone creates it
+again; one that finds the file system
 full rewrites the record in place when it fits in the space the file already holds. A new record's
 first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
 which is then linked into place.
@@ -328,6 +331,22 @@ class RecordStore:
             except OSError as e:
                 errors[app_id] = e
         return errors
+
+    def claim(self, app_id: str, data: bytes) -> bool:
+        """Makes ``data`` the first version of the record of ``app_id`` unless it has one (False);
+        ``protocol.create_record_file``. A missing records directory is created again.
+
+        Raises:
+            OSError: the record cannot be made.
+        """
+        records_dir = str(self.records_dir)
+        try:
+            return protocol.create_record_file(records_dir, app_id, data, self.spares)
+        except FileNotFoundError:
+            self._ready = False
+            self.spares.lost()
+            self.ensure()
+            return protocol.create_record_file(records_dir, app_id, data)
 
     def _has_side_files(self, app_id: str) -> bool:
         records_dir = str(self.records_dir)
