@@ -12,13 +12,16 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from _local_env import wait_for
 
 from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local.launch import LogDirMaker
 from asynctorchx.schedulers._local.live import LiveApp
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
@@ -235,3 +238,43 @@ async def test_a_cancel_by_another_process_between_claim_and_start_is_heard(
         assert desc.state == AppState.CANCELLED
         assert desc.msg == "cancelled by another process"
         assert _marked(app_id) == []
+
+
+async def test_a_schedule_cancelled_while_claiming_gives_the_id_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schedule cancelled while the worker thread makes its claim removes the record it made
+    there: nothing of the app is left, and its dry run can be scheduled again."""
+    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
+    entered, release, made = threading.Event(), threading.Event(), threading.Event()
+    real = LogDirMaker._make_one
+
+    def held(self: LogDirMaker, job: Any) -> None:  # fault injection: hold the claim
+        if job.claim is None or entered.is_set():
+            real(self, job)
+            return
+        entered.set()
+        release.wait(10)
+        try:
+            real(self, job)
+        finally:
+            made.set()
+
+    monkeypatch.setattr(LogDirMaker, "_make_one", held)
+    async with LocalScheduler("owner", local_root=root) as s:
+        info = s.submit_dryrun(_counting_app(started, go), {})
+        record = root / ".apps" / f"{info.request.app_id}.json"
+        with anyio.fail_after(20):
+            scheduling = asyncio.ensure_future(s.schedule(info))
+            while not entered.is_set():  # (bounded: the worker thread's progress)
+                await asyncio.sleep(0.005)
+            scheduling.cancel()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await scheduling
+            while not made.is_set() or record.exists():  # (bounded: the thread's progress)
+                await asyncio.sleep(0.005)
+            assert not started.exists()
+            go.touch()
+            assert await s.schedule(info) == info.request.app_id
+            assert (await wait_for(s, info.request.app_id)).state == AppState.SUCCEEDED

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -100,9 +101,10 @@ class AppLauncher:
         schedulers or processes scheduling one dry run at once both looked for the record and
         found none, then both started the app; the claim is one link that only one of them makes.
 
-        The record comes from a spare file when there is one (made on the event loop: a few
-        system calls, no inode allocated), else in a worker thread. A launcher killed before its
-        app's first record names its watchdog leaves a record that reads as lost
+        The record is a spare file linked into place, on the event loop (~40 us); when the
+        spares ran out, a file made in the worker thread of the launch's files (``LogDirMaker``),
+        with the other claims of the moment, each handed over as soon as made. A launcher killed
+        before its app's first record names its watchdog leaves a record that reads as lost
         (``records.check_lost``).
 
         Returns:
@@ -122,17 +124,13 @@ class AppLauncher:
         owner = Owner(pid=os.getpid(), start_ticks=self._rt.owner_ticks)
         doc = app.minimal_record(owner).to_json()
         data = json.dumps(doc, separators=(",", ":"), default=str).encode()
-        try:
-            if len(store.spares):
-                claimed = store.claim(app.app_id, data)
-            else:
-                claimed = await anyio.to_thread.run_sync(store.claim, app.app_id, data)
-        except OSError as e:
-            raise launch_error(app.app_id, e, "the app's record", store.records_dir) from None
-        if not claimed:
-            raise ValueError(
-                f"the record of app {app.app_id!r} already exists ({record}); "
-                "was this dry run already scheduled?"
+        app_id = app.app_id
+        make = functools.partial(store.claim, app_id, data)
+        if len(store.spares):  # a link of a spare: a few system calls, here
+            _claim(app_id, str(record), make)
+        else:
+            await self._dirs.claim(
+                app_id, str(record), make, functools.partial(store.remove, app_id)
             )
         app.claimed = True
         return app
@@ -431,15 +429,19 @@ def _wait_all_gone(app: LiveApp) -> None:
 
 @dataclass(eq=False)
 class _DirJob:
-    """One app's directories to make before it starts, and what came of it (set by the worker
-    thread)."""
+    """One app's directories to make, or its id to claim (``claim``), before it starts, and what
+    came of it (set by the worker thread)."""
 
     app_id: str
+    #: the app's log directory (a claim: its record)
     app_dir: str
     dirs: list[str]
     future: asyncio.Future[None]
+    #: makes the app's record unless it exists (False then); ``release`` removes it
+    claim: Callable[[], bool] | None = None
+    release: Callable[[], None] | None = None
     error: BaseException | None = None
-    #: ``app_dir`` was made by this job (so it is this job's to remove)
+    #: ``app_dir`` (or the record) was made by this job (so it is this job's to remove)
     created: bool = False
     #: the result was handed over (``abandoned``: to nobody, the launch no longer waited)
     delivered: bool = False
@@ -449,7 +451,8 @@ class _DirJob:
 class LogDirMaker:
     """Makes log directories and files in a worker thread, a batch at a time: the directories a
     replica is told to write into before it starts (``make``), and a replica's log files on its
-    first output (``request``, the ``opener`` of a lazy ``ReplicaLogWriter``).
+    first output (``request``, the ``opener`` of a lazy ``ReplicaLogWriter``); and claims app ids
+    (``claim``: an app's first record, which is an inode to allocate when no spare is left).
 
     Creating a file or directory costs from 20 µs to over 0.5 ms of kernel time on a local file
     system (on ext4 without a journal, each creation skips the inodes freed in the last minutes).
@@ -481,7 +484,24 @@ class LogDirMaker:
             RuntimeError: the scheduler is closing.
         """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        job = _DirJob(app_id, app_dir, dirs, future)
+        await self._submit(_DirJob(app_id, app_dir, dirs, future))
+
+    async def claim(
+        self, app_id: str, record: str, claim: Callable[[], bool], release: Callable[[], None]
+    ) -> None:
+        """Claims the id of an app: ``claim()`` makes its record unless it exists (False then);
+        ``release()`` removes it (here if the launch was cancelled meanwhile).
+
+        Raises:
+            ValueError: the record exists already.
+            LaunchError: it cannot be made.
+            RuntimeError: the scheduler is closing.
+        """
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await self._submit(_DirJob(app_id, record, [], future, claim, release))
+
+    async def _submit(self, job: _DirJob) -> None:
+        future = job.future
         self._ensure_task()  # RuntimeError: closed
         self._jobs.append(job)
         try:
@@ -570,6 +590,9 @@ class LogDirMaker:
             loop.call_soon_threadsafe(self._deliver, job)
 
     def _make_one(self, job: _DirJob) -> None:
+        if job.claim is not None:
+            self._claim_one(job, job.claim)
+            return
         app_dir = job.app_dir
         session_dir = os.path.dirname(app_dir)
         try:
@@ -600,10 +623,36 @@ class LogDirMaker:
                 raise launch_error(job.app_id, e, what, "") from None
             raise
 
+    @staticmethod
+    def _claim_one(job: _DirJob, claim: Callable[[], bool]) -> None:
+        _claim(job.app_id, job.app_dir, claim)
+        job.created = True
+
+
+def _claim(app_id: str, record: str, claim: Callable[[], bool]) -> None:
+    """Claims an app's id: ``claim()`` makes its ``record`` unless it exists (False).
+
+    Raises:
+        ValueError: the record exists.
+        LaunchError: it cannot be made.
+    """
+    try:
+        claimed = claim()
+    except OSError as e:
+        raise launch_error(app_id, e, "the app's record", os.path.dirname(record)) from None
+    if not claimed:
+        raise ValueError(
+            f"the record of app {app_id!r} already exists ({record}); "
+            "was this dry run already scheduled?"
+        )
+
 
 def _discard_jobs(jobs: list[_DirJob]) -> None:
     """Removes what was made for launches that no longer wait for it."""
     for job in jobs:
         if job.created:
-            shutil.rmtree(job.app_dir, ignore_errors=True)
+            if job.release is not None:
+                job.release()
+            else:
+                shutil.rmtree(job.app_dir, ignore_errors=True)
             job.created = False
