@@ -12,8 +12,9 @@ Three measurements, each in a fresh directory:
   ``lifecycle_from_spares``: the same with the store's spare files made first (as a launcher makes
   them in a lull; that cost is reported apart, per spare), so each new record is a spare linked
   into place (trees without spares skip it). ``lifecycle_claimed_from_spares``: the same, each
-  app's id claimed first as a launcher does (``RecordStore.claim``: the PENDING record linked from a
-  spare, then RUNNING appended), its own time also given apart (trees without claims skip it).
+  app's id claimed first as a launcher does (``RecordStore.claim``: a hard link of one shared
+  file, removed by the terminal write), the claims' own time also given apart (trees without
+  claims skip it).
 - ``read_1_replica`` and ``read_2000_replicas``: ``RecordStore.read`` of an app of one replica and
   of one of 2000 replicas, whose record was written ``--versions`` times (as an app's record is
   written while its replicas start and end), timed one read at a time: median, p90 and max in
@@ -81,16 +82,11 @@ def _stats_us(samples: list[float]) -> dict[str, float]:
     }
 
 
-def _claim_data(app_id: str) -> bytes:
-    doc = {**_doc(app_id, 1, "PENDING", 0), "replicas": [], "app": {}}
-    return json.dumps(doc, separators=(",", ":")).encode()
-
-
 def lifecycle(parent: str, apps: int, spares: bool = False, claim: bool = False) -> dict[str, Any]:
     """N apps written RUNNING then SUCCEEDED; the time per app. ``spares``: with the store's spare
     files made first, as a launcher makes them in a lull (that time is reported apart). ``claim``:
-    each app's id claimed first, as a launcher does before it starts anything (its PENDING record
-    made by ``RecordStore.claim``; the RUNNING version is then appended)."""
+    each app's id claimed first, as a launcher does before it starts anything (``RecordStore.claim``;
+    the terminal write removes the claim)."""
     work = Path(tempfile.mkdtemp(prefix="atx-bench-records-", dir=parent))
     try:
         store = RecordStore(work / "root")
@@ -108,7 +104,7 @@ def lifecycle(parent: str, apps: int, spares: bool = False, claim: bool = False)
         start = time.perf_counter()
         if claim:
             for i in range(apps):
-                assert store.claim(f"a-{i}", _claim_data(f"a-{i}"))
+                assert store.claim(f"a-{i}")
             made["claim_per_app_us"] = round((time.perf_counter() - start) / apps * 1e6, 1)
         for i in range(apps):
             assert store.write_many({f"a-{i}": _doc(f"a-{i}", 1, "RUNNING", 0)}) == {}

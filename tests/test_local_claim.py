@@ -12,18 +12,14 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from _local_env import wait_for
 
 from asynctorchx.schedulers._local import contain, protocol
-from asynctorchx.schedulers._local.launch import LogDirMaker
-from asynctorchx.schedulers._local.live import LiveApp
-from asynctorchx.schedulers.local import LocalScheduler
+from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
 
@@ -35,6 +31,14 @@ def _counting_app(started: Path, go: Path) -> AppDef:
 
 def _versions(record: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in record.read_bytes().splitlines() if line.strip()]
+
+
+def _claims_and_records(records: str) -> list[str]:
+    """The claims (``claim:ID``) and record files in the records directory ``records``."""
+    claims_dir = os.path.join(records, protocol.CLAIMS_DIR)
+    claims = os.listdir(claims_dir) if os.path.isdir(claims_dir) else []
+    found = [f"claim:{n}" for n in claims if n != protocol.CLAIM_FILE]
+    return sorted(found + [n for n in os.listdir(records) if n.endswith(".json")])
 
 
 def _marked(app_id: str) -> list[int]:
@@ -77,7 +81,7 @@ async def test_two_schedulers_scheduling_one_dry_run_at_once_start_it_once(tmp_p
 CHILD = textwrap.dedent(
     """
     import asyncio, os, pickle, sys
-    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
     from asynctorchx.specs import AppDef, Role
 
     async def main(root, dryrun, ready, fifo):
@@ -156,17 +160,13 @@ async def wait_started(started: Path) -> None:
 DOOMED = textwrap.dedent(
     """
     import asyncio, os, pickle, signal, sys
-    from asynctorchx.schedulers._local.records import RecordStore
-    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.schedulers._local.launch import AppLauncher
+    from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
 
-    claim = RecordStore.claim
+    async def die(self, app):  # between the claim (and registration) and the first spawn
+        os.kill(os.getpid(), signal.SIGKILL)
 
-    def claim_then_die(self, app_id, data):
-        taken = claim(self, app_id, data)
-        os.kill(os.getpid(), signal.SIGKILL)  # between the claim and the first spawn
-        return taken
-
-    RecordStore.claim = claim_then_die
+    AppLauncher.launch = die
 
     async def main(root, dryrun):
         with open(dryrun, "rb") as f:
@@ -180,10 +180,12 @@ DOOMED = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-async def test_a_launcher_killed_between_claim_and_spawn_leaves_a_lost_app(tmp_path: Path) -> None:
-    """A launcher SIGKILLed right after claiming an app id started nothing; the claimed app reads
-    FAILED (its launcher is gone), never PENDING or RUNNING, and its dry run cannot be
-    scheduled again."""
+async def test_a_launcher_killed_between_claim_and_spawn_leaves_a_failed_app(
+    tmp_path: Path,
+) -> None:
+    """A launcher SIGKILLed after claiming an app id, before starting anything, leaves nothing
+    running and, once its watchdog has noticed, an app that reads FAILED (its launcher died), no
+    claim, and a dry run that cannot be scheduled again."""
     root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
     dryrun = tmp_path / "dryrun.pickle"
     info = LocalScheduler("doomed", local_root=root).submit_dryrun(_counting_app(started, go), {})
@@ -195,86 +197,33 @@ async def test_a_launcher_killed_between_claim_and_spawn_leaves_a_lost_app(tmp_p
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
     app_id = info.request.app_id
-    assert not started.exists() and _marked(app_id) == []
+    records = str(root / ".apps")
     async with LocalScheduler("reader", local_root=root) as reader:
-        desc = await reader.describe(app_id)
-        assert desc is not None and desc.state == AppState.FAILED
-        assert "lost" in desc.msg
+        with anyio.fail_after(20):
+            while (desc := await reader.describe(app_id)) is None:  # (bounded: the watchdog)
+                await asyncio.sleep(0.02)
+        assert desc.state == AppState.FAILED and "launcher" in desc.msg and "died" in desc.msg
+        assert not os.path.lexists(protocol.claim_path(records, app_id))
         with pytest.raises(ValueError, match="already scheduled"):
             await reader.schedule(info)
     assert not started.exists() and _marked(app_id) == []
 
 
-async def test_a_cancel_by_another_process_between_claim_and_start_is_heard(
-    tmp_path: Path,
-) -> None:
-    """A cancel from another scheduler that lands while the app is claimed but not yet started
-    (its marker's inotify event finds no app) stops it once it starts: it ends CANCELLED."""
-    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
-    gate, claimed = asyncio.Event(), asyncio.Event()
-    async with (
-        LocalScheduler("owner", local_root=root) as s,
-        LocalScheduler("other", local_root=root) as other,
-    ):
-        launch = s._launcher.launch
-
-        async def gated_launch(app: LiveApp) -> None:  # fault injection: hold the claimed app
-            claimed.set()
-            await gate.wait()
-            await launch(app)
-
-        s._launcher.launch = gated_launch  # type: ignore[method-assign]
-        info = s.submit_dryrun(_counting_app(started, go), {})
-        app_id = info.request.app_id
+async def test_the_claim_goes_with_a_failed_submit_and_with_the_app_s_end(tmp_path: Path) -> None:
+    """A submit that fails after its claim (a missing program) leaves no claim and no record, and
+    the claim of an app that ran is removed once its record is terminal."""
+    root = tmp_path / "root"
+    records = str(root / ".apps")
+    async with LocalScheduler("claims", local_root=root) as s:
+        bad = s.submit_dryrun(AppDef("bad", [Role("main", image="x", entrypoint="no-such-x")]), {})
+        with pytest.raises(LaunchSpecError):
+            await s.schedule(bad)
+        assert _claims_and_records(records) == []
+        good = s.submit_dryrun(AppDef("good", [Role("main", image="x", entrypoint="true")]), {})
+        app_id = await s.schedule(good)
+        assert os.path.lexists(protocol.claim_path(records, app_id))
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
         with anyio.fail_after(20):
-            scheduling = asyncio.ensure_future(s.schedule(info))
-            await claimed.wait()
-            desc = await other.describe(app_id)
-            assert desc is not None and desc.state == AppState.PENDING
-            await other.cancel(app_id)
-            gate.set()
-            assert await scheduling == app_id
-            desc = await wait_for(s, app_id)
-        assert desc.state == AppState.CANCELLED
-        assert desc.msg == "cancelled by another process"
-        assert _marked(app_id) == []
-
-
-async def test_a_schedule_cancelled_while_claiming_gives_the_id_up(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A schedule cancelled while the worker thread makes its claim removes the record it made
-    there: nothing of the app is left, and its dry run can be scheduled again."""
-    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
-    entered, release, made = threading.Event(), threading.Event(), threading.Event()
-    real = LogDirMaker._make_one
-
-    def held(self: LogDirMaker, job: Any) -> None:  # fault injection: hold the claim
-        if job.claim is None or entered.is_set():
-            real(self, job)
-            return
-        entered.set()
-        release.wait(10)
-        try:
-            real(self, job)
-        finally:
-            made.set()
-
-    monkeypatch.setattr(LogDirMaker, "_make_one", held)
-    async with LocalScheduler("owner", local_root=root) as s:
-        info = s.submit_dryrun(_counting_app(started, go), {})
-        record = root / ".apps" / f"{info.request.app_id}.json"
-        with anyio.fail_after(20):
-            scheduling = asyncio.ensure_future(s.schedule(info))
-            while not entered.is_set():  # (bounded: the worker thread's progress)
-                await asyncio.sleep(0.005)
-            scheduling.cancel()
-            release.set()
-            with pytest.raises(asyncio.CancelledError):
-                await scheduling
-            while not made.is_set() or record.exists():  # (bounded: the thread's progress)
-                await asyncio.sleep(0.005)
-            assert not started.exists()
-            go.touch()
-            assert await s.schedule(info) == info.request.app_id
-            assert (await wait_for(s, info.request.app_id)).state == AppState.SUCCEEDED
+            while os.path.lexists(protocol.claim_path(records, app_id)):  # (the record writer)
+                await asyncio.sleep(0.01)
+        assert _claims_and_records(records) == [f"{app_id}.json"]

@@ -276,10 +276,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
     async def schedule(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> str:
         """Starts every replica of the app and returns its id once its record (RUNNING) is on disk.
 
-        The app's id is claimed first: its record is made (PENDING), by a link that fails when it
-        exists, so a dry run scheduled twice at once, even by two processes, starts once. The app
-        is registered with the watchdog before its first replica starts, with a minimal record the
-        watchdog writes if this process dies before writing the real one.
+        The app's id is claimed first, by a hard link that fails when it exists, so a dry run
+        scheduled twice at once, even by two processes, starts once; the app is then registered
+        with the watchdog, with a minimal record the watchdog writes if this process dies before
+        writing the real one.
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
@@ -303,7 +303,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         try:
             await self._launcher.prepare()
             # (claimed first: the workspace directory of an app id is its claimant's)
-            app = await self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
+            app = self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
             if dryrun_info.workspace is not None:
                 await self._ship_workspace(dryrun_info)
                 shipped = True

@@ -1,13 +1,13 @@
 """Launching a local app: from its dry run (``request.py``) to running replicas with a record on
 disk, or to nothing at all.
 
-The state root is prepared once; the app's id is claimed by making its record, which fails if it
-exists (``claim``: a dry run is scheduled once, even by two processes at once); the app's programs
-and working directories are checked, the file descriptors it needs are promised
-(``procs.reserve_fds``), its log directory is checked not to exist, and it is registered with the
-watchdog (with a minimal record for the watchdog to write if the launcher dies first) before its
-first replica starts. A launch that fails for any reason, a cancellation included, stops what it
-started and removes the app's directory, record and cgroups.
+The state root is prepared once; the app's id is claimed, by a hard link that fails if it exists
+(``claim``: a dry run is scheduled once, even by two processes at once), and the app registered
+with the watchdog (with a minimal record for the watchdog to write if the launcher dies first);
+its programs and working directories are checked, the file descriptors it needs are promised
+(``procs.reserve_fds``), and its log directory is checked not to exist before its first replica
+starts. A launch that fails for any reason, a cancellation included, stops what it started and
+removes the app's directory, record, claim and cgroups.
 
 Log directories and files are made lazily, on a replica's first output, in a worker thread
 (``LogDirMaker``): a replica that writes nothing costs no file-system creation at all.
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import json
 import logging
 import os
 import shutil
@@ -44,7 +42,7 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
-from asynctorchx.schedulers._local.records import Owner, appdef_to_json
+from asynctorchx.schedulers._local.records import appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
@@ -95,49 +93,47 @@ class AppLauncher:
                 if not self._prepared:
                     await self._prepare()
 
-    async def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
-        """Claims the id of the app of ``request`` (``appdef`` as submitted), once ``prepare`` was
-        awaited: makes its record (PENDING, naming this process), which fails if it exists. Two
-        schedulers or processes scheduling one dry run at once both looked for the record and
-        found none, then both started the app; the claim is one link that only one of them makes.
+    def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
+        """Claims the id of the app of ``request`` (``appdef`` as submitted) and registers it with
+        the watchdog, once ``prepare`` was awaited.
 
-        The record is a spare file linked into place, on the event loop (~40 us); when the
-        spares ran out, a file made in the worker thread of the launch's files (``LogDirMaker``),
-        with the other claims of the moment, each handed over as soon as made. A launcher killed
-        before its app's first record names its watchdog leaves a record that reads as lost
-        (``records.check_lost``).
+        Two schedulers or processes scheduling one dry run at once both found no record, then
+        both started the app; the claim (``RecordStore.claim``: a hard link, ~12 us, here) is made
+        by one of them only. The watchdog learns of the app at once, so a launcher killed from
+        now on leaves a FAILED record ("the launcher died") and no claim.
 
         Returns:
             the app, claimed: ``launch`` starts it, or ``release`` gives its id up.
 
         Raises:
-            ValueError: the app has a record already (a dry run scheduled twice, maybe by another
-                process); nothing was made.
-            LaunchError: the record cannot be made.
+            ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
+                by another process); nothing was made.
+            LaunchError: the claim cannot be made.
         """
         self._check_open()
+        rt = self._rt
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
-        store = self._rt.store
-        record = store.path(app.app_id)
-        if record is None:  # (not an id a record can have: nothing to claim)
-            return app
-        owner = Owner(pid=os.getpid(), start_ticks=self._rt.owner_ticks)
-        doc = app.minimal_record(owner).to_json()
-        data = json.dumps(doc, separators=(",", ":"), default=str).encode()
         app_id = app.app_id
-        make = functools.partial(store.claim, app_id, data)
-        if len(store.spares):  # a link of a spare: a few system calls, here
-            _claim(app_id, str(record), make)
-        else:
-            await self._dirs.claim(
-                app_id, str(record), make, functools.partial(store.remove, app_id)
-            )
-        app.claimed = True
+        if rt.store.path(app_id) is not None:  # (else no record can name it: nothing to claim)
+            try:
+                claimed = rt.store.claim(app_id)
+            except OSError as e:
+                raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
+            if not claimed:
+                raise ValueError(
+                    f"app {app_id!r} is claimed or recorded already (in {rt.store.records_dir}); "
+                    "was this dry run already scheduled?"
+                )
+            app.claimed = True
+        app.cgroup = rt.contain.app_dir(app_id)
+        rt.watchdog.ensure_started()
+        rt.watchdog.send_now(rt.registration(app))
         return app
 
     async def release(self, app: LiveApp) -> None:
-        """Gives up the claim of an app that was not launched (removes its record and side
-        files); runs to completion even if the caller is cancelled."""
+        """Gives up an app that was claimed but not launched: the watchdog forgets it and its
+        claim is removed; runs to completion even if the caller is cancelled."""
+        self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
         if app.claimed:
             app.claimed = False
             await in_thread_shielded(self._rt.store.remove, app.app_id)
@@ -238,10 +234,10 @@ class AppLauncher:
         directory (``request.errors_dir_of``), made with the session's log directory, once, and
         again if it was removed; so nothing is made per app (the session's directory is made
         before the first launch, so that a ``log_dir`` that cannot be written fails it cleanly) and
-        the app's directory is looked up (its record was made by ``claim``). A role whose error
-        file is set under the
-        app's directory gets that directory made now, in a worker thread with the other launches
-        of the moment (``LogDirMaker.make``; creating the app's directory is then the check).
+        the app's directory is looked up (its record by ``claim``). A role whose error file is
+        set under the app's directory gets that directory made now, in a worker thread with the
+        other launches of the moment (``LogDirMaker.make``; creating the app's directory is then
+        the check).
 
         Raises:
             LaunchSpecError, LaunchError: a directory cannot be made.
@@ -276,18 +272,12 @@ class AppLauncher:
             )
 
     async def _start_app(self, app: LiveApp) -> None:
-        """Registers the app with the watchdog (with a minimal record to write if the launcher
-        dies before the real one is), starts its replicas (unless another process cancelled it
-        since its claim), and writes its record."""
+        """Starts the app's replicas (it is registered with the watchdog, with a minimal record
+        to write if the launcher dies before the real one is: ``claim``), and writes its
+        record."""
         rt = self._rt
         app_id = app.app_id
-        app.cgroup = rt.contain.app_dir(app_id)
         rt.apps[app_id] = app
-        # a cancel by another process since the claim: its marker's inotify event found no app
-        if _exists(protocol.cancel_path(str(rt.store.records_dir), app_id)):
-            self._supervision.hear_foreign_cancel(app)
-        rt.watchdog.ensure_started()
-        rt.watchdog.send_now(rt.registration(app))
         await self._prepare_cgroups(app)
         self._check_open()
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
@@ -352,7 +342,7 @@ class AppLauncher:
         # nothing runs any more: the watchdog must not record it (a record would be a ghost)
         rt.watchdog.send_now(protocol.forget_line(app.app_id))
         await rt.writer.flush()  # a write in flight must not land after the removal
-        app.claimed = False
+        app.claimed = False  # (its claim goes with its files)
         errors_dir = errors_dir_of(app.request.app_dir)  # (a role's own error file is left alone)
         error_files = [
             r.req.error_file
@@ -371,7 +361,7 @@ class AppLauncher:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         local_workspace.remove_workdir(self._rt.root, self._session, app_id)
-        self._rt.store.remove(app_id)  # (the claim: ``_discard`` marked it given up)
+        self._rt.store.remove(app_id)
         if cgroup is not None:
             deadline = time.monotonic() + CONTAIN_TIMEOUT
             while not contain.remove_tree(cgroup) and time.monotonic() < deadline:
@@ -429,19 +419,15 @@ def _wait_all_gone(app: LiveApp) -> None:
 
 @dataclass(eq=False)
 class _DirJob:
-    """One app's directories to make, or its id to claim (``claim``), before it starts, and what
-    came of it (set by the worker thread)."""
+    """One app's directories to make before it starts, and what came of it (set by the worker
+    thread)."""
 
     app_id: str
-    #: the app's log directory (a claim: its record)
     app_dir: str
     dirs: list[str]
     future: asyncio.Future[None]
-    #: makes the app's record unless it exists (False then); ``release`` removes it
-    claim: Callable[[], bool] | None = None
-    release: Callable[[], None] | None = None
     error: BaseException | None = None
-    #: ``app_dir`` (or the record) was made by this job (so it is this job's to remove)
+    #: ``app_dir`` was made by this job (so it is this job's to remove)
     created: bool = False
     #: the result was handed over (``abandoned``: to nobody, the launch no longer waited)
     delivered: bool = False
@@ -451,8 +437,7 @@ class _DirJob:
 class LogDirMaker:
     """Makes log directories and files in a worker thread, a batch at a time: the directories a
     replica is told to write into before it starts (``make``), and a replica's log files on its
-    first output (``request``, the ``opener`` of a lazy ``ReplicaLogWriter``); and claims app ids
-    (``claim``: an app's first record, which is an inode to allocate when no spare is left).
+    first output (``request``, the ``opener`` of a lazy ``ReplicaLogWriter``).
 
     Creating a file or directory costs from 20 µs to over 0.5 ms of kernel time on a local file
     system (on ext4 without a journal, each creation skips the inodes freed in the last minutes).
@@ -484,24 +469,7 @@ class LogDirMaker:
             RuntimeError: the scheduler is closing.
         """
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._submit(_DirJob(app_id, app_dir, dirs, future))
-
-    async def claim(
-        self, app_id: str, record: str, claim: Callable[[], bool], release: Callable[[], None]
-    ) -> None:
-        """Claims the id of an app: ``claim()`` makes its record unless it exists (False then);
-        ``release()`` removes it (here if the launch was cancelled meanwhile).
-
-        Raises:
-            ValueError: the record exists already.
-            LaunchError: it cannot be made.
-            RuntimeError: the scheduler is closing.
-        """
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        await self._submit(_DirJob(app_id, record, [], future, claim, release))
-
-    async def _submit(self, job: _DirJob) -> None:
-        future = job.future
+        job = _DirJob(app_id, app_dir, dirs, future)
         self._ensure_task()  # RuntimeError: closed
         self._jobs.append(job)
         try:
@@ -590,9 +558,6 @@ class LogDirMaker:
             loop.call_soon_threadsafe(self._deliver, job)
 
     def _make_one(self, job: _DirJob) -> None:
-        if job.claim is not None:
-            self._claim_one(job, job.claim)
-            return
         app_dir = job.app_dir
         session_dir = os.path.dirname(app_dir)
         try:
@@ -623,36 +588,10 @@ class LogDirMaker:
                 raise launch_error(job.app_id, e, what, "") from None
             raise
 
-    @staticmethod
-    def _claim_one(job: _DirJob, claim: Callable[[], bool]) -> None:
-        _claim(job.app_id, job.app_dir, claim)
-        job.created = True
-
-
-def _claim(app_id: str, record: str, claim: Callable[[], bool]) -> None:
-    """Claims an app's id: ``claim()`` makes its ``record`` unless it exists (False).
-
-    Raises:
-        ValueError: the record exists.
-        LaunchError: it cannot be made.
-    """
-    try:
-        claimed = claim()
-    except OSError as e:
-        raise launch_error(app_id, e, "the app's record", os.path.dirname(record)) from None
-    if not claimed:
-        raise ValueError(
-            f"the record of app {app_id!r} already exists ({record}); "
-            "was this dry run already scheduled?"
-        )
-
 
 def _discard_jobs(jobs: list[_DirJob]) -> None:
     """Removes what was made for launches that no longer wait for it."""
     for job in jobs:
         if job.created:
-            if job.release is not None:
-                job.release()
-            else:
-                shutil.rmtree(job.app_dir, ignore_errors=True)
+            shutil.rmtree(job.app_dir, ignore_errors=True)
             job.created = False

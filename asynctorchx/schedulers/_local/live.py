@@ -144,7 +144,7 @@ class LiveApp:
     log_loss: str = ""  # why log output was lost (empty: none was)
     # another process left a cancel marker (inotify said so): read it at the next chance
     foreign_cancel: bool = False
-    # its record exists, made by this launcher (``AppLauncher.claim``); False once removed
+    # its id is claimed by this launcher (``AppLauncher.claim``); False once the claim is removed
     claimed: bool = False
 
     @classmethod
@@ -244,15 +244,8 @@ class LiveApp:
     def registration(self, owner: Owner) -> bytes:
         """The watchdog's ``A`` line of this app, with the minimal record the watchdog writes if
         the launcher dies before writing the real one."""
-        minimal = self.minimal_record(owner)
         req = self.request
-        return protocol.app_line(self.app_id, req.grace_period, self.cgroup, minimal.to_json())
-
-    def minimal_record(self, owner: Owner) -> AppRecord:
-        """The app's record before anything of it started: PENDING, no replicas, no AppDef (the
-        claim of its id, and what the watchdog writes if the launcher dies before the real one)."""
-        req = self.request
-        return AppRecord(
+        minimal = AppRecord(
             app_id=req.app_id,
             name=req.app_name,
             backend=req.backend,
@@ -270,6 +263,7 @@ class LiveApp:
             app={},
             cgroup=self.cgroup,
         )
+        return protocol.app_line(self.app_id, req.grace_period, self.cgroup, minimal.to_json())
 
     def registrations(self, owner: Owner) -> list[bytes]:
         """Every watchdog line that describes this app now (after a watchdog restart)."""

@@ -19,10 +19,12 @@ It finds the processes of an app that are in no known process group or cgroup (s
 **Process groups** are named ``PGID:START_TICKS`` (``group_spec``) in a cancel marker and on the
 escalator's command line.
 
+**Claims.** A launcher claims an app's id (``claim_app``: a hard link named after it) before it
+registers the app or starts anything of it, so two launchers of one dry run cannot both start it;
+the claim goes once the app's record is terminal.
+
 **Record files** (``write_record_file``) hold one JSON document per line, the last complete one
-being the record (``recordfile.py`` reads them). A launcher makes an app's record, the claim of its
-id, before it registers the app or starts anything of it (``create_record_file``): two launchers
-of one dry run cannot both start it.
+being the record (``recordfile.py`` reads them).
 
 **Record locks.** A process other than a live launcher changes a record only under
 ``.{app_id}.lock`` (``locked_record``); whoever holds it and finds the record terminal removes the
@@ -156,6 +158,58 @@ def cancel_path(records_dir: str, app_id: str) -> str:
     return os.path.join(records_dir, f"{app_id}.cancel")
 
 
+#: The directory of the claims, in the records directory (apart: its changes wake no watcher of
+#: the records, and a listing of the records does not read them).
+CLAIMS_DIR = ".claims"
+#: The empty file every claim is a hard link of, in ``CLAIMS_DIR`` (no app id starts with a dot).
+CLAIM_FILE = ".shared"
+
+
+def claim_path(records_dir: str, app_id: str) -> str:
+    """The claim of ``app_id``: a hard link of ``CLAIM_FILE`` (``claim_app``)."""
+    return os.path.join(records_dir, CLAIMS_DIR, app_id)
+
+
+def claim_app(records_dir: str, app_id: str) -> bool:
+    """Claims ``app_id`` for this launcher; False when it is claimed already. Raises OSError.
+
+    A claim is a hard link of one shared empty file (``CLAIM_FILE``) named after the app
+    (``claim_path``): a link never replaces a file, so of two launchers scheduling one dry run at
+    once one makes it and the other is told it exists; and it costs a directory entry (~12 us), no
+    inode, so a burst of launches claims its ids on the event loop whatever the spare files left.
+    The claim lasts until the app's record is terminal or its submit is undone (``drop_claim``);
+    the launcher checks after claiming that the app has no record (a dry run scheduled before).
+    """
+    path = claim_path(records_dir, app_id)
+    claims = os.path.dirname(path)
+    shared = os.path.join(claims, CLAIM_FILE)
+    for _ in range(3):
+        try:
+            os.link(shared, path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # (FileNotFoundError again: the records directory is gone)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(claims, 0o700)
+            os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
+        except OSError as e:
+            if e.errno != errno.EMLINK:
+                raise
+            # as many claims as the file system links to one inode: later ones link a new file
+            tmp = f"{shared}.{os.getpid()}.{threading.get_ident()}"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
+            os.replace(tmp, shared)
+    os.link(shared, path)
+    return True
+
+
+def drop_claim(records_dir: str, app_id: str) -> None:
+    """Removes the claim of ``app_id`` (its record is terminal, or its submit was undone)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(claim_path(records_dir, app_id))
+
+
 @contextlib.contextmanager
 def locked_record(records_dir: str, app_id: str) -> Iterator[None]:
     """Holds the lock of ``app_id``'s record (blocking; raises OSError if it cannot be created).
@@ -185,8 +239,10 @@ def locked_record(records_dir: str, app_id: str) -> Iterator[None]:
 
 
 def drop_lock_files(records_dir: str, app_id: str) -> None:
-    """Removes the lock file and the cancel marker of a terminal app (call it holding the lock)."""
-    for path in (lock_path(records_dir, app_id), cancel_path(records_dir, app_id)):
+    """Removes the lock file, the cancel marker and the claim of a terminal app (call it holding
+    the lock)."""
+    paths = (lock_path(records_dir, app_id), cancel_path(records_dir, app_id))
+    for path in (*paths, claim_path(records_dir, app_id)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
@@ -242,9 +298,8 @@ def write_record_file(
                 return  # removed while this version was being written: the removal wins
             if spares is None:
                 raise
-            with contextlib.suppress(FileExistsError):  # (made meanwhile: appended to)
-                if _link_spare(spares, final, line[1:]):
-                    return
+            if _link_spare(spares, final, line[1:]):
+                return
             spares = None  # none to be had: created the usual way
             continue
         try:
@@ -271,42 +326,6 @@ def write_record_file(
             os.close(fd)
 
 
-def create_record_file(
-    records_dir: str, app_id: str, data: bytes, spares: Spares | None = None
-) -> bool:
-    """Makes ``data`` (one JSON document, no newline in it) the first version of the record of
-    ``app_id`` unless it has a record: False then, and nothing is changed. Raises OSError.
-
-    This is the claim of an app id: of two launchers scheduling one dry run at once, one makes the
-    record and the other is told it exists. The record appears whole, by a hard link, which never
-    replaces a file: of a spare (``spares``, ~12 us), or else of a file made for it in
-    ``records_dir``. Later versions are appended by ``write_record_file``.
-    """
-    if b"\n" in data:
-        raise ValueError(f"a record must be one line; the record of {app_id} has a newline")
-    final = record_path(records_dir, app_id)
-    content = data + b"\n"
-    if spares is not None:
-        try:
-            if _link_spare(spares, final, content):
-                return True
-        except FileExistsError:
-            return False
-    tmp = os.path.join(records_dir, f".{app_id}.{os.getpid()}.{threading.get_ident()}.new")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            _write_all(fd, content)
-        finally:
-            os.close(fd)
-        os.link(tmp, final)
-    except FileExistsError:
-        return False
-    finally:
-        _drop(tmp)
-    return True
-
-
 class Spares(Protocol):
     """Empty files made ahead (``spares.SparePool``)."""
 
@@ -319,8 +338,8 @@ class Spares(Protocol):
 
 def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
     """Writes ``content`` into a spare file and links it to ``final``; False when there was no
-    spare, or it could not be written or linked (the disk is full, or the directory is gone: the
-    caller then goes the usual way, which says so). Raises FileExistsError when ``final`` exists.
+    spare, or it could not be written or linked (``final`` exists now, the disk is full, or the
+    directory is gone: the caller then goes the usual way, which says so).
 
     A spare that is not an empty-able regular file of its own is dropped and the next one taken:
     one a launcher linked to its record before it was killed (it is that record: emptying it would
@@ -350,9 +369,6 @@ def _link_spare(spares: Spares, final: str, content: bytes) -> bool:
             finally:
                 os.close(fd)
             os.link(path, final)
-        except FileExistsError:
-            _drop(path)
-            raise
         except OSError:
             _drop(path)
             return False
