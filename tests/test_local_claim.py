@@ -5,6 +5,7 @@ leaves a record that reads as lost, not as a live app."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import pickle
@@ -227,3 +228,44 @@ async def test_the_claim_goes_with_a_failed_submit_and_with_the_app_s_end(tmp_pa
             while os.path.lexists(protocol.claim_path(records, app_id)):  # (the record writer)
                 await asyncio.sleep(0.01)
         assert _claims_and_records(records) == [f"{app_id}.json"]
+
+
+def test_without_hard_links_a_claim_is_a_file_of_its_own_and_still_exclusive(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a file system that refuses hard links (EPERM) a claim is made as a file of its own:
+    the first claim of an id wins, the second is refused."""
+
+    def no_links(src: str, dst: str) -> None:  # fault injection: a file system without links
+        raise PermissionError(errno.EPERM, "Operation not permitted", src)
+
+    monkeypatch.setattr(os, "link", no_links)
+    records = str(tmp_path)
+    assert protocol.claim_app(records, "app-1") is True
+    assert protocol.claim_app(records, "app-1") is False
+    assert os.path.isfile(protocol.claim_path(records, "app-1"))
+    protocol.drop_claim(records, "app-1")
+    assert protocol.claim_app(records, "app-1") is True
+
+
+def test_a_shared_claim_file_with_too_many_links_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the shared file has as many links as the file system allows (EMLINK), the claim links
+    a new shared file; the claims made before stay."""
+    records = str(tmp_path)
+    assert protocol.claim_app(records, "old")
+    shared = os.path.join(records, protocol.CLAIMS_DIR, protocol.CLAIM_FILE)
+    first = os.stat(shared).st_ino
+    real_link = os.link
+
+    def full(src: str, dst: str) -> None:  # fault injection: the first inode is full
+        if os.stat(src).st_ino == first:
+            raise OSError(errno.EMLINK, "Too many links", src)
+        real_link(src, dst)
+
+    monkeypatch.setattr(os, "link", full)
+    assert protocol.claim_app(records, "new") is True
+    assert protocol.claim_app(records, "old") is False
+    assert os.stat(shared).st_ino != first
+    assert os.stat(protocol.claim_path(records, "new")).st_ino == os.stat(shared).st_ino

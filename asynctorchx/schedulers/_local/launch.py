@@ -99,8 +99,9 @@ class AppLauncher:
 
         Two schedulers or processes scheduling one dry run at once both found no record, then
         both started the app; the claim (``RecordStore.claim``: a hard link, ~12 us, here) is made
-        by one of them only. The watchdog learns of the app at once, so a launcher killed from
-        now on leaves a FAILED record ("the launcher died") and no claim.
+        by one of them only. The watchdog learns of the app right after, so a launcher killed
+        from then on leaves a FAILED record ("the launcher died") and no claim; one killed between
+        the two system calls leaves a claim without a record, which makes its dry run refused.
 
         Returns:
             the app, claimed: ``launch`` starts it, or ``release`` gives its id up.
@@ -114,6 +115,9 @@ class AppLauncher:
         rt = self._rt
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id
+        app.cgroup = rt.contain.app_dir(app_id)
+        rt.watchdog.ensure_started()
+        registration = rt.registration(app)  # (made first: sent right after the claim)
         if rt.store.path(app_id) is not None:  # (else no record can name it: nothing to claim)
             try:
                 claimed = rt.store.claim(app_id)
@@ -125,9 +129,7 @@ class AppLauncher:
                     "was this dry run already scheduled?"
                 )
             app.claimed = True
-        app.cgroup = rt.contain.app_dir(app_id)
-        rt.watchdog.ensure_started()
-        rt.watchdog.send_now(rt.registration(app))
+        rt.watchdog.send_now(registration)
         return app
 
     async def release(self, app: LiveApp) -> None:

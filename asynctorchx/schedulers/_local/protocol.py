@@ -194,6 +194,15 @@ def claim_app(records_dir: str, app_id: str) -> bool:
                 os.mkdir(claims, 0o700)
             os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
         except OSError as e:
+            if e.errno in _NO_HARD_LINKS:  # a file of its own then (an inode: slower, as atomic)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(claims, 0o700)
+                try:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                    os.close(os.open(path, flags, 0o600))
+                except FileExistsError:
+                    return False
+                return True
             if e.errno != errno.EMLINK:
                 raise
             # as many claims as the file system links to one inode: later ones link a new file
@@ -204,9 +213,14 @@ def claim_app(records_dir: str, app_id: str) -> bool:
     return True
 
 
+#: What ``link`` fails with on a file system without hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP)
+
+
 def drop_claim(records_dir: str, app_id: str) -> None:
-    """Removes the claim of ``app_id`` (its record is terminal, or its submit was undone)."""
-    with contextlib.suppress(FileNotFoundError):
+    """Removes the claim of ``app_id`` (its record is terminal, or its submit was undone). One that
+    cannot be removed is left: it only refuses its dry run, which its record refuses anyway."""
+    with contextlib.suppress(OSError):
         os.unlink(claim_path(records_dir, app_id))
 
 
