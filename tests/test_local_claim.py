@@ -1,6 +1,7 @@
-"""The claim of a local app's id: one dry run scheduled at once by two schedulers or two processes
-starts once; the other submit fails cleanly and leaves nothing; a launcher killed after claiming
-leaves a record that reads as lost, not as a live app."""
+"""The claim of a local app's id (a hard link under ``.apps/.claims``): one dry run scheduled at
+once by two schedulers or two processes starts once, the other submit fails cleanly and leaves
+nothing; a launcher killed after claiming leaves a FAILED app and no claim; claims go with failed
+submits and terminal records, and work where hard links do not."""
 
 from __future__ import annotations
 
