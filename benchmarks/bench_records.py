@@ -11,7 +11,10 @@ Three measurements, each in a fresh directory:
   writes them, one app per ``write_many`` call: the time per app and its file-system cost.
   ``lifecycle_from_spares``: the same with the store's spare files made first (as a launcher makes
   them in a lull; that cost is reported apart, per spare), so each new record is a spare linked
-  into place (trees without spares skip it).
+  into place (trees without spares skip it). ``lifecycle_claimed_from_spares``: the same, each
+  app's id claimed first as a launcher does (``RecordStore.claim``: a hard link of one shared
+  file, removed by the terminal write), the claims' own time also given apart (trees without
+  claims skip it).
 - ``read_1_replica`` and ``read_2000_replicas``: ``RecordStore.read`` of an app of one replica and
   of one of 2000 replicas, whose record was written ``--versions`` times (as an app's record is
   written while its replicas start and end), timed one read at a time: median, p90 and max in
@@ -79,9 +82,11 @@ def _stats_us(samples: list[float]) -> dict[str, float]:
     }
 
 
-def lifecycle(parent: str, apps: int, spares: bool = False) -> dict[str, Any]:
+def lifecycle(parent: str, apps: int, spares: bool = False, claim: bool = False) -> dict[str, Any]:
     """N apps written RUNNING then SUCCEEDED; the time per app. ``spares``: with the store's spare
-    files made first, as a launcher makes them in a lull (that time is reported apart)."""
+    files made first, as a launcher makes them in a lull (that time is reported apart). ``claim``:
+    each app's id claimed first, as a launcher does before it starts anything (``RecordStore.claim``;
+    the terminal write removes the claim)."""
     work = Path(tempfile.mkdtemp(prefix="atx-bench-records-", dir=parent))
     try:
         store = RecordStore(work / "root")
@@ -97,6 +102,10 @@ def lifecycle(parent: str, apps: int, spares: bool = False) -> dict[str, Any]:
                 "spares_made_per_spare_us": round((time.perf_counter() - start) / apps * 1e6, 1)
             }
         start = time.perf_counter()
+        if claim:
+            for i in range(apps):
+                assert store.claim(f"a-{i}")
+            made["claim_per_app_us"] = round((time.perf_counter() - start) / apps * 1e6, 1)
         for i in range(apps):
             assert store.write_many({f"a-{i}": _doc(f"a-{i}", 1, "RUNNING", 0)}) == {}
         for i in range(apps):
@@ -151,6 +160,11 @@ def main() -> None:
         **(
             {"lifecycle_from_spares": lifecycle(args.root, args.apps, spares=True)}
             if hasattr(RecordStore(Path(args.root)), "spares")
+            else {}
+        ),
+        **(
+            {"lifecycle_claimed_from_spares": lifecycle(args.root, args.apps, True, True)}
+            if hasattr(RecordStore, "claim")
             else {}
         ),
         "read_1_replica": reads(args.root, 1, args.versions, 2000),

@@ -276,8 +276,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
     async def schedule(self, dryrun_info: AppDryRunInfo[LocalRequest]) -> str:
         """Starts every replica of the app and returns its id once its record (RUNNING) is on disk.
 
-        The app is registered with the watchdog before its first replica starts, with a minimal
-        record the watchdog writes if this process dies before writing the real one.
+        The app's id is claimed first, by a hard link that fails when it exists, so a dry run
+        scheduled twice at once, even by two processes, starts once; the app is then registered
+        with the watchdog, with a minimal record the watchdog writes if this process dies before
+        writing the real one.
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
@@ -297,17 +299,22 @@ class LocalScheduler(Scheduler[LocalRequest]):
             raise ValueError(f"dry run of app {app_id!r} was already scheduled")
         rt.starting.add(app_id)
         shipped = False
+        app = None
         try:
             await self._launcher.prepare()
+            # (claimed first: the workspace directory of an app id is its claimant's)
+            app = self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
             if dryrun_info.workspace is not None:
                 await self._ship_workspace(dryrun_info)
                 shipped = True
-            await self._launcher.launch(request, dryrun_info.app or AppDef(request.app_name))
+            await self._launcher.launch(app)
         except BaseException:
             if shipped:  # a bad entrypoint, say: the app's workspace directory goes too
                 await in_thread_shielded(
                     local_workspace.remove_workdir, self._root, self.session_name, app_id
                 )
+            if app is not None:
+                await self._launcher.release(app)
             raise
         finally:
             rt.starting.discard(app_id)

@@ -1,12 +1,13 @@
 """Launching a local app: from its dry run (``request.py``) to running replicas with a record on
 disk, or to nothing at all.
 
-The state root is prepared once; the app's programs and working directories are checked, the file
-descriptors it needs are promised (``procs.reserve_fds``), its log directory is checked not to
-exist (a dry run is scheduled once), and it is registered with the watchdog (with a minimal record
-for the watchdog to write if the launcher dies first) before its first replica starts. A launch
-that fails for any reason, a cancellation included, stops what it started and removes the app's
-directory, record and cgroups.
+The state root is prepared once; the app's id is claimed, by a hard link that fails if it exists
+(``claim``: a dry run is scheduled once, even by two processes at once), and the app registered
+with the watchdog (with a minimal record for the watchdog to write if the launcher dies first);
+its programs and working directories are checked, the file descriptors it needs are promised
+(``procs.reserve_fds``), and its log directory is checked not to exist before its first replica
+starts. A launch that fails for any reason, a cancellation included, stops what it started and
+removes the app's directory, record, claim and cgroups.
 
 Log directories and files are made lazily, on a replica's first output, in a worker thread
 (``LogDirMaker``): a replica that writes nothing costs no file-system creation at all.
@@ -92,15 +93,61 @@ class AppLauncher:
                 if not self._prepared:
                     await self._prepare()
 
-    async def launch(self, request: LocalRequest, appdef: AppDef) -> None:
-        """Starts the app of ``request`` (``appdef`` as submitted), once ``prepare`` was awaited;
-        see ``LocalScheduler.schedule``.
+    def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
+        """Claims the id of the app of ``request`` (``appdef`` as submitted) and registers it with
+        the watchdog, once ``prepare`` was awaited.
+
+        Two schedulers or processes scheduling one dry run at once both found no record, then
+        both started the app; the claim (``RecordStore.claim``: a hard link, ~12 us, here) is made
+        by one of them only. The watchdog learns of the app right after, so a launcher killed
+        from then on leaves a FAILED record ("the launcher died") and no claim; one killed between
+        the two system calls leaves a claim without a record, which makes its dry run refused.
+
+        Returns:
+            the app, claimed: ``launch`` starts it, or ``release`` gives its id up.
 
         Raises:
-            LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left.
+            ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
+                by another process); nothing was made.
+            LaunchError: the claim cannot be made.
         """
         self._check_open()
+        rt = self._rt
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
+        app_id = app.app_id
+        app.cgroup = rt.contain.app_dir(app_id)
+        rt.watchdog.ensure_started()
+        registration = rt.registration(app)  # (made first: sent right after the claim)
+        if rt.store.path(app_id) is not None:  # (else no record can name it: nothing to claim)
+            try:
+                claimed = rt.store.claim(app_id)
+            except OSError as e:
+                raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
+            if not claimed:
+                raise ValueError(
+                    f"app {app_id!r} is claimed or recorded already (in {rt.store.records_dir}); "
+                    "was this dry run already scheduled?"
+                )
+            app.claimed = True
+        rt.watchdog.send_now(registration)
+        return app
+
+    async def release(self, app: LiveApp) -> None:
+        """Gives up an app that was claimed but not launched: the watchdog forgets it and its
+        claim is removed; runs to completion even if the caller is cancelled."""
+        self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
+        if app.claimed:
+            app.claimed = False
+            await in_thread_shielded(self._rt.store.remove, app.app_id)
+
+    async def launch(self, app: LiveApp) -> None:
+        """Starts a claimed app; see ``LocalScheduler.schedule``.
+
+        Raises:
+            LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left
+                but its claim (``release``).
+        """
+        self._check_open()
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
         # a lazy writer keeps the descriptors of its files promised until it has them (they are
@@ -189,14 +236,15 @@ class AppLauncher:
         directory (``request.errors_dir_of``), made with the session's log directory, once, and
         again if it was removed; so nothing is made per app (the session's directory is made
         before the first launch, so that a ``log_dir`` that cannot be written fails it cleanly) and
-        the app's directory and record are looked up. A role whose error file is set under the
-        app's directory gets that directory made now, in a worker thread with the other launches
-        of the moment (``LogDirMaker.make``; creating the app's directory is then the check).
+        the app's directory is looked up (its record by ``claim``). A role whose error file is
+        set under the app's directory gets that directory made now, in a worker thread with the
+        other launches of the moment (``LogDirMaker.make``; creating the app's directory is then
+        the check).
 
         Raises:
             LaunchSpecError, LaunchError: a directory cannot be made.
-            ValueError: the app's directory or record exists already (a dry run scheduled twice,
-                maybe by another process).
+            ValueError: the app's directory exists already (a dry run scheduled before, whose
+                record was removed).
         """
         app_dir = app.request.app_dir
         inside = app_dir + os.sep
@@ -219,24 +267,19 @@ class AppLauncher:
             except OSError as e:
                 raise launch_error(app.app_id, e, f"the log directory {app_dir!r}", "") from None
             self._session_dirs.add(session_dir)
-        record = self._rt.store.path(app.app_id)
-        where = _existing(app_dir, None if record is None else str(record))
-        if where is not None:
+        if _exists(app_dir):
             raise ValueError(
-                f"the {where} of app {app.app_id!r} already exists "
-                f"({app_dir if where == 'log directory' else record}); "
+                f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
                 "was this dry run already scheduled?"
             )
 
     async def _start_app(self, app: LiveApp) -> None:
-        """Registers the app with the watchdog (with a minimal record to write if the launcher
-        dies before the real one is), starts its replicas, and writes its record."""
+        """Starts the app's replicas (it is registered with the watchdog, with a minimal record
+        to write if the launcher dies before the real one is: ``claim``), and writes its
+        record."""
         rt = self._rt
         app_id = app.app_id
-        app.cgroup = rt.contain.app_dir(app_id)
         rt.apps[app_id] = app
-        rt.watchdog.ensure_started()
-        rt.watchdog.send_now(rt.registration(app))
         await self._prepare_cgroups(app)
         self._check_open()
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
@@ -301,6 +344,7 @@ class AppLauncher:
         # nothing runs any more: the watchdog must not record it (a record would be a ghost)
         rt.watchdog.send_now(protocol.forget_line(app.app_id))
         await rt.writer.flush()  # a write in flight must not land after the removal
+        app.claimed = False  # (its claim goes with its files)
         errors_dir = errors_dir_of(app.request.app_dir)  # (a role's own error file is left alone)
         error_files = [
             r.req.error_file
@@ -341,13 +385,9 @@ def _missing(directory: str) -> bool:
     return not os.path.isdir(directory)
 
 
-def _existing(app_dir: str, record: str | None) -> str | None:
-    """Which of an app's log directory and record exists already (two lookups, no creation)."""
-    if os.path.lexists(app_dir):
-        return "log directory"
-    if record is not None and os.path.lexists(record):
-        return "record"
-    return None
+def _exists(path: str) -> bool:
+    """True when ``path`` exists (one lookup, no creation: a few microseconds on the loop)."""
+    return os.path.lexists(path)
 
 
 #: Seconds after its start when a replica that is still running and has not written anything yet

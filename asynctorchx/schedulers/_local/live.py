@@ -144,6 +144,8 @@ class LiveApp:
     log_loss: str = ""  # why log output was lost (empty: none was)
     # another process left a cancel marker (inotify said so): read it at the next chance
     foreign_cancel: bool = False
+    # its id is claimed by this launcher (``AppLauncher.claim``); False once the claim is removed
+    claimed: bool = False
 
     @classmethod
     def create(

@@ -19,6 +19,10 @@ It finds the processes of an app that are in no known process group or cgroup (s
 **Process groups** are named ``PGID:START_TICKS`` (``group_spec``) in a cancel marker and on the
 escalator's command line.
 
+**Claims.** A launcher claims an app's id (``claim_app``: a hard link named after it) before it
+registers the app or starts anything of it, so two launchers of one dry run cannot both start it;
+the claim goes once the app's record is terminal.
+
 **Record files** (``write_record_file``) hold one JSON document per line, the last complete one
 being the record (``recordfile.py`` reads them).
 
@@ -154,6 +158,72 @@ def cancel_path(records_dir: str, app_id: str) -> str:
     return os.path.join(records_dir, f"{app_id}.cancel")
 
 
+#: The directory of the claims, in the records directory (apart: its changes wake no watcher of
+#: the records, and a listing of the records does not read them).
+CLAIMS_DIR = ".claims"
+#: The empty file every claim is a hard link of, in ``CLAIMS_DIR`` (no app id starts with a dot).
+CLAIM_FILE = ".shared"
+
+
+def claim_path(records_dir: str, app_id: str) -> str:
+    """The claim of ``app_id``: a hard link of ``CLAIM_FILE`` (``claim_app``)."""
+    return os.path.join(records_dir, CLAIMS_DIR, app_id)
+
+
+def claim_app(records_dir: str, app_id: str) -> bool:
+    """Claims ``app_id`` for this launcher; False when it is claimed already. Raises OSError.
+
+    A claim is a hard link of one shared empty file (``CLAIM_FILE``) named after the app
+    (``claim_path``): a link never replaces a file, so of two launchers scheduling one dry run at
+    once one makes it and the other is told it exists; and it costs a directory entry (~12 us), no
+    inode, so a burst of launches claims its ids on the event loop whatever the spare files left.
+    The claim lasts until the app's record is terminal or its submit is undone (``drop_claim``);
+    the launcher checks after claiming that the app has no record (a dry run scheduled before).
+    """
+    path = claim_path(records_dir, app_id)
+    claims = os.path.dirname(path)
+    shared = os.path.join(claims, CLAIM_FILE)
+    for _ in range(3):
+        try:
+            os.link(shared, path)
+            return True
+        except FileExistsError:
+            return False
+        except FileNotFoundError:  # (FileNotFoundError again: the records directory is gone)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(claims, 0o700)
+            os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
+        except OSError as e:
+            if e.errno in _NO_HARD_LINKS:  # a file of its own then (an inode: slower, as atomic)
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(claims, 0o700)
+                try:
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                    os.close(os.open(path, flags, 0o600))
+                except FileExistsError:
+                    return False
+                return True
+            if e.errno != errno.EMLINK:
+                raise
+            # as many claims as the file system links to one inode: later ones link a new file
+            tmp = f"{shared}.{os.getpid()}.{threading.get_ident()}"
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
+            os.replace(tmp, shared)
+    os.link(shared, path)
+    return True
+
+
+#: What ``link`` fails with on a file system without hard links.
+_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP)
+
+
+def drop_claim(records_dir: str, app_id: str) -> None:
+    """Removes the claim of ``app_id`` (its record is terminal, or its submit was undone). One that
+    cannot be removed is left: it only refuses its dry run, which its record refuses anyway."""
+    with contextlib.suppress(OSError):
+        os.unlink(claim_path(records_dir, app_id))
+
+
 @contextlib.contextmanager
 def locked_record(records_dir: str, app_id: str) -> Iterator[None]:
     """Holds the lock of ``app_id``'s record (blocking; raises OSError if it cannot be created).
@@ -183,8 +253,10 @@ def locked_record(records_dir: str, app_id: str) -> Iterator[None]:
 
 
 def drop_lock_files(records_dir: str, app_id: str) -> None:
-    """Removes the lock file and the cancel marker of a terminal app (call it holding the lock)."""
-    for path in (lock_path(records_dir, app_id), cancel_path(records_dir, app_id)):
+    """Removes the lock file, the cancel marker and the claim of a terminal app (call it holding
+    the lock)."""
+    paths = (lock_path(records_dir, app_id), cancel_path(records_dir, app_id))
+    for path in (*paths, claim_path(records_dir, app_id)):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 

@@ -13,7 +13,9 @@ A cancel requested by another process is a marker file ``{app_id}.cancel`` next 
 through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.lock`` are removed
 once the record is terminal (``protocol.py``).
 
-A write that finds the records directory gone creates it again; one that finds the file system
+A launcher claims an app's id before it starts anything of it (``RecordStore.claim``, a hard
+link that only one launcher makes), so a dry run scheduled twice at once, even by two processes,
+starts once. A write that finds the records directory gone creates it again; one that finds the file system
 full rewrites the record in place when it fits in the space the file already holds. A new record's
 first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
 which is then linked into place.
@@ -320,14 +322,38 @@ class RecordStore:
                     self.spares.lost()
                     self.ensure()
                     protocol.write_record_file(records_dir, app_id, data)
-                if doc.get("state") in TERMINAL_NAMES and self._has_side_files(app_id):
-                    # (one created after this check finds the record terminal and is removed by
-                    # its creator, under the lock)
-                    with protocol.locked_record(records_dir, app_id):
-                        protocol.drop_lock_files(records_dir, app_id)
+                if doc.get("state") in TERMINAL_NAMES:
+                    # (the record names the app from now on: its claim is no longer needed)
+                    protocol.drop_claim(records_dir, app_id)
+                    if self._has_side_files(app_id):
+                        # (one created after this check finds the record terminal and is removed
+                        # by its creator, under the lock)
+                        with protocol.locked_record(records_dir, app_id):
+                            protocol.drop_lock_files(records_dir, app_id)
             except OSError as e:
                 errors[app_id] = e
         return errors
+
+    def claim(self, app_id: str) -> bool:
+        """Claims ``app_id`` for this launcher (``protocol.claim_app``); False when it is claimed
+        already, or has a record (a dry run scheduled before: the claim is then given back).
+
+        Raises:
+            OSError: the claim cannot be made.
+        """
+        records_dir = str(self.records_dir)
+        try:
+            claimed = protocol.claim_app(records_dir, app_id)
+        except FileNotFoundError:
+            self._ready = False
+            self.ensure()
+            claimed = protocol.claim_app(records_dir, app_id)
+        if not claimed:
+            return False
+        if os.path.lexists(protocol.record_path(records_dir, app_id)):
+            protocol.drop_claim(records_dir, app_id)
+            return False
+        return True
 
     def _has_side_files(self, app_id: str) -> bool:
         records_dir = str(self.records_dir)
@@ -367,6 +393,7 @@ class RecordStore:
             protocol.record_path(records_dir, app_id),
             protocol.cancel_path(records_dir, app_id),
             protocol.lock_path(records_dir, app_id),
+            protocol.claim_path(records_dir, app_id),  # (last: the id is free once it goes)
         ):
             try:
                 os.unlink(p)
