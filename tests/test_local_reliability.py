@@ -877,7 +877,10 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
     sched: LocalScheduler, tmp_path: Path
 ) -> None:
     """Output that does not fit on the disk is counted per file, reported in the app's status
-    message, and marked in each log where it is missing; nothing is lost silently."""
+    message, and marked in each log where it is missing; nothing is lost silently. (Which files
+    lose bytes depends on where the disk filled: the chunk that filled it may have fitted in
+    stdout.log and not in combined.log, and the space may come back before stdout's next chunk;
+    a file without a marker must then hold every byte.)"""
     go = tmp_path / "go"
     with tiny_tmpfs(tmp_path / "fs", "256k") as fs:
         filler = fill(fs, leave=48 * 1024)
@@ -890,6 +893,7 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
         assert desc.state == AppState.SUCCEEDED
         assert "log output lost (No space left on device)" in desc.msg
         log_dir = fs / "logs" / "rel" / app_id / "main" / "0"
+        marked = []
         for name in ("stdout.log", "combined.log"):
             data = (log_dir / name).read_bytes()
             markers = re.findall(
@@ -897,12 +901,16 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
                 rb"No space left on device\]\n",
                 data,
             )
-            assert markers, name
             lost = sum(int(m) for m in markers)
-            assert f"{lost} bytes of {name}" in desc.msg
+            if markers:
+                marked.append(name)
+                assert f"{lost} bytes of {name}" in desc.msg
+            else:
+                assert f"of {name}" not in desc.msg, name
             body = re.sub(rb"\n?\[asynctorchx: \d+ bytes [^\]]*\]\n", b"", data)
             assert len(body) + lost == 1000 * 100 + len(b"after\n"), name
             assert data.endswith(b"after\n")
+        assert marked, "no log was marked although the status says output was lost"
 
 
 STATE_READER = textwrap.dedent(
