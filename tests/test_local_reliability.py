@@ -51,6 +51,30 @@ def _stat(pid: str) -> list[str] | None:
     return data.rsplit(")", 1)[1].split()
 
 
+_PF_KTHREAD = 0x00200000
+
+
+def _environ(pid: str) -> bytes | None:
+    """``/proc/{pid}/environ``, or None once the process is gone.
+
+    A process in the middle of an ``execve`` reads as an empty environment for a moment (the new
+    image's strings are in place, their addresses not yet): an empty read of a process that is not
+    a kernel thread is read again, so a daemon caught mid-exec is not missed.
+    """
+    for _ in range(200):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return None
+        if env:
+            return env
+        fields = _stat(pid)
+        if fields is None or fields[0] in ("Z", "X") or int(fields[6]) & _PF_KTHREAD:
+            return env
+        time.sleep(0.001)
+    return b""
+
+
 def token_procs(token: str) -> list[int]:
     """The live (non-zombie) processes whose environment has ``ATX_TOKEN={token}``."""
     found = []
@@ -58,11 +82,8 @@ def token_procs(token: str) -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            env = Path(f"/proc/{name}/environ").read_bytes()
-        except OSError:
-            continue
-        if needle in env.split(b"\0"):
+        env = _environ(name)
+        if env is not None and needle in env.split(b"\0"):
             fields = _stat(name)
             if fields is not None and fields[0] not in ("Z", "X"):
                 found.append(int(name))

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import pytest
 from _local_env import GATE, wait_for
+from test_local_reliability import token_procs
 
 from asynctorchx.schedulers import create_scheduler
 from asynctorchx.schedulers.api import DescribeAppResponse, Stream, UnknownRoleException
@@ -358,22 +359,8 @@ def test_more_replicas_than_host_processes_is_rejected(
 # -- failed submits leave nothing behind -----------------------------------------------------------
 
 
-def _procs_with_env(token: str) -> list[int]:
-    found = []
-    needle = f"ATX_TOKEN={token}".encode()
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                env = Path(f"/proc/{name}/environ").read_bytes()
-            except OSError:
-                continue
-            if needle in env.split(b"\0") and _alive(int(name)):
-                found.append(int(name))
-    return found
-
-
 async def _assert_no_trace(s: LocalScheduler, token: str) -> None:
-    assert _procs_with_env(token) == []
+    assert token_procs(token) == []
     assert await s.list() == []
 
 
