@@ -40,7 +40,7 @@ if ((${#need_pkgs[@]})); then
   apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null \
     || die "apt-get install ${need_pkgs[*]} failed"
 fi
-if ! /bin/busybox --list 2>/dev/null | grep -qx nc; then
+if ! /bin/busybox --list 2>/dev/null | grep -x nc >/dev/null; then
   die "/bin/busybox is not the full static busybox (install busybox-static)"
 fi
 

@@ -147,7 +147,7 @@ if ! pid_alive "$RUN_DIR/slurmdbd.pid" slurmdbd; then
   /usr/sbin/slurmdbd
 fi
 wait_for "$WAIT_SECONDS" slurmdbd sacctmgr -n show cluster
-if ! sacctmgr -n -P show cluster format=cluster | grep -qx "$CLUSTER"; then
+if ! sacctmgr -n -P show cluster format=cluster | grep -x "$CLUSTER" >/dev/null; then
   sacctmgr -i add cluster "$CLUSTER" >/dev/null
 fi
 

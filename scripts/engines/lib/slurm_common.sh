@@ -102,7 +102,7 @@ SQL
 install_packages() {
   local p missing=()
   for p in "$@"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep "install ok installed" >/dev/null || missing+=("$p")
   done
   if ((${#missing[@]})); then
     log "installing ${missing[*]}"
@@ -222,7 +222,7 @@ start_slurm_daemons() {
   wait_for "$WAIT_SECONDS" "${#nodes[@]} idle Slurm nodes ($(SLURM_CONF=$conf sinfo -h -N -o '%N:%t' | tr '\n' ' '))" \
     nodes_ready "$conf" "${#nodes[@]}"
 }
-ctld_ok() { SLURM_CONF=$1 scontrol ping | grep -q 'is UP'; }
+ctld_ok() { SLURM_CONF=$1 scontrol ping | grep 'is UP' >/dev/null; }
 nodes_ready() {
   local states
   states=$(SLURM_CONF=$1 sinfo -h -N -p debug -o '%N %t' | sort -u)
