@@ -62,21 +62,40 @@ def samples(log_dir: Path) -> list[str]:
         return []
 
 
+async def sample_started_after(tmp: Path, moment: float) -> float:
+    """Waits until the wrapper's sampler (its clock files in the directory under ``tmp``) starts a
+    sample after ``moment``; returns that sample's "a" time."""
+    started = 0.0
+
+    def check() -> bool:
+        nonlocal started
+        with contextlib.suppress(FileNotFoundError):
+            started = max((a.stat().st_mtime for a in tmp.glob("*/a")), default=0.0)
+        return started > moment
+
+    await poll_until(check, "a sample of the wrapper")
+    return started
+
+
 @pytest.mark.timeout(60)
 async def test_since_and_until_split_the_lines_of_a_replica_by_when_they_were_written(
     tmp_path: Path,
 ) -> None:
     """since/until on a wrapped replica's logs keep the lines written on their side of a moment
     (the timing samples date each line to within a sampling interval), on every stream."""
-    log_dir, go = tmp_path / "slurm-1" / "w" / "0", tmp_path / "go"
-    env = {"PATH": "/usr/bin:/bin", "GO": str(go)}
+    log_dir, go, tmp = tmp_path / "slurm-1" / "w" / "0", tmp_path / "go", tmp_path / "tmp"
+    tmp.mkdir()  # the wrapper's clock files go there (mktemp -d)
+    env = {"PATH": "/usr/bin:/bin", "GO": str(go), "TMPDIR": str(tmp)}
     proc = await run_wrapper(log_dir, SCRIPT, env)
     try:
         # the early lines are in a sample, and a later sample closed their interval
         await poll_until(lambda: len(samples(log_dir)) >= 2, "the early lines to be sampled")
         middle = datetime.now()
-        # the sample taken just before the late line must come after ``middle``: a few intervals
-        await asyncio.sleep(4 * SAMPLE_INTERVAL)
+        # the sample taken just before the late line must come after ``middle``: wait for a
+        # sample started after it (its "a" time, which the index gives) and done (the next one
+        # has started: this one's stat is behind it)
+        started = await sample_started_after(tmp, middle.timestamp())
+        await sample_started_after(tmp, started)
         go.touch()
         with anyio.fail_after(30):
             assert await proc.wait() == 0
