@@ -1,7 +1,8 @@
 """The claim of a local app's id (a hard link under ``.apps/.claims``): one dry run scheduled at
 once by two schedulers or two processes starts once, the other submit fails cleanly and leaves
-nothing; a launcher killed after claiming leaves a FAILED app and no claim; claims go with failed
-submits and terminal records, and work where hard links do not."""
+nothing; a launcher killed after registering the app leaves a FAILED app and no claim, one killed
+before leaves a claim the next launch of the dry run takes over; claims go with failed submits and
+terminal records, and work where hard links do not."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-from _local_env import wait_for
+from _local_env import poll_until, wait_for
 
 from asynctorchx.schedulers._local import contain, protocol
-from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.schedulers.local import LaunchError, LaunchSpecError, LocalScheduler
+from asynctorchx.specs import AppDef, AppDryRunInfo, AppState, Role
 
 
 def _counting_app(started: Path, go: Path) -> AppDef:
@@ -39,7 +41,7 @@ def _claims_and_records(records: str) -> list[str]:
     """The claims (``claim:ID``) and record files in the records directory ``records``."""
     claims_dir = os.path.join(records, protocol.CLAIMS_DIR)
     claims = os.listdir(claims_dir) if os.path.isdir(claims_dir) else []
-    found = [f"claim:{n}" for n in claims if n != protocol.CLAIM_FILE]
+    found = [f"claim:{n}" for n in claims if not n.startswith(".")]  # (not the holder files)
     return sorted(found + [n for n in os.listdir(records) if n.endswith(".json")])
 
 
@@ -112,18 +114,15 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(90)
-async def test_two_processes_scheduling_one_pickled_dry_run_at_once_start_it_once(
-    tmp_path: Path,
-) -> None:
-    """Two processes released by one barrier schedule the same pickled dry run: one wins, the
-    other gets the "already scheduled" ValueError, and the app's replica started once."""
-    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
-    ready, fifo, dryrun = tmp_path / "ready", tmp_path / "barrier", tmp_path / "dryrun.pickle"
+async def _schedule_in_two_processes(
+    tmp_path: Path, root: Path, dryrun: Path, go: Path, started: Path
+) -> list[tuple[int, str]]:
+    """Has two processes, released by one barrier, schedule the pickled dry run ``dryrun``; once a
+    replica noted its start in ``started``, lets it end (``go``); returns each one's pid and
+    output ("won" or "lost" and the error)."""
+    ready, fifo = tmp_path / "ready", tmp_path / "barrier"
     ready.mkdir()
     os.mkfifo(fifo)
-    info = LocalScheduler("race", local_root=root).submit_dryrun(_counting_app(started, go), {})
-    dryrun.write_bytes(pickle.dumps(info))
     args = [str(root), str(dryrun), str(ready), str(fifo)]
     procs = [
         subprocess.Popen([sys.executable, "-c", CHILD, *args], stdout=subprocess.PIPE, text=True)
@@ -143,13 +142,27 @@ async def test_two_processes_scheduling_one_pickled_dry_run_at_once_start_it_onc
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    verdicts = sorted(out.split()[0] for out, _ in outs)
+    return [(p.pid, out) for p, (out, _) in zip(procs, outs, strict=True)]
+
+
+@pytest.mark.timeout(90)
+async def test_two_processes_scheduling_one_pickled_dry_run_at_once_start_it_once(
+    tmp_path: Path,
+) -> None:
+    """Two processes released by one barrier schedule the same pickled dry run: one wins, the
+    other gets the "already scheduled" ValueError, and the app's replica started once."""
+    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
+    dryrun = tmp_path / "dryrun.pickle"
+    info = LocalScheduler("race", local_root=root).submit_dryrun(_counting_app(started, go), {})
+    dryrun.write_bytes(pickle.dumps(info))
+    outs = await _schedule_in_two_processes(tmp_path, root, dryrun, go, started)
+    verdicts = sorted(out.split()[0] for _, out in outs)
     assert verdicts == ["lost", "won"], outs
-    assert "already scheduled" in next(o for o, _ in outs if o.startswith("lost"))
+    assert "already scheduled" in next(o for _, o in outs if o.startswith("lost"))
     assert len(started.read_text().split()) == 1
     record = root / ".apps" / f"{info.request.app_id}.json"
     assert {v["owner"]["pid"] for v in _versions(record)} == {  # type: ignore[index]
-        next(p.pid for p, (o, _) in zip(procs, outs, strict=True) if o.startswith("won"))
+        next(pid for pid, o in outs if o.startswith("won"))
     }
 
 
@@ -231,42 +244,243 @@ async def test_the_claim_goes_with_a_failed_submit_and_with_the_app_s_end(tmp_pa
         assert _claims_and_records(records) == [f"{app_id}.json"]
 
 
+def _holder(records: str) -> str:
+    """A holder file for the claims of this test (``protocol.make_holder``), its lock kept."""
+    os.makedirs(records, exist_ok=True)
+    made = protocol.make_holder(records, f"test.{os.getpid()}")
+    assert made is not None
+    return made[0]
+
+
 def test_without_hard_links_a_claim_is_a_file_of_its_own_and_still_exclusive(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a file system that refuses hard links (EPERM) a claim is made as a file of its own:
     the first claim of an id wins, the second is refused."""
+    records = str(tmp_path)
+    holder = _holder(records)
 
     def no_links(src: str, dst: str) -> None:  # fault injection: a file system without links
         raise PermissionError(errno.EPERM, "Operation not permitted", src)
 
     monkeypatch.setattr(os, "link", no_links)
-    records = str(tmp_path)
-    assert protocol.claim_app(records, "app-1") is True
-    assert protocol.claim_app(records, "app-1") is False
+    assert protocol.claim_app(records, "app-1", holder) is True
+    assert protocol.claim_app(records, "app-1", holder) is False
     assert os.path.isfile(protocol.claim_path(records, "app-1"))
     protocol.drop_claim(records, "app-1")
-    assert protocol.claim_app(records, "app-1") is True
+    assert protocol.claim_app(records, "app-1", holder) is True
 
 
-def test_a_shared_claim_file_with_too_many_links_is_replaced(
+def test_a_holder_file_with_too_many_links_gives_claims_of_their_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """When the shared file has as many links as the file system allows (EMLINK), the claim links
-    a new shared file; the claims made before stay."""
+    """When the holder file has as many links as the file system allows (EMLINK), a claim is a
+    file of its own, still exclusive; the claims made before stay."""
     records = str(tmp_path)
-    assert protocol.claim_app(records, "old")
-    shared = os.path.join(records, protocol.CLAIMS_DIR, protocol.CLAIM_FILE)
-    first = os.stat(shared).st_ino
-    real_link = os.link
+    holder = _holder(records)
+    assert protocol.claim_app(records, "old", holder)
 
-    def full(src: str, dst: str) -> None:  # fault injection: the first inode is full
-        if os.stat(src).st_ino == first:
-            raise OSError(errno.EMLINK, "Too many links", src)
-        real_link(src, dst)
+    def full(src: str, dst: str) -> None:  # fault injection: the holder's inode is full
+        raise OSError(errno.EMLINK, "Too many links", src)
 
     monkeypatch.setattr(os, "link", full)
-    assert protocol.claim_app(records, "new") is True
-    assert protocol.claim_app(records, "old") is False
-    assert os.stat(shared).st_ino != first
-    assert os.stat(protocol.claim_path(records, "new")).st_ino == os.stat(shared).st_ino
+    assert protocol.claim_app(records, "new", holder) is True
+    assert protocol.claim_app(records, "new", holder) is False
+    assert protocol.claim_app(records, "old", holder) is False
+    assert os.stat(protocol.claim_path(records, "new")).st_ino != os.stat(holder).st_ino
+    assert os.stat(protocol.claim_path(records, "old")).st_ino == os.stat(holder).st_ino
+
+
+STALE = textwrap.dedent(
+    """
+    import asyncio, os, pickle, signal, sys
+    from asynctorchx.schedulers._local.records import RecordStore
+    from asynctorchx.schedulers.local import LocalScheduler
+
+    real_claim = RecordStore.claim
+    sched = None
+
+    def claim_then_die(self, app_id):  # between the claim's link and the watchdog's registration
+        claimed = real_claim(self, app_id)
+        print(claimed, sched._runtime.watchdog.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    RecordStore.claim = claim_then_die
+
+    async def main(root, dryrun):
+        global sched
+        with open(dryrun, "rb") as f:
+            info = pickle.load(f)
+        async with LocalScheduler("doomed", local_root=root) as sched:
+            await sched.schedule(info)
+
+    asyncio.run(main(*sys.argv[1:3]))
+    """
+)
+
+
+def _gone(pid: int) -> bool:
+    """True when ``pid`` exited (a zombie counts: it holds no file any more)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return True
+    return data[data.rindex(b")") + 2 :].split()[0] in (b"Z", b"X")
+
+
+async def _leave_stale_claim(script: str, root: Path, dryrun: Path) -> int:
+    """Runs ``script`` (a launcher that SIGKILLs itself on its way) on the pickled dry run; returns
+    the pid it printed last (its watchdog's) once that has exited."""
+    proc = await anyio.to_thread.run_sync(
+        lambda: subprocess.run(
+            [sys.executable, "-c", script, str(root), str(dryrun)], capture_output=True, timeout=40
+        )
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    watchdog = int(proc.stdout.split()[-1])
+    await poll_until(lambda: _gone(watchdog), "the dead launcher's watchdog to exit")
+    return watchdog
+
+
+def _stale_dryrun(tmp_path: Path, root: Path) -> tuple[AppDryRunInfo[Any], Path, Path, Path]:
+    """A counting app's dry run, pickled; with its ``started`` and ``go`` files."""
+    started, go, dryrun = tmp_path / "started", tmp_path / "go", tmp_path / "dryrun.pickle"
+    info = LocalScheduler("doomed", local_root=root).submit_dryrun(_counting_app(started, go), {})
+    dryrun.write_bytes(pickle.dumps(info))
+    return info, dryrun, started, go
+
+
+@pytest.mark.timeout(60)
+async def test_a_launcher_killed_between_its_claim_and_its_watchdog_leaves_a_dry_run_that_runs(
+    tmp_path: Path,
+) -> None:
+    """A launcher SIGKILLed right after its claim's link, before its watchdog knew of the app,
+    leaves a claim and no record; once its watchdog has exited, scheduling the dry run again takes
+    the claim over and runs the app once, and no claim or holder file is left."""
+    root = tmp_path / "root"
+    info, dryrun, started, go = _stale_dryrun(tmp_path, root)
+    await _leave_stale_claim(STALE, root, dryrun)
+    app_id = info.request.app_id
+    records = str(root / ".apps")
+    assert _claims_and_records(records) == [f"claim:{app_id}"]
+    async with LocalScheduler("retry", local_root=root) as s:
+        with anyio.fail_after(20):
+            assert await s.schedule(info) == app_id
+        await wait_started(started)
+        go.touch()
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+    assert len(started.read_text().split()) == 1
+    assert _claims_and_records(records) == [f"{app_id}.json"]
+    assert os.listdir(os.path.join(records, protocol.CLAIMS_DIR)) == []
+
+
+@pytest.mark.timeout(90)
+async def test_two_processes_retrying_one_stale_claim_at_once_start_the_app_once(
+    tmp_path: Path,
+) -> None:
+    """Two processes released by one barrier schedule a dry run whose launcher died between its
+    claim and its watchdog: one takes the claim over and runs the app, the other is told it is
+    already scheduled."""
+    root = tmp_path / "root"
+    _, dryrun, started, go = _stale_dryrun(tmp_path, root)
+    await _leave_stale_claim(STALE, root, dryrun)
+    outs = await _schedule_in_two_processes(tmp_path, root, dryrun, go, started)
+    assert sorted(out.split()[0] for _, out in outs) == ["lost", "won"], outs
+    assert "already scheduled" in next(o for _, o in outs if o.startswith("lost"))
+    assert len(started.read_text().split()) == 1
+
+
+@pytest.mark.timeout(60)
+async def test_a_stale_claim_whose_app_left_processes_is_refused_until_they_are_gone(
+    tmp_path: Path,
+) -> None:
+    """A stale claim is not taken over while a process marked as a replica of the app runs: the
+    submit fails naming its pid and starts nothing; once it is gone the dry run runs."""
+    root = tmp_path / "root"
+    info, dryrun, started, go = _stale_dryrun(tmp_path, root)
+    await _leave_stale_claim(STALE, root, dryrun)
+    app_id = info.request.app_id
+    env = {**os.environ, protocol.MARKER_ENV: protocol.replica_marker(app_id, "main", 0)}
+    left = subprocess.Popen(["sleep", "60"], env=env)
+    try:
+        async with LocalScheduler("retry", local_root=root) as s:
+            with pytest.raises(ValueError, match=rf"processes of it are left \(pids {left.pid}\)"):
+                await s.schedule(info)
+            assert not started.exists()
+            left.kill()
+            left.wait()
+            app_id = await s.schedule(info)
+            go.touch()
+            assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+    finally:
+        if left.poll() is None:
+            left.kill()
+            left.wait()
+    assert len(started.read_text().split()) == 1
+
+
+async def test_a_claim_of_an_older_version_is_refused_saying_what_to_remove(
+    tmp_path: Path,
+) -> None:
+    """A claim that links the older versions' shared file cannot be told stale: the submit fails
+    naming the claim to remove if no launcher runs; once it is removed the dry run runs."""
+    root = tmp_path / "root"
+    claims = root / ".apps" / protocol.CLAIMS_DIR
+    claims.mkdir(parents=True)
+    (claims / protocol.CLAIM_FILE).touch()
+    async with LocalScheduler("legacy", local_root=root) as s:
+        info = s.submit_dryrun(AppDef("old", [Role("main", image="x", entrypoint="true")]), {})
+        claim = claims / info.request.app_id
+        os.link(claims / protocol.CLAIM_FILE, claim)
+        with pytest.raises(ValueError, match=f"remove {claim} and schedule it again"):
+            await s.schedule(info)
+        claim.unlink()
+        app_id = await s.schedule(info)
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+
+
+def test_a_claim_is_taken_over_only_once_nobody_holds_its_lock(tmp_path: Path) -> None:
+    """``take_stale_claim`` leaves a claim whose holder's lock is held, takes it over once the
+    lock is let go, and then reports it held by its new holder."""
+    records = str(tmp_path)
+    os.makedirs(os.path.join(records, protocol.CLAIMS_DIR))
+    first = protocol.make_holder(records, "first")
+    second = protocol.make_holder(records, "second")
+    assert first is not None and second is not None
+    assert protocol.claim_app(records, "app-1", first[0])
+    assert protocol.take_stale_claim(records, "app-1", second[0]) == protocol.HELD
+    os.close(first[1])  # its launcher and watchdog are gone
+    assert protocol.take_stale_claim(records, "app-1", second[0], lambda: False) == protocol.HELD
+    assert protocol.take_stale_claim(records, "app-1", second[0]) == protocol.TAKEN
+    assert os.stat(protocol.claim_path(records, "app-1")).st_ino == os.stat(second[0]).st_ino
+    assert protocol.take_stale_claim(records, "app-1", first[0]) == protocol.HELD
+    assert protocol.drop_dead_holders(records, None) == 1
+    assert not os.path.exists(first[0]) and os.path.exists(second[0])
+    os.close(second[1])
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.ENOSPC, errno.EROFS])
+async def test_a_claim_that_cannot_be_made_fails_the_submit_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int
+) -> None:
+    """A claims directory that cannot be written (no permission, a full disk, a read-only file
+    system) fails the submit with a LaunchError naming the claim and the error; nothing starts
+    and no claim or record is left."""
+    root, started, go = tmp_path / "root", tmp_path / "started", tmp_path / "go"
+    records = str(root / ".apps")
+    claims = os.path.join(records, protocol.CLAIMS_DIR)
+    real_link = os.link
+
+    def failing(src: str, dst: str, **kw: Any) -> None:  # fault injection: the claims directory
+        if os.path.dirname(dst) == claims:
+            raise OSError(err, os.strerror(err), dst)
+        real_link(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", failing)
+    async with LocalScheduler("nolink", local_root=root) as s:
+        info = s.submit_dryrun(_counting_app(started, go), {})
+        with pytest.raises(LaunchError, match=rf"the app's claim.*{os.strerror(err)}"):
+            await s.schedule(info)
+        assert info.request.app_id not in s._runtime.apps
+    assert not started.exists() and _claims_and_records(records) == []

@@ -303,7 +303,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         try:
             await self._launcher.prepare()
             # (claimed first: the workspace directory of an app id is its claimant's)
-            app = self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
+            app = await self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
             if dryrun_info.workspace is not None:
                 await self._ship_workspace(dryrun_info)
                 shipped = True
