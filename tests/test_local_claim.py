@@ -420,6 +420,54 @@ async def test_a_stale_claim_whose_app_left_processes_is_refused_until_they_are_
     assert len(started.read_text().split()) == 1
 
 
+REPLACED = textwrap.dedent(
+    """
+    import asyncio, os, pickle, signal, sys
+    from asynctorchx.schedulers._local.launch import AppLauncher
+    from asynctorchx.schedulers.local import LocalScheduler
+
+    async def replace_watchdog_then_die(self, app):  # claimed, not started (a long ship, say)
+        watchdog = self._rt.watchdog
+        old = watchdog.pid
+        os.kill(old, signal.SIGKILL)
+        while watchdog.pid in (old, None):  # (replaced on the event loop, through its pidfd)
+            await asyncio.sleep(0.01)
+        print(watchdog.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    AppLauncher.launch = replace_watchdog_then_die
+
+    async def main(root, dryrun):
+        with open(dryrun, "rb") as f:
+            info = pickle.load(f)
+        async with LocalScheduler("doomed", local_root=root) as s:
+            await s.schedule(info)
+
+    asyncio.run(main(*sys.argv[1:3]))
+    """
+)
+
+
+@pytest.mark.timeout(60)
+async def test_a_watchdog_replaced_while_an_app_is_claimed_records_it_when_the_launcher_dies(
+    tmp_path: Path,
+) -> None:
+    """A watchdog that replaced a dead one while an app was claimed but not started knows of the
+    app: the launcher SIGKILLed then leaves an app that reads FAILED (its launcher died) in
+    ``describe`` and ``list``, no claim, and nothing started."""
+    root = tmp_path / "root"
+    info, dryrun, started, _ = _stale_dryrun(tmp_path, root)
+    await _leave_stale_claim(REPLACED, root, dryrun)
+    app_id = info.request.app_id
+    async with LocalScheduler("reader", local_root=root) as reader:
+        desc = await reader.describe(app_id)
+        assert desc is not None and desc.state == AppState.FAILED, desc
+        assert "launcher" in desc.msg and "died" in desc.msg
+        assert [(a.app_id, a.state) for a in await reader.list()] == [(app_id, AppState.FAILED)]
+        assert not os.path.lexists(protocol.claim_path(str(root / ".apps"), app_id))
+    assert not started.exists() and _marked(app_id) == []
+
+
 async def test_a_claim_of_an_older_version_is_refused_saying_what_to_remove(
     tmp_path: Path,
 ) -> None:

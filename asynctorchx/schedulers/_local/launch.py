@@ -133,6 +133,7 @@ class AppLauncher:
                 # (its holder file was removed and made again: the watchdog must hold it too)
                 rt.watchdog.keep_fds = rt.store.lock_fds()
                 rt.watchdog.restart("the launcher's claims file was made again")
+        rt.claimed[app_id] = app
         rt.watchdog.send_now(registration)
         return app
 
@@ -190,6 +191,7 @@ class AppLauncher:
     async def release(self, app: LiveApp) -> None:
         """Gives up an app that was claimed but not launched: the watchdog forgets it and its
         claim is removed; runs to completion even if the caller is cancelled."""
+        self._rt.claimed.pop(app.app_id, None)
         self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
         if app.claimed:
             app.claimed = False
@@ -337,6 +339,7 @@ class AppLauncher:
         rt = self._rt
         app_id = app.app_id
         rt.apps[app_id] = app
+        rt.claimed.pop(app_id, None)
         await self._prepare_cgroups(app)
         self._check_open()
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
