@@ -7,10 +7,12 @@ terminal records, and work where hard links do not."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -532,3 +534,20 @@ async def test_a_claim_that_cannot_be_made_fails_the_submit_and_starts_nothing(
             await s.schedule(info)
         assert info.request.app_id not in s._runtime.apps
     assert not started.exists() and _claims_and_records(records) == []
+
+
+@pytest.mark.parametrize("bad", ["a/b", "../escaped", "a\0b", ".hidden", ""])
+async def test_a_dry_run_whose_app_id_cannot_be_a_file_name_is_refused(
+    tmp_path: Path, bad: str
+) -> None:
+    """A dry run whose request names an app id with a ``/``, a NUL or a leading dot (made by hand,
+    not by ``submit_dryrun``) is refused naming the id, before any claim, file or process."""
+    root, started, go = tmp_path / "root" / "state", tmp_path / "started", tmp_path / "go"
+    async with LocalScheduler("bad", local_root=root) as s:
+        info = s.submit_dryrun(_counting_app(started, go), {})
+        info.request = dataclasses.replace(info.request, app_id=bad)
+        with pytest.raises(ValueError, match=f"app id {re.escape(repr(bad))} .*not a local app id"):
+            await s.schedule(info)
+    assert not started.exists()
+    assert _claims_and_records(str(root / ".apps")) == []
+    assert sorted(os.listdir(tmp_path / "root")) == ["state"]

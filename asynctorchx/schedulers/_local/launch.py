@@ -42,6 +42,7 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
+from asynctorchx.schedulers._local.recordfile import is_app_id
 from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
@@ -110,29 +111,34 @@ class AppLauncher:
 
         Raises:
             ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
-                by another process), or processes of an earlier launch of it are left; nothing
-                was made.
+                by another process), or processes of an earlier launch of it are left, or its id
+                cannot be a local app's; nothing was made.
             LaunchError: the claim cannot be made.
         """
         self._check_open()
         rt = self._rt
+        if not is_app_id(request.app_id):  # (a request made by hand: it would name other files)
+            raise ValueError(
+                f"app id {request.app_id!r} of the dry run is not a local app id (letters, digits, "
+                "'_', '.' and '-', starting with a letter or digit); make the dry run with "
+                "submit_dryrun"
+            )
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id
         app.cgroup = rt.contain.app_dir(app_id)
         rt.watchdog.ensure_started()
         registration = rt.registration(app)  # (made first: sent right after the claim)
-        if rt.store.path(app_id) is not None:  # (else no record can name it: nothing to claim)
-            try:
-                claimed = rt.store.claim(app_id)
-            except OSError as e:
-                raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
-            if not claimed:
-                await self._take_over(app_id)
-            app.claimed = True
-            if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
-                # (its holder file was removed and made again: the watchdog must hold it too)
-                rt.watchdog.keep_fds = rt.store.lock_fds()
-                rt.watchdog.restart("the launcher's claims file was made again")
+        try:
+            claimed = rt.store.claim(app_id)
+        except OSError as e:
+            raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
+        if not claimed:
+            await self._take_over(app_id)
+        app.claimed = True
+        if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
+            # (its holder file was removed and made again: the watchdog must hold it too)
+            rt.watchdog.keep_fds = rt.store.lock_fds()
+            rt.watchdog.restart("the launcher's claims file was made again")
         rt.claimed[app_id] = app
         rt.watchdog.send_now(registration)
         return app
