@@ -174,25 +174,37 @@ async def wait_started(started: Path) -> None:
         await asyncio.sleep(0.01)
 
 
-DOOMED = textwrap.dedent(
-    """
-    import asyncio, os, pickle, signal, sys
+def _doomed(patch: str, launch_by: str = "") -> str:
+    """The script of a launcher that schedules the pickled dry run ``argv[2]`` in the state root
+    ``argv[1]`` (``sched``: its scheduler) with ``patch`` applied (which kills it on its way);
+    ``launch_by``: the function of ``patch`` that replaces ``AppLauncher.launch``."""
+    head = "import asyncio, os, pickle, signal, sys\nsched = None\n"
+    if launch_by:
+        patch += f"""
     from asynctorchx.schedulers._local.launch import AppLauncher
-    from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
-
-    async def die(self, app):  # between the claim (and registration) and the first spawn
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    AppLauncher.launch = die
+    AppLauncher.launch = {launch_by}
+    """
+    launch = """
+    from asynctorchx.schedulers.local import LocalScheduler
 
     async def main(root, dryrun):
+        global sched
         with open(dryrun, "rb") as f:
             info = pickle.load(f)
-        async with LocalScheduler("doomed", local_root=root) as s:
-            await s.schedule(info)
+        async with LocalScheduler("doomed", local_root=root) as sched:
+            await sched.schedule(info)
 
     asyncio.run(main(*sys.argv[1:3]))
     """
+    return head + textwrap.dedent(patch) + textwrap.dedent(launch)
+
+
+DOOMED = _doomed(
+    """
+    async def die(self, app):  # between the claim (and registration) and the first spawn
+        os.kill(os.getpid(), signal.SIGKILL)
+    """,
+    launch_by="die",
 )
 
 
@@ -293,14 +305,11 @@ def test_a_holder_file_with_too_many_links_gives_claims_of_their_own(
     assert os.stat(protocol.claim_path(records, "old")).st_ino == os.stat(holder).st_ino
 
 
-STALE = textwrap.dedent(
+STALE = _doomed(
     """
-    import asyncio, os, pickle, signal, sys
     from asynctorchx.schedulers._local.records import RecordStore
-    from asynctorchx.schedulers.local import LocalScheduler
 
     real_claim = RecordStore.claim
-    sched = None
 
     def claim_then_die(self, app_id):  # between the claim's link and the watchdog's registration
         claimed = real_claim(self, app_id)
@@ -308,16 +317,22 @@ STALE = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     RecordStore.claim = claim_then_die
-
-    async def main(root, dryrun):
-        global sched
-        with open(dryrun, "rb") as f:
-            info = pickle.load(f)
-        async with LocalScheduler("doomed", local_root=root) as sched:
-            await sched.schedule(info)
-
-    asyncio.run(main(*sys.argv[1:3]))
     """
+)
+
+
+REPLACED = _doomed(
+    """
+    async def replace_watchdog_then_die(self, app):  # claimed, not started (a long ship, say)
+        watchdog = self._rt.watchdog
+        old = watchdog.pid
+        os.kill(old, signal.SIGKILL)
+        while watchdog.pid in (old, None):  # (replaced on the event loop, through its pidfd)
+            await asyncio.sleep(0.01)
+        print(watchdog.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """,
+    launch_by="replace_watchdog_then_die",
 )
 
 
@@ -420,34 +435,6 @@ async def test_a_stale_claim_whose_app_left_processes_is_refused_until_they_are_
             left.kill()
             left.wait()
     assert len(started.read_text().split()) == 1
-
-
-REPLACED = textwrap.dedent(
-    """
-    import asyncio, os, pickle, signal, sys
-    from asynctorchx.schedulers._local.launch import AppLauncher
-    from asynctorchx.schedulers.local import LocalScheduler
-
-    async def replace_watchdog_then_die(self, app):  # claimed, not started (a long ship, say)
-        watchdog = self._rt.watchdog
-        old = watchdog.pid
-        os.kill(old, signal.SIGKILL)
-        while watchdog.pid in (old, None):  # (replaced on the event loop, through its pidfd)
-            await asyncio.sleep(0.01)
-        print(watchdog.pid, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    AppLauncher.launch = replace_watchdog_then_die
-
-    async def main(root, dryrun):
-        with open(dryrun, "rb") as f:
-            info = pickle.load(f)
-        async with LocalScheduler("doomed", local_root=root) as s:
-            await s.schedule(info)
-
-    asyncio.run(main(*sys.argv[1:3]))
-    """
-)
 
 
 @pytest.mark.timeout(60)
