@@ -73,6 +73,7 @@ async def test_two_schedulers_scheduling_one_dry_run_at_once_start_it_once(tmp_p
         winner, loser = (a, b) if isinstance(results[1], BaseException) else (b, a)
         app_id = info.request.app_id
         await wait_for(winner, app_id, lambda d: d.state == AppState.RUNNING)
+        await wait_started(started)  # (RUNNING once spawned: the shell may not have run yet)
         assert len(started.read_text().split()) == 1
         go.touch()
         desc = await wait_for(winner, app_id)
@@ -170,8 +171,9 @@ async def test_two_processes_scheduling_one_pickled_dry_run_at_once_start_it_onc
 
 async def wait_started(started: Path) -> None:
     """Waits (bounded polling of a file the replica writes) until a replica noted its start."""
-    while not started.exists() or not started.read_text().strip():
-        await asyncio.sleep(0.01)
+    with anyio.fail_after(20):
+        while not started.exists() or not started.read_text().strip():
+            await asyncio.sleep(0.01)
 
 
 def _doomed(patch: str, launch_by: str = "") -> str:
