@@ -7,16 +7,19 @@ terminal records, and work where hard links do not."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -540,3 +543,60 @@ async def test_a_dry_run_whose_app_id_cannot_be_a_file_name_is_refused(
     assert not started.exists()
     assert _claims_and_records(str(root / ".apps")) == []
     assert sorted(os.listdir(tmp_path / "root")) == ["state"]
+
+
+def _holders_open_in(pid: int) -> set[str]:
+    """The holder files (``protocol.HOLDER_PREFIX``) process ``pid`` has open."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if os.path.basename(target).startswith(protocol.HOLDER_PREFIX):
+                found.add(target)
+    return found
+
+
+async def test_the_watchdog_holds_the_claims_lock_even_after_the_claims_directory_is_made_again(
+    tmp_path: Path,
+) -> None:
+    """The watchdog keeps the lock of its launcher's claims open (so no claim is taken over while
+    it may still record the app); when the claims directory was removed under a running scheduler
+    its next launch makes a new holder file and the replacement watchdog holds that one too."""
+    root = tmp_path / "root"
+    claims = root / ".apps" / protocol.CLAIMS_DIR
+    app = AppDef("held", [Role("main", image="x", entrypoint="true")])
+    async with LocalScheduler("held", local_root=root) as s:
+        app_id = await s.schedule(s.submit_dryrun(app, {}))
+        await wait_for(s, app_id)
+        watchdog = s._runtime.watchdog
+        holder = s._runtime.store.holder
+        assert holder is not None and watchdog.pid is not None
+        assert _holders_open_in(watchdog.pid) == {holder}
+        shutil.rmtree(claims)
+        app_id = await s.schedule(s.submit_dryrun(app, {}))
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+        new_holder = s._runtime.store.holder
+        assert new_holder is not None and new_holder != holder and os.path.exists(new_holder)
+        assert watchdog.restarts == 1 and watchdog.pid is not None
+        assert new_holder in _holders_open_in(watchdog.pid)
+    assert os.listdir(claims) == []
+
+
+def test_temporary_claim_names_left_by_a_killed_process_are_removed_after_a_minute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a holder being made (``.new.``) or a claim being taken over (``.take.``) has for
+    microseconds are removed by ``drop_dead_holders`` once over a minute old, not before."""
+    records = str(tmp_path)
+    holder = _holder(records)
+    claims = os.path.join(records, protocol.CLAIMS_DIR)
+    os.link(holder, os.path.join(claims, ".take.1.2"))
+    Path(claims, ".new.1.2.ab").touch()
+    protocol.drop_dead_holders(records, holder)
+    assert sorted(os.listdir(claims)) == sorted(
+        [".new.1.2.ab", ".take.1.2", os.path.basename(holder)]
+    )
+    now = time.time()
+    monkeypatch.setattr(protocol.time, "time", lambda: now + 61)  # fake clock: a minute later
+    protocol.drop_dead_holders(records, holder)
+    assert os.listdir(claims) == [os.path.basename(holder)]

@@ -44,6 +44,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -173,6 +174,13 @@ CLAIM_FILE = ".shared"
 HOLDER_PREFIX = ".holder."
 
 
+#: The temporary names, in ``CLAIMS_DIR``, of a holder file being made and of a claim being taken
+#: over.
+_MAKING = ".new."
+_TAKING = ".take."
+_TEMPORARY = (_MAKING, _TAKING)
+
+
 def claim_path(records_dir: str, app_id: str) -> str:
     """The claim of ``app_id``: a hard link of its launcher's holder file (``claim_app``)."""
     return os.path.join(records_dir, CLAIMS_DIR, app_id)
@@ -190,7 +198,7 @@ def make_holder(records_dir: str, name: str) -> tuple[str, int] | None:
         os.mkdir(claims, 0o700)
     path = os.path.join(claims, HOLDER_PREFIX + name)
     # locked before it has its name: ``drop_dead_holders`` never sees it unlocked
-    tmp = os.path.join(claims, ".new." + name)
+    tmp = os.path.join(claims, _MAKING + name)
     fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -290,7 +298,8 @@ def take_stale_claim(
             return GONE
         if not may_take():
             return HELD
-        tmp = os.path.join(os.path.dirname(path), f".take.{os.getpid()}.{threading.get_ident()}")
+        taking = f"{_TAKING}{os.getpid()}.{threading.get_ident()}"
+        tmp = os.path.join(os.path.dirname(path), taking)
         os.link(holder, tmp)
         try:
             os.replace(tmp, path)
@@ -312,8 +321,10 @@ def _is_legacy(path: str, st: os.stat_result) -> bool:
 
 
 def drop_dead_holders(records_dir: str, keep: str | None) -> int:
-    """Removes the holder files (but ``keep``) of launchers that are gone and left no claim;
-    returns how many. A holder whose claims are left stays: it tells them stale."""
+    """Removes the holder files (but ``keep``) of launchers that are gone and left no claim, and
+    the temporary names of a holder being made or a claim being taken over that their process
+    left over a minute ago (it was killed in those microseconds); returns how many holders. A
+    holder whose claims are left stays: it tells them stale."""
     claims = os.path.join(records_dir, CLAIMS_DIR)
     try:
         names = os.listdir(claims)
@@ -322,6 +333,11 @@ def drop_dead_holders(records_dir: str, keep: str | None) -> int:
     dropped = 0
     for name in names:
         path = os.path.join(claims, name)
+        if name.startswith(_TEMPORARY):
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(path).st_ctime > 60:
+                    os.unlink(path)
+            continue
         if not name.startswith(HOLDER_PREFIX) or path == keep:
             continue
         try:
