@@ -2,9 +2,9 @@
 disk, or to nothing at all.
 
 The state root is prepared once; the app's id is claimed, by a hard link that fails if it exists
-(``claim``: a dry run is scheduled once, even by two processes at once), and the app registered
-with the watchdog (with a minimal record for the watchdog to write if the launcher dies first);
-its programs and working directories are checked, the file descriptors it needs are promised
+(``claim``: a dry run is scheduled once, even by two processes at once; a claim left by a launcher
+killed before the registration is taken over), and the app registered with the watchdog (with a
+minimal record for the watchdog to write if the launcher dies first); its programs and working directories are checked, the file descriptors it needs are promised
 (``procs.reserve_fds``), and its log directory is checked not to exist before its first replica
 starts. A launch that fails for any reason, a cancellation included, stops what it started and
 removes the app's directory, record, claim and cgroups.
@@ -187,7 +187,8 @@ class AppLauncher:
         if outcome == protocol.HELD:
             raise ValueError(
                 f"app {app_id!r} is claimed by a launcher or its watchdog that is still running "
-                f"({path}); was this dry run already scheduled?"
+                f"({path}); was this dry run already scheduled? (the watchdog of a launcher that "
+                "was killed exits within seconds: schedule it again then)"
             )
         raise ValueError(
             f"app {app_id!r} is claimed or recorded already (in {records}); "
