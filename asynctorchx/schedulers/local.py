@@ -279,13 +279,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
         The app's id is claimed first, by a hard link that fails when it exists, so a dry run
         scheduled twice at once, even by two processes, starts once; the app is then registered
         with the watchdog, with a minimal record the watchdog writes if this process dies before
-        writing the real one.
+        writing the real one. A claim without a record whose launcher and watchdog are gone (the
+        launcher was killed between the two) is taken over.
 
         Raises:
             LaunchSpecError: the app cannot be launched as given (missing, non-executable or
                 directory entrypoint, missing working directory, a log_dir that cannot be written).
             LaunchError: a resource ran out (file descriptors, disk space, processes).
-            ValueError: this dry run was already scheduled.
+            ValueError: this dry run was already scheduled (or is being, by a process that
+                lives), processes of an earlier launch of it whose launcher died are left, or its
+                request names an id that cannot be a local app's.
 
         Whatever the error, even a cancellation, nothing of the app is left running or on disk.
         """
@@ -303,7 +306,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         try:
             await self._launcher.prepare()
             # (claimed first: the workspace directory of an app id is its claimant's)
-            app = self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
+            app = await self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
             if dryrun_info.workspace is not None:
                 await self._ship_workspace(dryrun_info)
                 shipped = True

@@ -87,6 +87,9 @@ class Watchdog:
         self._flush_scheduled = False
         self._closing = False
         self.base_cgroup: str | None = None
+        #: descriptors the watchdog inherits: the lock of the launcher's claims (``protocol.py``),
+        #: which it keeps until it exits, so no claim is taken over while it may still act on it
+        self.keep_fds: tuple[int, ...] = ()
         self.start_ticks: int | None = None
         self.restarts = 0
         _clients.add(self)
@@ -123,6 +126,7 @@ class Watchdog:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
+                pass_fds=self.keep_fds,
             )
         except BaseException:
             os.close(write_fd)
@@ -155,6 +159,12 @@ class Watchdog:
         if not self._flush_scheduled and self._loop is not None:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush_queued)
+
+    def restart(self, why: str) -> None:
+        """Replaces a running watchdog by a new one (which gets every registration), e.g. to give
+        it new ``keep_fds``."""
+        if self._proc is not None:
+            self._replace(why, kill=True)
 
     def _flush_queued(self) -> None:
         self._flush_scheduled = False
@@ -762,6 +772,7 @@ class RecordWriter:
         self._task: asyncio.Task[None] | None = None
         self._filler: asyncio.Task[None] | None = None
         self._spares_retry_at = 0.0
+        self._holders_dropped = False
         self._last_put = float("-inf")
 
     @property
@@ -884,6 +895,9 @@ class RecordWriter:
     async def _make_spares(self) -> None:
         spares = self._store.spares
         try:
+            if not self._holders_dropped:  # (the other lull work of the state root: once)
+                self._holders_dropped = True
+                await anyio.to_thread.run_sync(self._store.drop_dead_holders)
             while spares.wanted:
                 quiet = time.monotonic() - self._last_put
                 if quiet < self.SPARES_LULL or self._in_flight is not None:

@@ -2,9 +2,9 @@
 disk, or to nothing at all.
 
 The state root is prepared once; the app's id is claimed, by a hard link that fails if it exists
-(``claim``: a dry run is scheduled once, even by two processes at once), and the app registered
-with the watchdog (with a minimal record for the watchdog to write if the launcher dies first);
-its programs and working directories are checked, the file descriptors it needs are promised
+(``claim``: a dry run is scheduled once, even by two processes at once; a claim left by a launcher
+killed before the registration is taken over), and the app registered with the watchdog (with a
+minimal record for the watchdog to write if the launcher dies first); its programs and working directories are checked, the file descriptors it needs are promised
 (``procs.reserve_fds``), and its log directory is checked not to exist before its first replica
 starts. A launch that fails for any reason, a cancellation included, stops what it started and
 removes the app's directory, record, claim and cgroups.
@@ -42,7 +42,8 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
-from asynctorchx.schedulers._local.records import appdef_to_json
+from asynctorchx.schedulers._local.recordfile import is_app_id
+from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
@@ -93,48 +94,111 @@ class AppLauncher:
                 if not self._prepared:
                     await self._prepare()
 
-    def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
+    async def claim(self, request: LocalRequest, appdef: AppDef) -> LiveApp:
         """Claims the id of the app of ``request`` (``appdef`` as submitted) and registers it with
         the watchdog, once ``prepare`` was awaited.
 
         Two schedulers or processes scheduling one dry run at once both found no record, then
         both started the app; the claim (``RecordStore.claim``: a hard link, ~12 us, here) is made
         by one of them only. The watchdog learns of the app right after, so a launcher killed
-        from then on leaves a FAILED record ("the launcher died") and no claim; one killed between
-        the two system calls leaves a claim without a record, which makes its dry run refused.
+        from then on leaves a FAILED record ("the launcher died") and no claim. One killed between
+        the two system calls leaves a claim without a record that nobody holds any more (its
+        watchdog exits knowing nothing of it): scheduling the dry run again takes it over
+        (``_take_over``, the slow path of a claim that exists).
 
         Returns:
             the app, claimed: ``launch`` starts it, or ``release`` gives its id up.
 
         Raises:
             ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
-                by another process); nothing was made.
+                by another process), or processes of an earlier launch of it are left, or its id
+                cannot be a local app's; nothing was made.
             LaunchError: the claim cannot be made.
         """
         self._check_open()
         rt = self._rt
+        if not is_app_id(request.app_id):  # (a request made by hand: it would name other files)
+            raise ValueError(
+                f"app id {request.app_id!r} of the dry run is not a local app id (letters, digits, "
+                "'_', '.' and '-', starting with a letter or digit); make the dry run with "
+                "submit_dryrun"
+            )
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id
         app.cgroup = rt.contain.app_dir(app_id)
         rt.watchdog.ensure_started()
         registration = rt.registration(app)  # (made first: sent right after the claim)
-        if rt.store.path(app_id) is not None:  # (else no record can name it: nothing to claim)
-            try:
-                claimed = rt.store.claim(app_id)
-            except OSError as e:
-                raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
-            if not claimed:
-                raise ValueError(
-                    f"app {app_id!r} is claimed or recorded already (in {rt.store.records_dir}); "
-                    "was this dry run already scheduled?"
-                )
-            app.claimed = True
+        try:
+            claimed = rt.store.claim(app_id)
+        except OSError as e:
+            raise launch_error(app_id, e, "the app's claim", rt.store.records_dir) from None
+        if not claimed:
+            await self._take_over(app_id)
+        app.claimed = True
+        if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
+            # (its holder file was removed and made again: the watchdog must hold it too)
+            rt.watchdog.keep_fds = rt.store.lock_fds()
+            rt.watchdog.restart("the launcher's claims file was made again")
+        rt.claimed[app_id] = app
         rt.watchdog.send_now(registration)
         return app
+
+    async def _take_over(self, app_id: str) -> None:
+        """Takes over the claim of ``app_id`` that its launcher left when it died before its
+        watchdog knew of the app (nothing of the app was started then); runs to completion even
+        if the caller is cancelled (a claim taken is then given back).
+
+        Raises:
+            ValueError: the app is recorded, claimed by a launcher or watchdog that lives or
+                cannot be checked, or processes of it are left (their pids given).
+            LaunchError: the claim cannot be checked.
+        """
+        rt = self._rt
+        records = rt.store.records_dir
+        future = asyncio.get_running_loop().run_in_executor(None, _take_stale, rt.store, app_id)
+        try:
+            outcome, left = await await_shielded(future)
+        except OSError as e:
+            raise launch_error(app_id, e, "the app's claim", records) from None
+        except BaseException:
+            if (
+                not future.cancelled()
+                and future.exception() is None
+                and future.result()[0] == protocol.TAKEN
+            ):
+                await in_thread_shielded(protocol.drop_claim, str(records), app_id)
+            raise
+        path = protocol.claim_path(str(records), app_id)
+        if outcome == protocol.TAKEN:
+            return
+        if left:
+            pids = " ".join(str(p) for p in left)
+            raise ValueError(
+                f"app {app_id!r} was scheduled before by a launcher that died, and processes of "
+                f"it are left (pids {pids}); stop them (kill -9 {pids}) and schedule the dry run "
+                "again"
+            )
+        if outcome == protocol.UNKNOWN:
+            raise ValueError(
+                f"app {app_id!r} is claimed ({path}) by a launcher that cannot be checked (an "
+                "older version, or a file system without hard links or locks); if no launcher of "
+                f"this dry run is running, remove {path} and schedule it again"
+            )
+        if outcome == protocol.HELD:
+            raise ValueError(
+                f"app {app_id!r} is claimed by a launcher or its watchdog that is still running "
+                f"({path}); was this dry run already scheduled? (the watchdog of a launcher that "
+                "was killed exits within seconds: schedule it again then)"
+            )
+        raise ValueError(
+            f"app {app_id!r} is claimed or recorded already (in {records}); "
+            "was this dry run already scheduled?"
+        )
 
     async def release(self, app: LiveApp) -> None:
         """Gives up an app that was claimed but not launched: the watchdog forgets it and its
         claim is removed; runs to completion even if the caller is cancelled."""
+        self._rt.claimed.pop(app.app_id, None)
         self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
         if app.claimed:
             app.claimed = False
@@ -188,13 +252,14 @@ class AppLauncher:
         raise_fd_limit()
         rt.owner_ticks = proc_start_ticks(os.getpid())
         rt.watchdog.base_cgroup = rt.contain.base
+        rt.watchdog.keep_fds = rt.store.lock_fds()
         self._on_prepared()
         self._spawner.stdin_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._prepared = True
         rt.writer.make_spares()
 
     def _prepare_blocking(self) -> None:
-        self._rt.store.ensure()
+        self._rt.store.hold()
         self._rt.contain.probe()
 
     def close(self) -> None:
@@ -202,6 +267,7 @@ class AppLauncher:
         if self._spawner.stdin_fd >= 0:
             os.close(self._spawner.stdin_fd)
             self._spawner.stdin_fd = -1
+        self._rt.store.release_holder()
 
     def _resolve(self, app: LiveApp) -> None:
         """Checks the working directories and finds each replica's program (LaunchSpecError if
@@ -280,6 +346,7 @@ class AppLauncher:
         rt = self._rt
         app_id = app.app_id
         rt.apps[app_id] = app
+        rt.claimed.pop(app_id, None)
         await self._prepare_cgroups(app)
         self._check_open()
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
@@ -369,6 +436,21 @@ class AppLauncher:
             while not contain.remove_tree(cgroup) and time.monotonic() < deadline:
                 contain.kill(cgroup)
                 time.sleep(0.01)
+
+
+def _take_stale(store: RecordStore, app_id: str) -> tuple[str, list[int]]:
+    """``RecordStore.take_stale_claim``, unless processes of the app (marked as its replicas) are
+    left, which a launcher and watchdog both killed may leave: their pids then, and the claim
+    stays as it was."""
+    prefix = protocol.app_marker_prefix(app_id)
+    left: list[int] = []
+
+    def nothing_left() -> bool:
+        found = contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix])
+        left.extend(sorted(p for p, _, _ in found))
+        return not left
+
+    return store.take_stale_claim(app_id, nothing_left), left
 
 
 def _make_session_dir(session_dir: str, errors_dir: str) -> None:

@@ -21,7 +21,11 @@ escalator's command line.
 
 **Claims.** A launcher claims an app's id (``claim_app``: a hard link named after it) before it
 registers the app or starts anything of it, so two launchers of one dry run cannot both start it;
-the claim goes once the app's record is terminal.
+the claim goes once the app's record is terminal. Each claim is a link of its launcher's holder
+file, which the launcher and its watchdogs keep a shared ``flock`` on while they live: a claim
+without a record whose lock nobody holds any more was left by a launcher killed before its
+watchdog knew of the app, and is taken over by the next launcher of that dry run
+(``take_stale_claim``).
 
 **Record files** (``write_record_file``) hold one JSON document per line, the last complete one
 being the record (``recordfile.py`` reads them).
@@ -40,7 +44,8 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -161,60 +166,196 @@ def cancel_path(records_dir: str, app_id: str) -> str:
 #: The directory of the claims, in the records directory (apart: its changes wake no watcher of
 #: the records, and a listing of the records does not read them).
 CLAIMS_DIR = ".claims"
-#: The empty file every claim is a hard link of, in ``CLAIMS_DIR`` (no app id starts with a dot).
+#: The file every claim was a hard link of before claims named their holder (older versions): a
+#: claim of it cannot be told stale (no app id starts with a dot).
 CLAIM_FILE = ".shared"
+#: What the name of a launcher's holder file starts with, in ``CLAIMS_DIR``
+#: (``.holder.{pid}.{start_ticks}.{token}``, for people: the lock says whether it lives).
+HOLDER_PREFIX = ".holder."
+
+
+#: The temporary names, in ``CLAIMS_DIR``, of a holder file being made and of a claim being taken
+#: over.
+_MAKING = ".new."
+_TAKING = ".take."
+_TEMPORARY = (_MAKING, _TAKING)
 
 
 def claim_path(records_dir: str, app_id: str) -> str:
-    """The claim of ``app_id``: a hard link of ``CLAIM_FILE`` (``claim_app``)."""
+    """The claim of ``app_id``: a hard link of its launcher's holder file (``claim_app``)."""
     return os.path.join(records_dir, CLAIMS_DIR, app_id)
 
 
-def claim_app(records_dir: str, app_id: str) -> bool:
-    """Claims ``app_id`` for this launcher; False when it is claimed already. Raises OSError.
+def make_holder(records_dir: str, name: str) -> tuple[str, int] | None:
+    """Creates a holder file ``HOLDER_PREFIX + name`` in ``CLAIMS_DIR`` and takes a shared
+    ``flock`` on it; returns its path and the descriptor that holds the lock (close-on-exec: pass
+    it to the watchdog, whose copy keeps the lock after the launcher died), or None when the file
+    system has no ``flock`` (the claims are then files of their own, ``claim_app``). Raises
+    OSError when the file cannot be made.
+    """
+    claims = os.path.join(records_dir, CLAIMS_DIR)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(claims, 0o700)
+    path = os.path.join(claims, HOLDER_PREFIX + name)
+    # locked before it has its name: ``drop_dead_holders`` never sees it unlocked
+    tmp = os.path.join(claims, _MAKING + name)
+    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.rename(tmp, path)
+    except OSError as e:
+        os.close(fd)
+        _drop(tmp)
+        if isinstance(e, BlockingIOError) or e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+            raise
+        return None
+    return path, fd
 
-    A claim is a hard link of one shared empty file (``CLAIM_FILE``) named after the app
+
+def claim_app(records_dir: str, app_id: str, holder: str | None) -> bool:
+    """Claims ``app_id`` for the launcher of the holder file ``holder``; False when it is claimed
+    already. Raises OSError (FileNotFoundError: ``holder`` or the directory is gone).
+
+    A claim is a hard link of the launcher's holder file (``make_holder``) named after the app
     (``claim_path``): a link never replaces a file, so of two launchers scheduling one dry run at
     once one makes it and the other is told it exists; and it costs a directory entry (~12 us), no
     inode, so a burst of launches claims its ids on the event loop whatever the spare files left.
-    The claim lasts until the app's record is terminal or its submit is undone (``drop_claim``);
-    the launcher checks after claiming that the app has no record (a dry run scheduled before).
+    Where there are no hard links (or no lock, ``holder`` None, or as many links as the file
+    system allows) the claim is a file of its own, as exclusive but never taken over. The claim
+    lasts until the app's record is terminal or its submit is undone (``drop_claim``); the
+    launcher checks after claiming that the app has no record (a dry run scheduled before).
     """
     path = claim_path(records_dir, app_id)
-    claims = os.path.dirname(path)
-    shared = os.path.join(claims, CLAIM_FILE)
-    for _ in range(3):
+    if holder is not None:
         try:
-            os.link(shared, path)
+            os.link(holder, path)
             return True
         except FileExistsError:
             return False
-        except FileNotFoundError:  # (FileNotFoundError again: the records directory is gone)
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(claims, 0o700)
-            os.close(os.open(shared, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
         except OSError as e:
-            if e.errno in _NO_HARD_LINKS:  # a file of its own then (an inode: slower, as atomic)
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(claims, 0o700)
-                try:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-                    os.close(os.open(path, flags, 0o600))
-                except FileExistsError:
-                    return False
-                return True
-            if e.errno != errno.EMLINK:
+            if e.errno not in _NO_LINK:
                 raise
-            # as many claims as the file system links to one inode: later ones link a new file
-            tmp = f"{shared}.{os.getpid()}.{threading.get_ident()}"
-            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o400))
-            os.replace(tmp, shared)
-    os.link(shared, path)
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        return False
     return True
 
 
-#: What ``link`` fails with on a file system without hard links.
-_NO_HARD_LINKS = (errno.EPERM, errno.EOPNOTSUPP)
+#: What ``link`` fails with on a file system without hard links, or once the holder file has as
+#: many links as the file system allows.
+_NO_LINK = (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK)
+
+#: ``take_stale_claim``: the claim is now the caller's.
+TAKEN = "taken"
+#: ``take_stale_claim``: a launcher or its watchdog that may still start or record the app holds it.
+HELD = "held"
+#: ``take_stale_claim``: who made the claim cannot be checked (a file of its own, or of an older
+#: version).
+UNKNOWN = "unknown"
+#: ``take_stale_claim``: the claim went, or changed, meanwhile (claim again).
+GONE = "gone"
+
+
+def take_stale_claim(
+    records_dir: str, app_id: str, holder: str, may_take: Callable[[], bool] = lambda: True
+) -> str:
+    """Makes the claim of ``app_id`` a link of ``holder`` when nobody holds the lock of the file it
+    links any more and ``may_take()`` (called then) is true; returns ``TAKEN``, ``HELD`` (also when
+    ``may_take()`` is false), ``UNKNOWN`` or ``GONE``. Raises OSError.
+
+    The lock of a holder file is held by its launcher and by each of its watchdogs (which inherit
+    it), so a lock nobody holds means that no process is left that could start the app or record
+    it: the launcher died before its watchdog knew of the app. The exclusive lock taken to find
+    that out is kept until the claim is replaced, and the claim is checked to still be the file
+    locked: of two launchers taking one stale claim over at once, one does, the other is told
+    ``GONE`` (and then finds the winner's claim ``HELD``). The caller checks that the app has no
+    record (after), and no process left (``may_take``: a claim left so stays stale).
+    """
+    path = claim_path(records_dir, app_id)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return GONE
+    except OSError as e:
+        if e.errno in _NOT_A_SPARE:  # a symlink, a FIFO or a directory: not a claim we made
+            return UNKNOWN
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or _is_legacy(path, st):
+            return UNKNOWN
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return HELD
+        except OSError:  # (no flock here)
+            return UNKNOWN
+        try:
+            if os.lstat(path).st_ino != st.st_ino:
+                return GONE
+        except FileNotFoundError:
+            return GONE
+        if not may_take():
+            return HELD
+        taking = f"{_TAKING}{os.getpid()}.{threading.get_ident()}"
+        tmp = os.path.join(os.path.dirname(path), taking)
+        os.link(holder, tmp)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _drop(tmp)
+            raise
+        return TAKEN
+    finally:
+        os.close(fd)
+
+
+def _is_legacy(path: str, st: os.stat_result) -> bool:
+    """True when the claim ``st`` (at ``path``) is a link of the older versions' ``CLAIM_FILE``."""
+    try:
+        legacy = os.stat(os.path.join(os.path.dirname(path), CLAIM_FILE))
+    except OSError:
+        return False
+    return (legacy.st_dev, legacy.st_ino) == (st.st_dev, st.st_ino)
+
+
+def drop_dead_holders(records_dir: str, keep: str | None) -> int:
+    """Removes the holder files (but ``keep``) of launchers that are gone and left no claim, and
+    the temporary names of a holder being made or a claim being taken over that their process
+    left over a minute ago (it was killed in those microseconds); returns how many holders. A
+    holder whose claims are left stays: it tells them stale."""
+    claims = os.path.join(records_dir, CLAIMS_DIR)
+    try:
+        names = os.listdir(claims)
+    except FileNotFoundError:
+        return 0
+    dropped = 0
+    for name in names:
+        path = os.path.join(claims, name)
+        if name.startswith(_TEMPORARY):
+            with contextlib.suppress(OSError):
+                if time.time() - os.lstat(path).st_ctime > 60:
+                    os.unlink(path)
+            continue
+        if not name.startswith(HOLDER_PREFIX) or path == keep:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_nlink != 1:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # (a dead holder gets no new link: only its own launcher links it)
+            os.unlink(path)
+            dropped += 1
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return dropped
 
 
 def drop_claim(records_dir: str, app_id: str) -> None:

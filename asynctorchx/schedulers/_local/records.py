@@ -14,8 +14,9 @@ through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.
 once the record is terminal (``protocol.py``).
 
 A launcher claims an app's id before it starts anything of it (``RecordStore.claim``, a hard
-link that only one launcher makes), so a dry run scheduled twice at once, even by two processes,
-starts once. A write that finds the records directory gone creates it again; one that finds the file system
+link of its holder file that only one launcher makes), so a dry run scheduled twice at once, even
+by two processes, starts once; a claim whose launcher died before its watchdog knew of the app is
+taken over by the next launcher of that dry run (``RecordStore.take_stale_claim``). A write that finds the records directory gone creates it again; one that finds the file system
 full rewrites the record in place when it fits in the space the file already holds. A new record's
 first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
 which is then linked into place.
@@ -23,11 +24,14 @@ which is then linked into place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import threading
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +54,24 @@ from asynctorchx.specs.api import (
 from asynctorchx.specs.serialize import appdef_from_dict, appdef_to_dict
 
 RECORD_FORMAT = 1
+
+_stores: weakref.WeakSet[RecordStore] = weakref.WeakSet()
+
+
+def _unlock_in_forked_child() -> None:
+    # a fork of the launcher must not keep its claims held after the launcher and its watchdog
+    # died (the lock is the open file's: closing the child's copy leaves the parent's)
+    for store in list(_stores):
+        for fd in store.lock_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        store.holder, store.holder_fd, store._old_holder_fds = None, -1, []
+        store._held = False
+
+
+os.register_at_fork(after_in_child=_unlock_in_forked_child)
+#: ``RecordStore.take_stale_claim``: the app has a record.
+RECORDED = "recorded"
 
 
 # -- the AppDef as JSON --------------------------------------------------------------------------
@@ -265,6 +287,14 @@ class RecordStore:
         self._ticks: dict[tuple[int, Any], int | None] = {}
         #: empty files the first versions of records are written into (``spares.py``)
         self.spares = SparePool(str(self.records_dir))
+        #: the holder file this store's claims link (``protocol.make_holder``), once ``hold`` ran
+        self.holder: str | None = None
+        #: the descriptor that holds the lock of ``holder`` (-1: none; for the watchdog to inherit)
+        self.holder_fd = -1
+        #: the locks of the holder files made before (``hold`` again): claims may still link them
+        self._old_holder_fds: list[int] = []
+        self._held = False
+        _stores.add(self)
 
     def ensure(self) -> None:
         """Creates the state root (private to this user) and the records directory."""
@@ -334,6 +364,43 @@ class RecordStore:
                 errors[app_id] = e
         return errors
 
+    def hold(self) -> None:
+        """Makes this store's holder file (``protocol.make_holder``), which its claims link and
+        whose lock says that its launcher or watchdog lives; ``holder_fd`` holds the lock (pass it
+        to the watchdog). A holder made again (its file was removed) keeps the older locks, which
+        the claims made before still name, until ``release_holder``. Raises OSError."""
+        self.ensure()
+        pid = os.getpid()
+        name = f"{pid}.{proc_start_ticks(pid) or 0}.{secrets.token_hex(4)}"
+        made = protocol.make_holder(str(self.records_dir), name)
+        self._held = True
+        if self.holder_fd >= 0:
+            self._old_holder_fds.append(self.holder_fd)
+        self.holder, self.holder_fd = made if made is not None else (None, -1)
+
+    def drop_dead_holders(self) -> None:
+        """Removes the holder files of launchers that are gone and left no claim
+        (``protocol.drop_dead_holders``); a SIGKILLed launcher leaves its own."""
+        protocol.drop_dead_holders(str(self.records_dir), self.holder)
+
+    def lock_fds(self) -> tuple[int, ...]:
+        """The descriptors holding the locks of this store's claims (for its watchdog)."""
+        fds = (self.holder_fd, *self._old_holder_fds)
+        return tuple(fd for fd in fds if fd >= 0)
+
+    def release_holder(self) -> None:
+        """Lets the holder's locks go (the scheduler closed; its watchdog may keep them a little
+        longer) and removes the holder file when no claim links it any more."""
+        if self.holder_fd >= 0 and self.holder is not None:
+            with contextlib.suppress(OSError):
+                if os.fstat(self.holder_fd).st_nlink == 1:
+                    os.unlink(self.holder)
+        for fd in [self.holder_fd, *self._old_holder_fds]:
+            if fd >= 0:
+                os.close(fd)
+        self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
+        self._held = False
+
     def claim(self, app_id: str) -> bool:
         """Claims ``app_id`` for this launcher (``protocol.claim_app``); False when it is claimed
         already, or has a record (a dry run scheduled before: the claim is then given back).
@@ -341,19 +408,51 @@ class RecordStore:
         Raises:
             OSError: the claim cannot be made.
         """
+        if not self._held:
+            self.hold()
         records_dir = str(self.records_dir)
         try:
-            claimed = protocol.claim_app(records_dir, app_id)
-        except FileNotFoundError:
+            claimed = protocol.claim_app(records_dir, app_id, self.holder)
+        except FileNotFoundError:  # the records directory or the holder file was removed
             self._ready = False
-            self.ensure()
-            claimed = protocol.claim_app(records_dir, app_id)
+            self.hold()
+            claimed = protocol.claim_app(records_dir, app_id, self.holder)
         if not claimed:
             return False
         if os.path.lexists(protocol.record_path(records_dir, app_id)):
             protocol.drop_claim(records_dir, app_id)
             return False
         return True
+
+    def take_stale_claim(self, app_id: str, may_take: Callable[[], bool] = lambda: True) -> str:
+        """Takes the claim of ``app_id`` over when it was left by a launcher that died before its
+        watchdog knew of the app and ``may_take()`` (``protocol.take_stale_claim``), and the app
+        has no record; ``claim`` again when the claim went meanwhile. Returns ``protocol.TAKEN``, ``HELD``,
+        ``UNKNOWN`` or ``RECORDED``.
+
+        Raises:
+            OSError: the claim cannot be checked or taken.
+        """
+        records_dir = str(self.records_dir)
+        record = protocol.record_path(records_dir, app_id)
+        outcome = protocol.HELD
+        for _ in range(3):
+            if os.path.lexists(record):
+                return RECORDED
+            if self.holder is None:
+                return protocol.UNKNOWN
+            outcome = protocol.take_stale_claim(records_dir, app_id, self.holder, may_take)
+            if outcome == protocol.GONE:
+                if not self.claim(app_id):
+                    continue
+                outcome = protocol.TAKEN
+            if outcome == protocol.TAKEN:
+                if os.path.lexists(record):  # (written by a watchdog that ended just before)
+                    protocol.drop_claim(records_dir, app_id)
+                    return RECORDED
+                self.drop_dead_holders()
+            return outcome
+        return outcome
 
     def _has_side_files(self, app_id: str) -> bool:
         records_dir = str(self.records_dir)

@@ -40,6 +40,8 @@ class LocalRuntime:
         self.reaper = Reaper()
         self.apps: dict[str, LiveApp] = {}
         self.starting: set[str] = set()
+        #: apps claimed and registered with the watchdog, not yet started (``apps`` then)
+        self.claimed: dict[str, LiveApp] = {}
         self.finished: OrderedDict[str, OwnApp] = OrderedDict()
         self.owner_ticks: int | None = None
         self.closed = False
@@ -140,6 +142,8 @@ class LocalRuntime:
 
     def _registrations(self) -> Iterable[bytes]:
         owner = Owner(pid=os.getpid(), start_ticks=self.owner_ticks)
+        for app in self.claimed.values():  # (a long workspace ship, say: still the watchdog's)
+            yield app.registration(owner)
         for app in self.apps.values():
             yield from app.registrations(owner)
 
