@@ -4,6 +4,7 @@ workspace itself; local_dir runs the first role from a snapshot taken at submit 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -12,11 +13,12 @@ from typing import Any
 
 import pytest
 from _fake_scheduler import FakeScheduler
+from _local_env import tiny_tmpfs
 from _workspace_env import make_workspace
 
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers.api import WorkspaceNotSupportedException
-from asynctorchx.schedulers.workspace import WorkspaceEvent
+from asynctorchx.schedulers.workspace import WorkspaceCopyError, WorkspaceEvent
 from asynctorchx.specs import AppDef, AppState, InvalidWorkspaceException, Role
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,3 +258,27 @@ async def test_a_failed_local_dir_start_leaves_no_workspace_directory(
         await runner.run(app, "local_dir", workspace=str(ws))
     session_dir = root / "workspaces" / "apps" / "ws"
     assert not session_dir.exists() or not any(session_dir.iterdir()), list(session_dir.iterdir())
+
+
+async def test_a_snapshot_that_does_not_fit_the_disk_fails_naming_it_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """A local_dir snapshot that does not fit the state root's disk fails the submit with
+    WorkspaceCopyError naming the snapshot and the file (it was a bare "[Errno 28] No space left
+    on device"); no snapshot, app directory or app is left."""
+    ws = make_workspace(tmp_path / "ws", {"main.py": "print(1)\n", "data.bin": os.urandom(3 << 20)})
+    with tiny_tmpfs(tmp_path / "fs", "1m") as fs:
+        root = fs / "state"
+        async with AsyncRunner(name="ws", local_root=str(root)) as runner:
+            app = AppDef("full", [sh("main", "true")])
+            with pytest.raises(WorkspaceCopyError) as info:
+                await runner.run(app, "local_dir", workspace=str(ws))
+            store = root / "workspaces" / "snapshots"
+            assert info.value.errno == errno.ENOSPC
+            assert f"into '{store}/" in str(info.value)
+            assert str(info.value).endswith(": No space left on device (writing 'data.bin')")
+            assert os.listdir(store) == []
+            assert not (root / "workspaces" / "apps").exists() or not any(
+                files for _, _, files in os.walk(root / "workspaces" / "apps")
+            )
+            assert await runner.list("local_dir") == []

@@ -66,6 +66,7 @@ __all__ = [
     "SingleFlight",
     "WorkspaceBuildError",
     "WorkspaceChangedError",
+    "WorkspaceCopyError",
     "WorkspaceEntry",
     "WorkspaceEvent",
     "WorkspacePlan",
@@ -114,6 +115,25 @@ class WorkspaceBuildError(RuntimeError):
 
 class WorkspaceChangedError(InvalidWorkspaceException):
     """Raised when a workspace file changed between being hashed and being shipped (submit again)."""
+
+
+class WorkspaceCopyError(OSError):
+    """Raised when a copy of a workspace cannot be written where it goes (a full disk, a read-only
+    file system): the message names the destination and the file being written, which a bare
+    ``OSError`` from deep inside the copy did not. Nothing of the copy is left behind.
+
+    ``errno`` is the error of the write (``ENOSPC`` for a full disk).
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def copy_error(e: OSError, what: str, where: str, path: str = "") -> WorkspaceCopyError:
+    """The WorkspaceCopyError of ``e``, raised while ``what`` (e.g. ``copy workspace /src``) was
+    written into ``where``; ``path`` is the file or directory being written, if known."""
+    at = f" (writing {path!r})" if path else ""
+    return WorkspaceCopyError(e.errno, f"cannot {what} into {where!r}: {e.strerror or e}{at}")
 
 
 # -- ignore rules -----------------------------------------------------------------------------------
@@ -784,16 +804,21 @@ def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bo
                 ):
                     raise
                 use_clone[0] = False
-        _copy_data(fsrc.fileno(), fdst.fileno())
+        _copy_data(fsrc.fileno(), fdst.fileno(), entry.source)
     return False
 
 
-def _copy_data(src: int, dst: int) -> None:
-    """Copies the file ``src`` to the empty file ``dst``, leaving its holes holes.
+def _copy_data(src: int, dst: int, source: str) -> None:
+    """Copies the file ``src`` (the workspace file ``source``) to the empty file ``dst``, leaving
+    its holes holes.
 
     A sparse file (``truncate -s 50G``, a preallocated dataset) is read and written only where it
     holds data, so its copy takes the disk space of the original, not its length in zeros. A
     file that changes meanwhile is caught by the stat or hash check that follows every copy.
+
+    Raises:
+        InvalidWorkspaceException: ``source`` cannot be read.
+        OSError: ``dst`` cannot be written.
     """
     size = os.fstat(src).st_size
     pos = 0
@@ -805,10 +830,13 @@ def _copy_data(src: int, dst: int) -> None:
             if e.errno == errno.ENXIO:
                 break  # only a hole is left
             if e.errno != errno.EINVAL:
-                raise
+                raise _unreadable(source, e) from None
             start, end = pos, size  # a file system that cannot tell holes: copy everything
         while start < end:
-            chunk = os.pread(src, min(_CHUNK, end - start), start)
+            try:
+                chunk = os.pread(src, min(_CHUNK, end - start), start)
+            except OSError as e:
+                raise _unreadable(source, e) from None
             if not chunk:
                 break  # cut short since its stat was taken
             view, offset = memoryview(chunk), start
@@ -826,7 +854,9 @@ def _copy_data(src: int, dst: int) -> None:
 _FICLONE = 0x40049409
 
 
-def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str, int]:
+def copy_scan(
+    scan: WorkspaceScan, dest: str, *, clone: bool = True, shown_as: str | None = None
+) -> dict[str, int]:
     """Copies the scanned contents into the existing directory ``dest``.
 
     Each file of at least 256 kB is cloned (FICLONE, sharing blocks until either side is
@@ -836,43 +866,66 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
     (a FIFO would block the copy forever). The holes of a sparse file stay holes in its copy.
 
+    Args:
+        scan: what to copy.
+        dest: the directory it goes into.
+        clone: clone large files where the file system allows.
+        shown_as: the destination error messages name (a temporary ``dest`` is renamed later).
+
     Returns:
         ``{"cloned": n, "copied": n}``.
 
     Raises:
         WorkspaceChangedError: a file changed since the scan.
-        OSError: ``dest`` cannot be written.
+        WorkspaceCopyError: ``dest`` cannot be written (a full disk), naming it and the file.
     """
     use_clone = [clone]
     counts = {"cloned": 0, "copied": 0}
     dirs: list[WorkspaceEntry] = []
+    what = f"copy workspace {scan.workspace}"
     for entry in scan.entries:
         _check_cancelled()
         target = os.path.join(dest, *entry.path.split("/"))
-        if entry.kind == "dir":
-            os.makedirs(target, exist_ok=True)
-            dirs.append(entry)
-        elif entry.kind == "symlink":
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(entry.link, target)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            small = entry.size < _CLONE_MIN_BYTES
-            cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
-            counts["cloned" if cloned else "copied"] += 1
-            _check_unchanged(entry)
-            if entry.racy:
-                digest, _ = _hash_file(target, os.stat(target))
-                if digest != entry.digest:
-                    raise WorkspaceChangedError(
-                        f"workspace file {entry.source!r} changed after it was hashed; submit again"
-                    )
-            os.chmod(target, entry.mode)
-            os.utime(target, (entry.mtime, entry.mtime))
+        try:
+            _copy_entry(entry, target, use_clone, counts, dirs)
+        except OSError as e:
+            raise copy_error(e, what, shown_as or dest, entry.path) from None
     for entry in reversed(dirs):
         target = os.path.join(dest, *entry.path.split("/"))
-        os.chmod(target, entry.mode | stat.S_IWUSR | stat.S_IXUSR)
+        try:
+            os.chmod(target, entry.mode | stat.S_IWUSR | stat.S_IXUSR)
+        except OSError as e:
+            raise copy_error(e, what, shown_as or dest, entry.path) from None
     return counts
+
+
+def _copy_entry(
+    entry: WorkspaceEntry,
+    target: str,
+    use_clone: list[bool],
+    counts: dict[str, int],
+    dirs: list[WorkspaceEntry],
+) -> None:
+    if entry.kind == "dir":
+        os.makedirs(target, exist_ok=True)
+        dirs.append(entry)
+    elif entry.kind == "symlink":
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(entry.link, target)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        small = entry.size < _CLONE_MIN_BYTES
+        cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
+        counts["cloned" if cloned else "copied"] += 1
+        _check_unchanged(entry)
+        if entry.racy:
+            digest, _ = _hash_file(target, os.stat(target))
+            if digest != entry.digest:
+                raise WorkspaceChangedError(
+                    f"workspace file {entry.source!r} changed after it was hashed; submit again"
+                )
+        os.chmod(target, entry.mode)
+        os.utime(target, (entry.mtime, entry.mtime))
 
 
 def snapshot(
@@ -886,25 +939,33 @@ def snapshot(
 
     Returns:
         ``(path, made)``: made is False when the snapshot already existed.
+
+    Raises:
+        WorkspaceChangedError: a file changed since the scan.
+        WorkspaceCopyError: ``store`` cannot be written (a full disk), naming the snapshot.
     """
     final = os.path.join(store, name)
     if os.path.isdir(final):
         return final, False
-    os.makedirs(store, exist_ok=True)
-    tmp = os.path.join(store, f".tmp-{name[:16]}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
+    what = f"copy workspace {scan.workspace}"
     try:
-        copy_scan(scan, tmp)
-        if read_only:
-            for entry in scan.entries:
-                if entry.kind == "file":
-                    target = os.path.join(tmp, *entry.path.split("/"))
-                    os.chmod(target, entry.mode & ~0o222)
+        os.makedirs(store, exist_ok=True)
+        tmp = os.path.join(store, f".tmp-{name[:16]}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(tmp)
+    except OSError as e:
+        raise copy_error(e, what, final) from None
+    try:
+        copy_scan(scan, tmp, shown_as=final)
         try:
+            if read_only:
+                for entry in scan.entries:
+                    if entry.kind == "file":
+                        target = os.path.join(tmp, *entry.path.split("/"))
+                        os.chmod(target, entry.mode & ~0o222)
             os.rename(tmp, final)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+                raise copy_error(e, what, final) from None
             shutil.rmtree(tmp, ignore_errors=True)
             return final, False
     except BaseException:

@@ -32,6 +32,7 @@ from asynctorchx.schedulers.workspace import (
     WorkspacePlan,
     WorkspaceProgress,
     check_directory,
+    copy_error,
     format_bytes,
     link_tree,
     report,
@@ -118,6 +119,8 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
     Raises:
         InvalidWorkspaceException: the workspace is gone, or a file changed since the dry run
             read it (nothing is left behind).
+        WorkspaceCopyError: the snapshot or the app's directory cannot be written (a full disk);
+            nothing is left behind.
     """
     scan = plan.scan
     if scan is None:
@@ -136,11 +139,13 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
 
     def make() -> bool:
         _, made = snapshot(scan, snapshots_dir_of(plan), plan.content_hash or "", read_only=True)
-        os.makedirs(os.path.dirname(workdir), exist_ok=True)
         try:
+            os.makedirs(os.path.dirname(workdir), exist_ok=True)
             link_tree(plan.target, workdir)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(workdir, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise copy_error(e, f"link snapshot {plan.target}", workdir) from None
             raise
         return made
 
