@@ -366,6 +366,19 @@ def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path)
         scan_workspace(_ws(tmp_path / "f.py"), TORCHXIGNORE)
 
 
+def test_the_root_of_the_file_system_is_refused_by_any_path_before_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """A workspace of '/' (or a symlink to it) is refused naming it, before anything is read (it
+    read every file of the machine for 25 s, then failed on one of /proc)."""
+    (tmp_path / "root").symlink_to("/")
+    for path in ("/", str(tmp_path / "root")):
+        with pytest.raises(
+            InvalidWorkspaceException, match=rf"'{path}' is the root of the file system"
+        ):
+            scan_workspace(_ws(Path(path)), TORCHXIGNORE)
+
+
 def test_an_unreadable_file_is_rejected_naming_it(tmp_path: Path) -> None:
     """A file the submitting user cannot read is a clear error naming the file."""
     root = _tree(tmp_path / "ws", {"ok.py": "ok", "secret.py": "s"})

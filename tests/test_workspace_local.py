@@ -155,6 +155,27 @@ async def test_a_state_root_or_log_dir_inside_the_workspace_is_not_snapshotted(
     assert len(snapshots(root)) == 1
 
 
+@pytest.mark.parametrize("which", ["state_root", "log_dir"])
+async def test_a_workspace_that_is_the_state_root_or_log_dir_is_refused_naming_it(
+    tmp_path: Path, which: str
+) -> None:
+    """A workspace that is the state root (or log_dir) itself fails the dry run naming it (it was
+    snapshotted with the logs of running apps, or failed saying "submit again" every time)."""
+    root, logs = tmp_path / "state", tmp_path / "logs"
+    cfg = {"log_dir": str(logs)}
+    app = AppDef("self", [sh("trainer", "echo hi")])
+    async with AsyncRunner(name="ws", local_root=str(root)) as runner:
+        handle = await runner.run(app, "local_dir", cfg)
+        await runner.wait(handle, timeout=60)
+        ws = root if which == "state_root" else logs
+        with pytest.raises(
+            InvalidWorkspaceException,
+            match=rf"workspace directory '{ws}' is where the backend keeps its own state",
+        ):
+            runner.dryrun(app, "local_dir", cfg, workspace=str(ws))
+    assert snapshots(root) == []
+
+
 async def test_local_dir_snapshots_honour_torchxignore(runner: AsyncRunner, tmp_path: Path) -> None:
     """What .torchxignore excludes is not in the snapshot the app runs from."""
     ws = make_workspace(

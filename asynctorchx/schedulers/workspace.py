@@ -568,6 +568,7 @@ def _scan(
     now = time.time()
     for project, dest in workspace.projects.items():
         check_directory(project)
+        _check_shippable(project, skip)
         rules = IgnoreRules.load(project, ignore_file)
         if dest:
             parts = dest.split("/")
@@ -600,6 +601,28 @@ def _scan(
             )
         )
     return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
+
+
+def _check_shippable(project: str, skip: frozenset[tuple[int, int]]) -> None:
+    """Raises InvalidWorkspaceException when ``project`` is ``/`` or one of the ``skip``
+    directories, by any path to it.
+
+    ``/`` would be read whole, ``/proc`` and every mounted disk included (25 s here before it
+    failed on a file of ``/proc``); a backend's state directory would be shipped with the logs
+    of running apps and every snapshot made before (its files changed while read, so the submit
+    failed saying "submit again", every time).
+    """
+    st = os.stat(project)
+    if os.path.samestat(st, os.stat("/")):
+        raise InvalidWorkspaceException(
+            f"workspace directory {project!r} is the root of the file system: give the "
+            "directory of your project"
+        )
+    if (st.st_dev, st.st_ino) in skip:
+        raise InvalidWorkspaceException(
+            f"workspace directory {project!r} is where the backend keeps its own state (its "
+            "state root or log_dir), which is never shipped: give the directory of your project"
+        )
 
 
 def _check_parents(entries: dict[str, WorkspaceEntry]) -> None:
