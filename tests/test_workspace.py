@@ -17,6 +17,7 @@ import anyio
 import pytest
 from _workspace_env import make_workspace, run_as_unprivileged_reader
 
+from asynctorchx.schedulers._docker.image import _recipe
 from asynctorchx.schedulers.workspace import (
     DOCKERIGNORE,
     TORCHX_DOCKERFILE,
@@ -483,22 +484,25 @@ def test_a_file_changed_after_the_scan_fails_the_tar(
         write_tar(scan, io.BytesIO())
 
 
-@pytest.mark.parametrize("ship", ["tar", "copy"])
+@pytest.mark.parametrize("ship", ["tar", "copy", "recipe"])
 def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
     tmp_path: Path, ship: str
 ) -> None:
     """A file swapped for a FIFO after the scan is a WorkspaceChangedError, not an open() that
-    waits forever for a writer."""
-    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    waits forever for a writer (the recipe, Dockerfile.torchx, was opened so)."""
+    name = TORCHX_DOCKERFILE if ship == "recipe" else "a.py"
+    root = _tree(tmp_path / "ws", {name: "FROM x"})
     scan = scan_workspace(_ws(root), DOCKERIGNORE)
-    (root / "a.py").unlink()
-    os.mkfifo(root / "a.py")
+    (root / name).unlink()
+    os.mkfifo(root / name)
     dest = tmp_path / "copy"
     dest.mkdir()
-    errors = _errors_unless_blocked(
-        lambda: write_tar(scan, io.BytesIO()) if ship == "tar" else copy_scan(scan, str(dest)),
-        root / "a.py",
-    )
+    ships: dict[str, Callable[[], object]] = {
+        "tar": lambda: write_tar(scan, io.BytesIO()),
+        "copy": lambda: copy_scan(scan, str(dest)),
+        "recipe": lambda: _recipe(scan),
+    }
+    errors = _errors_unless_blocked(ships[ship], root / name)
     assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
     assert "no longer a regular file" in str(errors[0])
 

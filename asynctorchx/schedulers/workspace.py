@@ -72,6 +72,7 @@ __all__ = [
     "WorkspacePlan",
     "WorkspaceScan",
     "copy_scan",
+    "read_shipped",
     "report",
     "reporting",
     "scan_workspace",
@@ -410,6 +411,26 @@ def _open_shipped(entry: WorkspaceEntry) -> BinaryIO:
             f"workspace file {entry.source!r} is no longer a regular file; submit again"
         )
     return os.fdopen(fd, "rb")
+
+
+def read_shipped(entry: WorkspaceEntry) -> bytes:
+    """The bytes of ``entry``'s file (a small one: a recipe), which must be those it was hashed
+    with. A file replaced by a FIFO since is an error, never an open that waits for a writer.
+
+    Raises:
+        WorkspaceChangedError: it is gone, no longer a regular file, or holds other bytes.
+        InvalidWorkspaceException: it cannot be read.
+    """
+    with _open_shipped(entry) as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            raise _unreadable(entry.source, e) from None
+    if hashlib.sha256(data).hexdigest() != entry.digest:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} changed after it was hashed; submit again"
+        )
+    return data
 
 
 def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
