@@ -231,6 +231,29 @@ async def test_a_missing_or_file_workspace_fails_before_any_replica(
     assert not (root / "ws").exists()
 
 
+@pytest.mark.parametrize("scheduler", ["local_cwd", "local_dir"])
+async def test_a_directory_whose_name_holds_a_colon_fails_saying_to_give_a_file_url(
+    runner: AsyncRunner, tmp_path: Path, scheduler: str
+) -> None:
+    """runs/exp-10:30 (read as runs/exp-10 going to 30/) fails the dry run naming the file:// URL
+    to give instead (it said runs/exp-10 does not exist, or that it was not one directory), and
+    that URL runs."""
+    exp = make_workspace(tmp_path / "runs" / "exp-10:30", {"a.py": ""}, nonce=False)
+    url = "file://" + str(exp).replace(":", "%3A")
+    app = AppDef("colon", [sh("trainer", "ls")])
+    with pytest.raises(InvalidWorkspaceException) as info:
+        runner.dryrun(app, scheduler, workspace=str(exp))
+    assert (
+        f"was read as directory '{tmp_path / 'runs' / 'exp-10'}' going to sub-directory '30'"
+        in (str(info.value))
+    )
+    assert str(info.value).endswith(
+        f"give a directory whose name holds ':' as a file:// URL, {url})"
+    )
+    _, out = await run_to_end(runner, app, scheduler, url)
+    assert out["trainer"] == "a.py\n"
+
+
 async def test_a_scheduler_without_workspaces_refuses_one_naming_itself(tmp_path: Path) -> None:
     """A backend that did not opt in raises WorkspaceNotSupportedException naming it, not a silent
     drop; without a workspace its two-argument dry run is unchanged."""

@@ -477,6 +477,21 @@ def check_directory(path: str) -> None:
         )
 
 
+def colon_hint(project: str, dest: str) -> str:
+    """When ``project:dest`` is a directory, a hint saying that the ``:`` in its name was read as
+    the separator of a project and its sub-directory (``~/runs/exp-10:30`` became ``~/runs/exp-10``
+    shipped to ``30/``), and how to name it; else ``""``."""
+    given = f"{project}:{dest}"
+    if not dest or not os.path.isdir(given):
+        return ""
+    from urllib.parse import quote
+
+    return (
+        f" ({given!r} was read as directory {project!r} going to sub-directory {dest!r}: give a "
+        f"directory whose name holds ':' as a file:// URL, file://{quote(given)})"
+    )
+
+
 def _walk(
     root: str,
     rules: IgnoreRules,
@@ -588,7 +603,10 @@ def _scan(
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
     for project, dest in workspace.projects.items():
-        check_directory(project)
+        try:
+            check_directory(project)
+        except InvalidWorkspaceException as missing:
+            raise InvalidWorkspaceException(f"{missing}{colon_hint(project, dest)}") from None
         _check_shippable(project, skip)
         rules = IgnoreRules.load(project, ignore_file)
         if dest:

@@ -32,6 +32,7 @@ from asynctorchx.schedulers.workspace import (
     WorkspacePlan,
     WorkspaceProgress,
     check_directory,
+    colon_hint,
     copy_error,
     format_bytes,
     link_tree,
@@ -75,10 +76,12 @@ def plan_local(
     if backend == "local_cwd":
         path = workspace.root
         if path is None:
+            [(project, dest), *more] = workspace.projects.items()
+            hint = "" if more else colon_hint(project, dest)
             raise InvalidWorkspaceException(
                 f"local_cwd runs the replicas in the workspace directory itself, so the workspace "
                 f"must be one directory, got {str(workspace)!r} (local_dir assembles several into "
-                "a snapshot)"
+                f"a snapshot){hint}"
             )
         check_directory(path)
         return WorkspacePlan(
