@@ -612,6 +612,25 @@ def test_link_tree_links_files_and_recreates_directories(tmp_path: Path) -> None
     assert os.readlink(tmp_path / "dst/l") == "a"
 
 
+def test_link_tree_fails_on_a_directory_it_cannot_list_instead_of_leaving_it_out(
+    tmp_path: Path,
+) -> None:
+    """A directory of the snapshot link_tree cannot list is an error naming it (os.walk left it
+    out: the app ran from a tree missing its files)."""
+    src = _tree(tmp_path / "src", {"a": "a", "d/b": "b"})
+    (src / "d").chmod(0o000)
+    code = (
+        "from asynctorchx.schedulers.workspace import link_tree\n"
+        f"try:\n    print(link_tree({str(src)!r}, {str(tmp_path / 'dst')!r}))\n"
+        "except OSError as e:\n    print(type(e).__name__, e.filename)\n"
+    )
+    try:
+        out = run_as_unprivileged_reader(code)
+    finally:
+        (src / "d").chmod(0o755)
+    assert out.stdout == f"PermissionError {src / 'd'}\n", out
+
+
 # -- engine helpers: repositories and registry credentials -------------------------------------------
 
 

@@ -176,6 +176,22 @@ async def test_a_workspace_that_is_the_state_root_or_log_dir_is_refused_naming_i
     assert snapshots(root) == []
 
 
+async def test_a_snapshot_file_a_replica_rewrote_in_place_is_not_shipped_again(
+    runner: AsyncRunner, root: Path, tmp_path: Path
+) -> None:
+    """When a replica rewrites a file of its snapshot in place (as root, or after chmod u+w), the
+    next app of the unchanged workspace still gets the workspace's bytes (it got the rewritten
+    file: the snapshot's content hash named bytes it no longer held)."""
+    ws = make_workspace(tmp_path / "ws", {"config.txt": "original\n"})
+    rewrite = "cat config.txt; chmod u+w config.txt; echo rewritten > config.txt"
+    _, out = await run_to_end(runner, AppDef("rw", [sh("trainer", rewrite)]), "local_dir", ws)
+    assert out["trainer"] == "original\n"
+    read = AppDef("rd", [sh("trainer", "cat config.txt; ls -l config.txt")])
+    _, out = await run_to_end(runner, read, "local_dir", ws)
+    assert out["trainer"].startswith("original\n-r--r--r--"), out
+    assert len(snapshots(root)) == 1
+
+
 async def test_local_dir_snapshots_honour_torchxignore(runner: AsyncRunner, tmp_path: Path) -> None:
     """What .torchxignore excludes is not in the snapshot the app runs from."""
     ws = make_workspace(

@@ -13,7 +13,9 @@
   hard links to the snapshot: what an app writes there stays its own, and a sweep of a thousand
   trials of one workspace costs one copy and a thousand directories of links, not a thousand
   copies. A replica must not rewrite a workspace file in place (replacing it, as editors and
-  ``os.replace`` do, is fine): the file is shared with the other apps of that snapshot.
+  ``os.replace`` do, is fine): the file is shared with the other apps of that snapshot. One that
+  does (as root, the read-only bits do not stop it) is caught by the next submit, which makes the
+  snapshot again (``schedulers.workspace.snapshot``).
 """
 
 from __future__ import annotations
