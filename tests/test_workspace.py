@@ -484,6 +484,47 @@ def test_a_file_changed_after_the_scan_fails_the_tar(
         write_tar(scan, io.BytesIO())
 
 
+@pytest.mark.parametrize("stage", ["scan", "tar", "copy"])
+def test_a_file_that_is_always_being_written_fails_saying_to_leave_it_out(
+    tmp_path: Path, stage: str
+) -> None:
+    """A file written to while the workspace is read or shipped (a job's log in the project) fails
+    saying it can be left out with the ignore file of the target ("submit again" alone, which
+    failed the same way every time)."""
+    root = _tree(tmp_path / "ws", {"train.py": "x", "train.log": "step 1\n"})
+    ignore_file = DOCKERIGNORE if stage == "tar" else TORCHXIGNORE
+    stop = threading.Event()
+
+    def write_log() -> None:
+        with open(root / "train.log", "a") as log:
+            while not stop.is_set():
+                log.write("step\n")
+                log.flush()
+
+    scan = None if stage == "scan" else scan_workspace(_ws(root), ignore_file)
+    writer = threading.Thread(target=write_log)
+    writer.start()
+    try:
+        with pytest.raises(WorkspaceChangedError) as info:
+            for _ in range(1000):  # bounded: the writer changes the file within a few rounds
+                if scan is None:
+                    scan_workspace(_ws(root), ignore_file)
+                elif stage == "tar":
+                    write_tar(scan, io.BytesIO())
+                else:
+                    dest = tmp_path / "copy"
+                    shutil.rmtree(dest, ignore_errors=True)
+                    dest.mkdir()
+                    copy_scan(scan, str(dest))
+    finally:
+        stop.set()
+        writer.join()
+    assert "train.log" in str(info.value)
+    assert str(info.value).endswith(
+        f"(a file that is always being written, a log say, can be left out with {ignore_file})"
+    )
+
+
 @pytest.mark.parametrize("ship", ["tar", "copy", "recipe"])
 def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
     tmp_path: Path, ship: str

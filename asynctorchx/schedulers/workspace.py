@@ -118,6 +118,20 @@ class WorkspaceChangedError(InvalidWorkspaceException):
     """Raised when a workspace file changed between being hashed and being shipped (submit again)."""
 
 
+@contextlib.contextmanager
+def _leave_out_hint(ignore_file: str) -> Iterator[None]:
+    """Adds to a WorkspaceChangedError raised inside how to ship a workspace with a file that is
+    always being written (a job's log in the project directory fails every submit: "submit again"
+    alone never helps)."""
+    try:
+        yield
+    except WorkspaceChangedError as e:
+        raise WorkspaceChangedError(
+            f"{e} (a file that is always being written, a log say, can be left out with "
+            f"{ignore_file})"
+        ) from None
+
+
 class WorkspaceCopyError(OSError):
     """Raised when a copy of a workspace cannot be written where it goes (a full disk, a read-only
     file system): the message names the destination and the file being written, which a bare
@@ -580,7 +594,7 @@ def scan_workspace(
                 del _scan_locks[k]
     # Scans of one workspace take turns: the second of two concurrent submits then finds every
     # hash remembered instead of reading the whole workspace a second time.
-    with lock:
+    with lock, _leave_out_hint(ignore_file):
         return _scan(workspace, ignore_file, frozenset(keep), skip, skip_marker)
 
 
@@ -823,6 +837,20 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
     Raises:
         WorkspaceChangedError: a file changed since the scan.
     """
+    with _leave_out_hint(scan.ignore_file):
+        _write_entries(scan, out)
+    for path, data in (extra or {}).items():
+        info = tarfile.TarInfo(path)
+        info.size = len(data)
+        info.mode = 0o644
+        info.mtime = int(time.time())
+        out.write(_header(info) + data)
+        if len(data) % tarfile.BLOCKSIZE:
+            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+    out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+
+
+def _write_entries(scan: WorkspaceScan, out: Any) -> None:
     for entry in scan.entries:
         out.write(_header(_tar_member(entry)))
         if entry.kind != "file":
@@ -837,15 +865,6 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
             reader.close()
         if entry.size % tarfile.BLOCKSIZE:
             out.write(tarfile.NUL * (tarfile.BLOCKSIZE - entry.size % tarfile.BLOCKSIZE))
-    for path, data in (extra or {}).items():
-        info = tarfile.TarInfo(path)
-        info.size = len(data)
-        info.mode = 0o644
-        info.mtime = int(time.time())
-        out.write(_header(info) + data)
-        if len(data) % tarfile.BLOCKSIZE:
-            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
-    out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
 
 
 def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bool:
@@ -949,7 +968,8 @@ def copy_scan(
         _check_cancelled()
         target = os.path.join(dest, *entry.path.split("/"))
         try:
-            _copy_entry(entry, target, use_clone, counts, dirs)
+            with _leave_out_hint(scan.ignore_file):
+                _copy_entry(entry, target, use_clone, counts, dirs)
         except OSError as e:
             raise copy_error(e, what, shown_as or dest, entry.path) from None
     for entry in reversed(dirs):
