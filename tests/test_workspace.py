@@ -7,6 +7,9 @@ import asyncio
 import io
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -642,6 +645,36 @@ def test_a_failed_snapshot_leaves_no_directory(tmp_path: Path) -> None:
     with pytest.raises(WorkspaceChangedError):
         snapshot(scan, str(tmp_path / "store"), scan.digest)
     assert os.listdir(tmp_path / "store") == []
+
+
+def test_what_a_snapshot_maker_killed_midway_left_is_removed_by_the_next(tmp_path: Path) -> None:
+    """The partial copy of a snapshot whose maker was SIGKILLed midway is removed when the next
+    snapshot is made in that store (it stayed forever); a live maker's is left alone."""
+    root = _tree(tmp_path / "ws", {"a.py": "x", "b.py": "y", "c.py": "z"})
+    store = tmp_path / "store"
+    code = (
+        "import os, signal\n"
+        "from asynctorchx.schedulers import workspace as w\n"
+        "from asynctorchx.specs import Workspace\n"
+        f"scan = w.scan_workspace(Workspace({{{str(root)!r}: ''}}), '.torchxignore')\n"
+        "copy_entry, copied = w._copy_entry, []\n"
+        "def copy_then_die(*args):\n"
+        "    copy_entry(*args)\n"
+        "    copied.append(args)\n"
+        "    if len(copied) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "w._copy_entry = copy_then_die\n"
+        f"w.snapshot(scan, {str(store)!r}, scan.digest)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    [left] = os.listdir(store)
+    assert sorted(os.listdir(store / left)) == ["a.py", "b.py"]
+    live = store / f".tmp-{'0' * 16}-{os.uname().nodename}-{os.getpid()}-{'0' * 8}"
+    live.mkdir()  # named as a maker of this process names its directory
+    snapshot(scan_workspace(_ws(root), TORCHXIGNORE), str(store), "next")
+    assert sorted(os.listdir(store)) == sorted([live.name, "next"])
 
 
 def test_link_tree_links_files_and_recreates_directories(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import tarfile
@@ -1016,7 +1017,8 @@ def snapshot(
     """The directory ``store/name`` holding a copy of the scanned contents, made if missing.
 
     Made in a temporary directory and renamed into place, so a concurrent maker (another process)
-    never sees a partial snapshot and exactly one copy wins. With ``read_only`` its files lose
+    never sees a partial snapshot and exactly one copy wins. What makers killed midway left
+    (``_sweep_scratch``) is removed first. With ``read_only`` its files lose
     their write permission bits (so that a user's program cannot rewrite a shared snapshot).
 
     An existing snapshot is used only while it is intact (see ``_intact``): one whose files were
@@ -1039,7 +1041,7 @@ def snapshot(
             "in place?): making it again",
             final,
         )
-        aside = os.path.join(store, f".stale-{name[:16]}-{uuid.uuid4().hex[:8]}")
+        aside = os.path.join(store, _scratch_name("stale", name))
         try:
             os.rename(final, aside)
         except FileNotFoundError:
@@ -1047,9 +1049,10 @@ def snapshot(
         else:
             shutil.rmtree(aside, ignore_errors=True)  # the apps using it keep their hard links
     what = f"copy workspace {scan.workspace}"
+    _sweep_scratch(store)
     try:
         os.makedirs(store, exist_ok=True)
-        tmp = os.path.join(store, f".tmp-{name[:16]}-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(store, _scratch_name("tmp", name))
         os.mkdir(tmp)
     except OSError as e:
         raise copy_error(e, what, final) from None
@@ -1071,6 +1074,36 @@ def snapshot(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final, True
+
+
+_SCRATCH = re.compile(r"\.(?:tmp|stale)-[0-9a-f]{1,16}-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def _scratch_name(kind: str, name: str) -> str:
+    """A temporary name in a snapshot store, ``.{kind}-{hash}-{host}-{pid}-{random}``: what a
+    killed maker left is told from what a live one is making by its host and process."""
+    return f".{kind}-{name[:16]}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _sweep_scratch(store: str) -> None:
+    """Removes the temporary directories of ``store`` whose maker, a process of this host, is
+    gone: a submit killed midway (SIGKILL, the OOM killer) left a partial copy of its workspace
+    there, which nothing else would ever remove."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return
+    host = os.uname().nodename
+    for n in names:
+        m = _SCRATCH.fullmatch(n)
+        if m is None or m["host"] != host:
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(store, n), ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or no pid at all
 
 
 def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
