@@ -6,12 +6,14 @@ Tests import what they use: ``from _local_env import GATE, wait_for``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
+from conftest import engine_missing
 
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.schedulers.local import LocalScheduler
@@ -73,3 +75,21 @@ def dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()
     return proc.pid
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (root only), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        engine_missing(f"mounting a tmpfs ({result.stderr.strip() or 'not root'})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _local_env import GATE, wait_for
+from _local_env import GATE, tiny_tmpfs, wait_for
 from conftest import engine_missing
 
 from asynctorchx.schedulers._local import recordfile
@@ -841,24 +841,6 @@ async def test_quiet_replicas_keep_the_descriptors_of_their_log_files(
 
 
 # -- 9: full disks -----------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (root only), unmounted afterwards."""
-    path.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        engine_missing(f"mounting a tmpfs ({result.stderr.strip() or 'not root'})")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
 
 
 def fill(path: Path, leave: int = 0) -> Path:

@@ -7,6 +7,9 @@ import asyncio
 import io
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 import threading
 import time
@@ -17,6 +20,7 @@ import anyio
 import pytest
 from _workspace_env import make_workspace, run_as_unprivileged_reader
 
+from asynctorchx.schedulers._docker.image import _recipe
 from asynctorchx.schedulers.workspace import (
     DOCKERIGNORE,
     TORCHX_DOCKERFILE,
@@ -366,6 +370,19 @@ def test_a_missing_directory_and_a_file_are_rejected_naming_them(tmp_path: Path)
         scan_workspace(_ws(tmp_path / "f.py"), TORCHXIGNORE)
 
 
+def test_the_root_of_the_file_system_is_refused_by_any_path_before_it_is_read(
+    tmp_path: Path,
+) -> None:
+    """A workspace of '/' (or a symlink to it) is refused naming it, before anything is read (it
+    read every file of the machine for 25 s, then failed on one of /proc)."""
+    (tmp_path / "root").symlink_to("/")
+    for path in ("/", str(tmp_path / "root")):
+        with pytest.raises(
+            InvalidWorkspaceException, match=rf"'{path}' is the root of the file system"
+        ):
+            scan_workspace(_ws(Path(path)), TORCHXIGNORE)
+
+
 def test_an_unreadable_file_is_rejected_naming_it(tmp_path: Path) -> None:
     """A file the submitting user cannot read is a clear error naming the file."""
     root = _tree(tmp_path / "ws", {"ok.py": "ok", "secret.py": "s"})
@@ -470,22 +487,66 @@ def test_a_file_changed_after_the_scan_fails_the_tar(
         write_tar(scan, io.BytesIO())
 
 
-@pytest.mark.parametrize("ship", ["tar", "copy"])
+@pytest.mark.parametrize("stage", ["scan", "tar", "copy"])
+def test_a_file_that_is_always_being_written_fails_saying_to_leave_it_out(
+    tmp_path: Path, stage: str
+) -> None:
+    """A file written to while the workspace is read or shipped (a job's log in the project) fails
+    saying it can be left out with the ignore file of the target ("submit again" alone, which
+    failed the same way every time)."""
+    root = _tree(tmp_path / "ws", {"train.py": "x", "train.log": "step 1\n"})
+    ignore_file = DOCKERIGNORE if stage == "tar" else TORCHXIGNORE
+    stop = threading.Event()
+
+    def write_log() -> None:
+        with open(root / "train.log", "a") as log:
+            while not stop.is_set():
+                log.write("step\n")
+                log.flush()
+
+    scan = None if stage == "scan" else scan_workspace(_ws(root), ignore_file)
+    writer = threading.Thread(target=write_log)
+    writer.start()
+    try:
+        with pytest.raises(WorkspaceChangedError) as info:
+            for _ in range(1000):  # bounded: the writer changes the file within a few rounds
+                if scan is None:
+                    scan_workspace(_ws(root), ignore_file)
+                elif stage == "tar":
+                    write_tar(scan, io.BytesIO())
+                else:
+                    dest = tmp_path / "copy"
+                    shutil.rmtree(dest, ignore_errors=True)
+                    dest.mkdir()
+                    copy_scan(scan, str(dest))
+    finally:
+        stop.set()
+        writer.join()
+    assert "train.log" in str(info.value)
+    assert str(info.value).endswith(
+        f"(a file that is always being written, a log say, can be left out with {ignore_file})"
+    )
+
+
+@pytest.mark.parametrize("ship", ["tar", "copy", "recipe"])
 def test_a_file_replaced_by_a_fifo_after_the_scan_fails_instead_of_blocking(
     tmp_path: Path, ship: str
 ) -> None:
     """A file swapped for a FIFO after the scan is a WorkspaceChangedError, not an open() that
-    waits forever for a writer."""
-    root = _tree(tmp_path / "ws", {"a.py": "x"})
+    waits forever for a writer (the recipe, Dockerfile.torchx, was opened so)."""
+    name = TORCHX_DOCKERFILE if ship == "recipe" else "a.py"
+    root = _tree(tmp_path / "ws", {name: "FROM x"})
     scan = scan_workspace(_ws(root), DOCKERIGNORE)
-    (root / "a.py").unlink()
-    os.mkfifo(root / "a.py")
+    (root / name).unlink()
+    os.mkfifo(root / name)
     dest = tmp_path / "copy"
     dest.mkdir()
-    errors = _errors_unless_blocked(
-        lambda: write_tar(scan, io.BytesIO()) if ship == "tar" else copy_scan(scan, str(dest)),
-        root / "a.py",
-    )
+    ships: dict[str, Callable[[], object]] = {
+        "tar": lambda: write_tar(scan, io.BytesIO()),
+        "copy": lambda: copy_scan(scan, str(dest)),
+        "recipe": lambda: _recipe(scan),
+    }
+    errors = _errors_unless_blocked(ships[ship], root / name)
     assert len(errors) == 1 and isinstance(errors[0], WorkspaceChangedError), errors
     assert "no longer a regular file" in str(errors[0])
 
@@ -586,6 +647,36 @@ def test_a_failed_snapshot_leaves_no_directory(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "store") == []
 
 
+def test_what_a_snapshot_maker_killed_midway_left_is_removed_by_the_next(tmp_path: Path) -> None:
+    """The partial copy of a snapshot whose maker was SIGKILLed midway is removed when the next
+    snapshot is made in that store (it stayed forever); a live maker's is left alone."""
+    root = _tree(tmp_path / "ws", {"a.py": "x", "b.py": "y", "c.py": "z"})
+    store = tmp_path / "store"
+    code = (
+        "import os, signal\n"
+        "from asynctorchx.schedulers import workspace as w\n"
+        "from asynctorchx.specs import Workspace\n"
+        f"scan = w.scan_workspace(Workspace({{{str(root)!r}: ''}}), '.torchxignore')\n"
+        "copy_entry, copied = w._copy_entry, []\n"
+        "def copy_then_die(*args):\n"
+        "    copy_entry(*args)\n"
+        "    copied.append(args)\n"
+        "    if len(copied) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "w._copy_entry = copy_then_die\n"
+        f"w.snapshot(scan, {str(store)!r}, scan.digest)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    [left] = os.listdir(store)
+    assert sorted(os.listdir(store / left)) == ["a.py", "b.py"]
+    live = store / f".tmp-{'0' * 16}-{os.uname().nodename}-{os.getpid()}-{'0' * 8}"
+    live.mkdir()  # named as a maker of this process names its directory
+    snapshot(scan_workspace(_ws(root), TORCHXIGNORE), str(store), "next")
+    assert sorted(os.listdir(store)) == sorted([live.name, "next"])
+
+
 def test_link_tree_links_files_and_recreates_directories(tmp_path: Path) -> None:
     """link_tree hard-links each file (same inode) under fresh directories; symlinks stay symlinks."""
     src = _tree(tmp_path / "src", {"a": "a", "d/b": "b"})
@@ -593,6 +684,25 @@ def test_link_tree_links_files_and_recreates_directories(tmp_path: Path) -> None
     assert link_tree(str(src), str(tmp_path / "dst")) == 2
     assert (tmp_path / "dst/d/b").stat().st_ino == (src / "d/b").stat().st_ino
     assert os.readlink(tmp_path / "dst/l") == "a"
+
+
+def test_link_tree_fails_on_a_directory_it_cannot_list_instead_of_leaving_it_out(
+    tmp_path: Path,
+) -> None:
+    """A directory of the snapshot link_tree cannot list is an error naming it (os.walk left it
+    out: the app ran from a tree missing its files)."""
+    src = _tree(tmp_path / "src", {"a": "a", "d/b": "b"})
+    (src / "d").chmod(0o000)
+    code = (
+        "from asynctorchx.schedulers.workspace import link_tree\n"
+        f"try:\n    print(link_tree({str(src)!r}, {str(tmp_path / 'dst')!r}))\n"
+        "except OSError as e:\n    print(type(e).__name__, e.filename)\n"
+    )
+    try:
+        out = run_as_unprivileged_reader(code)
+    finally:
+        (src / "d").chmod(0o755)
+    assert out.stdout == f"PermissionError {src / 'd'}\n", out
 
 
 # -- engine helpers: repositories and registry credentials -------------------------------------------

@@ -4,6 +4,7 @@ workspace itself; local_dir runs the first role from a snapshot taken at submit 
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import threading
 from collections.abc import AsyncIterator
@@ -12,11 +13,12 @@ from typing import Any
 
 import pytest
 from _fake_scheduler import FakeScheduler
+from _local_env import tiny_tmpfs
 from _workspace_env import make_workspace
 
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers.api import WorkspaceNotSupportedException
-from asynctorchx.schedulers.workspace import WorkspaceEvent
+from asynctorchx.schedulers.workspace import WorkspaceCopyError, WorkspaceEvent
 from asynctorchx.specs import AppDef, AppState, InvalidWorkspaceException, Role
 
 pytestmark = pytest.mark.timeout(120)
@@ -153,6 +155,43 @@ async def test_a_state_root_or_log_dir_inside_the_workspace_is_not_snapshotted(
     assert len(snapshots(root)) == 1
 
 
+@pytest.mark.parametrize("which", ["state_root", "log_dir"])
+async def test_a_workspace_that_is_the_state_root_or_log_dir_is_refused_naming_it(
+    tmp_path: Path, which: str
+) -> None:
+    """A workspace that is the state root (or log_dir) itself fails the dry run naming it (it was
+    snapshotted with the logs of running apps, or failed saying "submit again" every time)."""
+    root, logs = tmp_path / "state", tmp_path / "logs"
+    cfg = {"log_dir": str(logs)}
+    app = AppDef("self", [sh("trainer", "echo hi")])
+    async with AsyncRunner(name="ws", local_root=str(root)) as runner:
+        handle = await runner.run(app, "local_dir", cfg)
+        await runner.wait(handle, timeout=60)
+        ws = root if which == "state_root" else logs
+        with pytest.raises(
+            InvalidWorkspaceException,
+            match=rf"workspace directory '{ws}' is where the backend keeps its own state",
+        ):
+            runner.dryrun(app, "local_dir", cfg, workspace=str(ws))
+    assert snapshots(root) == []
+
+
+async def test_a_snapshot_file_a_replica_rewrote_in_place_is_not_shipped_again(
+    runner: AsyncRunner, root: Path, tmp_path: Path
+) -> None:
+    """When a replica rewrites a file of its snapshot in place (as root, or after chmod u+w), the
+    next app of the unchanged workspace still gets the workspace's bytes (it got the rewritten
+    file: the snapshot's content hash named bytes it no longer held)."""
+    ws = make_workspace(tmp_path / "ws", {"config.txt": "original\n"})
+    rewrite = "cat config.txt; chmod u+w config.txt; echo rewritten > config.txt"
+    _, out = await run_to_end(runner, AppDef("rw", [sh("trainer", rewrite)]), "local_dir", ws)
+    assert out["trainer"] == "original\n"
+    read = AppDef("rd", [sh("trainer", "cat config.txt; ls -l config.txt")])
+    _, out = await run_to_end(runner, read, "local_dir", ws)
+    assert out["trainer"].startswith("original\n-r--r--r--"), out
+    assert len(snapshots(root)) == 1
+
+
 async def test_local_dir_snapshots_honour_torchxignore(runner: AsyncRunner, tmp_path: Path) -> None:
     """What .torchxignore excludes is not in the snapshot the app runs from."""
     ws = make_workspace(
@@ -208,6 +247,29 @@ async def test_a_missing_or_file_workspace_fails_before_any_replica(
     assert not (root / "ws").exists()
 
 
+@pytest.mark.parametrize("scheduler", ["local_cwd", "local_dir"])
+async def test_a_directory_whose_name_holds_a_colon_fails_saying_to_give_a_file_url(
+    runner: AsyncRunner, tmp_path: Path, scheduler: str
+) -> None:
+    """runs/exp-10:30 (read as runs/exp-10 going to 30/) fails the dry run naming the file:// URL
+    to give instead (it said runs/exp-10 does not exist, or that it was not one directory), and
+    that URL runs."""
+    exp = make_workspace(tmp_path / "runs" / "exp-10:30", {"a.py": ""}, nonce=False)
+    url = "file://" + str(exp).replace(":", "%3A")
+    app = AppDef("colon", [sh("trainer", "ls")])
+    with pytest.raises(InvalidWorkspaceException) as info:
+        runner.dryrun(app, scheduler, workspace=str(exp))
+    assert (
+        f"was read as directory '{tmp_path / 'runs' / 'exp-10'}' going to sub-directory '30'"
+        in (str(info.value))
+    )
+    assert str(info.value).endswith(
+        f"give a directory whose name holds ':' as a file:// URL, {url})"
+    )
+    _, out = await run_to_end(runner, app, scheduler, url)
+    assert out["trainer"] == "a.py\n"
+
+
 async def test_a_scheduler_without_workspaces_refuses_one_naming_itself(tmp_path: Path) -> None:
     """A backend that did not opt in raises WorkspaceNotSupportedException naming it, not a silent
     drop; without a workspace its two-argument dry run is unchanged."""
@@ -256,3 +318,27 @@ async def test_a_failed_local_dir_start_leaves_no_workspace_directory(
         await runner.run(app, "local_dir", workspace=str(ws))
     session_dir = root / "workspaces" / "apps" / "ws"
     assert not session_dir.exists() or not any(session_dir.iterdir()), list(session_dir.iterdir())
+
+
+async def test_a_snapshot_that_does_not_fit_the_disk_fails_naming_it_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """A local_dir snapshot that does not fit the state root's disk fails the submit with
+    WorkspaceCopyError naming the snapshot and the file (it was a bare "[Errno 28] No space left
+    on device"); no snapshot, app directory or app is left."""
+    ws = make_workspace(tmp_path / "ws", {"main.py": "print(1)\n", "data.bin": os.urandom(3 << 20)})
+    with tiny_tmpfs(tmp_path / "fs", "1m") as fs:
+        root = fs / "state"
+        async with AsyncRunner(name="ws", local_root=str(root)) as runner:
+            app = AppDef("full", [sh("main", "true")])
+            with pytest.raises(WorkspaceCopyError) as info:
+                await runner.run(app, "local_dir", workspace=str(ws))
+            store = root / "workspaces" / "snapshots"
+            assert info.value.errno == errno.ENOSPC
+            assert f"into '{store}/" in str(info.value)
+            assert str(info.value).endswith(": No space left on device (writing 'data.bin')")
+            assert os.listdir(store) == []
+            assert not (root / "workspaces" / "apps").exists() or not any(
+                files for _, _, files in os.walk(root / "workspaces" / "apps")
+            )
+            assert await runner.list("local_dir") == []

@@ -4,11 +4,14 @@ workspace is copied into the job directory and every role runs there."""
 
 from __future__ import annotations
 
+import errno
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
+from _local_env import tiny_tmpfs
 from _slurm_env import (  # noqa: F401 - pytest fixtures
     CountingRunner,
     slurm_cluster,
@@ -20,7 +23,7 @@ from _workspace_env import make_workspace
 
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.slurm import SlurmScheduler, SlurmSubmitError
-from asynctorchx.schedulers.workspace import WorkspaceEvent, reporting
+from asynctorchx.schedulers.workspace import WorkspaceCopyError, WorkspaceEvent, reporting
 from asynctorchx.specs import (
     AppDef,
     AppState,
@@ -215,3 +218,22 @@ async def test_a_missing_workspace_is_refused_before_any_job(
         )
     assert slurm_runner.counts["sbatch"] == 0
     assert not (tmp_path / "jobs").exists()
+
+
+async def test_a_job_dir_on_a_full_disk_fails_naming_it_and_leaves_no_copy(
+    slurm: SlurmScheduler, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """A workspace that does not fit job_dir's disk fails the submit with WorkspaceCopyError
+    naming job_dir and the file (it was a bare "[Errno 28] No space left on device"); nothing is
+    queued and the job_dir it made is removed."""
+    ws = make_workspace(tmp_path / "ws", {"main.py": "print(1)\n", "data.bin": os.urandom(3 << 20)})
+    with tiny_tmpfs(tmp_path / "fs", "1m") as fs:
+        job_dir = fs / "jobs" / "run-1"
+        with pytest.raises(WorkspaceCopyError) as info:
+            await slurm.submit(sh_app("true"), {"job_dir": str(job_dir)}, workspace=str(ws))
+        assert info.value.errno == errno.ENOSPC
+        assert f"into {str(job_dir)!r}: No space left on device (writing 'data.bin')" in str(
+            info.value
+        )
+        assert slurm_runner.counts["sbatch"] == 0
+        assert not job_dir.exists()

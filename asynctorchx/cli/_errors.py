@@ -115,6 +115,11 @@ _KNOWN: dict[str, tuple[int, str]] = {
         "the last lines of the output are above; fix the workspace's Dockerfile.torchx, or the "
         "registry, and run again",
     ),
+    "WorkspaceCopyError": (
+        1,
+        "free space where the workspace goes (the job_dir, or the state root of local_dir), or "
+        "choose another place, and run again",
+    ),
     "UnknownRunError": (
         ExitCode.UNKNOWN,
         "'asynctorchx tracker list runs' lists the runs the tracker knows",

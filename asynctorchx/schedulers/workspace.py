@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
 import shutil
 import stat
 import tarfile
@@ -66,11 +67,13 @@ __all__ = [
     "SingleFlight",
     "WorkspaceBuildError",
     "WorkspaceChangedError",
+    "WorkspaceCopyError",
     "WorkspaceEntry",
     "WorkspaceEvent",
     "WorkspacePlan",
     "WorkspaceScan",
     "copy_scan",
+    "read_shipped",
     "report",
     "reporting",
     "scan_workspace",
@@ -114,6 +117,39 @@ class WorkspaceBuildError(RuntimeError):
 
 class WorkspaceChangedError(InvalidWorkspaceException):
     """Raised when a workspace file changed between being hashed and being shipped (submit again)."""
+
+
+@contextlib.contextmanager
+def _leave_out_hint(ignore_file: str) -> Iterator[None]:
+    """Adds to a WorkspaceChangedError raised inside how to ship a workspace with a file that is
+    always being written (a job's log in the project directory fails every submit: "submit again"
+    alone never helps)."""
+    try:
+        yield
+    except WorkspaceChangedError as e:
+        raise WorkspaceChangedError(
+            f"{e} (a file that is always being written, a log say, can be left out with "
+            f"{ignore_file})"
+        ) from None
+
+
+class WorkspaceCopyError(OSError):
+    """Raised when a copy of a workspace cannot be written where it goes (a full disk, a read-only
+    file system): the message names the destination and the file being written, which a bare
+    ``OSError`` from deep inside the copy did not. Nothing of the copy is left behind.
+
+    ``errno`` is the error of the write (``ENOSPC`` for a full disk).
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def copy_error(e: OSError, what: str, where: str, path: str = "") -> WorkspaceCopyError:
+    """The WorkspaceCopyError of ``e``, raised while ``what`` (e.g. ``copy workspace /src``) was
+    written into ``where``; ``path`` is the file or directory being written, if known."""
+    at = f" (writing {path!r})" if path else ""
+    return WorkspaceCopyError(e.errno, f"cannot {what} into {where!r}: {e.strerror or e}{at}")
 
 
 # -- ignore rules -----------------------------------------------------------------------------------
@@ -392,6 +428,26 @@ def _open_shipped(entry: WorkspaceEntry) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
+def read_shipped(entry: WorkspaceEntry) -> bytes:
+    """The bytes of ``entry``'s file (a small one: a recipe), which must be those it was hashed
+    with. A file replaced by a FIFO since is an error, never an open that waits for a writer.
+
+    Raises:
+        WorkspaceChangedError: it is gone, no longer a regular file, or holds other bytes.
+        InvalidWorkspaceException: it cannot be read.
+    """
+    with _open_shipped(entry) as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            raise _unreadable(entry.source, e) from None
+    if hashlib.sha256(data).hexdigest() != entry.digest:
+        raise WorkspaceChangedError(
+            f"workspace file {entry.source!r} changed after it was hashed; submit again"
+        )
+    return data
+
+
 def _hash_file(path: str, expected: os.stat_result) -> tuple[str, os.stat_result]:
     """The sha256 of a file's bytes, and its stat (taken from the open file).
 
@@ -434,6 +490,21 @@ def check_directory(path: str) -> None:
         raise InvalidWorkspaceException(
             f"workspace {path!r} is not a directory (a workspace is a directory of files)"
         )
+
+
+def colon_hint(project: str, dest: str) -> str:
+    """When ``project:dest`` is a directory, a hint saying that the ``:`` in its name was read as
+    the separator of a project and its sub-directory (``~/runs/exp-10:30`` became ``~/runs/exp-10``
+    shipped to ``30/``), and how to name it; else ``""``."""
+    given = f"{project}:{dest}"
+    if not dest or not os.path.isdir(given):
+        return ""
+    from urllib.parse import quote
+
+    return (
+        f" ({given!r} was read as directory {project!r} going to sub-directory {dest!r}: give a "
+        f"directory whose name holds ':' as a file:// URL, file://{quote(given)})"
+    )
 
 
 def _walk(
@@ -524,7 +595,7 @@ def scan_workspace(
                 del _scan_locks[k]
     # Scans of one workspace take turns: the second of two concurrent submits then finds every
     # hash remembered instead of reading the whole workspace a second time.
-    with lock:
+    with lock, _leave_out_hint(ignore_file):
         return _scan(workspace, ignore_file, frozenset(keep), skip, skip_marker)
 
 
@@ -547,7 +618,11 @@ def _scan(
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
     for project, dest in workspace.projects.items():
-        check_directory(project)
+        try:
+            check_directory(project)
+        except InvalidWorkspaceException as missing:
+            raise InvalidWorkspaceException(f"{missing}{colon_hint(project, dest)}") from None
+        _check_shippable(project, skip)
         rules = IgnoreRules.load(project, ignore_file)
         if dest:
             parts = dest.split("/")
@@ -580,6 +655,28 @@ def _scan(
             )
         )
     return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
+
+
+def _check_shippable(project: str, skip: frozenset[tuple[int, int]]) -> None:
+    """Raises InvalidWorkspaceException when ``project`` is ``/`` or one of the ``skip``
+    directories, by any path to it.
+
+    ``/`` would be read whole, ``/proc`` and every mounted disk included (25 s here before it
+    failed on a file of ``/proc``); a backend's state directory would be shipped with the logs
+    of running apps and every snapshot made before (its files changed while read, so the submit
+    failed saying "submit again", every time).
+    """
+    st = os.stat(project)
+    if os.path.samestat(st, os.stat("/")):
+        raise InvalidWorkspaceException(
+            f"workspace directory {project!r} is the root of the file system: give the "
+            "directory of your project"
+        )
+    if (st.st_dev, st.st_ino) in skip:
+        raise InvalidWorkspaceException(
+            f"workspace directory {project!r} is where the backend keeps its own state (its "
+            "state root or log_dir), which is never shipped: give the directory of your project"
+        )
 
 
 def _check_parents(entries: dict[str, WorkspaceEntry]) -> None:
@@ -741,6 +838,20 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
     Raises:
         WorkspaceChangedError: a file changed since the scan.
     """
+    with _leave_out_hint(scan.ignore_file):
+        _write_entries(scan, out)
+    for path, data in (extra or {}).items():
+        info = tarfile.TarInfo(path)
+        info.size = len(data)
+        info.mode = 0o644
+        info.mtime = int(time.time())
+        out.write(_header(info) + data)
+        if len(data) % tarfile.BLOCKSIZE:
+            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
+    out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
+
+
+def _write_entries(scan: WorkspaceScan, out: Any) -> None:
     for entry in scan.entries:
         out.write(_header(_tar_member(entry)))
         if entry.kind != "file":
@@ -755,15 +866,6 @@ def write_tar(scan: WorkspaceScan, out: Any, extra: dict[str, bytes] | None = No
             reader.close()
         if entry.size % tarfile.BLOCKSIZE:
             out.write(tarfile.NUL * (tarfile.BLOCKSIZE - entry.size % tarfile.BLOCKSIZE))
-    for path, data in (extra or {}).items():
-        info = tarfile.TarInfo(path)
-        info.size = len(data)
-        info.mode = 0o644
-        info.mtime = int(time.time())
-        out.write(_header(info) + data)
-        if len(data) % tarfile.BLOCKSIZE:
-            out.write(tarfile.NUL * (tarfile.BLOCKSIZE - len(data) % tarfile.BLOCKSIZE))
-    out.write(tarfile.NUL * (2 * tarfile.BLOCKSIZE))
 
 
 def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bool:
@@ -784,16 +886,21 @@ def _clone_or_copy(entry: WorkspaceEntry, dst: str, use_clone: list[bool]) -> bo
                 ):
                     raise
                 use_clone[0] = False
-        _copy_data(fsrc.fileno(), fdst.fileno())
+        _copy_data(fsrc.fileno(), fdst.fileno(), entry.source)
     return False
 
 
-def _copy_data(src: int, dst: int) -> None:
-    """Copies the file ``src`` to the empty file ``dst``, leaving its holes holes.
+def _copy_data(src: int, dst: int, source: str) -> None:
+    """Copies the file ``src`` (the workspace file ``source``) to the empty file ``dst``, leaving
+    its holes holes.
 
     A sparse file (``truncate -s 50G``, a preallocated dataset) is read and written only where it
     holds data, so its copy takes the disk space of the original, not its length in zeros. A
     file that changes meanwhile is caught by the stat or hash check that follows every copy.
+
+    Raises:
+        InvalidWorkspaceException: ``source`` cannot be read.
+        OSError: ``dst`` cannot be written.
     """
     size = os.fstat(src).st_size
     pos = 0
@@ -805,10 +912,13 @@ def _copy_data(src: int, dst: int) -> None:
             if e.errno == errno.ENXIO:
                 break  # only a hole is left
             if e.errno != errno.EINVAL:
-                raise
+                raise _unreadable(source, e) from None
             start, end = pos, size  # a file system that cannot tell holes: copy everything
         while start < end:
-            chunk = os.pread(src, min(_CHUNK, end - start), start)
+            try:
+                chunk = os.pread(src, min(_CHUNK, end - start), start)
+            except OSError as e:
+                raise _unreadable(source, e) from None
             if not chunk:
                 break  # cut short since its stat was taken
             view, offset = memoryview(chunk), start
@@ -826,7 +936,9 @@ def _copy_data(src: int, dst: int) -> None:
 _FICLONE = 0x40049409
 
 
-def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str, int]:
+def copy_scan(
+    scan: WorkspaceScan, dest: str, *, clone: bool = True, shown_as: str | None = None
+) -> dict[str, int]:
     """Copies the scanned contents into the existing directory ``dest``.
 
     Each file of at least 256 kB is cloned (FICLONE, sharing blocks until either side is
@@ -836,43 +948,67 @@ def copy_scan(scan: WorkspaceScan, dest: str, *, clone: bool = True) -> dict[str
     vouch for it) is hashed again. A file that is no longer a regular file is never opened as one
     (a FIFO would block the copy forever). The holes of a sparse file stay holes in its copy.
 
+    Args:
+        scan: what to copy.
+        dest: the directory it goes into.
+        clone: clone large files where the file system allows.
+        shown_as: the destination error messages name (a temporary ``dest`` is renamed later).
+
     Returns:
         ``{"cloned": n, "copied": n}``.
 
     Raises:
         WorkspaceChangedError: a file changed since the scan.
-        OSError: ``dest`` cannot be written.
+        WorkspaceCopyError: ``dest`` cannot be written (a full disk), naming it and the file.
     """
     use_clone = [clone]
     counts = {"cloned": 0, "copied": 0}
     dirs: list[WorkspaceEntry] = []
+    what = f"copy workspace {scan.workspace}"
     for entry in scan.entries:
         _check_cancelled()
         target = os.path.join(dest, *entry.path.split("/"))
-        if entry.kind == "dir":
-            os.makedirs(target, exist_ok=True)
-            dirs.append(entry)
-        elif entry.kind == "symlink":
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            os.symlink(entry.link, target)
-        else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            small = entry.size < _CLONE_MIN_BYTES
-            cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
-            counts["cloned" if cloned else "copied"] += 1
-            _check_unchanged(entry)
-            if entry.racy:
-                digest, _ = _hash_file(target, os.stat(target))
-                if digest != entry.digest:
-                    raise WorkspaceChangedError(
-                        f"workspace file {entry.source!r} changed after it was hashed; submit again"
-                    )
-            os.chmod(target, entry.mode)
-            os.utime(target, (entry.mtime, entry.mtime))
+        try:
+            with _leave_out_hint(scan.ignore_file):
+                _copy_entry(entry, target, use_clone, counts, dirs)
+        except OSError as e:
+            raise copy_error(e, what, shown_as or dest, entry.path) from None
     for entry in reversed(dirs):
         target = os.path.join(dest, *entry.path.split("/"))
-        os.chmod(target, entry.mode | stat.S_IWUSR | stat.S_IXUSR)
+        try:
+            os.chmod(target, entry.mode | stat.S_IWUSR | stat.S_IXUSR)
+        except OSError as e:
+            raise copy_error(e, what, shown_as or dest, entry.path) from None
     return counts
+
+
+def _copy_entry(
+    entry: WorkspaceEntry,
+    target: str,
+    use_clone: list[bool],
+    counts: dict[str, int],
+    dirs: list[WorkspaceEntry],
+) -> None:
+    if entry.kind == "dir":
+        os.makedirs(target, exist_ok=True)
+        dirs.append(entry)
+    elif entry.kind == "symlink":
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.symlink(entry.link, target)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        small = entry.size < _CLONE_MIN_BYTES
+        cloned = _clone_or_copy(entry, target, [False] if small else use_clone)
+        counts["cloned" if cloned else "copied"] += 1
+        _check_unchanged(entry)
+        if entry.racy:
+            digest, _ = _hash_file(target, os.stat(target))
+            if digest != entry.digest:
+                raise WorkspaceChangedError(
+                    f"workspace file {entry.source!r} changed after it was hashed; submit again"
+                )
+        os.chmod(target, entry.mode)
+        os.utime(target, (entry.mtime, entry.mtime))
 
 
 def snapshot(
@@ -881,30 +1017,57 @@ def snapshot(
     """The directory ``store/name`` holding a copy of the scanned contents, made if missing.
 
     Made in a temporary directory and renamed into place, so a concurrent maker (another process)
-    never sees a partial snapshot and exactly one copy wins. With ``read_only`` its files lose
+    never sees a partial snapshot and exactly one copy wins. What makers killed midway left
+    (``_sweep_scratch``) is removed first. With ``read_only`` its files lose
     their write permission bits (so that a user's program cannot rewrite a shared snapshot).
+
+    An existing snapshot is used only while it is intact (see ``_intact``): one whose files were
+    rewritten in place since (by a replica running as root, which the missing write bits do not
+    stop) is set aside and made again, so that its name never stands for other bytes.
 
     Returns:
         ``(path, made)``: made is False when the snapshot already existed.
+
+    Raises:
+        WorkspaceChangedError: a file changed since the scan.
+        WorkspaceCopyError: ``store`` cannot be written (a full disk), naming the snapshot.
     """
     final = os.path.join(store, name)
     if os.path.isdir(final):
-        return final, False
-    os.makedirs(store, exist_ok=True)
-    tmp = os.path.join(store, f".tmp-{name[:16]}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    try:
-        copy_scan(scan, tmp)
-        if read_only:
-            for entry in scan.entries:
-                if entry.kind == "file":
-                    target = os.path.join(tmp, *entry.path.split("/"))
-                    os.chmod(target, entry.mode & ~0o222)
+        if _intact(scan, final, read_only):
+            return final, False
+        logger.warning(
+            "workspace snapshot %s was changed since it was made (a replica rewrote a file of it "
+            "in place?): making it again",
+            final,
+        )
+        aside = os.path.join(store, _scratch_name("stale", name))
         try:
+            os.rename(final, aside)
+        except FileNotFoundError:
+            pass  # another submit set it aside first
+        else:
+            shutil.rmtree(aside, ignore_errors=True)  # the apps using it keep their hard links
+    what = f"copy workspace {scan.workspace}"
+    _sweep_scratch(store)
+    try:
+        os.makedirs(store, exist_ok=True)
+        tmp = os.path.join(store, _scratch_name("tmp", name))
+        os.mkdir(tmp)
+    except OSError as e:
+        raise copy_error(e, what, final) from None
+    try:
+        copy_scan(scan, tmp, shown_as=final)
+        try:
+            if read_only:
+                for entry in scan.entries:
+                    if entry.kind == "file":
+                        target = os.path.join(tmp, *entry.path.split("/"))
+                        os.chmod(target, entry.mode & ~0o222)
             os.rename(tmp, final)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+                raise copy_error(e, what, final) from None
             shutil.rmtree(tmp, ignore_errors=True)
             return final, False
     except BaseException:
@@ -913,12 +1076,75 @@ def snapshot(
     return final, True
 
 
+_SCRATCH = re.compile(r"\.(?:tmp|stale)-[0-9a-f]{1,16}-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{8}")
+
+
+def _scratch_name(kind: str, name: str) -> str:
+    """A temporary name in a snapshot store, ``.{kind}-{hash}-{host}-{pid}-{random}``: what a
+    killed maker left is told from what a live one is making by its host and process."""
+    return f".{kind}-{name[:16]}-{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _sweep_scratch(store: str) -> None:
+    """Removes the temporary directories of ``store`` whose maker, a process of this host, is
+    gone: a submit killed midway (SIGKILL, the OOM killer) left a partial copy of its workspace
+    there, which nothing else would ever remove."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return
+    host = os.uname().nodename
+    for n in names:
+        m = _SCRATCH.fullmatch(n)
+        if m is None or m["host"] != host:
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(store, n), ignore_errors=True)
+        except (PermissionError, OverflowError):
+            pass  # alive (another user's), or no pid at all
+
+
+def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
+    """True while the snapshot ``final`` holds every entry of ``scan`` with the kind, and for files
+    the size, modification time (to the second) and mode, they were copied with.
+
+    An in-place write moves a file's modification time to the time of the write; one stat per
+    entry (0.3 s for 50 000 files) costs far less than reading the files again.
+    """
+    for entry in scan.entries:
+        try:
+            st = os.lstat(os.path.join(final, *entry.path.split("/")))
+        except OSError:
+            return False
+        if entry.kind == "dir":
+            ok = stat.S_ISDIR(st.st_mode)
+        elif entry.kind == "symlink":
+            ok = stat.S_ISLNK(st.st_mode)
+        else:
+            mode = entry.mode & ~0o222 if read_only else entry.mode
+            ok = (
+                stat.S_ISREG(st.st_mode)
+                and stat.S_IMODE(st.st_mode) == mode
+                and st.st_size == entry.size
+                and abs(st.st_mtime - entry.mtime) < 1.0
+            )
+        if not ok:
+            return False
+    return True
+
+
 def link_tree(src: str, dest: str) -> int:
     """Recreates the directories of ``src`` under the new directory ``dest`` and hard-links its
     files there (symlinks are copied as symlinks). Returns the number of files linked."""
     count = 0
     os.mkdir(dest)
-    for dirpath, dirnames, filenames in os.walk(src):
+
+    def fail(e: OSError) -> None:
+        raise e  # os.walk would leave out what it cannot list: a partial tree, silently
+
+    for dirpath, dirnames, filenames in os.walk(src, onerror=fail):
         rel = os.path.relpath(dirpath, src)
         here = dest if rel == "." else os.path.join(dest, rel)
         for d in dirnames:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,13 +33,13 @@ from asynctorchx.schedulers.workspace import (
     DOCKERIGNORE,
     TORCHX_DOCKERFILE,
     SingleFlight,
-    WorkspaceChangedError,
     WorkspaceEvent,
     WorkspacePlan,
     WorkspaceProgress,
     WorkspaceScan,
     format_bytes,
     image_key,
+    read_shipped,
     report,
     scan_workspace,
     write_tar,
@@ -68,15 +67,7 @@ def _recipe(scan: WorkspaceScan) -> tuple[bytes, str]:
         raise InvalidWorkspaceException(
             f"{entry.source!r} must be a regular file (the recipe of the workspace image)"
         )
-    try:
-        with open(entry.source, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise InvalidWorkspaceException(
-            f"workspace file {entry.source!r} cannot be read: {e.strerror or e}"
-        ) from None
-    if hashlib.sha256(data).hexdigest() != entry.digest:
-        raise WorkspaceChangedError(f"workspace file {entry.source!r} changed while it was read")
+    data = read_shipped(entry)  # a FIFO put in its place since the scan must not block the open
     return data, f"{TORCHX_DOCKERFILE} of the workspace"
 
 

@@ -13,7 +13,9 @@
   hard links to the snapshot: what an app writes there stays its own, and a sweep of a thousand
   trials of one workspace costs one copy and a thousand directories of links, not a thousand
   copies. A replica must not rewrite a workspace file in place (replacing it, as editors and
-  ``os.replace`` do, is fine): the file is shared with the other apps of that snapshot.
+  ``os.replace`` do, is fine): the file is shared with the other apps of that snapshot. One that
+  does (as root, the read-only bits do not stop it) is caught by the next submit, which makes the
+  snapshot again (``schedulers.workspace.snapshot``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from asynctorchx.schedulers.workspace import (
     WorkspacePlan,
     WorkspaceProgress,
     check_directory,
+    colon_hint,
+    copy_error,
     format_bytes,
     link_tree,
     report,
@@ -74,10 +78,12 @@ def plan_local(
     if backend == "local_cwd":
         path = workspace.root
         if path is None:
+            [(project, dest), *more] = workspace.projects.items()
+            hint = "" if more else colon_hint(project, dest)
             raise InvalidWorkspaceException(
                 f"local_cwd runs the replicas in the workspace directory itself, so the workspace "
                 f"must be one directory, got {str(workspace)!r} (local_dir assembles several into "
-                "a snapshot)"
+                f"a snapshot){hint}"
             )
         check_directory(path)
         return WorkspacePlan(
@@ -118,6 +124,8 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
     Raises:
         InvalidWorkspaceException: the workspace is gone, or a file changed since the dry run
             read it (nothing is left behind).
+        WorkspaceCopyError: the snapshot or the app's directory cannot be written (a full disk);
+            nothing is left behind.
     """
     scan = plan.scan
     if scan is None:
@@ -136,11 +144,13 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
 
     def make() -> bool:
         _, made = snapshot(scan, snapshots_dir_of(plan), plan.content_hash or "", read_only=True)
-        os.makedirs(os.path.dirname(workdir), exist_ok=True)
         try:
+            os.makedirs(os.path.dirname(workdir), exist_ok=True)
             link_tree(plan.target, workdir)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(workdir, ignore_errors=True)
+            if isinstance(e, OSError):
+                raise copy_error(e, f"link snapshot {plan.target}", workdir) from None
             raise
         return made
 

@@ -15,6 +15,7 @@ copy is removed again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -30,6 +31,7 @@ from asynctorchx.schedulers.workspace import (
     WorkspaceEvent,
     WorkspacePlan,
     WorkspaceProgress,
+    copy_error,
     copy_scan,
     format_bytes,
     report,
@@ -107,7 +109,13 @@ def plan_slurm(app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace) -> 
 
 
 def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
-    """Claims ``job_dir`` for this submit; returns True when it created the directory."""
+    """Claims ``job_dir`` for this submit; returns True when it created the directory.
+
+    Raises:
+        InvalidWorkspaceException: the directory is claimed, a file, or holds files.
+        WorkspaceCopyError: it cannot be made or written (a full disk).
+    """
+    what = f"copy workspace {plan.workspace}"
     created = False
     try:
         os.makedirs(os.path.dirname(job_dir), exist_ok=True)
@@ -115,6 +123,8 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
         created = True
     except FileExistsError:
         pass
+    except OSError as e:
+        raise copy_error(e, what, job_dir) from None
     claim = os.path.join(job_dir, CLAIM_FILE)
     try:
         fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -126,8 +136,21 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
         raise InvalidWorkspaceException(
             f"job_dir {job_dir!r} is a file: a workspace is copied into a new or empty directory"
         ) from None
-    with os.fdopen(fd, "w") as f:
-        json.dump({"workspace": str(plan.workspace), "content_hash": plan.content_hash}, f)
+    except OSError as e:
+        if created:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        raise copy_error(e, what, job_dir, CLAIM_FILE) from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"workspace": str(plan.workspace), "content_hash": plan.content_hash}, f)
+    except OSError as e:
+        # only what this submit made goes: a racing submit may be using job_dir by now
+        if created:
+            shutil.rmtree(job_dir, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(claim)
+        raise copy_error(e, what, job_dir, CLAIM_FILE) from None
     others = [n for n in os.listdir(job_dir) if n != CLAIM_FILE]
     if others:
         os.unlink(claim)
@@ -170,7 +193,8 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
     Raises:
         InvalidWorkspaceException: the directory holds files (or was claimed by a racing submit),
             or a workspace file changed since the dry run read it (nothing is left behind).
-        OSError: the directory cannot be written.
+        WorkspaceCopyError: the directory cannot be written (a full disk), naming it and the
+            file (nothing is left behind).
     """
     scan = plan.scan
     assert scan is not None
