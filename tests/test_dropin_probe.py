@@ -12,6 +12,9 @@ from _torchx_env import REPO
 from test_cli_commands import Cli
 
 from asynctorchx.cli._logs import _WRITE_SLICE, LogPrinter, app_replicas
+from asynctorchx.components._finder import get_component
+from asynctorchx.specs import AppDef
+from asynctorchx.specs.builders import materialize_appdef
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +69,21 @@ def test_log_and_run_log_keep_the_prefix_of_a_progress_bar(cli: Cli) -> None:
     log = _raw(cli, "log", handle)
     assert log.returncode == 0, log.stderr
     assert log.stdout == b"sh/0 | p1\rsh/0 | p2\rsh/0 | p3\n"
+
+
+# -- builtins: what TorchX's give -----------------------------------------------------------------
+
+
+def _builtin(name: str, *args: str) -> AppDef:
+    component = get_component(name)
+    return materialize_appdef(component.fn, list(args), name=name)
+
+
+def test_utils_python_with_a_module_names_it_in_hydra_main_module() -> None:
+    """utils.python -m sets HYDRA_MAIN_MODULE to the module, as TorchX's does; --env may override."""
+    assert _builtin("utils.python", "-m", "pkg.main").roles[0].env == {
+        "HYDRA_MAIN_MODULE": "pkg.main"
+    }
+    role = _builtin("utils.python", "-m", "pkg.main", "--env", "HYDRA_MAIN_MODULE=x,A=1").roles[0]
+    assert role.env == {"HYDRA_MAIN_MODULE": "x", "A": "1"}
+    assert _builtin("utils.python", "--script", "main.py").roles[0].env == {}
