@@ -11,9 +11,12 @@ import pytest
 from _torchx_env import REPO
 from test_cli_commands import Cli
 
+from asynctorchx.cli._errors import CliError
 from asynctorchx.cli._logs import _WRITE_SLICE, LogPrinter, app_replicas
+from asynctorchx.cli.cmd_describe import format_app
+from asynctorchx.cli.cmd_log import ReplicaRange, parse_target
 from asynctorchx.components._finder import get_component
-from asynctorchx.specs import AppDef
+from asynctorchx.specs import MISSING, AppDef, Role
 from asynctorchx.specs.builders import materialize_appdef
 
 
@@ -87,3 +90,29 @@ def test_utils_python_with_a_module_names_it_in_hydra_main_module() -> None:
     role = _builtin("utils.python", "-m", "pkg.main", "--env", "HYDRA_MAIN_MODULE=x,A=1").roles[0]
     assert role.env == {"HYDRA_MAIN_MODULE": "x", "A": "1"}
     assert _builtin("utils.python", "--script", "main.py").roles[0].env == {}
+
+
+# -- log: replica ids -----------------------------------------------------------------------------
+
+
+def test_log_replica_ids_may_end_with_one_comma_as_in_torchx() -> None:
+    """'ROLE/0,1,' names replicas 0 and 1 (TorchX's form is (\\d+,?)+); ',' or '0,,' stay errors."""
+    target = parse_target("local_cwd://s/app/trainer/0,1,")
+    assert target.replicas == [ReplicaRange(0, 0), ReplicaRange(1, 1)]
+    for bad in (",", "0,,", ",0"):
+        with pytest.raises(CliError, match="replica '' in"):
+            parse_target(f"local_cwd://s/app/trainer/{bad}")
+
+
+# -- describe: fields a scheduler does not keep ---------------------------------------------------
+
+
+def test_describe_leaves_out_a_command_and_image_the_scheduler_did_not_keep() -> None:
+    """A role whose entrypoint/image is MISSING (local_docker keeps neither) shows no '<MISSING>'."""
+    app = AppDef("sh", [Role("sh", image=MISSING, num_replicas=2)])
+    text = format_app("local_docker://s/sh-1", app, "SUCCEEDED")
+    assert "MISSING" not in text
+    assert "command:" not in text and "image:" not in text
+    assert "role sh (2 replicas)" in text
+    known = format_app("local_cwd://s/sh-1", AppDef("sh", [Role("sh", "img", "echo", ["a b"])]), "")
+    assert "image:    img" in known and "command:  echo 'a b'" in known
