@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from _torchx_env import REPO
@@ -17,6 +18,7 @@ from asynctorchx.cli.cmd_describe import format_app
 from asynctorchx.cli.cmd_log import ReplicaRange, parse_target
 from asynctorchx.components._finder import get_component
 from asynctorchx.specs import MISSING, AppDef, Role
+from asynctorchx.specs.errors import ComponentNotFoundException
 from asynctorchx.specs.builders import materialize_appdef
 
 
@@ -116,3 +118,29 @@ def test_describe_leaves_out_a_command_and_image_the_scheduler_did_not_keep() ->
     assert "role sh (2 replicas)" in text
     known = format_app("local_cwd://s/sh-1", AppDef("sh", [Role("sh", "img", "echo", ["a b"])]), "")
     assert "image:    img" in known and "command:  echo 'a b'" in known
+
+
+# -- component files: any name TorchX loads ------------------------------------------------------
+
+
+def test_a_component_file_without_a_py_suffix_loads_as_in_torchx(tmp_path: Path) -> None:
+    """A component file named comp.txt or comp (no suffix) is Python source, as TorchX reads it."""
+    source = (
+        "from asynctorchx.specs import AppDef, Role\n\n\n"
+        "def hello(msg: str = 'hi') -> AppDef:\n"
+        '    """Says hello.\n\n    Args:\n        msg: the message\n    """\n'
+        "    return AppDef('hello', [Role('r', 'img', 'echo', args=[msg])])\n"
+    )
+    for name in ("comp.txt", "comp"):
+        (tmp_path / name).write_text(source)
+        app = materialize_appdef(get_component(f"{tmp_path / name}:hello").fn, ["--msg", "x"])
+        assert app.roles[0].args == ["x"]
+
+
+def test_a_component_path_that_is_not_a_file_says_so(tmp_path: Path) -> None:
+    """A directory or a device as the component's file is 'not a regular file', not missing."""
+    for path in (tmp_path, Path("/dev/null")):
+        with pytest.raises(ComponentNotFoundException, match="is not a regular file"):
+            get_component(f"{path}:hello")
+    with pytest.raises(ComponentNotFoundException, match="does not exist"):
+        get_component(f"{tmp_path / 'nope.py'}:hello")
