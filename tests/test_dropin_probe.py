@@ -18,8 +18,8 @@ from asynctorchx.cli.cmd_describe import format_app
 from asynctorchx.cli.cmd_log import ReplicaRange, parse_target
 from asynctorchx.components._finder import get_component
 from asynctorchx.specs import MISSING, AppDef, Role
-from asynctorchx.specs.errors import ComponentNotFoundException
 from asynctorchx.specs.builders import materialize_appdef
+from asynctorchx.specs.errors import ComponentNotFoundException
 
 
 @pytest.fixture(scope="module")
