@@ -19,7 +19,7 @@ from asynctorchx.cli.cmd_log import ReplicaRange, parse_target
 from asynctorchx.components._finder import get_component
 from asynctorchx.specs import MISSING, AppDef, Role
 from asynctorchx.specs.builders import materialize_appdef
-from asynctorchx.specs.errors import ComponentNotFoundException
+from asynctorchx.specs.errors import ComponentNotFoundException, InvalidComponentArgsException
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +144,31 @@ def test_a_component_path_that_is_not_a_file_says_so(tmp_path: Path) -> None:
             get_component(f"{path}:hello")
     with pytest.raises(ComponentNotFoundException, match="does not exist"):
         get_component(f"{tmp_path / 'nope.py'}:hello")
+
+
+# -- component arguments: one value per option ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("component", "args", "named"),
+    [
+        ("utils.echo", ["--msg", "a", "--msg", "b"], "--msg"),
+        ("utils.echo", ["--msg=a", "--msg", "b"], "--msg"),
+        ("dist.ddp", ["--env", "A=1", "--env", "B=2", "--script", "t.py"], "--env"),
+        ("dist.ddp", ["-j", "1x1", "--j", "2x2", "--script", "t.py"], "-j/--j"),
+        ("dist.ddp", ["--debug", "--debug", "false", "--script", "t.py"], "--debug"),
+    ],
+)
+def test_a_component_option_given_twice_is_an_error(
+    component: str, args: list[str], named: str
+) -> None:
+    """An option repeated (under any of its spellings) is refused, as TorchX refuses it; the later
+    value silently replaced the earlier (--env A=1 --env B=2 launched without A)."""
+    with pytest.raises(InvalidComponentArgsException, match=f"argument {named}: given more than"):
+        _builtin(component, *args)
+
+
+def test_the_scripts_own_arguments_may_repeat() -> None:
+    """After --, the script's arguments repeat freely (TorchX refuses those too, wrongly)."""
+    args = ["--script", "t.py", "--", "--x", "1", "--x", "2"]
+    assert _builtin("dist.ddp", *args).roles[0].args[-1].endswith("t.py --x 1 --x 2")

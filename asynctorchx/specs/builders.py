@@ -303,6 +303,36 @@ class _ComponentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise InvalidComponentArgsException(self.component, message, self.format_usage().strip())
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given: set[str] = set()  # the options seen by this parse (see _Once)
+        return super().parse_known_args(args, namespace)
+
+
+class _Once(argparse.Action):
+    """Stores an option's value; the option given a second time is an error, as in TorchX.
+
+    The later value would replace the earlier one silently: ``--env A=1 --env B=2`` would launch
+    without ``A``.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        given: set[str] = getattr(parser, "given", set())
+        if self.dest in given:
+            parser.error(
+                f"argument {'/'.join(self.option_strings)}: given more than once (the last value "
+                "would replace the others); give it once"
+            )
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
+
 
 class _Remainder(argparse.Action):
     """Collects ``*args``; drops a leading ``--``; falls back to the default when nothing is given."""
@@ -476,7 +506,7 @@ def create_args_parser(
         else:
             kwargs["required"] = True
         try:
-            parser.add_argument(*flags, dest=pname, **kwargs)
+            parser.add_argument(*flags, dest=pname, action=_Once, **kwargs)
         except argparse.ArgumentError as e:  # an Annotated alias taken by another parameter
             raise ComponentValidationException(
                 component, reason=f"parameter {pname!r}: {e.message}"
