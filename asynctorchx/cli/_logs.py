@@ -90,9 +90,9 @@ class LogPrinter:
     def write(self, replica: Replica, stream: str | None, line: str) -> None:
         """Writes one log line (its trailing newline, if any, is replaced by exactly one).
 
-        In text, the prefix is repeated after each carriage return inside the line. A line longer than ``_WRITE_SLICE`` characters is written in slices, so that printing it
-        costs no copy of it (the line is never split in the output: nothing else is written
-        between its slices).
+        In text, the prefix is repeated after each carriage return inside the line. A line longer
+        than ``_WRITE_SLICE`` characters is written in slices, so that printing it costs no copy
+        of it (the line is never split in the output: nothing else is written between its slices).
         """
         end = len(line) - 1 if line.endswith("\n") else len(line)
         if self.as_json:
