@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _torchx_env import REPO
 from test_cli_commands import Cli
+from test_components_builtins import MINIMAL_ARGS
 
 from asynctorchx.cli._errors import CliError
 from asynctorchx.cli._logs import _WRITE_SLICE, LogPrinter, app_replicas
@@ -172,3 +173,21 @@ def test_the_scripts_own_arguments_may_repeat() -> None:
     """After --, the script's arguments repeat freely (TorchX refuses those too, wrongly)."""
     args = ["--script", "t.py", "--", "--x", "1", "--x", "2"]
     assert _builtin("dist.ddp", *args).roles[0].args[-1].endswith("t.py --x 1 --x 2")
+
+
+# -- builtins --print: a file that runs ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MINIMAL_ARGS))
+def test_builtins_print_gives_a_file_that_runs_as_the_builtin(
+    cli: Cli, tmp_path: Path, name: str
+) -> None:
+    """'builtins --print NAME' saved as a file runs as FILE:FUNCTION and builds the builtin's AppDef
+    (as TorchX's prints the whole module); the function alone failed with a NameError."""
+    printed = cli("builtins", "--print", name)
+    assert printed.returncode == 0, printed.stderr
+    path = tmp_path / "copied.py"
+    path.write_text(printed.stdout)
+    copied = get_component(f"{path}:{name.rpartition('.')[2]}")
+    args = MINIMAL_ARGS[name]
+    assert materialize_appdef(copied.fn, args) == _builtin(name, *args)
