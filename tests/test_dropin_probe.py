@@ -191,3 +191,34 @@ def test_builtins_print_gives_a_file_that_runs_as_the_builtin(
     copied = get_component(f"{path}:{name.rpartition('.')[2]}")
     args = MINIMAL_ARGS[name]
     assert materialize_appdef(copied.fn, args) == _builtin(name, *args)
+
+
+# -- run: stdout holds the handle alone -----------------------------------------------------------
+
+NOISY = '''
+import asynctorchx.specs as specs
+
+print("loading the component file")
+
+
+def hello(msg: str = "hi") -> specs.AppDef:
+    """Says hello.
+
+    Args:
+        msg: the message
+    """
+    print(f"building with {msg}")
+    return specs.AppDef("hello", [specs.Role("r", "img", "echo", args=[msg])])
+'''
+
+
+def test_what_a_component_file_prints_goes_to_stderr_not_into_the_handle(cli: Cli) -> None:
+    """run's stdout is the handle alone even when the component's file prints (TorchX mixes them),
+    the prints go to stderr; its --help stays on stdout."""
+    (cli.cwd / "noisy.py").write_text(NOISY)
+    run = cli("run", "noisy.py:hello", "--msg", "x")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("local_cwd://")
+    assert "loading the component file\nbuilding with x\n" in run.stderr
+    helped = cli("run", "noisy.py:hello", "--help")
+    assert helped.returncode == 0 and "--msg MSG" in helped.stdout
