@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from _torchx_env import REPO
-from test_cli_commands import Cli
+from test_cli_commands import Cli, _one_error_line
 from test_components_builtins import MINIMAL_ARGS
 
 from asynctorchx.cli._errors import CliError
@@ -222,3 +222,18 @@ def test_what_a_component_file_prints_goes_to_stderr_not_into_the_handle(cli: Cl
     assert "loading the component file\nbuilding with x\n" in run.stderr
     helped = cli("run", "noisy.py:hello", "--help")
     assert helped.returncode == 0 and "--msg MSG" in helped.stdout
+
+
+def test_a_role_name_that_cannot_run_everywhere_is_named_as_the_role_name(cli: Cli) -> None:
+    """A role named 'my role' (TorchX's local_cwd takes it) fails saying 'role name', not 'name',
+    which read as the component's own --name."""
+    (cli.cwd / "spaced.py").write_text(
+        "import asynctorchx.specs as specs\n\n\n"
+        "def comp(name: str = 'x') -> specs.AppDef:\n"
+        '    """A role named as asked.\n\n    Args:\n        name: the role\'s name\n    """\n'
+        "    return specs.AppDef('app', [specs.Role(name, 'img', 'echo')])\n"
+    )
+    result = cli("run", "--dryrun", "spaced.py:comp", "--name", "my role")
+    assert result.returncode == 2
+    line = _one_error_line(result.stderr)
+    assert "role name must be 1-63 letters" in line and "got 'my role'" in line
