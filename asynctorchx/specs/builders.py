@@ -310,12 +310,8 @@ class _ComponentParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-class _Once(argparse.Action):
-    """Stores an option's value; the option given a second time is an error, as in TorchX.
-
-    The later value would replace the earlier one silently: ``--env A=1 --env B=2`` would launch
-    without ``A``.
-    """
+class _Action(argparse.Action):
+    """An argparse action that sets ``dest`` to ``value(parser, values)``."""
 
     def __call__(
         self,
@@ -324,6 +320,20 @@ class _Once(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
+        setattr(namespace, self.dest, self.value(parser, values))
+
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
+        raise NotImplementedError
+
+
+class _Once(_Action):
+    """Stores an option's value; the option given a second time is an error, as in TorchX.
+
+    The later value would replace the earlier one silently: ``--env A=1 --env B=2`` would launch
+    without ``A``.
+    """
+
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
         given: set[str] = getattr(parser, "given", set())
         if self.dest in given:
             parser.error(
@@ -331,25 +341,17 @@ class _Once(argparse.Action):
                 "would replace the others); give it once"
             )
         given.add(self.dest)
-        setattr(namespace, self.dest, values)
+        return values
 
 
-class _Remainder(argparse.Action):
+class _Remainder(_Action):
     """Collects ``*args``; drops a leading ``--``; falls back to the default when nothing is given."""
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
-        option_string: str | None = None,
-    ) -> None:
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
         given = list(values or [])
         if given[:1] == ["--"]:
             given = given[1:]
-        if not given:
-            given = list(self.default or [])
-        setattr(namespace, self.dest, given)
+        return given or list(self.default or [])
 
 
 def _annotations(fn: Callable[..., Any]) -> dict[str, Any]:
