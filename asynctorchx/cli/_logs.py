@@ -90,9 +90,9 @@ class LogPrinter:
     def write(self, replica: Replica, stream: str | None, line: str) -> None:
         """Writes one log line (its trailing newline, if any, is replaced by exactly one).
 
-        A line longer than ``_WRITE_SLICE`` characters is written in slices, so that printing it
-        costs no copy of it (the line is never split in the output: nothing else is written
-        between its slices).
+        In text, the prefix is repeated after each carriage return inside the line. A line longer
+        than ``_WRITE_SLICE`` characters is written in slices, so that printing it costs no copy
+        of it (the line is never split in the output: nothing else is written between its slices).
         """
         end = len(line) - 1 if line.endswith("\n") else len(line)
         if self.as_json:
@@ -113,16 +113,30 @@ class LogPrinter:
                     piece = line[i : min(i + _WRITE_SLICE, end)]
                     self.out.write(json.dumps(piece, ensure_ascii=False)[1:-1])
                 self.out.write('"}\n')
-        elif end <= _WRITE_SLICE:
-            self.out.write(f"{self.prefix(replica, stream)}{line[:end]}\n")
         else:
-            self.out.write(self.prefix(replica, stream))
-            for i in range(0, end, _WRITE_SLICE):
-                self.out.write(line[i : min(i + _WRITE_SLICE, end)])
-            self.out.write("\n")
+            prefix = self.prefix(replica, stream)
+            # a carriage return inside a line (a progress bar redrawing itself) goes back to the
+            # start of the terminal's line: the prefix is repeated after it, as TorchX does, or
+            # the redrawn text would overwrite it; a last one (CRLF) moves nothing that is shown
+            last = end - 1 if end and line[end - 1] == "\r" else end
+            if end <= _WRITE_SLICE:
+                self.out.write(f"{prefix}{_after_cr(line, 0, end, last, prefix)}\n")
+            else:
+                self.out.write(prefix)
+                for i in range(0, end, _WRITE_SLICE):
+                    self.out.write(_after_cr(line, i, min(i + _WRITE_SLICE, end), last, prefix))
+                self.out.write("\n")
         self.lines += 1
         if self.flush:
             self.out.flush()
+
+
+def _after_cr(line: str, start: int, stop: int, last: int, prefix: str) -> str:
+    """``line[start:stop]`` with ``prefix`` after each carriage return before index ``last``."""
+    if "\r" not in line[start:stop]:
+        return line[start:stop]
+    cut = max(start, min(stop, last))
+    return line[start:cut].replace("\r", "\r" + prefix) + line[cut:stop]
 
 
 @dataclass(frozen=True)

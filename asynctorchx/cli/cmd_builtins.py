@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         dest="print_name",
         metavar="NAME",
         default=None,
-        help="print the source code of this component (to copy and adapt it)",
+        help="print the source code of the module defining this component, imports and helpers "
+        "included, as TorchX does: saved as a file, it runs as FILE:FUNCTION (to copy and adapt)",
     )
     p.set_defaults(handler=execute, is_async=False, command="builtins")
 
@@ -38,7 +39,13 @@ def execute(args: argparse.Namespace) -> int:
         import inspect
 
         component = get_component(args.print_name)
-        print(inspect.getsource(component.fn), end="")
+        # the function alone does not run once saved: it needs its module's imports and helpers
+        module = inspect.getmodule(component.fn)
+        try:
+            source = inspect.getsource(module) if module is not None else ""
+        except (OSError, TypeError):
+            source = ""
+        print(source or inspect.getsource(component.fn), end="")
         return 0
     components = get_components()
     info(f"found {len(components)} components")

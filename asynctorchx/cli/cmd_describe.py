@@ -99,16 +99,19 @@ def format_app(handle: str, app: AppDef, state: str) -> str:
     import shlex
 
     from asynctorchx.cli._output import BOLD, out_styler
+    from asynctorchx.specs.api import MISSING
 
     style = out_styler()
     lines = [f"{style(handle, BOLD)}", f"  name:  {app.name}", f"  state: {style.state(state)}"]
     for role in app.roles:
         count = f"{role.num_replicas} replica{'s' if role.num_replicas != 1 else ''}"
         lines.append(f"  role {style(role.name, BOLD)} ({count})")
-        fields: list[tuple[str, str]] = [
-            ("image", role.image),
-            ("command", shlex.join([role.entrypoint, *role.args])),
-        ]
+        # a field the scheduler does not keep (MISSING, as -1 in a resource) is left out
+        fields: list[tuple[str, str]] = []
+        if role.image != MISSING:
+            fields.append(("image", role.image))
+        if role.entrypoint != MISSING:
+            fields.append(("command", shlex.join([role.entrypoint, *role.args])))
         if role.env:
             fields.append(("env", " ".join(f"{k}={shlex.quote(v)}" for k, v in role.env.items())))
         r = role.resource

@@ -127,7 +127,10 @@ def parse_target(identifier: str) -> LogTarget:
     spec = m["replicas"]
     if spec:
         replicas = []
-        for part in spec.split(","):
+        parts = spec.split(",")
+        if len(parts) > 1 and not parts[-1]:
+            parts.pop()  # one trailing comma, as TorchX's ``0,1,`` (its form is ``(\d+,?)+``)
+        for part in parts:
             r = _REPLICA.fullmatch(part)
             if r is None:
                 raise CliError(

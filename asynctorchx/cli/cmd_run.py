@@ -7,6 +7,8 @@ the final status, and with ``--log`` the replicas' log lines — goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from asynctorchx.cli._help import HelpFormatter
@@ -173,16 +175,17 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     async with runner_for_session(None) as runner:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)
         try:
-            dryrun = await _dryrun(
-                runner,
-                component,
-                component_args,
-                scheduler,
-                cfg,
-                workspace,
-                args.parent_run_id,
-                interrupts,
-            )
+            with _component_prints_on_stderr():
+                dryrun = await _dryrun(
+                    runner,
+                    component,
+                    component_args,
+                    scheduler,
+                    cfg,
+                    workspace,
+                    args.parent_run_id,
+                    interrupts,
+                )
         except SystemExit as e:  # the component's --help
             return e.code if isinstance(e.code, int) else 0
         if args.dryrun:
@@ -225,6 +228,27 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     _report(handle, status)
     sys.stderr.flush()
     return exit_code_for_state(None if status is None else status.state)
+
+
+@contextlib.contextmanager
+def _component_prints_on_stderr() -> Iterator[None]:
+    """What the component's file prints while it is loaded and called goes to stderr, so that
+    stdout holds the handle alone (``h=$(asynctorchx run file.py:fn)``); its ``--help`` (which ends
+    the command with ``SystemExit``) stays on stdout. Kept until then, written in one piece."""
+    import io
+    import sys
+
+    printed = io.StringIO()
+    to = sys.stderr
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    except SystemExit:
+        to = sys.stdout
+        raise
+    finally:
+        to.write(printed.getvalue())
+        to.flush()
 
 
 async def _dryrun(

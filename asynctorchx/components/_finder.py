@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import logging
@@ -251,7 +252,8 @@ def _load_file_component(name: str) -> Component:
             name, "a file component is written 'path/to/file.py:function'"
         )
     if not path.is_file():
-        raise ComponentNotFoundException(name, f"file {str(path)!r} does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ComponentNotFoundException(name, f"file {str(path)!r} {what}")
     try:
         source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -266,7 +268,9 @@ def _load_file_component(name: str) -> Component:
 
     resolved = path.resolve()
     module_name = f"_asynctorchx_component_{hashlib.sha1(str(resolved).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    # Python source whatever the file's suffix, as TorchX (which execs the file's text) loads it
+    loader = importlib.machinery.SourceFileLoader(module_name, str(resolved))
+    spec = importlib.util.spec_from_file_location(module_name, resolved, loader=loader)
     if spec is None or spec.loader is None:
         raise ComponentValidationException(name, reason=f"{str(path)!r} cannot be imported")
     module = importlib.util.module_from_spec(spec)

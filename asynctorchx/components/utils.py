@@ -192,7 +192,8 @@ def python(
                 args=[*(p for p in program if p is not None), *args],
                 num_replicas=num_replicas,
                 resource=resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
-                env=dict(env) if env else {},
+                # TorchX names the module for Hydra (its --info/config search); env may override
+                env={**({"HYDRA_MAIN_MODULE": m} if m else {}), **(env or {})},
                 max_retries=max_retries,
                 mounts=parse_mounts(mounts) if mounts else [],
             )

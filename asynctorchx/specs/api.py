@@ -280,7 +280,7 @@ class Role:
         """Raises InvalidAppDefException naming this role, the field and the value when one is bad."""
         if not isinstance(self.name, str) or not _ROLE_NAME_RE.fullmatch(self.name):
             raise _bad(
-                "name",
+                "role name",
                 self.name,
                 "1-63 letters, digits, '-', '_' or '.', starting with a letter or digit",
             )

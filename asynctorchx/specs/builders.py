@@ -303,9 +303,15 @@ class _ComponentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise InvalidComponentArgsException(self.component, message, self.format_usage().strip())
 
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given: set[str] = set()  # the options seen by this parse (see _Once)
+        return super().parse_known_args(args, namespace)
 
-class _Remainder(argparse.Action):
-    """Collects ``*args``; drops a leading ``--``; falls back to the default when nothing is given."""
+
+class _Action(argparse.Action):
+    """An argparse action that sets ``dest`` to ``value(parser, values)``."""
 
     def __call__(
         self,
@@ -314,12 +320,38 @@ class _Remainder(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
+        setattr(namespace, self.dest, self.value(parser, values))
+
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
+        raise NotImplementedError
+
+
+class _Once(_Action):
+    """Stores an option's value; the option given a second time is an error, as in TorchX.
+
+    The later value would replace the earlier one silently: ``--env A=1 --env B=2`` would launch
+    without ``A``.
+    """
+
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
+        given: set[str] = getattr(parser, "given", set())
+        if self.dest in given:
+            parser.error(
+                f"argument {'/'.join(self.option_strings)}: given more than once (the last value "
+                "would replace the others); give it once"
+            )
+        given.add(self.dest)
+        return values
+
+
+class _Remainder(_Action):
+    """Collects ``*args``; drops a leading ``--``; falls back to the default when nothing is given."""
+
+    def value(self, parser: argparse.ArgumentParser, values: str | Sequence[Any] | None) -> Any:
         given = list(values or [])
         if given[:1] == ["--"]:
             given = given[1:]
-        if not given:
-            given = list(self.default or [])
-        setattr(namespace, self.dest, given)
+        return given or list(self.default or [])
 
 
 def _annotations(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -476,7 +508,7 @@ def create_args_parser(
         else:
             kwargs["required"] = True
         try:
-            parser.add_argument(*flags, dest=pname, **kwargs)
+            parser.add_argument(*flags, dest=pname, action=_Once, **kwargs)
         except argparse.ArgumentError as e:  # an Annotated alias taken by another parameter
             raise ComponentValidationException(
                 component, reason=f"parameter {pname!r}: {e.message}"
