@@ -43,6 +43,7 @@ from asynctorchx.specs import (
     AppDef,
     AppState,
     BindMount,
+    MalformedAppHandleException,
     Resource,
     RetryPolicy,
     Role,
@@ -354,6 +355,30 @@ async def test_unknown_app_is_none_never_succeeded(docker_scheduler: DockerSched
     assert not await docker_scheduler.exists("no-such-app-12345678")
     with pytest.raises(UnknownAppException):
         await collect(docker_scheduler.log_iter("no-such-app-12345678", "main"))
+
+
+async def test_an_app_id_that_cannot_name_a_container_is_unknown_and_cancels_nothing(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """An empty app id (or one with a slash or a NUL) passed to the API is unknown: describe
+    None, exists False, logs raise, and its cancel leaves the other apps alone (an empty id
+    listed every app's containers, and its cancel stopped running apps once some app had a
+    cancel marker)."""
+    running = await docker_scheduler.submit(
+        AppDef("keep", [sh(busybox_image, "exec sleep 300")]), {}
+    )
+    cancelled = await docker_scheduler.submit(
+        AppDef("gone", [sh(busybox_image, "exec sleep 300")]), {}
+    )
+    await docker_scheduler.cancel(cancelled)
+    for bad in ["", f"x/../{running}", f"{running}\x00"]:
+        assert await docker_scheduler.describe(bad) is None
+        assert not await docker_scheduler.exists(bad)
+        error = UnknownAppException if bad else MalformedAppHandleException  # no handle has it
+        with pytest.raises(error):
+            await collect(docker_scheduler.log_iter(bad, "main"))
+        await docker_scheduler.cancel(bad)
+    assert await _running(running) == [f"/{running}-main-0"]
 
 
 async def test_list_shows_apps_with_their_handles_and_states(

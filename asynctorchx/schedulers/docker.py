@@ -80,6 +80,7 @@ from asynctorchx.schedulers._docker.request import (
     build_job,
     cancel_marker,
     claim_name,
+    is_app_id,
     run_options,
 )
 from asynctorchx.schedulers._docker.state import (
@@ -294,9 +295,10 @@ class DockerScheduler(Scheduler[DockerJob]):
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
         """Describes many apps with one container listing (none when events vouch for them all)."""
         self._check_open()
-        ids = list(dict.fromkeys(app_ids))
+        asked = list(dict.fromkeys(app_ids))
+        ids = [app_id for app_id in asked if is_app_id(app_id)]  # others cannot name a container
         if not ids:
-            return {}
+            return dict.fromkeys(asked)
         groups = self._events.snapshot(ids)
         if groups is None:
             listed = await self._events.containers(ids[0] if len(ids) == 1 else None, for_apps=ids)
@@ -319,7 +321,7 @@ class DockerScheduler(Scheduler[DockerJob]):
                 out[app_id] = DescribeAppResponse(
                     app_id=app_id, state=AppState.PENDING, msg="being submitted"
                 )
-        return out
+        return {app_id: out.get(app_id) for app_id in asked}
 
     async def _being_launched(self, app_ids: list[str]) -> list[str]:
         """Those of ``app_ids`` (apps Docker has no container of) being submitted: by this
@@ -352,7 +354,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         """True when Docker has a container of the app (or this process removed them), or the
         app is being submitted (by this process, or by another: its launch claim is there)."""
         self._check_open()
-        return (
+        return is_app_id(app_id) and (
             app_id in self._launches
             or bool(await self._events.containers(app_id))
             or self._follow_ups.removed(app_id) is not None

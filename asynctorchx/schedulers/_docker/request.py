@@ -619,6 +619,16 @@ def cancel_marker(
     return ContainerRequest(name=name, role="", replica_id=-1, config=config)
 
 
+#: What Docker takes as a container name; every container of an app is named ``{app_id}-...``.
+_NAMEABLE_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+
+
+def is_app_id(app_id: str) -> bool:
+    """True when ``app_id`` can name a ``local_docker`` app (its containers are named after it);
+    any other id (empty, with a slash, a NUL...) is unknown without asking the engine."""
+    return _NAMEABLE_RE.fullmatch(app_id) is not None
+
+
 def marker_name(app_id: str) -> str:
     """The name of the (first) container that marks app ``app_id`` as cancelled."""
     return f"{app_id}-cancelled"
