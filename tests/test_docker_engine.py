@@ -1265,3 +1265,58 @@ async def test_two_processes_cancelling_at_once_send_one_sigterm(
         resp = await wait_for(docker_scheduler, app_id)
     assert resp.state == AppState.CANCELLED
     assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
+#: A process that submits a busybox app in ``argv[1]``'s session and prints its id once its
+#: submit is checking the image, then waits there for good (to be killed).
+STUCK_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    async def main():
+        async with DockerScheduler(sys.argv[1]) as s:
+            role = Role("main", sys.argv[2], entrypoint="sh", args=["-c", "echo ran"])
+            info = s.submit_dryrun(AppDef("stuck", [role]), {})
+
+            async def inspect_image(*args, **kwargs):
+                print(info.request.app_id, flush=True)
+                await asyncio.Event().wait()
+
+            s.engine.inspect_image = inspect_image
+            await s.schedule(info)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_an_app_whose_launcher_was_killed_before_its_containers_is_unknown(
+    docker_scheduler: DockerScheduler, docker_session: str, busybox_image: str
+) -> None:
+    """A submit killed during its checks (no container made yet): other processes see the app
+    PENDING while its launcher lives, unknown once it is gone (not PENDING for good), and a
+    cancel of it is then a clear "unknown app" error."""
+    with anyio.fail_after(60):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            STUCK_LAUNCHER,
+            docker_session,
+            busybox_image,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            app_id = (await proc.stdout.readline()).decode().strip()
+            pending = await docker_scheduler.describe(app_id)
+        finally:
+            proc.kill()
+            await proc.wait()
+        assert pending is not None and pending.state == AppState.PENDING
+        assert await docker_scheduler.describe(app_id) is None
+        handle = f"local_docker://{docker_session}/{app_id}"
+        cancel = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle)
+    assert cancel.returncode != 0 and app_id in cancel.stderr
