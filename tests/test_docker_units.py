@@ -33,6 +33,7 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_RETRY_POLICY,
     LABEL_ROLE_NAME,
     LABEL_ROLES,
+    claim_name,
 )
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
@@ -874,3 +875,59 @@ async def test_a_stop_asked_again_while_under_way_sends_one_request() -> None:
         client.release.set()
         await waiting
         assert client.requests == [("c2", None), ("c2", None)]
+
+
+async def test_a_dry_run_scheduled_twice_at_once_launches_once_and_keeps_the_claim() -> None:
+    """One dry run scheduled by two schedulers at once: one launches it, the other is refused
+    ("being submitted already") without removing the first one's launch claim, which the
+    launch removes itself once its container exists."""
+    docker = FakeDocker({IMAGE})
+    first = DockerScheduler("s", docker, watch_events=False)
+    second = DockerScheduler("s", docker, watch_events=False)
+    info = first.submit_dryrun(_app(_role()), {})
+    app_id = info.request.app_id
+    results = await asyncio.gather(
+        first.schedule(info), second.schedule(info), return_exceptions=True
+    )
+    assert results[0] == app_id
+    assert isinstance(results[1], DockerSchedulerError)
+    assert "being submitted already" in str(results[1])
+    assert [op for op, name in docker.calls if name == claim_name(app_id)] == [
+        "volume_create",
+        "volume_create",
+        "volume_remove",
+    ]
+    assert docker.labelled_volumes == {}
+    await first.close()
+    await second.close()
+
+
+@pytest.mark.parametrize("how", ["a failed check", "a cancelled submit"])
+async def test_a_submit_that_ends_in_its_checks_removes_its_launch_claim(how: str) -> None:
+    """A submit whose checks fail (an image that cannot be pulled) or that is cancelled during
+    them leaves no launch claim: the app is unknown, not PENDING."""
+    docker = FakeDocker(set() if how == "a failed check" else {IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role()), {})
+    if how == "a cancelled submit":
+        checking = asyncio.Event()
+        real = docker.images.inspect
+
+        async def inspect_forever(name: str) -> Any:
+            checking.set()
+            await asyncio.Event().wait()
+            return await real(name)
+
+        docker.images.inspect = inspect_forever  # type: ignore[method-assign]
+        submit = asyncio.ensure_future(scheduler.schedule(info))
+        with anyio.fail_after(10):
+            await checking.wait()
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+    else:
+        with pytest.raises(DockerSchedulerError, match="could not be pulled"):
+            await scheduler.schedule(info)
+    assert docker.labelled_volumes == {}
+    assert await scheduler.describe(info.request.app_id) is None
+    await scheduler.close()

@@ -69,7 +69,7 @@ from asynctorchx.schedulers._docker.engine import (
 )
 from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
-from asynctorchx.schedulers._docker.launch import CancelWatch, Launcher
+from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
 from asynctorchx.schedulers._docker.request import (
     KIND_LAUNCH_CLAIM,
@@ -263,17 +263,25 @@ class DockerScheduler(Scheduler[DockerJob]):
         return job.app_id
 
     async def _schedule(self, dryrun_info: AppDryRunInfo[DockerJob], watch: CancelWatch) -> bool:
-        """``schedule``'s checks and launch; False when the app was cancelled meanwhile."""
+        """``schedule``'s checks and launch; False when the app was cancelled meanwhile.
+
+        The launch claim that names the app for other processes is made while the checks run
+        (they create nothing), so it costs the submit no round trip of its own.
+        """
         job = dryrun_info.request
-        await self._launcher.claim(job, uuid.uuid4().hex)  # names the app for other processes
         try:
-            if dryrun_info.workspace is not None:
-                await ensure_image(
-                    self._engine, dryrun_info.workspace, self._flights, current_progress()
-                )
-            await self._launcher.preflight(job)
+            claimed, checked = await asyncio.gather(
+                self._launcher.claim(job, uuid.uuid4().hex),
+                self._checks(dryrun_info),
+                return_exceptions=True,
+            )
+            for outcome in (claimed, checked):
+                if isinstance(outcome, BaseException):
+                    raise outcome
             self._check_open()  # closed during the checks: nothing was created
             await self._events.connected()  # its follow-ups are driven by the events from now on
+        except ClaimTakenError:
+            raise  # the claim is another launch's
         except BaseException:
             unclaim = self._launcher.unclaim(job)
             await finish_shielded(self._tasks, unclaim, f"unclaim:{job.app_id}")
@@ -284,6 +292,14 @@ class DockerScheduler(Scheduler[DockerJob]):
             purge = self._launcher.purge(job.app_id, job.network_request)
             await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
             raise
+
+    async def _checks(self, dryrun_info: AppDryRunInfo[DockerJob]) -> None:
+        """The workspace image (built unless its tag exists), then ``Launcher.preflight``."""
+        if dryrun_info.workspace is not None:
+            await ensure_image(
+                self._engine, dryrun_info.workspace, self._flights, current_progress()
+            )
+        await self._launcher.preflight(dryrun_info.request)
 
     # -- status (reads only) --------------------------------------------------------------------
 

@@ -39,6 +39,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class ClaimTakenError(DockerSchedulerError):
+    """Raised when another launch of the same dry run holds the app's launch claim."""
+
+
 class CancelWatch:
     """Whether the app a submit is launching has been cancelled meanwhile.
 
@@ -195,11 +199,11 @@ class Launcher:
         ``CancelWatch``).
 
         Raises:
-            DockerSchedulerError: another launch of the same dry run holds the claim.
+            ClaimTakenError: another launch of the same dry run holds the claim.
         """
         claim = await self._engine.create_volume(claim_request(job, process_identity(), token))
         if (claim.get("Labels") or {}).get(LABEL_LAUNCH_TOKEN) != token:
-            raise DockerSchedulerError(
+            raise ClaimTakenError(
                 f"app {job.app_id!r} is being submitted already; a dry run can be scheduled only once"
             )
 
