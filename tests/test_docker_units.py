@@ -33,6 +33,7 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_RETRY_POLICY,
     LABEL_ROLE_NAME,
     LABEL_ROLES,
+    cancel_marker,
     claim_name,
 )
 from asynctorchx.schedulers._docker.state import (
@@ -931,3 +932,46 @@ async def test_a_submit_that_ends_in_its_checks_removes_its_launch_claim(how: st
     assert docker.labelled_volumes == {}
     assert await scheduler.describe(info.request.app_id) is None
     await scheduler.close()
+
+
+async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once() -> None:
+    """An app marked cancelled by a process that has exited, its replica still running: two
+    schedulers (as two processes) cancelling it at once take the cancel over once between them
+    (one marker of the next turn, one stop)."""
+    import subprocess
+    import sys
+
+    from asynctorchx.schedulers._docker.cancel import _host_and_namespace
+
+    docker = FakeDocker({IMAGE})
+    schedulers = [DockerScheduler("s", docker, watch_events=False) for _ in range(2)]
+    app_id = await schedulers[0].submit(_app(_role()), {})
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    boot, namespace = _host_and_namespace()
+    marker = cancel_marker(
+        app_id, "fake", "s", IMAGE, canceller=f"{boot}/{namespace}/{dead.stdout.strip()}/"
+    )
+    await docker.containers.create(marker.config, name=marker.name)
+    real_create, arrived, both = docker.containers.create, [], asyncio.Event()
+
+    async def create_when_both_take_over(config: dict[str, Any], *, name: str) -> Any:
+        if name == f"{marker.name}-2":  # both have found the canceller gone
+            arrived.append(name)
+            if len(arrived) == 2:
+                both.set()
+            await both.wait()
+        return await real_create(config, name=name)
+
+    docker.containers.create = create_when_both_take_over  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        await asyncio.gather(*(s.cancel(app_id) for s in schedulers))
+    assert len(arrived) == 2
+    assert [name for op, name in docker.calls if op == "stop"] == [f"{app_id}-r-0"]
+    assert docker.by_name(f"{marker.name}-2") is not None
+    for s in schedulers:
+        await s.close()
