@@ -335,6 +335,26 @@ def test_cancelled_app_owes_its_network_once_nothing_is_alive() -> None:
     assert done.actions == (RemoveNetwork(tuple(c.id for c in [*replicas, marker])),)
 
 
+@pytest.mark.parametrize(
+    "roles",
+    [
+        '[["r", 30000000]]',
+        '[["r", 4194304], ["s", 1]]',
+        '[["r", -5]]',
+        '[["r", 1e999]]',
+        "[" * 100000,
+    ],
+)
+def test_a_roles_label_no_dry_run_makes_is_read_as_missing(roles: str) -> None:
+    """A replica count no dry run accepts in the roles label (past PID_MAX_LIMIT, negative, an
+    overflowing float, nesting past the recursion limit: a container anyone with the engine
+    can make) is ignored, the roles read from the containers: describe (and the event feed's
+    catch-up of every app) ran into a MemoryError, or raised the parse error."""
+    a = assess("app", [_c("r", 0, "running", roles=roles)])
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert [(s.role, len(s.replicas)) for s in a.response.roles_statuses] == [("r", 1)]
+
+
 # -- submit error paths with a fake client ------------------------------------------------------
 
 
