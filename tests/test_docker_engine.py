@@ -1191,11 +1191,19 @@ async def test_the_cli_cancels_a_single_container_app_before_its_container_exist
     app_id = info.request.app_id
     handle = f"local_docker://{docker_session}/{app_id}"
     method = "inspect_image" if point == "during its checks" else "create_container"
-    real = getattr(engine, method)
+    real, real_claim = getattr(engine, method), engine.create_volume
     seen: list[Any] = []
+    claimed = asyncio.Event()  # the launch claim is made while the checks run
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await real_claim(*args, **kwargs)
+        finally:
+            claimed.set()
 
     async def cancel_first(*args: Any, **kwargs: Any) -> Any:
         if not seen:
+            await claimed.wait()
             other = DockerScheduler("someone-else")
             try:
                 seen.append(await other.describe(app_id))
@@ -1205,6 +1213,7 @@ async def test_the_cli_cancels_a_single_container_app_before_its_container_exist
         return await real(*args, **kwargs)
 
     monkeypatch.setattr(engine, method, cancel_first)
+    monkeypatch.setattr(engine, "create_volume", claim)
     with anyio.fail_after(90):
         assert await docker_scheduler.schedule(info) == app_id
     pending, cancel = seen
@@ -1268,7 +1277,7 @@ async def test_two_processes_cancelling_at_once_send_one_sigterm(
 
 
 #: A process that submits a busybox app in ``argv[1]``'s session and prints its id once its
-#: submit is checking the image, then waits there for good (to be killed).
+#: submit has made its launch claim (its checks run meanwhile), then waits for good (to be killed).
 STUCK_LAUNCHER = textwrap.dedent(
     """
     import asyncio, sys
@@ -1279,12 +1288,14 @@ STUCK_LAUNCHER = textwrap.dedent(
         async with DockerScheduler(sys.argv[1]) as s:
             role = Role("main", sys.argv[2], entrypoint="sh", args=["-c", "echo ran"])
             info = s.submit_dryrun(AppDef("stuck", [role]), {})
+            real_claim = s.engine.create_volume
 
-            async def inspect_image(*args, **kwargs):
+            async def claim_then_hang(*args, **kwargs):
+                await real_claim(*args, **kwargs)
                 print(info.request.app_id, flush=True)
                 await asyncio.Event().wait()
 
-            s.engine.inspect_image = inspect_image
+            s.engine.create_volume = claim_then_hang
             await s.schedule(info)
 
     asyncio.run(main())
