@@ -22,14 +22,20 @@ import itertools
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from aiodocker.exceptions import DockerError
 from conftest import engine_missing
+
+if TYPE_CHECKING:
+    from asynctorchx.specs import Role
 
 BUSYBOX_IMAGE = "asynctorchx-test/busybox:latest"
 PYTHON_IMAGE = "asynctorchx-test/python:3.11"
@@ -111,7 +117,7 @@ def docker_session() -> str:
 
 
 async def purge_session(session: str) -> None:
-    """Removes every container and network labelled with ``session``."""
+    """Removes every container, network and volume (launch claims) labelled with ``session``."""
     import aiodocker
 
     from asynctorchx.schedulers._docker.request import LABEL_SESSION
@@ -124,6 +130,10 @@ async def purge_session(session: str) -> None:
         for n in await client.networks.list(filters={"label": [f"{LABEL_SESSION}={session}"]}):
             with contextlib.suppress(DockerError):
                 await (await client.networks.get(n["Id"])).delete()
+        volumes = await client.volumes.list(filters={"label": [f"{LABEL_SESSION}={session}"]})
+        for v in volumes.get("Volumes") or []:
+            with contextlib.suppress(DockerError):
+                await (await client.volumes.get(v["Name"])).delete()
 
 
 @pytest.fixture
@@ -140,6 +150,29 @@ async def docker_scheduler(docker_engine: None, docker_session: str) -> AsyncIte
 
 
 # -- helpers for engine tests ---------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sh(image: str, script: str, *, name: str = "main", n: int = 1, **kwargs: Any) -> Role:
+    """A role running ``script`` with busybox sh."""
+    from asynctorchx.specs import Role
+
+    return Role(
+        name=name, image=image, entrypoint="sh", args=["-c", script], num_replicas=n, **kwargs
+    )
+
+
+def run_python(*args: str) -> subprocess.CompletedProcess[str]:
+    """Runs a new Python process with ``args`` (from the repository, output captured)."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
 
 
 async def wait_for(
@@ -386,6 +419,18 @@ class _FakeVolumes:
             raise DockerError(404, f"get {name}: no such volume")
         return object()
 
+    async def list(self, *, filters: dict[str, list[str]]) -> dict[str, Any]:
+        await self.docker.reading()
+        self.docker.calls.append(("volume_list", json.dumps(filters)))
+        wanted = [x.partition("=") for x in filters.get("label", [])]
+        return {
+            "Volumes": [
+                {"Name": name, "Labels": dict(labels)}
+                for name, labels in self.docker.labelled_volumes.items()
+                if all(k in labels and (not eq or labels[k] == v) for k, eq, v in wanted)
+            ]
+        }
+
 
 class _FakeSystem:
     def __init__(self, docker: FakeDocker) -> None:
@@ -445,6 +490,8 @@ class FakeDocker:
         self.fail_create: dict[str, str] = {}
         self.fail_start: set[str] = set()
         self.volumes_present: set[str] = set()
+        #: volumes created through the API (launch claims), with their labels
+        self.labelled_volumes: dict[str, dict[str, str]] = {}
         self.racy_networks = False
         self.containers_by_id: dict[str, FakeContainer] = {}
         self.networks_by_id: dict[str, dict[str, Any]] = {}
@@ -471,11 +518,32 @@ class FakeDocker:
         for stream in list(self.event_streams):
             stream.offer(event)
 
+    async def _query_json(
+        self, path: str, method: str = "GET", *, data: bytes = b"", **kwargs: Any
+    ) -> dict[str, Any]:
+        """``POST /volumes/create`` (an existing volume is answered as it is)."""
+        if (path, method) != ("volumes/create", "POST"):
+            raise DockerError(500, f"the fake engine does not serve {method} {path}")
+        config = json.loads(data)
+        self.calls.append(("volume_create", config["Name"]))
+        labels = self.labelled_volumes.setdefault(config["Name"], dict(config.get("Labels") or {}))
+        self.volumes_present.add(config["Name"])
+        return {"Name": config["Name"], "Labels": dict(labels)}
+
     @contextlib.asynccontextmanager
     async def _query(
-        self, path: str, *, params: dict[str, Any], timeout: object = None
-    ) -> AsyncIterator[_FakeEventStream]:
-        """``GET /events`` (the only streamed request the fake answers)."""
+        self, path: str, *, params: dict[str, Any], timeout: object = None, method: str = "GET"
+    ) -> AsyncIterator[Any]:
+        """``GET /events`` (the only streamed request the fake answers), ``DELETE /volumes/``."""
+        if method == "DELETE" and path.startswith("volumes/"):
+            name = path.removeprefix("volumes/")
+            self.calls.append(("volume_remove", name))
+            if name not in self.volumes_present:
+                raise DockerError(404, f"get {name}: no such volume")
+            self.volumes_present.discard(name)
+            self.labelled_volumes.pop(name, None)
+            yield None
+            return
         if path != "events" or self.events_refused:
             raise DockerError(500, f"the fake engine does not serve {path}")
         self.calls.append(("events", params["filters"]))

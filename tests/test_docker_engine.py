@@ -30,6 +30,8 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     docker_scheduler,
     docker_session,
     purge_session,
+    run_python,
+    sh,
     wait_for,
 )
 
@@ -41,6 +43,7 @@ from asynctorchx.specs import (
     AppDef,
     AppState,
     BindMount,
+    MalformedAppHandleException,
     Resource,
     RetryPolicy,
     Role,
@@ -53,13 +56,6 @@ from asynctorchx.specs import (
 
 pytestmark = pytest.mark.docker
 REPO = Path(__file__).resolve().parents[1]
-
-
-def sh(image: str, script: str, *, name: str = "main", n: int = 1, **kwargs: Any) -> Role:
-    """A role running ``script`` with busybox sh."""
-    return Role(
-        name=name, image=image, entrypoint="sh", args=["-c", script], num_replicas=n, **kwargs
-    )
 
 
 async def test_succeeding_app_is_succeeded_with_exit_codes_and_hostnames(
@@ -361,6 +357,30 @@ async def test_unknown_app_is_none_never_succeeded(docker_scheduler: DockerSched
         await collect(docker_scheduler.log_iter("no-such-app-12345678", "main"))
 
 
+async def test_an_app_id_that_cannot_name_a_container_is_unknown_and_cancels_nothing(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """An empty app id (or one with a slash or a NUL) passed to the API is unknown: describe
+    None, exists False, logs raise, and its cancel leaves the other apps alone (an empty id
+    listed every app's containers, and its cancel stopped running apps once some app had a
+    cancel marker)."""
+    running = await docker_scheduler.submit(
+        AppDef("keep", [sh(busybox_image, "exec sleep 300")]), {}
+    )
+    cancelled = await docker_scheduler.submit(
+        AppDef("gone", [sh(busybox_image, "exec sleep 300")]), {}
+    )
+    await docker_scheduler.cancel(cancelled)
+    for bad in ["", f"x/../{running}", f"{running}\x00"]:
+        assert await docker_scheduler.describe(bad) is None
+        assert not await docker_scheduler.exists(bad)
+        error = UnknownAppException if bad else MalformedAppHandleException  # no handle has it
+        with pytest.raises(error):
+            await collect(docker_scheduler.log_iter(bad, "main"))
+        await docker_scheduler.cancel(bad)
+    assert await _running(running) == [f"/{running}-main-0"]
+
+
 async def test_list_shows_apps_with_their_handles_and_states(
     docker_scheduler: DockerScheduler, busybox_image: str, docker_session: str
 ) -> None:
@@ -375,20 +395,8 @@ async def test_list_shows_apps_with_their_handles_and_states(
     assert listed[ok].app_handle == f"local_docker://{docker_session}/{ok}"
 
 
-def _python(*args: str) -> subprocess.CompletedProcess[str]:
-    """Runs a new Python process with ``args`` (from the repository, output captured)."""
-    return subprocess.run(
-        [sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
-
-
 def _run_in_new_process(code: str) -> dict[str, Any]:
-    proc = _python("-c", textwrap.dedent(code))
+    proc = run_python("-c", textwrap.dedent(code))
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -956,7 +964,9 @@ async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
     async def network_then_cancel(*args: Any, **kwargs: Any) -> Any:
         nid = await real_network(*args, **kwargs)
         if not outcome:
-            outcome.append(await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", handle))
+            outcome.append(
+                await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle)
+            )
         return nid
 
     monkeypatch.setattr(engine, "create_network", network_then_cancel)
@@ -968,7 +978,7 @@ async def test_the_cli_cancels_an_app_whose_submit_has_made_only_its_network(
     with anyio.fail_after(30):
         assert (await wait_for(docker_scheduler, app_id)).state == AppState.CANCELLED
     never_existed = f"local_docker://{docker_session}/never-1a2b3c"
-    never = await asyncio.to_thread(_python, "-m", "asynctorchx", "cancel", never_existed)
+    never = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", never_existed)
     assert never.returncode != 0
     assert "never-1a2b3c" in never.stderr
 
@@ -1078,3 +1088,246 @@ async def test_a_replica_removed_behind_our_back_fails_the_app_and_stops_the_oth
     assert resp.state == AppState.FAILED
     assert "main/1" in resp.msg and "removed" in resp.msg
     assert resp.roles_statuses[0].replicas[0].exit_code in (137, 143)
+
+
+# -- cancels from other processes: real processes (the CLI, or a Python child whose cancel is held
+# at, or killed after, the making of the cancel marker), synchronised through their stdin/stdout.
+
+#: A replica whose SIGTERM handler logs "term" and keeps it running (until SIGKILL).
+TERM_LOGGER = "trap 'echo term' TERM; echo up; while :; do sleep 0.001; done"
+
+#: A process that cancels ``argv[1]`` through a scheduler of its own; with ``argv[2]`` "hold" it
+#: prints "ready" just before making the cancel marker and waits for a line on stdin, with "die"
+#: it prints "marked" once the marker exists and then never goes on (to be killed there).
+CANCELLER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+
+    app_id, mode = sys.argv[1], sys.argv[2]
+
+    async def main():
+        async with DockerScheduler("someone-else") as s:
+            real = s.engine.create_container
+
+            async def create(config, name, **kwargs):
+                if name != app_id + "-cancelled":
+                    return await real(config, name, **kwargs)
+                if mode == "hold":
+                    print("ready", flush=True)
+                    await asyncio.to_thread(sys.stdin.readline)
+                made = await real(config, name, **kwargs)
+                if mode == "die":
+                    print("marked", flush=True)
+                    await asyncio.Event().wait()
+                return made
+
+            s.engine.create_container = create
+            await s.cancel(app_id)
+            print("done", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def _volumes_of(app_id: str) -> list[str]:
+    """The names of the volumes labelled with ``app_id`` (asked directly)."""
+    import aiodocker
+
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    async with aiodocker.Docker() as client:
+        answer = await client.volumes.list(filters={"label": [f"{LABEL_APP_ID}={app_id}"]})
+    return [v["Name"] for v in answer.get("Volumes") or []]
+
+
+async def _canceller(app_id: str, mode: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CANCELLER,
+        app_id,
+        mode,
+        cwd=REPO,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+
+
+async def _says(proc: asyncio.subprocess.Process, word: str) -> None:
+    """Waits (bounded by the caller) until ``proc`` prints ``word`` on a line of its own."""
+    assert proc.stdout is not None
+    line = await proc.stdout.readline()
+    assert line.decode().strip() == word, f"the canceller said {line!r}, not {word!r}"
+
+
+async def _started_and_up(scheduler: DockerScheduler, image: str, stop_timeout: int) -> str:
+    """Submits a TERM_LOGGER app and returns its id once its replica has logged "up"."""
+    app_id = await scheduler.submit(
+        AppDef("terms", [sh(image, TERM_LOGGER)]), {"stop_timeout": stop_timeout}
+    )
+    async for line in scheduler.log_iter(app_id, "main", should_tail=True):
+        assert line == "up\n"
+        break
+    return app_id
+
+
+@pytest.mark.parametrize("point", ["during its checks", "while it creates its container"])
+async def test_the_cli_cancels_a_single_container_app_before_its_container_exists(
+    docker_scheduler: DockerScheduler,
+    docker_session: str,
+    busybox_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
+) -> None:
+    """``asynctorchx cancel`` of a single-container app whose submit (in another process) has
+    made no container yet reports the cancel (not "unknown app"); the submit then runs nothing,
+    the app reads CANCELLED everywhere, and no launch claim is left behind."""
+    engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("one", [sh(busybox_image, "echo ran; exec sleep 300")]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    handle = f"local_docker://{docker_session}/{app_id}"
+    method = "inspect_image" if point == "during its checks" else "create_container"
+    real, real_claim = getattr(engine, method), engine.create_volume
+    seen: list[Any] = []
+    claimed = asyncio.Event()  # the launch claim is made while the checks run
+
+    async def claim(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await real_claim(*args, **kwargs)
+        finally:
+            claimed.set()
+
+    async def cancel_first(*args: Any, **kwargs: Any) -> Any:
+        if not seen:
+            await claimed.wait()
+            other = DockerScheduler("someone-else")
+            try:
+                seen.append(await other.describe(app_id))
+            finally:
+                await other.close()
+            seen.append(await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, method, cancel_first)
+    monkeypatch.setattr(engine, "create_volume", claim)
+    with anyio.fail_after(90):
+        assert await docker_scheduler.schedule(info) == app_id
+    pending, cancel = seen
+    assert pending is not None and pending.state == AppState.PENDING
+    assert cancel.returncode == 0, cancel.stderr
+    assert "cancel requested" in cancel.stderr + cancel.stdout
+    with anyio.fail_after(30):
+        assert (await wait_for(docker_scheduler, app_id)).state == AppState.CANCELLED
+    status = await asyncio.to_thread(run_python, "-m", "asynctorchx", "status", "--json", handle)
+    assert '"CANCELLED"' in status.stdout, status.stdout + status.stderr
+    assert await containers_of(app_id) == [f"/{app_id}-cancelled"]  # nothing else was made
+    assert await _volumes_of(app_id) == []
+
+
+async def test_a_canceller_killed_after_its_marker_leaves_no_app_cancelling_forever(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """A cancelling process killed right after making the app's cancel marker (before stopping
+    anything): a later describe from another process finishes the cancel, with one SIGTERM
+    (the replica's handler runs once), and the app ends CANCELLED."""
+    with anyio.fail_after(60):
+        app_id = await _started_and_up(docker_scheduler, busybox_image, stop_timeout=1)
+        proc = await _canceller(app_id, "die")
+        try:
+            await _says(proc, "marked")
+        finally:
+            proc.kill()
+            await proc.wait()
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
+async def test_two_processes_cancelling_at_once_send_one_sigterm(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """Two processes that cancel a running app at the same moment (both about to make its cancel
+    marker) signal its container once between them: the SIGTERM handler runs once, both return,
+    and the app ends CANCELLED."""
+    with anyio.fail_after(60):
+        app_id = await _started_and_up(docker_scheduler, busybox_image, stop_timeout=2)
+        procs = [await _canceller(app_id, "hold") for _ in range(2)]
+        try:
+            for proc in procs:
+                await _says(proc, "ready")
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.write(b"go\n")
+                await proc.stdin.drain()
+            for proc in procs:
+                await _says(proc, "done")
+                assert await proc.wait() == 0
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
+#: A process that submits a busybox app in ``argv[1]``'s session and prints its id once its
+#: submit has made its launch claim (its checks run meanwhile), then waits for good (to be killed).
+STUCK_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    async def main():
+        async with DockerScheduler(sys.argv[1]) as s:
+            role = Role("main", sys.argv[2], entrypoint="sh", args=["-c", "echo ran"])
+            info = s.submit_dryrun(AppDef("stuck", [role]), {})
+            real_claim = s.engine.create_volume
+
+            async def claim_then_hang(*args, **kwargs):
+                await real_claim(*args, **kwargs)
+                print(info.request.app_id, flush=True)
+                await asyncio.Event().wait()
+
+            s.engine.create_volume = claim_then_hang
+            await s.schedule(info)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_an_app_whose_launcher_was_killed_before_its_containers_is_unknown(
+    docker_scheduler: DockerScheduler, docker_session: str, busybox_image: str
+) -> None:
+    """A submit killed during its checks (no container made yet): other processes see the app
+    PENDING while its launcher lives, unknown once it is gone (not PENDING for good), and a
+    cancel of it is then a clear "unknown app" error."""
+    with anyio.fail_after(60):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            STUCK_LAUNCHER,
+            docker_session,
+            busybox_image,
+            cwd=REPO,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None
+            app_id = (await proc.stdout.readline()).decode().strip()
+            pending = await docker_scheduler.describe(app_id)
+        finally:
+            proc.kill()
+            await proc.wait()
+        assert pending is not None and pending.state == AppState.PENDING
+        assert await docker_scheduler.describe(app_id) is None
+        handle = f"local_docker://{docker_session}/{app_id}"
+        cancel = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle)
+    assert cancel.returncode != 0 and app_id in cancel.stderr

@@ -33,6 +33,8 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_RETRY_POLICY,
     LABEL_ROLE_NAME,
     LABEL_ROLES,
+    cancel_marker,
+    claim_name,
 )
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
@@ -333,6 +335,26 @@ def test_cancelled_app_owes_its_network_once_nothing_is_alive() -> None:
     assert done.actions == (RemoveNetwork(tuple(c.id for c in [*replicas, marker])),)
 
 
+@pytest.mark.parametrize(
+    "roles",
+    [
+        '[["r", 30000000]]',
+        '[["r", 4194304], ["s", 1]]',
+        '[["r", -5]]',
+        '[["r", 1e999]]',
+        "[" * 100000,
+    ],
+)
+def test_a_roles_label_no_dry_run_makes_is_read_as_missing(roles: str) -> None:
+    """A replica count no dry run accepts in the roles label (past PID_MAX_LIMIT, negative, an
+    overflowing float, nesting past the recursion limit: a container anyone with the engine
+    can make) is ignored, the roles read from the containers: describe (and the event feed's
+    catch-up of every app) ran into a MemoryError, or raised the parse error."""
+    a = assess("app", [_c("r", 0, "running", roles=roles)])
+    assert a is not None and a.response.state == AppState.RUNNING
+    assert [(s.role, len(s.replicas)) for s in a.response.roles_statuses] == [("r", 1)]
+
+
 # -- submit error paths with a fake client ------------------------------------------------------
 
 
@@ -587,15 +609,16 @@ async def test_describe_and_cancel_of_an_unknown_app() -> None:
 
 
 async def test_describe_many_is_one_listing_for_many_apps() -> None:
-    """Describing many apps costs one container listing, whatever their number."""
+    """Describing many apps costs one container listing, whatever their number (and one volume
+    listing for the launch claims of those it has no container of)."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
     ids = [await scheduler.submit(_app(_role()), {}) for _ in range(5)]
     docker.calls.clear()
-    result = await scheduler.describe_many([*ids, "unknown-1"])
-    assert [op for op, _ in docker.calls] == ["list"]
+    result = await scheduler.describe_many([*ids, "unknown-1", "unknown-2"])
+    assert [op for op, _ in docker.calls] == ["list", "volume_list"]
     assert all(result[i] is not None and result[i].state == AppState.RUNNING for i in ids)  # type: ignore[union-attr]
-    assert result["unknown-1"] is None
+    assert result["unknown-1"] is None and result["unknown-2"] is None
     await scheduler.close()
 
 
@@ -724,7 +747,7 @@ async def test_status_reads_issue_no_write_to_the_engine() -> None:
     await scheduler._reconciler.wait_idle()
     assert scheduler.engine.writes == writes
     assert scheduler.engine.requests["container_list"] >= 4
-    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 5
+    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 2 + ["volume_list"] + ["list"] * 3
     assert docker.by_name(f"{app_id}-r-1").state == "running"  # type: ignore[union-attr]
     await scheduler.close()
 
@@ -873,3 +896,102 @@ async def test_a_stop_asked_again_while_under_way_sends_one_request() -> None:
         client.release.set()
         await waiting
         assert client.requests == [("c2", None), ("c2", None)]
+
+
+async def test_a_dry_run_scheduled_twice_at_once_launches_once_and_keeps_the_claim() -> None:
+    """One dry run scheduled by two schedulers at once: one launches it, the other is refused
+    ("being submitted already") without removing the first one's launch claim, which the
+    launch removes itself once its container exists."""
+    docker = FakeDocker({IMAGE})
+    first = DockerScheduler("s", docker, watch_events=False)
+    second = DockerScheduler("s", docker, watch_events=False)
+    info = first.submit_dryrun(_app(_role()), {})
+    app_id = info.request.app_id
+    results = await asyncio.gather(
+        first.schedule(info), second.schedule(info), return_exceptions=True
+    )
+    assert results[0] == app_id
+    assert isinstance(results[1], DockerSchedulerError)
+    assert "being submitted already" in str(results[1])
+    assert [op for op, name in docker.calls if name == claim_name(app_id)] == [
+        "volume_create",
+        "volume_create",
+        "volume_remove",
+    ]
+    assert docker.labelled_volumes == {}
+    await first.close()
+    await second.close()
+
+
+@pytest.mark.parametrize("how", ["a failed check", "a cancelled submit"])
+async def test_a_submit_that_ends_in_its_checks_removes_its_launch_claim(how: str) -> None:
+    """A submit whose checks fail (an image that cannot be pulled) or that is cancelled during
+    them leaves no launch claim: the app is unknown, not PENDING."""
+    docker = FakeDocker(set() if how == "a failed check" else {IMAGE})
+    scheduler = DockerScheduler("s", docker, watch_events=False)
+    info = scheduler.submit_dryrun(_app(_role()), {})
+    if how == "a cancelled submit":
+        checking = asyncio.Event()
+        real = docker.images.inspect
+
+        async def inspect_forever(name: str) -> Any:
+            checking.set()
+            await asyncio.Event().wait()
+            return await real(name)
+
+        docker.images.inspect = inspect_forever  # type: ignore[method-assign]
+        submit = asyncio.ensure_future(scheduler.schedule(info))
+        with anyio.fail_after(10):
+            await checking.wait()
+        submit.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await submit
+    else:
+        with pytest.raises(DockerSchedulerError, match="could not be pulled"):
+            await scheduler.schedule(info)
+    assert docker.labelled_volumes == {}
+    assert await scheduler.describe(info.request.app_id) is None
+    await scheduler.close()
+
+
+async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once() -> None:
+    """An app marked cancelled by a process that has exited, its replica still running: two
+    schedulers (as two processes) cancelling it at once take the cancel over once between them
+    (one marker of the next turn, one stop)."""
+    import subprocess
+    import sys
+
+    from asynctorchx.schedulers._docker.cancel import _host_and_namespace
+
+    docker = FakeDocker({IMAGE})
+    schedulers = [DockerScheduler("s", docker, watch_events=False) for _ in range(2)]
+    app_id = await schedulers[0].submit(_app(_role()), {})
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    boot, namespace = _host_and_namespace()
+    marker = cancel_marker(
+        app_id, "fake", "s", IMAGE, canceller=f"{boot}/{namespace}/{dead.stdout.strip()}/"
+    )
+    await docker.containers.create(marker.config, name=marker.name)
+    real_create, arrived, both = docker.containers.create, [], asyncio.Event()
+
+    async def create_when_both_take_over(config: dict[str, Any], *, name: str) -> Any:
+        if name == f"{marker.name}-2":  # both have found the canceller gone
+            arrived.append(name)
+            if len(arrived) == 2:
+                both.set()
+            await both.wait()
+        return await real_create(config, name=name)
+
+    docker.containers.create = create_when_both_take_over  # type: ignore[method-assign]
+    with anyio.fail_after(10):
+        await asyncio.gather(*(s.cancel(app_id) for s in schedulers))
+    assert len(arrived) == 2
+    assert [name for op, name in docker.calls if op == "stop"] == [f"{app_id}-r-0"]
+    assert docker.by_name(f"{marker.name}-2") is not None
+    for s in schedulers:
+        await s.close()

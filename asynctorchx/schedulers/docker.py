@@ -21,14 +21,15 @@ How an app maps onto Docker:
   network, or its containers with ``remove_finished``) are driven by Docker's events, in one task
   per app; a status read (``describe``, ``list``) never changes anything.
 - Cancel stops every container (SIGTERM, then SIGKILL after the app's ``stop_timeout``) and leaves
-  a never-started marker container, so that every process sees the app as CANCELLED. A submit
-  under way looks for the cancel (asked in its process, or the marker) before it creates the
-  containers, before it starts them, after rank 0 and after the last start, and stops there; an
-  app another process is submitting is found by its network before its containers exist (a
-  single-container app has none: until its container is created it is unknown elsewhere). Each
-  container is stopped once (a second SIGTERM would run its handler again): by the canceller if
-  it started before the marker, else by the launch (or retry) that started it; the follow-ups of
-  a cancelled app stop nothing.
+  a never-started marker container, so that every process sees the app as CANCELLED. Until a
+  submit has created the app's containers, a launch claim (a volume named after the app) names
+  it for every process (PENDING, "being submitted"); a cancel then removes the claim, and the
+  launch, which removes it itself once its containers exist, starts nothing if it finds it gone.
+  After that the submit looks for the marker before the starts, after rank 0 and after the last
+  start, and stops there. Each container is stopped once (a second SIGTERM would run its handler
+  again): by the process that made the marker if it started before the marker, else by the launch
+  (or retry) that started it; other cancellers and the follow-ups stop nothing, unless the
+  marker's maker has exited without doing so (``_docker/cancel.py``: then one process takes over).
 - Logs come from the Docker API: stdout and stderr kept apart (COMBINED: in arrival order), long
   lines joined back, ``since``/``until`` per line, a dropped follow stream resumed by timestamp.
 
@@ -47,6 +48,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +56,12 @@ from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps, started_after
+from asynctorchx.schedulers._docker.cancel import (
+    abandoned_cancel,
+    process_gone,
+    process_identity,
+    take_over_if_abandoned,
+)
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -61,16 +69,18 @@ from asynctorchx.schedulers._docker.engine import (
 )
 from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
-from asynctorchx.schedulers._docker.launch import CancelWatch, Launcher
+from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
 from asynctorchx.schedulers._docker.request import (
+    KIND_LAUNCH_CLAIM,
     LABEL_APP_ID,
-    LABEL_APP_NAME,
-    LABEL_MARKER_IMAGE,
-    LABEL_SESSION,
+    LABEL_KIND,
+    LABEL_LAUNCHER,
     DockerJob,
     build_job,
     cancel_marker,
+    claim_name,
+    is_app_id,
     run_options,
 )
 from asynctorchx.schedulers._docker.state import (
@@ -253,21 +263,43 @@ class DockerScheduler(Scheduler[DockerJob]):
         return job.app_id
 
     async def _schedule(self, dryrun_info: AppDryRunInfo[DockerJob], watch: CancelWatch) -> bool:
-        """``schedule``'s checks and launch; False when the app was cancelled meanwhile."""
+        """``schedule``'s checks and launch; False when the app was cancelled meanwhile.
+
+        The launch claim that names the app for other processes is made while the checks run
+        (they create nothing), so it costs the submit no round trip of its own.
+        """
         job = dryrun_info.request
-        if dryrun_info.workspace is not None:
-            await ensure_image(
-                self._engine, dryrun_info.workspace, self._flights, current_progress()
+        try:
+            claimed, checked = await asyncio.gather(
+                self._launcher.claim(job, uuid.uuid4().hex),
+                self._checks(dryrun_info),
+                return_exceptions=True,
             )
-        await self._launcher.preflight(job)
-        self._check_open()  # closed during the checks: nothing was created
-        await self._events.connected()  # its follow-ups are driven by the events from now on
+            for outcome in (claimed, checked):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            self._check_open()  # closed during the checks: nothing was created
+            await self._events.connected()  # its follow-ups are driven by the events from now on
+        except ClaimTakenError:
+            raise  # the claim is another launch's
+        except BaseException:
+            unclaim = self._launcher.unclaim(job)
+            await finish_shielded(self._tasks, unclaim, f"unclaim:{job.app_id}")
+            raise
         try:
             return await self._launcher.launch(job, watch)
         except BaseException:
             purge = self._launcher.purge(job.app_id, job.network_request)
             await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
             raise
+
+    async def _checks(self, dryrun_info: AppDryRunInfo[DockerJob]) -> None:
+        """The workspace image (built unless its tag exists), then ``Launcher.preflight``."""
+        if dryrun_info.workspace is not None:
+            await ensure_image(
+                self._engine, dryrun_info.workspace, self._flights, current_progress()
+            )
+        await self._launcher.preflight(dryrun_info.request)
 
     # -- status (reads only) --------------------------------------------------------------------
 
@@ -279,9 +311,10 @@ class DockerScheduler(Scheduler[DockerJob]):
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
         """Describes many apps with one container listing (none when events vouch for them all)."""
         self._check_open()
-        ids = list(dict.fromkeys(app_ids))
+        asked = list(dict.fromkeys(app_ids))
+        ids = [app_id for app_id in asked if is_app_id(app_id)]  # others cannot name a container
         if not ids:
-            return {}
+            return dict.fromkeys(asked)
         groups = self._events.snapshot(ids)
         if groups is None:
             listed = await self._events.containers(ids[0] if len(ids) == 1 else None, for_apps=ids)
@@ -296,21 +329,23 @@ class DockerScheduler(Scheduler[DockerJob]):
                 found.append(assessment)
         for assessment in await asyncio.gather(*(self._with_restart_counts(a) for a in found)):
             out[assessment.response.app_id] = assessment.response
+            if abandoned_cancel(assessment):  # its follow-up finishes the cancel
+                self._reconciler.request(assessment.response.app_id)
         unknown = [app_id for app_id, r in out.items() if r is None]
         if unknown:
             for app_id in await self._being_launched(unknown):
                 out[app_id] = DescribeAppResponse(
                     app_id=app_id, state=AppState.PENDING, msg="being submitted"
                 )
-        return out
+        return {app_id: out.get(app_id) for app_id in asked}
 
     async def _being_launched(self, app_ids: list[str]) -> list[str]:
         """Those of ``app_ids`` (apps Docker has no container of) being submitted: by this
-        process, or by another that has made the app's network so far."""
+        process, or by another whose launch claim is there (and whose process is not gone)."""
         here = [a for a in app_ids if a in self._launches]
         elsewhere = [a for a in app_ids if a not in self._launches]
         if elsewhere:
-            here.extend(await self._launch_networks(elsewhere))
+            here.extend(await self._launch_claims(elsewhere))
         return here
 
     async def _with_restart_counts(self, a: Assessment) -> Assessment:
@@ -333,25 +368,30 @@ class DockerScheduler(Scheduler[DockerJob]):
 
     async def exists(self, app_id: str) -> bool:
         """True when Docker has a container of the app (or this process removed them), or the
-        app is being submitted (by this process, or by another that made its network)."""
+        app is being submitted (by this process, or by another: its launch claim is there)."""
         self._check_open()
-        return (
+        return is_app_id(app_id) and (
             app_id in self._launches
             or bool(await self._events.containers(app_id))
             or self._follow_ups.removed(app_id) is not None
-            or bool(await self._launch_networks([app_id]))
+            or bool(await self._launch_claims([app_id]))
         )
 
-    async def _launch_networks(self, app_ids: Sequence[str]) -> dict[str, Mapping[str, str]]:
-        """The labels of the networks launches of these apps made, by app id (asked only for
-        apps Docker has no container of: a launch that has not created them yet)."""
+    async def _launch_claims(self, app_ids: Sequence[str]) -> set[str]:
+        """Those of ``app_ids`` whose launch claim is there and whose launcher is not known to be
+        gone (asked only for apps Docker has no container of: a launch that has not created
+        them yet, see ``CancelWatch``)."""
         wanted = set(app_ids)
-        label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_MARKER_IMAGE
-        out: dict[str, Mapping[str, str]] = {}
-        for n in await self._engine.list_networks(label=label):
-            labels = dict(n.get("Labels") or {})
-            if labels.get(LABEL_APP_ID) in wanted and labels.get(LABEL_MARKER_IMAGE):
-                out[labels[LABEL_APP_ID]] = labels
+        label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_APP_ID
+        out = set()
+        for v in await self._engine.list_volumes(label):
+            labels = dict(v.get("Labels") or {})
+            if (
+                labels.get(LABEL_KIND) == KIND_LAUNCH_CLAIM
+                and labels.get(LABEL_APP_ID) in wanted
+                and not process_gone(labels.get(LABEL_LAUNCHER, ""))
+            ):
+                out.add(labels[LABEL_APP_ID])
         return out
 
     async def list(self) -> list[ListAppResponse]:
@@ -382,7 +422,9 @@ class DockerScheduler(Scheduler[DockerJob]):
         return unsubscribe
 
     async def _follow_up(self, app_id: str) -> None:
-        await self._follow_ups.run(app_id)
+        a = await self._follow_ups.run(app_id)
+        if a is not None and await take_over_if_abandoned(self._engine, a):
+            logger.info("finished the cancel of %s: its canceller had exited", app_id)
 
     # -- cancel ---------------------------------------------------------------------------------
 
@@ -409,33 +451,38 @@ class DockerScheduler(Scheduler[DockerJob]):
 
     async def _stop_app(self, app_id: str) -> None:
         a = assess(app_id, await self._events.containers(app_id))
-        if a is not None and is_terminal(a.response.state):
+        if a is None:  # being launched by another process, which has made no container yet
+            if await self._engine.remove_volume(claim_name(app_id)):
+                self._notify(app_id)  # that launch now creates nothing but the marker
+                return
+            a = assess(app_id, await self._events.containers(app_id))  # made them meanwhile
+            if a is None:
+                return
+        if is_terminal(a.response.state):
             return
-        if a is None or all(not c.is_marker for c in a.containers):  # not marked yet
-            if a is not None:
-                name, session, image = a.name, a.session, a.containers[0].image
-            else:  # being launched by another process, which has made only its network
-                labels = (await self._launch_networks([app_id])).get(app_id)
-                if labels is None:
-                    return
-                name = labels.get(LABEL_APP_NAME, "")
-                session = labels.get(LABEL_SESSION, "")
-                image = labels[LABEL_MARKER_IMAGE]
-            marker = cancel_marker(app_id, name, session, image)
-            what = f"marking {app_id} as cancelled"
-            made = await self._engine.create_container(
-                marker.config, marker.name, what=what, exist_ok=True
-            )
-            # Listed again after the marker: a launch under way looks for the marker after its
-            # starts, so a container it started before the marker is in this listing (those
-            # started after it are the launch's to stop: see ``started_after``).
-            a = assess(app_id, await self._events.containers(app_id))
-            alive = [c.id for c in (a.containers if a else []) if c.alive and not c.is_marker]
-            if made is not None and alive:
-                after = await started_after(self._engine, made, alive)
-                alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
-        else:
-            alive = [c.id for c in a.containers if c.alive and not c.is_marker]
+        if any(c.is_marker for c in a.containers):
+            # Its canceller stops them (a second SIGTERM would run their handler again), unless
+            # it died before it could.
+            await take_over_if_abandoned(self._engine, a)
+            self._notify(app_id)
+            return
+        marker = cancel_marker(
+            app_id, a.name, a.session, a.containers[0].image, canceller=process_identity()
+        )
+        made = await self._engine.create_container(
+            marker.config, marker.name, what=f"marking {app_id} as cancelled", exist_ok=True
+        )
+        if made is None:  # another canceller made it first: the stops are its to do
+            self._notify(app_id)
+            return
+        # Listed again after the marker: a launch under way looks for the marker after its
+        # starts, so a container it started before the marker is in this listing (those
+        # started after it are the launch's to stop: see ``started_after``).
+        a = assess(app_id, await self._events.containers(app_id))
+        alive = [c.id for c in (a.containers if a else []) if c.alive and not c.is_marker]
+        if alive:
+            after = await started_after(self._engine, made, alive)
+            alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
         results = await asyncio.gather(
             *(self._engine.stop_container(c) for c in alive), return_exceptions=True
         )

@@ -58,8 +58,9 @@ class FollowUps:
         response = self._removed.get(app_id)
         return copy.deepcopy(response) if response is not None else None
 
-    async def run(self, app_id: str) -> None:
-        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it).
+    async def run(self, app_id: str) -> Assessment | None:
+        """Does what app ``app_id`` is owed now (the ``Reconciler``'s work for it); returns the
+        assessment it acted on (None: the app has no container).
 
         The live containers of a cancelled app are not stopped here: each has one stopper (see
         ``started_after``), and a stop from every process that follows the app's events would
@@ -67,7 +68,7 @@ class FollowUps:
         """
         a = assess(app_id, await self._list_app(app_id))
         if a is None:
-            return
+            return None
         stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
         if any(c.is_marker for c in a.containers):
             stops = []  # the canceller's and the launches' (see ``started_after``)
@@ -88,6 +89,7 @@ class FollowUps:
                 await self._once(("network", app_id), self._remove_network(app_id, action))
         if errors:
             raise errors[0]
+        return a
 
     async def _once(self, key: tuple[str, ...], work: Awaitable[None]) -> None:
         """Does ``work`` unless the action ``key`` was done before; remembers it once done."""

@@ -71,6 +71,8 @@ WRITE_REQUESTS = frozenset(
         "container_remove",
         "network_create",
         "network_remove",
+        "volume_create",
+        "volume_remove",
         "image_pull",
     }
 )
@@ -756,6 +758,44 @@ class DockerEngine:
         """True when the engine has the named volume."""
         client = await self.client()
         return await self._exists("volume", client.volumes.get, name)
+
+    async def create_volume(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Creates a named volume and returns the engine's view of it; when one of that name
+        exists already, it is left as it is and returned (its labels, not ``config``'s)."""
+        client = await self.client()
+        self._count("volume_create")
+        try:
+            answer = await client._query_json(
+                "volumes/create", method="POST", data=json.dumps(dict(config)).encode()
+            )
+        except Exception as e:
+            raise _request_error(f"creating volume {config.get('Name')!r}", e) from None
+        return dict(answer or {})
+
+    async def remove_volume(self, name: str) -> bool:
+        """Removes a named volume; True when this request removed it, False when it was gone.
+
+        Of several removals of one volume (from any process), exactly one gets True.
+        """
+        client = await self.client()
+        self._count("volume_remove")
+        try:
+            await import_aiodocker().volumes.DockerVolume(client, name).delete()
+        except Exception as e:
+            if status_of(e) == 404:
+                return False
+            raise _request_error(f"removing volume {name!r}", e) from None
+        return True
+
+    async def list_volumes(self, label: str) -> list[dict[str, Any]]:
+        """The volumes that carry ``label`` (``key`` or ``key=value``)."""
+        client = await self.client()
+        self._count("volume_list")
+        try:
+            answer = await client.volumes.list(filters={"label": [label]})
+        except Exception as e:
+            raise _request_error("listing volumes", e) from None
+        return [dict(v) for v in (answer or {}).get("Volumes") or []]
 
     async def network_exists(self, name: str) -> bool:
         """True when the engine has a network of that name or id."""

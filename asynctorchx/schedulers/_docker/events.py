@@ -248,7 +248,7 @@ class EventFeed:
         epoch = self._epoch if self.live else None
         asked_at = time.monotonic()
         raw = await self._engine.list_containers(
-            f"{LABEL_APP_ID}={app_id}" if app_id else LABEL_APP_ID
+            f"{LABEL_APP_ID}={app_id}" if app_id is not None else LABEL_APP_ID
         )
         infos = [ContainerInfo.from_summary(c) for c in raw]
         if epoch is not None and epoch == self._epoch:

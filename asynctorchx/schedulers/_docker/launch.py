@@ -17,16 +17,19 @@ from typing import Any, TypeVar, cast
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks, started_since
+from asynctorchx.schedulers._docker.cancel import process_identity
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
     LABEL_APP_NAME,
-    LABEL_MARKER_IMAGE,
+    LABEL_LAUNCH_TOKEN,
     LABEL_SESSION,
     ContainerRequest,
     DockerJob,
     NetworkRequest,
     cancel_marker,
+    claim_name,
+    claim_request,
     marker_name,
 )
 from asynctorchx.schedulers._reconcile import finish_shielded
@@ -36,13 +39,21 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class ClaimTakenError(DockerSchedulerError):
+    """Raised when another launch of the same dry run holds the app's launch claim."""
+
+
 class CancelWatch:
     """Whether the app a submit is launching has been cancelled meanwhile.
 
-    A cancel from this process sets ``requested``; one from any other process leaves the app's
-    cancel marker (a container), which ``cancelled`` looks for. A canceller makes the marker before
-    it lists the containers to stop, and the launch looks for the marker after its starts: so
-    either the canceller sees a started container and stops it, or the launch sees the marker.
+    A cancel from this process sets ``requested``. Until the launch has created the app's
+    containers, another process finds the app by its launch claim (a volume, see
+    ``claim_name``) and cancels it by removing the claim; the launch removes it itself once its
+    containers exist (``commit``), and the one that removes it decides. After that, a cancel from
+    another process leaves the app's cancel marker (a container), which ``cancelled`` looks for.
+    A canceller makes the marker before it lists the containers to stop, and the launch looks for
+    the marker after its starts: so either the canceller sees a started container and stops it,
+    or the launch sees the marker.
 
     Args:
         engine: the engine the app is launched on.
@@ -54,11 +65,20 @@ class CancelWatch:
         self.app_id = app_id
         self.requested = False
         self.launching = False  # past the checks: creating things
+        self.committed = False  # the claim is removed: the app's containers name it now
         self.done = asyncio.Event()  # the submit has ended
 
-    async def cancelled(self, *, ask_engine: bool = True) -> bool:
-        """True once a cancel of the app was asked here or (``ask_engine``) its marker exists."""
-        if not self.requested and ask_engine:
+    async def commit(self) -> bool:
+        """Removes the launch claim once the app's containers exist; False when a cancel (here,
+        or by removing the claim first) came before."""
+        if not self.requested:
+            self.committed = True
+            self.requested = not await self._engine.remove_volume(claim_name(self.app_id))
+        return not self.requested
+
+    async def cancelled(self) -> bool:
+        """True once a cancel of the app was asked here or (after ``commit``) its marker exists."""
+        if not self.requested and self.committed:
             marker = await self._engine.inspect_container(marker_name(self.app_id))
             self.requested = marker is not None
         return self.requested
@@ -145,9 +165,9 @@ class Launcher:
         """Creates the app's network and containers, then starts them (rank 0 first, see
         ``_start_all``); returns False when the app was cancelled meanwhile (``watch``).
 
-        A cancel is looked for before the containers are created, before they are started,
-        between rank 0 and the others, and after the last start; once seen, nothing more is
-        created or started, and the app is left CANCELLED (``abandon``).
+        A cancel is looked for before the containers are started (``commit``: a cancel that
+        removed the launch claim), between rank 0 and the others, and after the last start; once
+        seen, nothing more is created or started, and the app is left CANCELLED (``abandon``).
 
         Raises:
             DockerSchedulerError: the engine refused something (names the role and replica); what
@@ -159,20 +179,13 @@ class Launcher:
         network_id = None
         if job.network_request is not None:
             request = job.network_request
-            labels = {
-                **request.config["Labels"],
-                LABEL_APP_NAME: job.app_name,
-                LABEL_MARKER_IMAGE: _marker_image(job),
-            }
+            labels = {**request.config["Labels"], LABEL_APP_NAME: job.app_name}
             request = NetworkRequest(request.name, {**request.config, "Labels": labels})
             network_id = await self._to_the_end(
                 self.create_network(request), f"network:{job.app_id}"
             )
-        # Another process can only have found the app (and marked it) by its network so far.
-        if await watch.cancelled(ask_engine=network_id is not None):
-            return await self.abandon(job)
         created = await _gather_all([self._create(c, network_id) for c in job.containers])
-        if await watch.cancelled():
+        if not await watch.commit():
             return await self.abandon(job)
         pairs = list(zip(job.containers, created, strict=True))
         if not await self._start_all(pairs, network_id or job.network, watch):
@@ -180,6 +193,23 @@ class Launcher:
         if await watch.cancelled():
             return await self.abandon(job)
         return True
+
+    async def claim(self, job: DockerJob, token: str) -> None:
+        """Makes the launch claim that names the app until its containers exist (see
+        ``CancelWatch``).
+
+        Raises:
+            ClaimTakenError: another launch of the same dry run holds the claim.
+        """
+        claim = await self._engine.create_volume(claim_request(job, process_identity(), token))
+        if (claim.get("Labels") or {}).get(LABEL_LAUNCH_TOKEN) != token:
+            raise ClaimTakenError(
+                f"app {job.app_id!r} is being submitted already; a dry run can be scheduled only once"
+            )
+
+    async def unclaim(self, job: DockerJob) -> None:
+        """Removes the launch claim of a submit that failed (if it is still there)."""
+        await self._engine.remove_volume(claim_name(job.app_id))
 
     async def abandon(self, job: DockerJob) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
@@ -194,6 +224,7 @@ class Launcher:
             job.app_name,
             str(job.containers[0].config["Labels"].get(LABEL_SESSION, "")),
             _marker_image(job),
+            canceller=process_identity(),
         )
         what = f"marking {job.app_id} as cancelled"
         made = await self._engine.create_container(
@@ -216,6 +247,7 @@ class Launcher:
         )
         if job.network_request is not None and len(never_started) == len(replicas):
             await remove_networks(self._engine, job.app_id)
+        await self._engine.remove_volume(claim_name(job.app_id))  # cancelled before the commit
         logger.info("the launch of %s stopped: the app was cancelled", job.app_id)
         return False
 
@@ -333,7 +365,8 @@ class Launcher:
         await self._engine.start_container(cid, what=what)
 
     async def purge(self, app_id: str, network: NetworkRequest | None) -> None:
-        """Removes every container of the app (and its own network). Errors are logged."""
+        """Removes every container of the app (its own network, its launch claim). Errors are
+        logged."""
         try:
             containers = await self._engine.list_containers(f"{LABEL_APP_ID}={app_id}")
             await asyncio.gather(
@@ -342,6 +375,7 @@ class Launcher:
             )
             if network is not None:
                 await remove_networks(self._engine, app_id)
+            await self._engine.remove_volume(claim_name(app_id))
         except Exception:
             logger.exception("cleaning up after the failed submit of %s", app_id)
 

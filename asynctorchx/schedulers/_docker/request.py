@@ -47,12 +47,18 @@ LABEL_NETWORK = LABEL_PREFIX + "network"
 LABEL_REMOVE_FINISHED = LABEL_PREFIX + "remove-finished"
 LABEL_KIND = LABEL_PREFIX + "kind"
 LABEL_VERSION = LABEL_PREFIX + "version"
-#: on an app's own network: an image the app's launch has, for a cancel marker made before any
-#: container of the app exists
-LABEL_MARKER_IMAGE = LABEL_PREFIX + "marker-image"
+#: on a cancel marker: the process that made it, and so owes the stops (see ``_docker/cancel.py``)
+LABEL_CANCELLER = LABEL_PREFIX + "canceller"
+#: on a launch claim (a volume, see ``claim_name``): the process that launches the app, and the
+#: launch (a claim of the same name made by another launch carries another token)
+LABEL_LAUNCHER = LABEL_PREFIX + "launcher"
+LABEL_LAUNCH_TOKEN = LABEL_PREFIX + "launch-token"
+#: on a cancel marker: 1 for the first, n + 1 for the one that took over from a dead canceller n
+LABEL_CANCEL_TURN = LABEL_PREFIX + "cancel-turn"
 
 KIND_REPLICA = "replica"
 KIND_CANCEL_MARKER = "cancel-marker"
+KIND_LAUNCH_CLAIM = "launch-claim"
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 DEFAULT_BRIDGE = "bridge"
@@ -584,11 +590,15 @@ def _role_host_config(
     return host_config, exposed, volumes
 
 
-def cancel_marker(app_id: str, app_name: str, session: str, image: str) -> ContainerRequest:
+def cancel_marker(
+    app_id: str, app_name: str, session: str, image: str, *, canceller: str, turn: int = 1
+) -> ContainerRequest:
     """The never-started container that marks app ``app_id`` as cancelled, for every process.
 
     It carries the app's labels with the cancel-marker kind, runs nothing and joins no network;
-    its name is fixed per app, so a second cancel (from any process) cannot make another.
+    its name is fixed per app and ``turn``, so a second cancel (from any process) cannot make
+    another. ``canceller`` names the process that makes it (it owes the stops); a process that
+    takes over from a canceller that died makes the marker of the next turn.
     """
     config = {
         "Image": image,
@@ -599,13 +609,54 @@ def cancel_marker(app_id: str, app_name: str, session: str, image: str) -> Conta
             LABEL_APP_NAME: app_name,
             LABEL_SESSION: session,
             LABEL_KIND: KIND_CANCEL_MARKER,
+            LABEL_CANCELLER: canceller,
+            LABEL_CANCEL_TURN: str(turn),
             LABEL_VERSION: __version__,
         },
         "HostConfig": {"NetworkMode": "none"},
     }
-    return ContainerRequest(name=marker_name(app_id), role="", replica_id=-1, config=config)
+    name = marker_name(app_id) + (f"-{turn}" if turn > 1 else "")
+    return ContainerRequest(name=name, role="", replica_id=-1, config=config)
+
+
+#: What Docker takes as a container name; every container of an app is named ``{app_id}-...``.
+_NAMEABLE_RE = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+
+
+def is_app_id(app_id: str) -> bool:
+    """True when ``app_id`` can name a ``local_docker`` app (its containers are named after it);
+    any other id (empty, with a slash, a NUL...) is unknown without asking the engine."""
+    return _NAMEABLE_RE.fullmatch(app_id) is not None
 
 
 def marker_name(app_id: str) -> str:
-    """The name of the container that marks app ``app_id`` as cancelled."""
+    """The name of the (first) container that marks app ``app_id`` as cancelled."""
     return f"{app_id}-cancelled"
+
+
+def claim_name(app_id: str) -> str:
+    """The name of the volume that names app ``app_id`` while its submit has made no container.
+
+    Whoever removes it decides: the launch, once it has created the app's containers (the app
+    is then known by them), or a cancel before that (the launch then starts nothing).
+    """
+    return f"asynctorchx-launch-{app_id}"
+
+
+def claim_request(job: DockerJob, launcher: str, token: str) -> dict[str, Any]:
+    """The create request of the launch claim of ``job`` (see ``claim_name``), made by the
+    process ``launcher`` names, for the launch ``token`` names (a claim of the same name with
+    another token is another launch's)."""
+    session = str(job.containers[0].config["Labels"].get(LABEL_SESSION, ""))
+    return {
+        "Name": claim_name(job.app_id),
+        "Labels": {
+            LABEL_APP_ID: job.app_id,
+            LABEL_APP_NAME: job.app_name,
+            LABEL_SESSION: session,
+            LABEL_KIND: KIND_LAUNCH_CLAIM,
+            LABEL_LAUNCHER: launcher,
+            LABEL_LAUNCH_TOKEN: token,
+            LABEL_VERSION: __version__,
+        },
+    }

@@ -35,6 +35,7 @@ from asynctorchx.schedulers._docker.request import (
 )
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import (
+    LINUX_PID_MAX_LIMIT,
     NONE,
     AppState,
     ReplicaStatus,
@@ -247,7 +248,10 @@ def role_shapes(containers: Iterable[ContainerInfo]) -> list[RoleShape]:
         try:
             raw = json.loads(c.labels.get(LABEL_ROLES, "[]"))
             order = [(str(name), int(n)) for name, n in raw]
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError, RecursionError):
+            continue
+        if any(n < 0 for _, n in order) or sum(n for _, n in order) > LINUX_PID_MAX_LIMIT:
+            order = []  # more replicas than a dry run accepts: not a shape we made
             continue
         if order:
             break

@@ -1,0 +1,112 @@
+"""Who owes the stops of a cancelled ``local_docker`` app, and taking them over from a dead canceller.
+
+A cancel marker names the process that made it (``LABEL_CANCELLER``: boot id, pid namespace, pid
+and start time). That canceller stops the containers started before its marker, the launch (or
+retry) those started after it; nobody else signals them, since a second SIGTERM runs an app's
+handler again. A canceller killed between its marker and its stops would leave the app
+"cancelling" for good: any process that sees the app so (its follow-up of the app, the next
+``describe``, a second ``cancel``) and can tell, on the same host, that the canceller's process is
+gone takes over by making the marker of the next turn (one process wins the name) and stopping
+the containers the dead canceller owed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+
+from asynctorchx.schedulers._docker.actions import started_after
+from asynctorchx.schedulers._docker.engine import DockerEngine
+from asynctorchx.schedulers._docker.request import (
+    LABEL_CANCEL_TURN,
+    LABEL_CANCELLER,
+    cancel_marker,
+)
+from asynctorchx.schedulers._docker.state import Assessment, ContainerInfo
+from asynctorchx.schedulers._local.recordfile import pid_alive, proc_start_ticks
+
+
+@functools.cache
+def _host_and_namespace() -> tuple[str, str]:
+    """This machine's boot id and this process's pid namespace ("" where unreadable)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return boot, namespace
+
+
+def process_identity() -> str:
+    """Names this process for a cancel marker: ``boot/pid-namespace/pid/start-ticks``."""
+    boot, namespace = _host_and_namespace()
+    pid = os.getpid()
+    return f"{boot}/{namespace}/{pid}/{proc_start_ticks(pid) or ''}"
+
+
+def process_gone(identity: str) -> bool:
+    """True only when the process ``identity`` names has certainly exited.
+
+    A process of another machine or pid namespace (or an unreadable identity) cannot be judged
+    from here: it counts as alive.
+    """
+    boot, namespace, pid, ticks = ([*identity.split("/", 3), "", "", "", ""])[:4]
+    if not boot or not namespace or (boot, namespace) != _host_and_namespace():
+        return False
+    try:
+        return not pid_alive(int(pid), int(ticks) if ticks else None)
+    except ValueError:
+        return False
+
+
+def turn(marker: ContainerInfo) -> int:
+    """The turn of a cancel marker (1 for the first one)."""
+    try:
+        return max(int(marker.labels.get(LABEL_CANCEL_TURN, "1")), 1)
+    except ValueError:
+        return 1
+
+
+def abandoned_cancel(a: Assessment) -> ContainerInfo | None:
+    """The newest cancel marker of app ``a`` when its maker has exited while containers of the
+    app still run (the cancel is to be taken over), else None. Asks no engine."""
+    markers = [c for c in a.containers if c.is_marker]
+    if not markers or not any(c.alive and not c.is_marker for c in a.containers):
+        return None
+    owner = max(markers, key=turn)
+    return owner if process_gone(owner.labels.get(LABEL_CANCELLER, "")) else None
+
+
+async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
+    """Finishes the cancel of app ``a`` if its canceller died before stopping its containers.
+
+    Returns True when this process took the cancel over (and has stopped what the canceller
+    owed: the live containers started before the first marker), False when there is nothing to
+    do: no marker, nothing alive, a canceller still alive (or that cannot be judged), or another
+    process that took over first.
+    """
+    owner = abandoned_cancel(a)
+    if owner is None:
+        return False
+    first = min((c for c in a.containers if c.is_marker), key=turn)
+    marker = cancel_marker(
+        a.response.app_id,
+        a.name,
+        a.session,
+        owner.image,
+        canceller=process_identity(),
+        turn=turn(owner) + 1,
+    )
+    what = f"taking over the cancel of {a.response.app_id}"
+    if await engine.create_container(marker.config, marker.name, what=what, exist_ok=True) is None:
+        return False
+    alive = [c.id for c in a.containers if c.alive and not c.is_marker]
+    later = await started_after(engine, first.id, alive)
+    owed = [c for c, after in zip(alive, later, strict=True) if after is not True]
+    await asyncio.gather(*(engine.stop_container(c) for c in owed))
+    return True
