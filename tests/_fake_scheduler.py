@@ -118,3 +118,57 @@ class FakeScheduler(Scheduler[AppDef]):
     async def close(self) -> None:
         self.closed = True
         await super().close()
+
+
+class TailingFakeScheduler(FakeScheduler):
+    """A FakeScheduler whose tail (``should_tail=True``) never ends by itself, like a tail of a
+    Slurm or Docker app that the runner's close does not stop: it yields one line, then waits
+    for lines that never come. It counts the tails it opened and those whose iterator ended
+    (closed or raised): a tail still open is one that would go on reading."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.tails_opened = 0
+        self.tails_ended = 0
+        self.tail_waiting = asyncio.Event()  # set while a tail waits for its next line
+
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        if not query.follow:
+            async for line in super()._log_iter(query):
+                yield line
+            return
+        self.tails_opened += 1
+        try:
+            yield f"{query.role}/{query.k} first\n"
+            while True:
+                self.tail_waiting.set()
+                await asyncio.Event().wait()  # the next line never comes
+        finally:
+            self.tail_waiting.clear()
+            self.tails_ended += 1
+
+
+class ClosingFakeScheduler(FakeScheduler):
+    """A FakeScheduler of backend ``backend`` whose ``close()`` hangs (``close="hang"``: until
+    cancelled), raises (``close="raise"``) or returns (``close="ok"``)."""
+
+    def __init__(self, session_name: str, *, backend: str, close: str = "ok", **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.backend = backend
+        self._close_mode = close
+        self.close_cancelled = False  # a hung close was cancelled
+        self.close_ended = False  # close() has returned or raised
+
+    async def close(self) -> None:
+        try:
+            if self._close_mode == "hang":
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    self.close_cancelled = True
+                    raise
+            if self._close_mode == "raise":
+                raise OSError(f"{self.backend}: the engine went away")
+            await super().close()
+        finally:
+            self.close_ended = True

@@ -73,6 +73,15 @@ _CLOSED: Any = object()
 
 DEFAULT_SESSION_NAME = "asynctorchx"
 
+#: How long ``close()`` waits for a scheduler's ``close()`` by default (``close_timeout``): above
+#: the builtins' own bounds (the local backend's 30 s stopping grace plus its clean-up,
+#: Docker's and Kubernetes' 30 s for the launches in flight plus 30 s for the follow-ups).
+DEFAULT_CLOSE_TIMEOUT = 120.0
+
+#: How long a scheduler close cancelled at ``close_timeout`` may take to end, before it is left
+#: to the runner's closing supervisor (a close that ignores its cancellation).
+_CANCELLED_CLOSE_GRACE = 5.0
+
 
 @dataclass(frozen=True, slots=True)
 class AppEvent:
@@ -120,10 +129,15 @@ class AsyncRunner:
             (see ``asynctorchx.runner.limits``).
         clock: the time source of the rate limits (``asynctorchx.testing.VirtualClock`` in tests);
             waiting, timeouts and status polling always use real time.
+        close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
+            concurrently); one still closing then is cancelled, with a warning naming its backend
+            (``math.inf``: no bound). The default leaves the builtins their own bounded clean-up
+            (up to a minute, e.g. the local backend's stopping grace).
         **scheduler_params: passed to every scheduler factory (each takes what it knows).
 
     Raises:
-        ValueError: a bad name or a bad limit (naming the backend and the value).
+        ValueError: a bad name, a bad limit (naming the backend and the value) or a
+            ``close_timeout`` that is no number > 0.
         UnknownSchedulerException: ``limits`` names a backend that does not exist.
     """
 
@@ -136,6 +150,7 @@ class AsyncRunner:
         scheduler_factories: Mapping[str, SchedulerFactory] | None = None,
         limits: Mapping[str, Limits | Mapping[str, object]] | None = None,
         clock: Clock | None = None,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         **scheduler_params: Any,
     ) -> None:
         # the name is a directory of the local backends' state root: '..' would escape it
@@ -151,6 +166,16 @@ class AsyncRunner:
                 "runner name must be a string without '/', ':', spaces or NUL, and not '.' or "
                 f"'..', got {name!r}"
             )
+        if (
+            isinstance(close_timeout, bool)
+            or not isinstance(close_timeout, (int, float))
+            or not _float(close_timeout) > 0  # also rejects NaN
+        ):
+            raise ValueError(
+                f"close_timeout must be a number of seconds > 0 (math.inf: no bound), "
+                f"got {close_timeout!r}"
+            )
+        self._close_timeout = _float(close_timeout)
         self._name = name
         self._component_defaults = {k: dict(v) for k, v in (component_defaults or {}).items()}
         self._scheduler_params = scheduler_params
@@ -174,6 +199,7 @@ class AsyncRunner:
                 raise UnknownSchedulerException(backend, self._available())
         self._launch_events = LaunchEvents()
         self._closing: asyncio.Task[None] | None = None  # close()'s clean-up, awaited by every call
+        self._closer: TaskSupervisor | None = None  # owns the clean-up and the schedulers' closes
         # the loop open() ran in: the hubs, schedulers and their tasks belong to it
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -205,6 +231,9 @@ class AsyncRunner:
     async def close(self) -> None:
         """Stops the status hubs and closes every scheduler (local apps this runner owns are stopped).
 
+        The schedulers close concurrently, each for at most ``close_timeout`` seconds (see
+        ``AsyncRunner``).
+
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
         """
@@ -215,8 +244,8 @@ class AsyncRunner:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
             # its own supervisor: the runner's is closed by the clean-up itself
-            closer = TaskSupervisor(f"runner:{self._name}")
-            self._closing = closer.spawn(self._close(), name="close")
+            self._closer = TaskSupervisor(f"runner:{self._name}")
+            self._closing = self._closer.spawn(self._close(), name="close")
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
@@ -225,11 +254,40 @@ class AsyncRunner:
         for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
             limiter.close()
         await self._supervisor.aclose()
-        for scheduler in self._schedulers.values():
-            try:
-                await scheduler.close()
-            except Exception:
-                logger.exception("closing scheduler %s failed", scheduler.backend)
+        await self._close_schedulers()
+
+    async def _close_schedulers(self) -> None:
+        """Closes every scheduler at once, each for at most ``close_timeout`` seconds: one that
+        hangs is cancelled (and awaited, bounded), with a warning; the others close all the same."""
+        if not self._schedulers:
+            return
+        assert self._closer is not None
+        closes = {
+            self._closer.spawn(self._close_scheduler(s), name=f"close:{backend}"): backend
+            for backend, s in self._schedulers.items()
+        }
+        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        _, late = await asyncio.wait(closes, timeout=timeout)
+        for task in late:
+            logger.warning(
+                "scheduler %s did not close within %.3g s (AsyncRunner close_timeout): cancelled",
+                closes[task],
+                self._close_timeout,
+            )
+            task.cancel()
+        if late:
+            _, stuck = await asyncio.wait(late, timeout=_CANCELLED_CLOSE_GRACE)
+            for task in stuck:  # it ignores its cancellation: the closing supervisor keeps it
+                logger.error(
+                    "scheduler %s's close ignores its cancellation: left running", closes[task]
+                )
+
+    @staticmethod
+    async def _close_scheduler(scheduler: Scheduler[Any]) -> None:
+        try:
+            await scheduler.close()
+        except Exception:
+            logger.exception("closing scheduler %s failed", scheduler.backend)
 
     def _check_open(self) -> None:
         if self._state is _Lifecycle.UNOPENED:
