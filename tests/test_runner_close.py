@@ -1,12 +1,17 @@
+# ruff: noqa: F811 - the fixtures imported from _docker_env are redefined as test parameters
 """What a runner's close() ends: the log iterations it handed out (a tail of an app the close does
 not stop would go on reading), scheduler closes that hang or fail; and wait(timeout=0) under a call
 rate (one look)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import sys
+import uuid
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -20,8 +25,10 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
 from _fake_scheduler import ClosingFakeScheduler, TailingFakeScheduler
 
 from asynctorchx import AsyncRunner
-from asynctorchx.runner import PollSettings
-from asynctorchx.specs import AppDef, Role
+from asynctorchx.runner import Limits, PollSettings
+from asynctorchx.specs import AppDef, AppState, Role
+from asynctorchx.testing import AppScript, ScriptedBackend, VirtualClock
+from asynctorchx.testing._script import LogLine
 
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
 CLOSED = "the runner was closed while reading logs"
@@ -45,6 +52,264 @@ def tailing_runner(**kw: Any) -> tuple[AsyncRunner, list[TailingFakeScheduler]]:
 async def read_all(lines: AsyncGenerator[Any, None], got: list[Any]) -> None:
     async for line in lines:
         got.append(line)
+
+
+# -- fault 1: the log iterations a closed runner handed out ----------------------------------------
+
+
+async def test_close_ends_a_tail_waiting_for_its_next_line() -> None:
+    """A tail waiting for a line of an app the close does not stop raises 'the runner was closed
+    while reading logs', and its scheduler iterator has ended by the time close() returns."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    got: list[str] = []
+    reader = asyncio.create_task(
+        read_all(runner.log_lines(handle, "worker", should_tail=True), got)
+    )
+    with anyio.fail_after(10):
+        await made[0].tail_waiting.wait()
+        await runner.close()
+        assert made[0].tails_opened == made[0].tails_ended == 1  # nothing reads any more
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await reader
+    assert got == ["worker/0 first\n"]
+
+
+async def test_a_tail_whose_reader_closes_the_runner_ends_at_its_next_line() -> None:
+    """Closing the runner from inside a tail's loop body closes the scheduler iterator at once;
+    the loop's next step raises 'the runner was closed while reading logs'."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    with anyio.fail_after(10), pytest.raises(RuntimeError, match=CLOSED):
+        async for _ in runner.log_lines(handle, "worker", should_tail=True):
+            await runner.close()
+            assert made[0].tails_ended == 1
+    assert made[0].tails_opened == made[0].tails_ended == 1
+
+
+async def test_the_reader_of_an_ended_tail_is_not_left_cancelled() -> None:
+    """The task whose tail the close ended goes on normally after the RuntimeError (the close's
+    cancellation of it is taken back): it can await, and nothing cancels it later."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+
+    async def reader() -> str:
+        try:
+            async for _ in runner.log_lines(handle, "worker", should_tail=True):
+                pass
+        except RuntimeError:
+            pass
+        await asyncio.sleep(0.01)
+        task = asyncio.current_task()
+        assert task is not None
+        if sys.version_info >= (3, 11):
+            assert task.cancelling() == 0
+        return "went on"
+
+    task = asyncio.create_task(reader())
+    with anyio.fail_after(10):
+        await made[0].tail_waiting.wait()
+        await runner.close()
+        assert await task == "went on"
+
+
+async def test_a_cancellation_of_the_reader_during_the_close_wins() -> None:
+    """A reader cancelled by its owner while the close ends its tail ends cancelled (the
+    CancelledError is not turned into the close's RuntimeError)."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    reader = asyncio.create_task(read_all(runner.log_lines(handle, "worker", should_tail=True), []))
+    with anyio.fail_after(10):
+        await made[0].tail_waiting.wait()
+        reader.cancel()
+        await runner.close()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+    assert made[0].tails_ended == 1
+
+
+async def test_close_ends_a_tail_read_one_line_per_task() -> None:
+    """A tail read with asyncio.wait_for(anext(...)) (each line in a task of its own, as an SSE
+    handler with keep-alives does) ends with the RuntimeError too."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    lines = runner.log_lines(handle, "worker", should_tail=True)
+
+    async def reader() -> None:
+        while True:
+            await asyncio.wait_for(anext(lines), 60)
+
+    task = asyncio.create_task(reader())
+    with anyio.fail_after(10):
+        await made[0].tail_waiting.wait()
+        await runner.close()
+        assert made[0].tails_ended == 1
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await task
+
+
+async def test_close_ends_many_tails_in_flight_wherever_they_stand() -> None:
+    """Fifty tails, half waiting for a line, half held by readers busy in their loop body: the
+    close ends every one (all scheduler iterators closed when it returns), each with the error."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    busy = asyncio.Event()  # never set: the busy readers stay in their loop body
+    first_lines = 0
+
+    async def reader(hold: bool) -> None:
+        nonlocal first_lines
+        async for _ in runner.log_lines(handle, "worker", k=1, should_tail=True):
+            first_lines += 1
+            if hold:
+                with anyio.move_on_after(60):
+                    await busy.wait()
+
+    tasks = [asyncio.create_task(reader(i % 2 == 0)) for i in range(50)]
+    with anyio.fail_after(20):
+        while first_lines < 50:
+            await asyncio.sleep(0.01)  # bounded polling of the readers' progress
+        closes = [asyncio.create_task(runner.close()) for _ in range(2)]  # twice, concurrently
+        await asyncio.gather(*closes)
+        assert made[0].tails_opened == made[0].tails_ended == 50
+        for task in tasks[1::2]:
+            with pytest.raises(RuntimeError, match=CLOSED):
+                await task
+        busy.set()
+        for task in tasks[::2]:
+            with pytest.raises(RuntimeError, match=CLOSED):
+                await task
+
+
+@pytest.mark.parametrize("where", ["opening", "waiting"])
+async def test_a_tail_cancelled_at_each_await_ends_and_leaves_the_runner_usable(where: str) -> None:
+    """A tail whose reader is cancelled while its log is opened (waiting for the call rate) or
+    while it waits for a line ends cancelled with its iterator closed; the runner's close then
+    has nothing to end."""
+    clock = VirtualClock()  # never advanced: a call beyond the rate waits for good
+    limits = {"fake": Limits(max_calls_per_second=1)} if where == "opening" else None
+    runner, made = tailing_runner(limits=limits, clock=clock)
+    await runner.open()
+    handle = await runner.run(app(), "fake")  # (with the rate: its only call)
+    lines = runner.log_lines(handle, "worker", should_tail=True)
+    reader = asyncio.create_task(read_all(lines, []))
+    with anyio.fail_after(10):
+        if where == "opening":
+            while clock.next_due is None:  # until the reader sleeps for its rate slot
+                await asyncio.sleep(0)
+        else:
+            await made[0].tail_waiting.wait()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert made[0].tails_opened == made[0].tails_ended
+        assert len(runner._readings) == 0
+        await runner.close()
+
+
+async def test_close_ends_a_log_entries_tail_of_the_testing_scheduler() -> None:
+    """log_entries tailing a scripted app that runs on (no end in its script) raises the close's
+    RuntimeError, like log_lines."""
+    clock = VirtualClock()
+    script = AppScript(
+        states=[(0, AppState.RUNNING)],
+        logs=[LogLine(0, "worker", "hello"), LogLine(99, "worker", "x")],
+    )
+    runner = AsyncRunner(
+        "t", scheduler_factories={"scripted": ScriptedBackend("scripted", script, clock=clock)}
+    )
+    await runner.open()
+    handle = await runner.run(
+        AppDef("a", [Role("worker", image="i", entrypoint="true")]), "scripted"
+    )
+    got: list[Any] = []
+    reader = asyncio.create_task(
+        read_all(runner.log_entries(handle, "worker", should_tail=True), got)
+    )
+    with anyio.fail_after(10):
+        while not got:
+            await asyncio.sleep(0.01)  # bounded polling of the reader's progress
+        await runner.close()
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await reader
+    assert [e.line for e in got] == ["hello\n"]
+
+
+async def test_log_lines_after_close_raise() -> None:
+    """A log iteration started after the close (or made before it and started after) raises
+    'the runner is closed' at its first step."""
+    runner, _ = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    made_before = runner.log_lines(handle, "worker")
+    await runner.close()
+    for lines in (made_before, runner.log_lines(handle, "worker", should_tail=True)):
+        with pytest.raises(RuntimeError, match="the runner is closed"):
+            await anext(lines)
+
+
+@pytest.mark.timeout(60)
+async def test_close_ends_a_local_tail_of_the_app_it_stops(tmp_path: Path) -> None:
+    """A tail of a local app (a sleep the close stops) raises 'the runner was closed while
+    reading logs' and the app ends CANCELLED."""
+    name = f"rc-{uuid.uuid4().hex[:8]}"
+    runner = AsyncRunner(name=name, local_root=str(tmp_path / "state"))
+    await runner.open()
+    sleeper = AppDef(
+        "s", [Role("main", image=".", entrypoint="sh", args=["-c", "echo up; exec sleep 60"])]
+    )
+    handle = await runner.run(sleeper, "local_cwd")
+    got: list[str] = []
+    reader = asyncio.create_task(read_all(runner.log_lines(handle, "main", should_tail=True), got))
+    with anyio.fail_after(30):
+        while not got:
+            await asyncio.sleep(0.01)  # bounded polling of the reader's progress
+        await runner.close()
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await reader
+    assert got == ["up\n"]
+    async with AsyncRunner(name=name, local_root=str(tmp_path / "state")) as other:
+        status = await other.status(handle)
+    assert status is not None and status.state == AppState.CANCELLED
+
+
+@pytest.mark.timeout(90)
+async def test_close_ends_a_docker_tail_of_an_app_it_leaves_running(
+    docker_engine: None,
+    busybox_image: str,
+    docker_session: str,
+) -> None:
+    """A tail of a local_docker app (a sleep: the close leaves containers running) raises 'the
+    runner was closed while reading logs' when the runner closes, instead of reading on."""
+    try:
+        runner = AsyncRunner(name=docker_session)
+        await runner.open()
+        role = Role(
+            "main", image=busybox_image, entrypoint="sh", args=["-c", "echo up; exec sleep 120"]
+        )
+        handle = await runner.run(AppDef("tail", [role]), "local_docker")
+        got: list[str] = []
+        reader = asyncio.create_task(
+            read_all(runner.log_lines(handle, "main", should_tail=True), got)
+        )
+        with anyio.fail_after(60):
+            while not got:
+                await asyncio.sleep(0.05)  # bounded polling of the reader's progress
+            await runner.close()
+            with pytest.raises(RuntimeError, match=CLOSED):
+                await reader
+        assert got == ["up\n"]
+        async with AsyncRunner(name=docker_session) as other:  # the app outlived the close
+            status = await other.status(handle)
+            assert status is not None and status.state == AppState.RUNNING
+            await other.cancel(handle)
+    finally:
+        await purge_session(docker_session)
 
 
 # -- fault 2: a scheduler's close that hangs or fails --------------------------------------------

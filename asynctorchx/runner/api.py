@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -24,6 +24,7 @@ import anyio
 from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.runner import _launch
 from asynctorchx.runner._pacing import LaunchPacer
+from asynctorchx.runner._readings import LogReadings
 from asynctorchx.runner.hub import AppEntry, PollSettings, StatusHub
 from asynctorchx.runner.limits import (
     BackendLimiter,
@@ -130,9 +131,10 @@ class AsyncRunner:
         clock: the time source of the rate limits (``asynctorchx.testing.VirtualClock`` in tests);
             waiting, timeouts and status polling always use real time.
         close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
-            concurrently); one still closing then is cancelled, with a warning naming its backend
-            (``math.inf``: no bound). The default leaves the builtins their own bounded clean-up
-            (up to a minute, e.g. the local backend's stopping grace).
+            concurrently), and for the log iterations it ends; a scheduler still closing then is
+            cancelled, with a warning naming its backend (``math.inf``: no bound). The default
+            leaves the builtins their own bounded clean-up (up to a minute, e.g. the local
+            backend's stopping grace).
         **scheduler_params: passed to every scheduler factory (each takes what it knows).
 
     Raises:
@@ -188,6 +190,7 @@ class AsyncRunner:
         self._state = _Lifecycle.UNOPENED
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
+        self._readings = LogReadings()  # the log iterations handed out: close() ends them
         self._trackers: list[TrackerSetting] | None = None  # .torchxconfig's, read at first dry run
         self._trackers_read: (
             asyncio.Task[tuple[list[TrackerSetting] | None, Exception | None]] | None
@@ -231,8 +234,10 @@ class AsyncRunner:
     async def close(self) -> None:
         """Stops the status hubs and closes every scheduler (local apps this runner owns are stopped).
 
-        The schedulers close concurrently, each for at most ``close_timeout`` seconds (see
-        ``AsyncRunner``).
+        Every iteration handed out ends with RuntimeError ("the runner was closed while ..."):
+        ``as_completed``, ``watch``, and ``log_lines``/``log_entries`` (whose scheduler iterators
+        are closed: a tail of an app the close does not stop reads nothing more). The schedulers
+        close concurrently, each for at most ``close_timeout`` seconds (see ``AsyncRunner``).
 
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
@@ -249,6 +254,7 @@ class AsyncRunner:
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
+        await self._readings.aclose(self._close_timeout)
         for hub in self._hubs.values():
             await hub.aclose()
         for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
@@ -1063,7 +1069,7 @@ class AsyncRunner:
             return None
         return AppDef(name=response.name or app_id, roles=list(response.roles))
 
-    async def log_lines(
+    def log_lines(
         self,
         app_handle: AppHandle,
         role_name: str,
@@ -1080,28 +1086,26 @@ class AsyncRunner:
 
         Nothing is checked or read until the first line is asked for; ``aclose()`` stops a tail at
         once. With ``cursor`` (from ``log_entries``) the log resumes exactly after that line.
+        Closing the runner ends the iteration (a tail of an app the close does not stop too): its
+        next line, or the one it waits for, raises RuntimeError.
 
         Raises:
             UnknownAppException: the scheduler does not know the app.
             UnknownRoleException: no such role or replica.
             ValueError: a malformed cursor, or one taken on another app, role, replica or
                 ``streams`` (and the other argument errors of ``Scheduler.log_iter``).
+            RuntimeError: the runner is closed, or was closed while the lines were read.
         """
-        scheduler, app_id = await self._log_scheduler(app_handle)
-        lines = scheduler.log_iter(
-            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
-        )
-        # one plain async-generator layer: cheaper per line than any hand-written __anext__
-        try:
-            async for line in lines:
-                yield line
-                del line  # not held while the next one is read: a huge line costs one copy, not two
-        finally:
-            aclose = getattr(lines, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
-    async def log_entries(
+        async def open_source() -> AsyncIterator[str]:
+            scheduler, app_id = await self._log_scheduler(app_handle)
+            return scheduler.log_iter(
+                app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+            )
+
+        return self._readings.read(open_source, "reading logs")
+
+    def log_entries(
         self,
         app_handle: AppHandle,
         role_name: str,
@@ -1119,20 +1123,21 @@ class AsyncRunner:
         A cursor is an opaque string (safe in URLs and HTTP headers, e.g. an SSE event id).
         Passing it back as ``cursor=`` (same app, role, replica and ``streams``) resumes exactly
         after its line: nothing repeated, nothing skipped, also while the app still writes and
-        when lines share a timestamp. Every built-in backend supports cursors.
+        when lines share a timestamp. Every built-in backend supports cursors. Closing the runner
+        ends the iteration as it ends ``log_lines``.
 
         Raises:
             NotImplementedError: the backend cannot resume logs.
-            ValueError, UnknownAppException, UnknownRoleException: as ``log_lines``.
+            ValueError, UnknownAppException, UnknownRoleException, RuntimeError: as ``log_lines``.
         """
-        scheduler, app_id = await self._log_scheduler(app_handle)
-        entries = scheduler.log_entries(
-            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
-        )
-        async with contextlib.aclosing(entries):  # type: ignore[type-var]
-            async for entry in entries:
-                yield entry
-                del entry
+
+        async def open_source() -> AsyncIterator[LogEntry]:
+            scheduler, app_id = await self._log_scheduler(app_handle)
+            return scheduler.log_entries(
+                app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+            )
+
+        return self._readings.read(open_source, "reading logs")
 
     async def _log_scheduler(self, app_handle: AppHandle) -> tuple[Scheduler[Any], str]:
         """The scheduler and app id of a handle whose log is opened (one call to the backend)."""

@@ -1,0 +1,193 @@
+"""The log iterations a runner hands out, and how its ``close()`` ends them.
+
+``log_lines``/``log_entries`` are async generators over a scheduler's ``log_iter``/``log_entries``
+(the source). A tail on a backend whose apps outlive the runner (Slurm, Docker, Kubernetes) never
+ends by itself, so ``close()`` ends every iteration still open, each where it stands:
+
+- parked at a ``yield`` (its reader is in its loop body, or gone): the source is closed at once
+  (``aclose``), and the reader's next step raises "the runner was closed while reading logs";
+- parked in an ``await`` of the source (a tail waiting for the next line): the task driving it is
+  cancelled, and the iteration turns that cancellation into the same RuntimeError (the task is not
+  left cancelled: ``Task.uncancel``); ``close()`` waits (bounded) until it has ended.
+
+Nothing is paid per line: the iteration is one plain async-generator layer (a 200 000-line read
+costs what it did); the bookkeeping is done once per iteration, and the work at ``close()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import logging
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Reading:
+    """One iteration handed out: its generator (weakly: a reader may drop it) and its source."""
+
+    __slots__ = ("__weakref__", "closing", "driver", "ended", "gen", "source", "source_closing")
+
+    def __init__(self) -> None:
+        self.gen: weakref.ref[AsyncGenerator[Any, None]] | None = None
+        self.source: AsyncIterator[Any] | None = None
+        self.closing = False  # the runner is ending it
+        self.source_closing = False  # the runner closes its source (the reader must not)
+        self.driver: asyncio.Task[Any] | None = None  # the task the runner cancelled to end it
+        self.ended = asyncio.Event()
+
+
+class LogReadings:
+    """The runner's open log iterations; ``aclose`` ends them all (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._open: set[_Reading] = set()
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def read(
+        self, open_source: Callable[[], Awaitable[AsyncIterator[T]]], what: str
+    ) -> AsyncGenerator[T, None]:
+        """An async generator over the source ``open_source()`` makes at its first step.
+
+        Args:
+            open_source: opens the scheduler's iterator (checks and rate limits included).
+            what: the end of the RuntimeError a close raises: "the runner was closed while ...".
+        """
+        reading = _Reading()
+        gen = self._iterate(reading, open_source, what)
+        reading.gen = weakref.ref(gen)
+        return gen
+
+    async def _iterate(
+        self,
+        reading: _Reading,
+        open_source: Callable[[], Awaitable[AsyncIterator[T]]],
+        what: str,
+    ) -> AsyncGenerator[T, None]:
+        source = await open_source()
+        reading.source = source
+        if self._closed:  # closed while the source was being opened
+            await _aclose(source)
+            raise RuntimeError(f"the runner was closed while {what}")
+        self._open.add(reading)
+        try:
+            # one plain async-generator layer: cheaper per line than any hand-written __anext__
+            try:
+                async for item in source:
+                    yield item
+                    del item  # not held while the next one is read (a huge line: one copy)
+            except asyncio.CancelledError:
+                if reading.driver is None or not _uncancel(reading.driver):
+                    raise
+                raise RuntimeError(f"the runner was closed while {what}") from None
+            except Exception:
+                if not reading.closing:
+                    raise
+                # (the source was closed under it: "already running", or its own error)
+                raise RuntimeError(f"the runner was closed while {what}") from None
+            if reading.closing:  # the runner closed the source while it was parked at a yield
+                raise RuntimeError(f"the runner was closed while {what}")
+        finally:
+            self._open.discard(reading)
+            try:
+                if not reading.source_closing:
+                    await _aclose(source)
+            finally:
+                reading.ended.set()
+
+    async def aclose(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Ends every open iteration (see the module's docstring); at most ``timeout`` seconds."""
+        self._closed = True
+        parked: list[_Reading] = []
+        with anyio.move_on_after(timeout) as scope:
+            for reading in list(self._open):
+                reading.closing = True
+                gen = None if reading.gen is None else reading.gen()
+                if gen is None or reading.source is None:
+                    continue  # dropped by its reader: its finalizer closes the source
+                if not getattr(gen, "ag_running", False):
+                    # parked at a yield: nothing runs it now, its source can be closed from here
+                    reading.source_closing = True
+                    try:
+                        await _aclose(reading.source)
+                    except Exception:
+                        logger.exception("closing a log iteration failed")
+                    continue
+                driver = _driver_of(gen)
+                if driver is None:
+                    logger.warning("a log iteration could not be stopped: its task was not found")
+                    continue
+                reading.driver = driver
+                driver.cancel()
+                parked.append(reading)
+            for reading in parked:
+                await reading.ended.wait()
+        if scope.cancelled_caught:
+            logger.warning(
+                "the log iterations did not all end within %.3g s of the runner's close "
+                "(AsyncRunner close_timeout)",
+                timeout,
+            )
+
+
+async def _aclose(source: AsyncIterator[Any]) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+def _uncancel(task: asyncio.Task[Any]) -> bool:
+    """Takes back the runner's cancellation of ``task`` (the current task); False when another
+    cancellation is pending too (that one wins: the CancelledError goes on)."""
+    if task is not asyncio.current_task():
+        return False
+    uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+    return uncancel is None or uncancel() == 0
+
+
+def _driver_of(gen: AsyncGenerator[Any, None]) -> asyncio.Task[Any] | None:
+    """The task whose chain of awaits runs through ``gen`` (parked in one of its awaits)."""
+    for task in asyncio.all_tasks():
+        if _awaits(task.get_coro(), gen):
+            return task
+    return None
+
+
+def _awaits(obj: object, target: object) -> bool:
+    """True when the chain of awaits from ``obj`` (a task's coroutine) reaches ``target``."""
+    for _ in range(1000):
+        if obj is target:
+            return True
+        nxt = (
+            getattr(obj, "cr_await", None)
+            or getattr(obj, "ag_await", None)
+            or getattr(obj, "gi_yieldfrom", None)
+        )
+        if nxt is None:
+            if inspect.iscoroutine(obj) or inspect.isasyncgen(obj) or inspect.isgenerator(obj):
+                return False
+            # the awaitables of an async generator's step (``__anext__``, ``anext()``, ``athrow``)
+            # name their generator only as a referent
+            nxt = next(
+                (
+                    r
+                    for r in gc.get_referents(obj)
+                    if inspect.isasyncgen(r) or inspect.iscoroutine(r)
+                ),
+                None,
+            )
+            if nxt is None:
+                return False
+        obj = nxt
+    return False
