@@ -22,7 +22,7 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     docker_session,
     purge_session,
 )
-from _fake_scheduler import ClosingFakeScheduler, TailingFakeScheduler
+from _fake_scheduler import ClosingFakeScheduler, FakeScheduler, TailingFakeScheduler
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner import Limits, PollSettings
@@ -371,3 +371,37 @@ def test_a_bad_close_timeout_is_refused_naming_it(value: Any) -> None:
     """close_timeout must be a number of seconds > 0: anything else is a ValueError naming it."""
     with pytest.raises(ValueError, match=r"^close_timeout must be a number of seconds > 0"):
         AsyncRunner("t", close_timeout=value)
+
+
+# -- fault 3: wait(timeout=0) under a call rate -----------------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["wait", "wait_all"])
+async def test_a_zero_timeout_wait_looks_once_under_a_call_rate(call: str) -> None:
+    """wait/wait_all(timeout=0) on an app that ended, when status calls have just taken the rate's
+    whole window, wait for its next slot and answer from one status round (no TimeoutError)."""
+    made: list[FakeScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> FakeScheduler:
+        made.append(FakeScheduler(session_name, **params))
+        return made[-1]
+
+    async with AsyncRunner(
+        "t",
+        scheduler_factories={"fake": factory},
+        poll_settings=FAST,
+        limits={"fake": Limits(max_calls_per_second=2)},
+    ) as runner:
+        info = runner.dryrun(app(), "fake")
+        app_id = await made[0].schedule(info)  # submitted elsewhere: the hub does not follow it
+        made[0].set_state(app_id, AppState.SUCCEEDED)
+        handle = f"fake://t/{app_id}"
+        for _ in range(2):  # the whole burst of the window
+            await runner.status(handle)
+        with anyio.fail_after(10):
+            if call == "wait":
+                status = await runner.wait(handle, timeout=0)
+            else:
+                status = (await runner.wait_all([handle], timeout=0))[handle]
+        assert status is not None and status.state == AppState.SUCCEEDED
+        assert made[0].describe_many_calls == [[app_id]]

@@ -848,8 +848,10 @@ class AsyncRunner:
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
         leaves the app running. When the deadline passes, the scheduler is asked once more before
         ``TimeoutError`` is raised: an app that is already terminal is returned even with
-        ``timeout=0``. That last question is not asked when the backend's ``max_calls_per_second``
-        would hold it back past the deadline: the timeout is kept.
+        ``timeout=0``. With a positive timeout, that last question is not asked when the
+        backend's ``max_calls_per_second`` would hold it back past the deadline: the timeout is
+        kept. ``timeout=0`` is a question, not a deadline: it waits for the rate's next slot to
+        ask it (never exceeding the rate), at most ``PollSettings.final_look_timeout``.
 
         Args:
             app_handle: the app.
@@ -908,8 +910,9 @@ class AsyncRunner:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
         When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
-        raised: apps that are already terminal are yielded even with ``timeout=0`` (unless a
-        backend's ``max_calls_per_second`` would hold that question back past the deadline).
+        raised: apps that are already terminal are yielded even with ``timeout=0`` (which waits
+        for a backend's ``max_calls_per_second`` to allow that question; a positive timeout does
+        not: it is kept).
 
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
@@ -965,7 +968,7 @@ class AsyncRunner:
                         if handle not in seen and not entry.final
                     ]
                     for hub, entry, token in checks:
-                        if not await hub.final_look(entry, token):
+                        if not await hub.final_look(entry, token, wait_for_rate=timeout == 0):
                             break  # rate-limited or not answered in time: the deadline is kept
                     continue
                 handle, entry = item
