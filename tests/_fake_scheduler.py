@@ -131,6 +131,7 @@ class TailingFakeScheduler(FakeScheduler):
         self.tails_opened = 0
         self.tails_ended = 0
         self.tail_waiting = asyncio.Event()  # set while a tail waits for its next line
+        self.hanging_closes: set[int] = set()  # replicas whose tail's close hangs (until cancelled)
 
     async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
         if not query.follow:
@@ -145,7 +146,11 @@ class TailingFakeScheduler(FakeScheduler):
                 await asyncio.Event().wait()  # the next line never comes
         finally:
             self.tail_waiting.clear()
-            self.tails_ended += 1
+            try:
+                if query.k in self.hanging_closes:
+                    await asyncio.Event().wait()
+            finally:
+                self.tails_ended += 1
 
 
 class ClosingFakeScheduler(FakeScheduler):

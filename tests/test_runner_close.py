@@ -186,6 +186,39 @@ async def test_close_ends_many_tails_in_flight_wherever_they_stand() -> None:
                 await task
 
 
+async def test_a_tail_whose_close_hangs_does_not_keep_the_others_reading(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two tails held by readers in their loop body, one whose iterator's close hangs: the close
+    ends the other at once, cancels the hung one after close_timeout (with a warning) and
+    returns; both readers then get the RuntimeError."""
+    runner, made = tailing_runner(close_timeout=0.3)
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    made[0].hanging_closes.add(0)
+    held = asyncio.Event()  # never set: the readers stay in their loop body
+    first_lines = 0
+
+    async def reader(k: int) -> None:
+        nonlocal first_lines
+        async for _ in runner.log_lines(handle, "worker", k=k, should_tail=True):
+            first_lines += 1
+            with anyio.move_on_after(30):
+                await held.wait()
+
+    tasks = [asyncio.create_task(reader(k)) for k in (0, 1)]
+    with anyio.fail_after(20):
+        while first_lines < 2:
+            await asyncio.sleep(0.01)  # bounded polling of the readers' progress
+        await runner.close()
+        assert made[0].tails_opened == made[0].tails_ended == 2
+        held.set()
+        for task in tasks:
+            with pytest.raises(RuntimeError, match=CLOSED):
+                await task
+    assert any("did not all end within 0.3 s" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("where", ["opening", "waiting"])
 async def test_a_tail_cancelled_at_each_await_ends_and_leaves_the_runner_usable(where: str) -> None:
     """A tail whose reader is cancelled while its log is opened (waiting for the call rate) or

@@ -107,30 +107,35 @@ class LogReadings:
                 reading.ended.set()
 
     async def aclose(self, timeout: float) -> None:  # noqa: ASYNC109
-        """Ends every open iteration (see the module's docstring); at most ``timeout`` seconds."""
+        """Ends every open iteration (see the module's docstring); at most ``timeout`` seconds.
+
+        Every iteration is marked first, so that one whose source is slow to close cannot leave
+        the others reading; the sources are closed concurrently.
+        """
         self._closed = True
-        parked: list[_Reading] = []
+        parked: list[_Reading] = []  # in an await: their tasks end them
+        at_yield: list[AsyncIterator[Any]] = []  # their sources are closed from here
+        for reading in list(self._open):
+            reading.closing = True
+            gen = None if reading.gen is None else reading.gen()
+            if gen is None or reading.source is None:
+                continue  # dropped by its reader: its finalizer closes the source
+            if not getattr(gen, "ag_running", False):
+                # parked at a yield: nothing runs it now, its source can be closed from here
+                reading.source_closing = True
+                at_yield.append(reading.source)
+                continue
+            driver = _driver_of(gen)
+            if driver is None:
+                logger.warning("a log iteration could not be stopped: its task was not found")
+                continue
+            reading.driver = driver
+            driver.cancel()
+            parked.append(reading)
         with anyio.move_on_after(timeout) as scope:
-            for reading in list(self._open):
-                reading.closing = True
-                gen = None if reading.gen is None else reading.gen()
-                if gen is None or reading.source is None:
-                    continue  # dropped by its reader: its finalizer closes the source
-                if not getattr(gen, "ag_running", False):
-                    # parked at a yield: nothing runs it now, its source can be closed from here
-                    reading.source_closing = True
-                    try:
-                        await _aclose(reading.source)
-                    except Exception:
-                        logger.exception("closing a log iteration failed")
-                    continue
-                driver = _driver_of(gen)
-                if driver is None:
-                    logger.warning("a log iteration could not be stopped: its task was not found")
-                    continue
-                reading.driver = driver
-                driver.cancel()
-                parked.append(reading)
+            async with anyio.create_task_group() as tg:
+                for source in at_yield:
+                    tg.start_soon(_aclose_logged, source)
             for reading in parked:
                 await reading.ended.wait()
         if scope.cancelled_caught:
@@ -139,6 +144,13 @@ class LogReadings:
                 "(AsyncRunner close_timeout)",
                 timeout,
             )
+
+
+async def _aclose_logged(source: AsyncIterator[Any]) -> None:
+    try:
+        await _aclose(source)
+    except Exception:
+        logger.exception("closing a log iteration failed")
 
 
 async def _aclose(source: AsyncIterator[Any]) -> None:
