@@ -54,6 +54,22 @@ async def read_all(lines: AsyncGenerator[Any, None], got: list[Any]) -> None:
         got.append(line)
 
 
+async def close_after_first_line(
+    runner: AsyncRunner, lines: AsyncGenerator[Any, None], timeout: float
+) -> list[Any]:
+    """Reads ``lines`` in a task until its first item, closes the runner, checks the reader got
+    the close's RuntimeError; returns what it read."""
+    got: list[Any] = []
+    reader = asyncio.create_task(read_all(lines, got))
+    with anyio.fail_after(timeout):
+        while not got:
+            await asyncio.sleep(0.01)  # bounded polling of the reader's progress
+        await runner.close()
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await reader
+    return got
+
+
 # -- fault 1: the log iterations a closed runner handed out ----------------------------------------
 
 
@@ -260,16 +276,8 @@ async def test_close_ends_a_log_entries_tail_of_the_testing_scheduler() -> None:
     handle = await runner.run(
         AppDef("a", [Role("worker", image="i", entrypoint="true")]), "scripted"
     )
-    got: list[Any] = []
-    reader = asyncio.create_task(
-        read_all(runner.log_entries(handle, "worker", should_tail=True), got)
-    )
-    with anyio.fail_after(10):
-        while not got:
-            await asyncio.sleep(0.01)  # bounded polling of the reader's progress
-        await runner.close()
-        with pytest.raises(RuntimeError, match=CLOSED):
-            await reader
+    lines = runner.log_entries(handle, "worker", should_tail=True)
+    got = await close_after_first_line(runner, lines, timeout=10)
     assert [e.line for e in got] == ["hello\n"]
 
 
@@ -297,15 +305,8 @@ async def test_close_ends_a_local_tail_of_the_app_it_stops(tmp_path: Path) -> No
         "s", [Role("main", image=".", entrypoint="sh", args=["-c", "echo up; exec sleep 60"])]
     )
     handle = await runner.run(sleeper, "local_cwd")
-    got: list[str] = []
-    reader = asyncio.create_task(read_all(runner.log_lines(handle, "main", should_tail=True), got))
-    with anyio.fail_after(30):
-        while not got:
-            await asyncio.sleep(0.01)  # bounded polling of the reader's progress
-        await runner.close()
-        with pytest.raises(RuntimeError, match=CLOSED):
-            await reader
-    assert got == ["up\n"]
+    lines = runner.log_lines(handle, "main", should_tail=True)
+    assert await close_after_first_line(runner, lines, timeout=30) == ["up\n"]
     async with AsyncRunner(name=name, local_root=str(tmp_path / "state")) as other:
         status = await other.status(handle)
     assert status is not None and status.state == AppState.CANCELLED
@@ -326,17 +327,8 @@ async def test_close_ends_a_docker_tail_of_an_app_it_leaves_running(
             "main", image=busybox_image, entrypoint="sh", args=["-c", "echo up; exec sleep 120"]
         )
         handle = await runner.run(AppDef("tail", [role]), "local_docker")
-        got: list[str] = []
-        reader = asyncio.create_task(
-            read_all(runner.log_lines(handle, "main", should_tail=True), got)
-        )
-        with anyio.fail_after(60):
-            while not got:
-                await asyncio.sleep(0.05)  # bounded polling of the reader's progress
-            await runner.close()
-            with pytest.raises(RuntimeError, match=CLOSED):
-                await reader
-        assert got == ["up\n"]
+        lines = runner.log_lines(handle, "main", should_tail=True)
+        assert await close_after_first_line(runner, lines, timeout=60) == ["up\n"]
         async with AsyncRunner(name=docker_session) as other:  # the app outlived the close
             status = await other.status(handle)
             assert status is not None and status.state == AppState.RUNNING
