@@ -164,7 +164,7 @@ def _uncancel(task: asyncio.Task[Any]) -> bool:
     cancellation is pending too (that one wins: the CancelledError goes on)."""
     if task is not asyncio.current_task():
         return False
-    uncancel = getattr(task, "uncancel", None)  # Python 3.11+
+    uncancel = getattr(task, "uncancel", None)  # Python 3.11+ (3.10 cannot tell: taken back)
     return uncancel is None or uncancel() == 0
 
 

@@ -234,10 +234,11 @@ class AsyncRunner:
     async def close(self) -> None:
         """Stops the status hubs and closes every scheduler (local apps this runner owns are stopped).
 
-        Every iteration handed out ends with RuntimeError ("the runner was closed while ..."):
+        The iterations it handed out end with RuntimeError ("the runner was closed while ..."):
         ``as_completed``, ``watch``, and ``log_lines``/``log_entries`` (whose scheduler iterators
-        are closed: a tail of an app the close does not stop reads nothing more). The schedulers
-        close concurrently, each for at most ``close_timeout`` seconds (see ``AsyncRunner``).
+        are closed: a tail of an app the close does not stop reads nothing more); a
+        ``launch_events`` stream ends. The schedulers close concurrently, each for at most
+        ``close_timeout`` seconds (see ``AsyncRunner``).
 
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
