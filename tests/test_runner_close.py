@@ -105,6 +105,33 @@ async def test_a_tail_whose_reader_closes_the_runner_ends_at_its_next_line() -> 
     assert made[0].tails_opened == made[0].tails_ended == 1
 
 
+async def test_a_reader_that_resumes_as_the_close_begins_gets_the_error() -> None:
+    """A reader in its loop body whose next step is due just as the close begins (before the
+    close's clean-up could close its scheduler iterator) raises the close's RuntimeError instead
+    of reading on from the iterator."""
+    runner, made = tailing_runner()
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    release = asyncio.Event()
+    in_body = asyncio.Event()
+
+    async def reader() -> None:
+        async for _ in runner.log_lines(handle, "worker", should_tail=True):
+            in_body.set()
+            await release.wait()
+
+    task = asyncio.create_task(reader())
+    with anyio.fail_after(10):
+        await in_body.wait()
+        closing = asyncio.create_task(runner.close())
+        # the reader is woken after the close's first step has started its clean-up task
+        asyncio.get_running_loop().call_soon(release.set)
+        await closing
+        with pytest.raises(RuntimeError, match=CLOSED):
+            await task
+    assert made[0].tails_opened == made[0].tails_ended == 1
+
+
 async def test_the_reader_of_an_ended_tail_is_not_left_cancelled() -> None:
     """The task whose tail the close ended goes on normally after the RuntimeError (the close's
     cancellation of it is taken back): it can await, and nothing cancels it later."""

@@ -4,8 +4,10 @@
 (the source). A tail on a backend whose apps outlive the runner (Slurm, Docker, Kubernetes) never
 ends by itself, so ``close()`` ends every iteration still open, each where it stands:
 
-- parked at a ``yield`` (its reader is in its loop body, or gone): the source is closed at once
-  (``aclose``), and the reader's next step raises "the runner was closed while reading logs";
+- parked at a ``yield`` (its reader is in its loop body, or gone): a ``_Closing`` thrown in at
+  once (synchronously, before its reader can resume it) parks it again, so that the reader's next
+  step raises "the runner was closed while reading logs" without touching the source, which the
+  close then closes (``aclose``);
 - parked in an ``await`` of the source (a tail waiting for the next line): the task driving it is
   cancelled, and the iteration turns that cancellation into the same RuntimeError (the task is not
   left cancelled: ``Task.uncancel``); ``close()`` waits (bounded) until it has ended.
@@ -85,7 +87,13 @@ class LogReadings:
             # one plain async-generator layer: cheaper per line than any hand-written __anext__
             try:
                 async for item in source:
-                    yield item
+                    try:
+                        yield item
+                    except _Closing:
+                        # thrown in by the close (``_stop_at_yield``): this yield hands it back at
+                        # once, and the reader's next step raises, without touching the source
+                        yield None  # type: ignore[misc]
+                        raise
                     del item  # not held while the next one is read (a huge line: one copy)
             except asyncio.CancelledError:
                 if reading.driver is None or not _uncancel(reading.driver):
@@ -96,7 +104,7 @@ class LogReadings:
                     raise
                 # (the source was closed under it: "already running", or its own error)
                 raise RuntimeError(f"the runner was closed while {what}") from None
-            if reading.closing:  # the runner closed the source while it was parked at a yield
+            if reading.closing:  # the source ended as the close began
                 raise RuntimeError(f"the runner was closed while {what}")
         finally:
             self._open.discard(reading)
@@ -121,8 +129,10 @@ class LogReadings:
             if gen is None or reading.source is None:
                 continue  # dropped by its reader: its finalizer closes the source
             if not getattr(gen, "ag_running", False):
-                # parked at a yield: nothing runs it now, its source can be closed from here
+                # parked at a yield: stopped now (its reader may be about to resume it), and its
+                # source, which nothing runs now, is closed from here
                 reading.source_closing = True
+                _stop_at_yield(gen)
                 at_yield.append(reading.source)
                 continue
             driver = _driver_of(gen)
@@ -144,6 +154,26 @@ class LogReadings:
                 "(AsyncRunner close_timeout)",
                 timeout,
             )
+
+
+class _Closing(Exception):
+    """Thrown by the runner's close into a log iteration parked at a yield."""
+
+
+def _stop_at_yield(gen: AsyncGenerator[Any, None]) -> None:
+    """Throws ``_Closing`` into ``gen`` (parked at a yield) and runs it, synchronously, to its
+    next yield: from then on its reader's next step raises. Synchronously, because the reader may
+    be the next to run: it would resume the source, which the close could then not close."""
+    step = gen.athrow(_Closing())
+    try:
+        step.send(None)
+    except StopIteration:
+        return
+    except BaseException:
+        logger.exception("stopping a log iteration failed")
+        return
+    step.close()  # (cannot happen: the handler yields before any await)
+    logger.error("a log iteration did not stop at once")
 
 
 async def _aclose_logged(source: AsyncIterator[Any]) -> None:
