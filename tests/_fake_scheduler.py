@@ -155,7 +155,8 @@ class TailingFakeScheduler(FakeScheduler):
 
 class ClosingFakeScheduler(FakeScheduler):
     """A FakeScheduler of backend ``backend`` whose ``close()`` hangs (``close="hang"``: until
-    cancelled), raises (``close="raise"``) or returns (``close="ok"``)."""
+    cancelled; ``close="stubborn"``: until ``release`` is set, whatever cancels it), raises
+    (``close="raise"``) or returns (``close="ok"``)."""
 
     def __init__(self, session_name: str, *, backend: str, close: str = "ok", **kw: Any) -> None:
         super().__init__(session_name, **kw)
@@ -163,6 +164,7 @@ class ClosingFakeScheduler(FakeScheduler):
         self._close_mode = close
         self.close_cancelled = False  # a hung close was cancelled
         self.close_ended = False  # close() has returned or raised
+        self.release = asyncio.Event()  # ends a stubborn close
 
     async def close(self) -> None:
         try:
@@ -172,6 +174,12 @@ class ClosingFakeScheduler(FakeScheduler):
                 except asyncio.CancelledError:
                     self.close_cancelled = True
                     raise
+            if self._close_mode == "stubborn":
+                while not self.release.is_set():
+                    try:
+                        await self.release.wait()
+                    except asyncio.CancelledError:
+                        self.close_cancelled = True
             if self._close_mode == "raise":
                 raise OSError(f"{self.backend}: the engine went away")
             await super().close()

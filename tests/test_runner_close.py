@@ -404,6 +404,26 @@ async def test_a_hung_scheduler_close_is_bounded_and_the_others_close(
     assert any("scheduler hung did not close within 0.2 s" in w for w in warnings), warnings
 
 
+async def test_a_scheduler_close_that_ignores_its_cancellation_is_kept_and_reported(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler close that goes on after its cancellation does not hold the runner's close
+    past the grace: an error names its backend, and its task, kept by the runner, ends later."""
+    monkeypatch.setattr("asynctorchx.runner.api._CANCELLED_CLOSE_GRACE", 0.1)
+    runner, made = closing_runner({"stubborn": "stubborn", "good": "ok"}, close_timeout=0.1)
+    with anyio.fail_after(10):
+        async with runner:
+            for backend in ("stubborn", "good"):
+                await runner.run(app(), backend)
+        assert made["good"].closed and made["stubborn"].close_cancelled
+        assert not made["stubborn"].close_ended
+        made["stubborn"].release.set()
+        while not made["stubborn"].close_ended:
+            await asyncio.sleep(0.01)  # bounded polling of the kept close
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any("scheduler stubborn's close ignores its cancellation" in e for e in errors), errors
+
+
 async def test_a_failing_scheduler_close_is_logged_and_the_others_close(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
