@@ -131,6 +131,7 @@ class TailingFakeScheduler(FakeScheduler):
         self.tails_opened = 0
         self.tails_ended = 0
         self.tail_waiting = asyncio.Event()  # set while a tail waits for its next line
+        self.tails_waiting = 0  # how many tails wait for their next line now
         self.hanging_closes: set[int] = set()  # replicas whose tail's close hangs (until cancelled)
 
     async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
@@ -139,12 +140,16 @@ class TailingFakeScheduler(FakeScheduler):
                 yield line
             return
         self.tails_opened += 1
+        waiting = False
         try:
             yield f"{query.role}/{query.k} first\n"
+            waiting = True
+            self.tails_waiting += 1
             while True:
                 self.tail_waiting.set()
                 await asyncio.Event().wait()  # the next line never comes
         finally:
+            self.tails_waiting -= waiting
             self.tail_waiting.clear()
             try:
                 if query.k in self.hanging_closes:

@@ -23,7 +23,7 @@ import gc
 import inspect
 import logging
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -128,26 +128,29 @@ class LogReadings:
             gen = None if reading.gen is None else reading.gen()
             if gen is None or reading.source is None:
                 continue  # dropped by its reader: its finalizer closes the source
-            if not getattr(gen, "ag_running", False):
-                # parked at a yield: stopped now (its reader may be about to resume it), and its
-                # source, which nothing runs now, is closed from here
-                reading.source_closing = True
-                _stop_at_yield(gen)
-                at_yield.append(reading.source)
+            if getattr(gen, "ag_running", False):
+                parked.append(reading)
                 continue
-            driver = _driver_of(gen)
+            # parked at a yield: stopped now (its reader may be about to resume it), and its
+            # source, which nothing runs now, is closed from here
+            reading.source_closing = True
+            _stop_at_yield(gen)
+            at_yield.append(reading.source)
+        drivers = _drivers([r.gen for r in parked if r.gen is not None])
+        for reading in parked:
+            driver = drivers.get(id(reading.gen))
             if driver is None:
                 logger.warning("a log iteration could not be stopped: its task was not found")
                 continue
             reading.driver = driver
             driver.cancel()
-            parked.append(reading)
         with anyio.move_on_after(timeout) as scope:
             async with anyio.create_task_group() as tg:
                 for source in at_yield:
                     tg.start_soon(_aclose_logged, source)
             for reading in parked:
-                await reading.ended.wait()
+                if reading.driver is not None:
+                    await reading.ended.wait()
         if scope.cancelled_caught:
             logger.warning(
                 "the log iterations did not all end within %.3g s of the runner's close "
@@ -198,19 +201,31 @@ def _uncancel(task: asyncio.Task[Any]) -> bool:
     return uncancel is None or uncancel() == 0
 
 
-def _driver_of(gen: AsyncGenerator[Any, None]) -> asyncio.Task[Any] | None:
-    """The task whose chain of awaits runs through ``gen`` (parked in one of its awaits)."""
+def _drivers(
+    gens: list[weakref.ref[AsyncGenerator[Any, None]]],
+) -> dict[int, asyncio.Task[Any]]:
+    """The tasks whose chain of awaits runs through each of ``gens`` (parked in an await), by
+    ``id`` of the weak reference: one walk per task, however many generators are looked for."""
+    wanted: dict[int, weakref.ref[AsyncGenerator[Any, None]]] = {}
+    for ref in gens:
+        gen = ref()
+        if gen is not None:
+            wanted[id(gen)] = ref
+    found: dict[int, asyncio.Task[Any]] = {}
+    if not wanted:
+        return found
     for task in asyncio.all_tasks():
-        if _awaits(task.get_coro(), gen):
-            return task
-    return None
+        for node in _await_chain(task.get_coro()):
+            match = wanted.get(id(node))
+            if match is not None and match() is node:
+                found[id(match)] = task
+    return found
 
 
-def _awaits(obj: object, target: object) -> bool:
-    """True when the chain of awaits from ``obj`` (a task's coroutine) reaches ``target``."""
+def _await_chain(obj: object) -> Iterator[object]:
+    """The objects a task's coroutine awaits, from the outside in (bounded)."""
     for _ in range(1000):
-        if obj is target:
-            return True
+        yield obj
         nxt = (
             getattr(obj, "cr_await", None)
             or getattr(obj, "ag_await", None)
@@ -218,7 +233,7 @@ def _awaits(obj: object, target: object) -> bool:
         )
         if nxt is None:
             if inspect.iscoroutine(obj) or inspect.isasyncgen(obj) or inspect.isgenerator(obj):
-                return False
+                return
             # the awaitables of an async generator's step (``__anext__``, ``anext()``, ``athrow``)
             # name their generator only as a referent
             nxt = next(
@@ -230,6 +245,5 @@ def _awaits(obj: object, target: object) -> bool:
                 None,
             )
             if nxt is None:
-                return False
+                return
         obj = nxt
-    return False
