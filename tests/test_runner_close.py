@@ -384,7 +384,10 @@ async def test_close_ends_a_docker_tail_of_an_app_it_leaves_running(
         runner = AsyncRunner(name=docker_session)
         await runner.open()
         role = Role(
-            "main", image=busybox_image, entrypoint="sh", args=["-c", "echo up; exec sleep 120"]
+            "main",
+            image=busybox_image,
+            entrypoint="sh",
+            args=["-c", "trap 'exit 0' TERM; echo up; sleep 120 & wait"],
         )
         handle = await runner.run(AppDef("tail", [role]), "local_docker")
         lines = runner.log_lines(handle, "main", should_tail=True)
