@@ -7,6 +7,7 @@ set an app's state at an exact moment and count the backend round trips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -190,3 +191,20 @@ class ClosingFakeScheduler(FakeScheduler):
             await super().close()
         finally:
             self.close_ended = True
+
+
+class DeafFakeScheduler(FakeScheduler):
+    """A FakeScheduler whose status round (``describe_many``) waits until ``release`` is set,
+    ignoring every cancellation meanwhile (a backend call that swallows CancelledError)."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.in_round = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        self.in_round.set()
+        while not self.release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.release.wait()
+        return await super().describe_many(app_ids)

@@ -22,7 +22,12 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     docker_session,
     purge_session,
 )
-from _fake_scheduler import ClosingFakeScheduler, FakeScheduler, TailingFakeScheduler
+from _fake_scheduler import (
+    ClosingFakeScheduler,
+    DeafFakeScheduler,
+    FakeScheduler,
+    TailingFakeScheduler,
+)
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner import Limits, PollSettings
@@ -472,6 +477,38 @@ async def test_a_failing_scheduler_close_is_logged_and_the_others_close(
                 await runner.run(app(), backend)
     assert made["good"].closed and made["broken"].close_ended
     assert any("closing scheduler broken failed" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_status_round_that_ignores_its_cancellation_does_not_hold_the_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A backend whose status round ignores its cancellation holds the close at most
+    close_timeout per step (with a warning), the waiters get 'closed' at once, and the scheduler
+    is closed; the round, kept by the runner, ends once the backend answers."""
+    made: list[DeafFakeScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> DeafFakeScheduler:
+        made.append(DeafFakeScheduler(session_name, **params))
+        return made[-1]
+
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": factory}, poll_settings=FAST, close_timeout=0.2
+    )
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    waiter = asyncio.create_task(runner.wait(handle))
+    hub = runner.hub("fake")
+    with anyio.fail_after(10):
+        await made[0].in_round.wait()
+        await runner.close()
+        assert made[0].closed
+        with pytest.raises(RuntimeError, match="the runner was closed while waiting"):
+            await waiter
+        made[0].release.set()
+        while hub._loop_task is not None and not hub._loop_task.done():
+            await asyncio.sleep(0.01)  # bounded polling of the kept round
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("the status hubs did not stop within 0.2 s" in w for w in warnings), warnings
 
 
 @pytest.mark.parametrize("value", [0, -1, math.nan, "5", True, None])

@@ -13,7 +13,15 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -131,8 +139,9 @@ class AsyncRunner:
         clock: the time source of the rate limits (``asynctorchx.testing.VirtualClock`` in tests);
             waiting, timeouts and status polling always use real time.
         close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
-            concurrently), and for the log iterations it ends; a scheduler still closing then is
-            cancelled, with a warning naming its backend (``math.inf``: no bound). The default
+            concurrently), and for each of its other steps (the log iterations it ends, the
+            status hubs, its background tasks); a scheduler still closing then is cancelled,
+            with a warning naming its backend (``math.inf``: no bound). The default
             leaves the builtins their own bounded clean-up (up to a minute, e.g. the local
             backend's stopping grace).
         **scheduler_params: passed to every scheduler factory (each takes what it knows).
@@ -256,12 +265,33 @@ class AsyncRunner:
 
     async def _close(self) -> None:
         await self._readings.aclose(self._close_timeout)
-        for hub in self._hubs.values():
-            await hub.aclose()
+        await self._close_step(self._close_hubs(), "the status hubs")
         for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
             limiter.close()
-        await self._supervisor.aclose()
+        await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
         await self._close_schedulers()
+
+    async def _close_hubs(self) -> None:
+        for hub in self._hubs.values():
+            await hub.aclose()
+
+    async def _close_step(self, step: Coroutine[Any, Any, None], what: str) -> None:
+        """Runs a step of the close for at most ``close_timeout`` seconds; one still running then
+        (a backend call that ignores its cancellation: nothing can end it) is left to the
+        closing supervisor, with a warning."""
+        assert self._closer is not None
+        task = self._closer.spawn(step, name=what)
+        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            logger.warning(
+                "%s did not stop within %.3g s of the runner's close (AsyncRunner "
+                "close_timeout): left running",
+                what,
+                self._close_timeout,
+            )
+            return
+        task.result()
 
     async def _close_schedulers(self) -> None:
         """Closes every scheduler at once, each for at most ``close_timeout`` seconds: one that

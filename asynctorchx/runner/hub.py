@@ -527,10 +527,12 @@ class StatusHub:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        # the waiters first: the loop's round may take long to end (or never, if the backend
+        # ignores its cancellation), and the runner's close does not wait for it without bound
         for entry in self._entries.values():
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
