@@ -7,6 +7,7 @@ set an app's state at an exact moment and count the backend round trips.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -118,3 +119,92 @@ class FakeScheduler(Scheduler[AppDef]):
     async def close(self) -> None:
         self.closed = True
         await super().close()
+
+
+class TailingFakeScheduler(FakeScheduler):
+    """A FakeScheduler whose tail (``should_tail=True``) never ends by itself, like a tail of a
+    Slurm or Docker app that the runner's close does not stop: it yields one line, then waits
+    for lines that never come. It counts the tails it opened and those whose iterator ended
+    (closed or raised): a tail still open is one that would go on reading."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.tails_opened = 0
+        self.tails_ended = 0
+        self.tail_waiting = asyncio.Event()  # set while a tail waits for its next line
+        self.tails_waiting = 0  # how many tails wait for their next line now
+        self.hanging_closes: set[int] = set()  # replicas whose tail's close hangs (until cancelled)
+
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        if not query.follow:
+            async for line in super()._log_iter(query):
+                yield line
+            return
+        self.tails_opened += 1
+        waiting = False
+        try:
+            yield f"{query.role}/{query.k} first\n"
+            waiting = True
+            self.tails_waiting += 1
+            while True:
+                self.tail_waiting.set()
+                await asyncio.Event().wait()  # the next line never comes
+        finally:
+            self.tails_waiting -= waiting
+            self.tail_waiting.clear()
+            try:
+                if query.k in self.hanging_closes:
+                    await asyncio.Event().wait()
+            finally:
+                self.tails_ended += 1
+
+
+class ClosingFakeScheduler(FakeScheduler):
+    """A FakeScheduler of backend ``backend`` whose ``close()`` hangs (``close="hang"``: until
+    cancelled; ``close="stubborn"``: until ``release`` is set, whatever cancels it), raises
+    (``close="raise"``) or returns (``close="ok"``)."""
+
+    def __init__(self, session_name: str, *, backend: str, close: str = "ok", **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.backend = backend
+        self._close_mode = close
+        self.close_cancelled = False  # a hung close was cancelled
+        self.close_ended = False  # close() has returned or raised
+        self.release = asyncio.Event()  # ends a stubborn close
+
+    async def close(self) -> None:
+        try:
+            if self._close_mode == "hang":
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    self.close_cancelled = True
+                    raise
+            if self._close_mode == "stubborn":
+                while not self.release.is_set():
+                    try:
+                        await self.release.wait()
+                    except asyncio.CancelledError:
+                        self.close_cancelled = True
+            if self._close_mode == "raise":
+                raise OSError(f"{self.backend}: the engine went away")
+            await super().close()
+        finally:
+            self.close_ended = True
+
+
+class DeafFakeScheduler(FakeScheduler):
+    """A FakeScheduler whose status round (``describe_many``) waits until ``release`` is set,
+    ignoring every cancellation meanwhile (a backend call that swallows CancelledError)."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.in_round = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        self.in_round.set()
+        while not self.release.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.release.wait()
+        return await super().describe_many(app_ids)

@@ -13,7 +13,15 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
@@ -24,6 +32,7 @@ import anyio
 from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.runner import _launch
 from asynctorchx.runner._pacing import LaunchPacer
+from asynctorchx.runner._readings import LogReadings
 from asynctorchx.runner.hub import AppEntry, PollSettings, StatusHub
 from asynctorchx.runner.limits import (
     BackendLimiter,
@@ -73,6 +82,15 @@ _CLOSED: Any = object()
 
 DEFAULT_SESSION_NAME = "asynctorchx"
 
+#: How long ``close()`` waits for a scheduler's ``close()`` by default (``close_timeout``): above
+#: the builtins' own bounds (the local backend's 30 s stopping grace plus its clean-up,
+#: Docker's and Kubernetes' 30 s for the launches in flight plus 30 s for the follow-ups).
+DEFAULT_CLOSE_TIMEOUT = 120.0
+
+#: How long a scheduler close cancelled at ``close_timeout`` may take to end, before it is left
+#: to the runner's closing supervisor (a close that ignores its cancellation).
+_CANCELLED_CLOSE_GRACE = 5.0
+
 
 @dataclass(frozen=True, slots=True)
 class AppEvent:
@@ -120,10 +138,17 @@ class AsyncRunner:
             (see ``asynctorchx.runner.limits``).
         clock: the time source of the rate limits (``asynctorchx.testing.VirtualClock`` in tests);
             waiting, timeouts and status polling always use real time.
+        close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
+            concurrently), and for each of its other steps (the log iterations it ends, the
+            status hubs, its background tasks); a scheduler still closing then is cancelled,
+            with a warning naming its backend (``math.inf``: no bound). The default
+            leaves the builtins their own bounded clean-up (up to a minute, e.g. the local
+            backend's stopping grace).
         **scheduler_params: passed to every scheduler factory (each takes what it knows).
 
     Raises:
-        ValueError: a bad name or a bad limit (naming the backend and the value).
+        ValueError: a bad name, a bad limit (naming the backend and the value) or a
+            ``close_timeout`` that is no number > 0.
         UnknownSchedulerException: ``limits`` names a backend that does not exist.
     """
 
@@ -136,6 +161,7 @@ class AsyncRunner:
         scheduler_factories: Mapping[str, SchedulerFactory] | None = None,
         limits: Mapping[str, Limits | Mapping[str, object]] | None = None,
         clock: Clock | None = None,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         **scheduler_params: Any,
     ) -> None:
         # the name is a directory of the local backends' state root: '..' would escape it
@@ -151,6 +177,16 @@ class AsyncRunner:
                 "runner name must be a string without '/', ':', spaces or NUL, and not '.' or "
                 f"'..', got {name!r}"
             )
+        if (
+            isinstance(close_timeout, bool)
+            or not isinstance(close_timeout, (int, float))
+            or not _float(close_timeout) > 0  # also rejects NaN
+        ):
+            raise ValueError(
+                f"close_timeout must be a number of seconds > 0 (math.inf: no bound), "
+                f"got {close_timeout!r}"
+            )
+        self._close_timeout = _float(close_timeout)
         self._name = name
         self._component_defaults = {k: dict(v) for k, v in (component_defaults or {}).items()}
         self._scheduler_params = scheduler_params
@@ -163,6 +199,7 @@ class AsyncRunner:
         self._state = _Lifecycle.UNOPENED
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
+        self._readings = LogReadings()  # the log iterations handed out: close() ends them
         self._trackers: list[TrackerSetting] | None = None  # .torchxconfig's, read at first dry run
         self._trackers_read: (
             asyncio.Task[tuple[list[TrackerSetting] | None, Exception | None]] | None
@@ -174,6 +211,7 @@ class AsyncRunner:
                 raise UnknownSchedulerException(backend, self._available())
         self._launch_events = LaunchEvents()
         self._closing: asyncio.Task[None] | None = None  # close()'s clean-up, awaited by every call
+        self._closer: TaskSupervisor | None = None  # owns the clean-up and the schedulers' closes
         # the loop open() ran in: the hubs, schedulers and their tasks belong to it
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -205,6 +243,12 @@ class AsyncRunner:
     async def close(self) -> None:
         """Stops the status hubs and closes every scheduler (local apps this runner owns are stopped).
 
+        The iterations it handed out end with RuntimeError ("the runner was closed while ..."):
+        ``as_completed``, ``watch``, and ``log_lines``/``log_entries`` (whose scheduler iterators
+        are closed: a tail of an app the close does not stop reads nothing more); a
+        ``launch_events`` stream ends. The schedulers close concurrently, each for at most
+        ``close_timeout`` seconds (see ``AsyncRunner``).
+
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
         """
@@ -215,21 +259,72 @@ class AsyncRunner:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
             # its own supervisor: the runner's is closed by the clean-up itself
-            closer = TaskSupervisor(f"runner:{self._name}")
-            self._closing = closer.spawn(self._close(), name="close")
+            self._closer = TaskSupervisor(f"runner:{self._name}")
+            self._closing = self._closer.spawn(self._close(), name="close")
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
-        for hub in self._hubs.values():
-            await hub.aclose()
+        await self._readings.aclose(self._close_timeout)
+        await self._close_step(self._close_hubs(), "the status hubs")
         for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
             limiter.close()
-        await self._supervisor.aclose()
-        for scheduler in self._schedulers.values():
-            try:
-                await scheduler.close()
-            except Exception:
-                logger.exception("closing scheduler %s failed", scheduler.backend)
+        await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
+        await self._close_schedulers()
+
+    async def _close_hubs(self) -> None:
+        for hub in self._hubs.values():
+            await hub.aclose()
+
+    async def _close_step(self, step: Coroutine[Any, Any, None], what: str) -> None:
+        """Runs a step of the close for at most ``close_timeout`` seconds; one still running then
+        (a backend call that ignores its cancellation: nothing can end it) is left to the
+        closing supervisor, with a warning."""
+        assert self._closer is not None
+        task = self._closer.spawn(step, name=what)
+        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+        if not done:
+            logger.warning(
+                "%s did not stop within %.3g s of the runner's close (AsyncRunner "
+                "close_timeout): left running",
+                what,
+                self._close_timeout,
+            )
+            return
+        task.result()
+
+    async def _close_schedulers(self) -> None:
+        """Closes every scheduler at once, each for at most ``close_timeout`` seconds: one that
+        hangs is cancelled (and awaited, bounded), with a warning; the others close all the same."""
+        if not self._schedulers:
+            return
+        assert self._closer is not None
+        closes = {
+            self._closer.spawn(self._close_scheduler(s), name=f"close:{backend}"): backend
+            for backend, s in self._schedulers.items()
+        }
+        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        _, late = await asyncio.wait(closes, timeout=timeout)
+        for task in late:
+            logger.warning(
+                "scheduler %s did not close within %.3g s (AsyncRunner close_timeout): cancelled",
+                closes[task],
+                self._close_timeout,
+            )
+            task.cancel()
+        if late:
+            _, stuck = await asyncio.wait(late, timeout=_CANCELLED_CLOSE_GRACE)
+            for task in stuck:  # it ignores its cancellation: the closing supervisor keeps it
+                logger.error(
+                    "scheduler %s's close ignores its cancellation: left running", closes[task]
+                )
+
+    @staticmethod
+    async def _close_scheduler(scheduler: Scheduler[Any]) -> None:
+        try:
+            await scheduler.close()
+        except Exception:
+            logger.exception("closing scheduler %s failed", scheduler.backend)
 
     def _check_open(self) -> None:
         if self._state is _Lifecycle.UNOPENED:
@@ -784,8 +879,10 @@ class AsyncRunner:
         Event-driven through the scheduler's StatusHub. Cancelling the awaiting task, or the timeout,
         leaves the app running. When the deadline passes, the scheduler is asked once more before
         ``TimeoutError`` is raised: an app that is already terminal is returned even with
-        ``timeout=0``. That last question is not asked when the backend's ``max_calls_per_second``
-        would hold it back past the deadline: the timeout is kept.
+        ``timeout=0``. With a positive timeout, that last question is not asked when the
+        backend's ``max_calls_per_second`` would hold it back past the deadline: the timeout is
+        kept. ``timeout=0`` is a question, not a deadline: it waits for the rate's next slot to
+        ask it (never exceeding the rate), at most ``PollSettings.final_look_timeout``.
 
         Args:
             app_handle: the app.
@@ -844,8 +941,9 @@ class AsyncRunner:
         """Yields ``(handle, final status or None)`` for each app as it finishes, in completion order.
 
         When the deadline passes, the schedulers are asked once more before ``TimeoutError`` is
-        raised: apps that are already terminal are yielded even with ``timeout=0`` (unless a
-        backend's ``max_calls_per_second`` would hold that question back past the deadline).
+        raised: apps that are already terminal are yielded even with ``timeout=0`` (which waits
+        for a backend's ``max_calls_per_second`` to allow that question; a positive timeout does
+        not: it is kept).
 
         Raises:
             TimeoutError: apps were still running after ``timeout`` seconds (those done were yielded).
@@ -901,7 +999,7 @@ class AsyncRunner:
                         if handle not in seen and not entry.final
                     ]
                     for hub, entry, token in checks:
-                        if not await hub.final_look(entry, token):
+                        if not await hub.final_look(entry, token, wait_for_rate=timeout == 0):
                             break  # rate-limited or not answered in time: the deadline is kept
                     continue
                 handle, entry = item
@@ -1005,7 +1103,7 @@ class AsyncRunner:
             return None
         return AppDef(name=response.name or app_id, roles=list(response.roles))
 
-    async def log_lines(
+    def log_lines(
         self,
         app_handle: AppHandle,
         role_name: str,
@@ -1022,28 +1120,26 @@ class AsyncRunner:
 
         Nothing is checked or read until the first line is asked for; ``aclose()`` stops a tail at
         once. With ``cursor`` (from ``log_entries``) the log resumes exactly after that line.
+        Closing the runner ends the iteration (a tail of an app the close does not stop too): its
+        next line, or the one it waits for, raises RuntimeError.
 
         Raises:
             UnknownAppException: the scheduler does not know the app.
             UnknownRoleException: no such role or replica.
             ValueError: a malformed cursor, or one taken on another app, role, replica or
                 ``streams`` (and the other argument errors of ``Scheduler.log_iter``).
+            RuntimeError: the runner is closed, or was closed while the lines were read.
         """
-        scheduler, app_id = await self._log_scheduler(app_handle)
-        lines = scheduler.log_iter(
-            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
-        )
-        # one plain async-generator layer: cheaper per line than any hand-written __anext__
-        try:
-            async for line in lines:
-                yield line
-                del line  # not held while the next one is read: a huge line costs one copy, not two
-        finally:
-            aclose = getattr(lines, "aclose", None)
-            if aclose is not None:
-                await aclose()
 
-    async def log_entries(
+        async def open_source() -> AsyncIterator[str]:
+            scheduler, app_id = await self._log_scheduler(app_handle)
+            return scheduler.log_iter(
+                app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+            )
+
+        return self._readings.read(open_source, "reading logs")
+
+    def log_entries(
         self,
         app_handle: AppHandle,
         role_name: str,
@@ -1061,20 +1157,21 @@ class AsyncRunner:
         A cursor is an opaque string (safe in URLs and HTTP headers, e.g. an SSE event id).
         Passing it back as ``cursor=`` (same app, role, replica and ``streams``) resumes exactly
         after its line: nothing repeated, nothing skipped, also while the app still writes and
-        when lines share a timestamp. Every built-in backend supports cursors.
+        when lines share a timestamp. Every built-in backend supports cursors. Closing the runner
+        ends the iteration as it ends ``log_lines``.
 
         Raises:
             NotImplementedError: the backend cannot resume logs.
-            ValueError, UnknownAppException, UnknownRoleException: as ``log_lines``.
+            ValueError, UnknownAppException, UnknownRoleException, RuntimeError: as ``log_lines``.
         """
-        scheduler, app_id = await self._log_scheduler(app_handle)
-        entries = scheduler.log_entries(
-            app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
-        )
-        async with contextlib.aclosing(entries):  # type: ignore[type-var]
-            async for entry in entries:
-                yield entry
-                del entry
+
+        async def open_source() -> AsyncIterator[LogEntry]:
+            scheduler, app_id = await self._log_scheduler(app_handle)
+            return scheduler.log_entries(
+                app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
+            )
+
+        return self._readings.read(open_source, "reading logs")
 
     async def _log_scheduler(self, app_handle: AppHandle) -> tuple[Scheduler[Any], str]:
         """The scheduler and app id of a handle whose log is opened (one call to the backend)."""

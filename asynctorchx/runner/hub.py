@@ -14,9 +14,11 @@ A wait with a deadline never times out on what the hub happened to know: when th
 with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
 after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
 on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
-its deadline costs no extra round. That last round is not waited for when the backend's call-rate
-limit holds it back (``round_would_wait``), nor longer than ``PollSettings.final_look_timeout`` (a
-hung backend): the wait then raises ``TimeoutError`` on what the hub knew.
+its deadline costs no extra round. That last round is not waited for longer than
+``PollSettings.final_look_timeout`` (a hung backend), nor, for a positive timeout, when the
+backend's call-rate limit holds it back (``round_would_wait``): the wait then raises
+``TimeoutError`` on what the hub knew. A timeout of 0 asks for that one look and nothing else, so
+it waits for the rate's next slot (the rate is never exceeded), bounded likewise.
 """
 
 from __future__ import annotations
@@ -271,16 +273,22 @@ class StatusHub:
             self._mark_dirty(app_id)
         return entry, self.rounds
 
-    async def wait_consulted(self, entry: AppEntry, token: int) -> bool:
+    async def wait_consulted(
+        self, entry: AppEntry, token: int, *, wait_for_rate: bool = False
+    ) -> bool:
         """Waits until ``entry`` is final or a round numbered above ``token`` has answered for it.
+
+        Args:
+            wait_for_rate: wait for that round even when the call-rate limit holds it back (a
+                ``timeout=0`` wait: its one look).
 
         Returns:
             True then; False at once when the next round is held back by the call-rate limit
-            (the caller's deadline has passed: it does not wait for a rate slot).
+            and not ``wait_for_rate`` (the caller's deadline has passed).
         """
         while not entry.final and entry.consulted <= token:
             self._check_open()
-            if self._throttled:
+            if self._throttled and not wait_for_rate:
                 return False
             if entry.answered is None:
                 entry.answered = asyncio.Event()
@@ -288,10 +296,10 @@ class StatusHub:
             await entry.answered.wait()
         return True
 
-    async def final_look(self, entry: AppEntry, token: int) -> bool:
+    async def final_look(self, entry: AppEntry, token: int, *, wait_for_rate: bool = False) -> bool:
         """``wait_consulted``, for at most ``PollSettings.final_look_timeout`` (False after it)."""
         with anyio.move_on_after(self.settings.final_look_timeout):
-            return await self.wait_consulted(entry, token)
+            return await self.wait_consulted(entry, token, wait_for_rate=wait_for_rate)
         return False
 
     async def wait_final(
@@ -306,7 +314,7 @@ class StatusHub:
             app_id: the app.
             timeout: seconds to wait (None: no limit). When they have passed, the hub asks for one
                 more round before giving up: an app that is already terminal is returned even with
-                ``timeout=0``.
+                ``timeout=0``, which waits for the call rate's next slot for it if need be.
             poll_hint: how often (seconds) this waiter wants a backend that is polled to be asked
                 while it waits (TorchX's ``wait_interval``); see ``max_interval``.
 
@@ -329,7 +337,8 @@ class StatusHub:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
-                    await self.final_look(entry, token)  # False: not answered in time
+                    # False: not answered in time
+                    await self.final_look(entry, token, wait_for_rate=timeout == 0)
                     if entry.final:
                         break
                     raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
@@ -518,10 +527,12 @@ class StatusHub:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        # the waiters first: the loop's round may take long to end (or never, if the backend
+        # ignores its cancellation), and the runner's close does not wait for it without bound
         for entry in self._entries.values():
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
