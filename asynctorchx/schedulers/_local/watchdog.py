@@ -45,6 +45,11 @@ else:  # run as a script: the sibling modules are imported by path
 
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 POLL = 0.02
+#: How long the watchdog pauses after reading its launcher's lines before it reads again: a burst of
+#: launches then wakes it a few times instead of twice per app (each wake-up is a context switch on
+#: the launcher's write and a slice of a core its replicas need). Its launcher's death is noticed
+#: this much later at most; the lines wait in the pipe (1 MiB), which the launcher never waits for.
+NAP = 0.02
 #: How long the watchdog waits for SIGKILLed processes to be gone before it records the app anyway.
 KILL_WAIT = 5.0
 
@@ -221,6 +226,7 @@ def watch(records_dir: str, owner_pid: int, max_grace: float, base: str | None) 
                     app.pgids.discard(msg.pid)
             elif msg.op == "x":
                 apps.pop(msg.app_id, None)
+        time.sleep(NAP)
     if apps:
         stop_apps(apps, records_dir, owner_pid, max_grace)
     if base:
