@@ -362,6 +362,93 @@ async def test_a_stuck_watchdog_with_a_full_pipe_is_replaced_without_losing_a_li
         assert (await terminal_record(root, app_id, 30))["state"] == "FAILED"
 
 
+UNREPLACEABLE_WATCHDOG_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, json, subprocess, sys
+    from asynctorchx.schedulers._local import guard
+    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    real_popen = subprocess.Popen
+
+    def no_more_watchdogs(args, *rest, **kwargs):
+        if str(guard.WATCHDOG_SCRIPT) in args:
+            raise BlockingIOError(11, "Resource temporarily unavailable")  # fork: EAGAIN
+        return real_popen(args, *rest, **kwargs)
+
+    async def main(root, token):
+        s = LocalScheduler("doomed", local_root=root)
+        role = Role("main", image="x", entrypoint="sleep", args=["1000"],
+                    env={"ATX_TOKEN": token}, num_replicas=2)
+        app_id = await s.submit(AppDef("victim", [role]), {"cancel_grace_period": 1.0})
+        before = s.watchdog_pid
+        guard.subprocess.Popen = no_more_watchdogs
+        s._runtime.watchdog.restart("the test asks for a new one")
+        print(json.dumps({"app_id": app_id, "before": before, "after": s.watchdog_pid}), flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.timeout(120)
+async def test_a_watchdog_whose_successor_cannot_start_keeps_guarding(
+    root: Path, token: str
+) -> None:
+    """A restart of the watchdog (its launcher's claims file was made again) that cannot start the
+    new one (fork fails) keeps the old one running: a later SIGKILL of the launcher still stops
+    every replica and records the app FAILED."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", UNREPLACEABLE_WATCHDOG_LAUNCHER, str(root), token],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        info = await read_json_line(proc)
+        assert info["after"] == info["before"]
+        assert _stat(str(info["before"])) is not None
+        assert len(token_procs(token)) == 2
+    finally:
+        sigkill(proc)
+    await until(lambda: not token_procs(token), 30, "every replica to be gone")
+    doc = await terminal_record(root, info["app_id"], 30)
+    assert doc["state"] == "FAILED" and f"launcher (pid {proc.pid}) died" in doc["msg"]
+
+
+@pytest.mark.timeout(60)
+async def test_a_replaced_watchdog_is_killed_before_its_pipe_is_closed(
+    sched: LocalScheduler, token: str
+) -> None:
+    """The watchdog being replaced is SIGKILLed while its pipe is still open (at the end of its
+    input it would stop every app), and the apps run on under its successor."""
+    role = Role("main", image="x", entrypoint="sleep", args=["1000"], env={"ATX_TOKEN": token})
+    app_id = await sched.submit(AppDef("kept", [role]), {})
+    watchdog = sched._runtime.watchdog
+    old, pipe = watchdog._proc, watchdog._fd
+    assert old is not None and pipe >= 0
+    pipe_open_at_kill: list[bool] = []
+    real_kill = old.kill
+
+    def kill() -> None:
+        try:
+            os.fstat(pipe)
+            pipe_open_at_kill.append(True)
+        except OSError:
+            pipe_open_at_kill.append(False)
+        real_kill()
+
+    old.kill = kill  # type: ignore[method-assign]
+    watchdog.restart("the test asks for a new one")
+    assert pipe_open_at_kill == [True]
+    assert sched.watchdog_pid not in (None, old.pid)
+    assert old.returncode == -signal.SIGKILL
+    desc = await sched.describe(app_id)
+    assert desc is not None and desc.state == AppState.RUNNING
+    assert len(token_procs(token)) == 1
+    await sched.cancel(app_id)
+
+
 SUBREAPER = textwrap.dedent(
     """
     import ctypes, subprocess, sys

@@ -110,11 +110,15 @@ class Watchdog:
         if self._fd >= 0 or self._closing:
             return
         self._loop = asyncio.get_running_loop()
+        self._adopt(*self._spawn())
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], int]:
+        """A new watchdog process and the (non-blocking) write end of its pipe."""
         read_fd, write_fd = os.pipe()
         try:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 _script_argv(
                     "watch",
                     str(self._records_dir),
@@ -134,13 +138,20 @@ class Watchdog:
         finally:
             os.close(read_fd)
         os.set_blocking(write_fd, False)
+        return proc, write_fd
+
+    def _adopt(self, proc: subprocess.Popen[bytes], write_fd: int) -> None:
+        """Makes ``proc`` the watchdog (its pipe's write end ``write_fd``) and registers
+        everything with it."""
+        assert self._loop is not None
+        self._proc = proc
         self._fd = write_fd
-        self.start_ticks = proc_start_ticks(self._proc.pid)
+        self.start_ticks = proc_start_ticks(proc.pid)
         try:
-            self._pidfd = os.pidfd_open(self._proc.pid)
+            self._pidfd = os.pidfd_open(proc.pid)
             self._loop.add_reader(self._pidfd, self._on_died)
         except OSError as e:  # no pidfd: a dead watchdog is then noticed at the next write
-            logger.warning("cannot watch the local watchdog (pid %d): %s", self._proc.pid, e)
+            logger.warning("cannot watch the local watchdog (pid %d): %s", proc.pid, e)
             self._pidfd = -1
         self._buf = bytearray(b"".join(self._registrations()))
         self._write_through()
@@ -201,7 +212,13 @@ class Watchdog:
         self._replace(f"it exited with status {self._proc.returncode}")
 
     def _replace(self, why: str, kill: bool = False) -> None:
-        """Replaces the watchdog: reaps (or kills) the old one, starts a new one, replays."""
+        """Replaces the watchdog: reaps (or kills) the old one, starts a new one, replays.
+
+        A watchdog that still runs (``kill``) is replaced only once its successor has started: if
+        none can be (no memory or pids left), it stays and keeps guarding the apps, and the
+        replacement is tried again at the next ``restart`` or stuck write. It is SIGKILLed before
+        its pipe is closed: the end of its input would have it stop every app.
+        """
         if self._closing:
             return
         old = self._proc
@@ -210,8 +227,18 @@ class Watchdog:
             f" (pid {old.pid})" if old is not None else "",
             why,
         )
+        successor = None
+        if kill and old is not None and self._fd >= 0:
+            try:
+                successor = self._spawn()
+            except OSError as e:
+                logger.warning(
+                    "cannot start a new local watchdog (%s); the one running (pid %d) stays",
+                    e,
+                    old.pid,
+                )
+                return
         self._detach_pidfd()
-        self._forget_fd()
         if old is not None:
             if kill:
                 with contextlib.suppress(OSError):
@@ -221,9 +248,13 @@ class Watchdog:
             except subprocess.TimeoutExpired:
                 logger.warning("the old local watchdog (pid %d) did not exit", old.pid)
                 old.returncode = -1
+        self._forget_fd()
         self._proc = None
         self.restarts += 1
-        self.ensure_started()
+        if successor is None:
+            self.ensure_started()
+        else:
+            self._adopt(*successor)
         self._on_restart()
 
     def _detach_pidfd(self) -> None:
