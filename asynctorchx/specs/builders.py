@@ -128,19 +128,27 @@ def to_list(arg: str) -> list[str]:
 def _scan(text: str) -> list[tuple[int, str]]:
     """The positions and characters of ``=``, ``,`` and ``;`` that are outside quotes.
 
+    A quote opens a quoted value only right after a ``=`` (spaces aside): elsewhere it is an
+    ordinary character, as in TorchX, so that ``MSG=don't panic`` is a value, not an unclosed quote.
+
     Raises:
-        ValueError: a quote is not closed.
+        ValueError: a quote opened after a ``=`` is not closed.
     """
     out: list[tuple[int, str]] = []
     quote: str | None = None
+    previous = ""  # the last character outside quotes that is not a space
     for i, ch in enumerate(text):
         if quote:
             if ch == quote:
                 quote = None
-        elif ch in "'\"":
+                previous = ch
+            continue
+        if ch in "'\"" and previous == "=":
             quote = ch
         elif ch in "=,;":
             out.append((i, ch))
+        if not ch.isspace():
+            previous = ch
     if quote:
         raise ValueError(f"unterminated {quote} quote in {text!r}")
     return out
@@ -158,11 +166,13 @@ def to_dict(arg: str) -> dict[str, str]:
 
     A value may hold ``,``/``;``-separated items: the last delimiter before the next ``KEY=``
     separates pairs, so ``"FOO=a,b,BAR=c"`` is ``{"FOO": "a,b", "BAR": "c"}``. A value that is
-    quoted (``'...'`` or ``"..."``) is taken literally, quotes removed; a ``=`` not followed by
-    another pair stays in the value (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
+    quoted (``'...'`` or ``"..."``) is taken literally, quotes removed; a quote inside a value is
+    a character (``"MSG=don't"``); a ``=`` not followed by another pair stays in the value
+    (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
 
     Raises:
-        ValueError: the string has no ``KEY=value`` pair, an empty key or an unclosed quote.
+        ValueError: the string has no ``KEY=value`` pair, an empty key or a quoted value that is
+            not closed.
     """
     text = arg.strip()
     if text[-1:] in (",", ";"):
