@@ -1108,14 +1108,20 @@ def _sweep_scratch(store: str) -> None:
 
 def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
     """True while the snapshot ``final`` holds every entry of ``scan`` with the kind, and for files
-    the size, modification time (to the second) and mode, they were copied with.
+    the size, mode and bytes, they were copied with.
 
-    An in-place write moves a file's modification time to the time of the write; one stat per
-    entry (0.3 s for 50 000 files) costs far less than reading the files again.
+    An in-place write moves a file's modification time to the time of the write, so a file whose
+    modification time is the workspace file's (to the second) is taken as intact: one stat per
+    entry (0.3 s for 50 000 files) costs far less than reading the files again. A file whose time
+    differs is read and hashed: the workspace file may have been touched, checked out again or
+    edited and reverted since the snapshot was made, its bytes unchanged (the snapshot, named by
+    content, kept the time of the first copy), and remaking the snapshot then would also remove
+    it from under the submits linking to it.
     """
     for entry in scan.entries:
+        path = os.path.join(final, *entry.path.split("/"))
         try:
-            st = os.lstat(os.path.join(final, *entry.path.split("/")))
+            st = os.lstat(path)
         except OSError:
             return False
         if entry.kind == "dir":
@@ -1128,11 +1134,21 @@ def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
                 stat.S_ISREG(st.st_mode)
                 and stat.S_IMODE(st.st_mode) == mode
                 and st.st_size == entry.size
-                and abs(st.st_mtime - entry.mtime) < 1.0
             )
+            if ok and abs(st.st_mtime - entry.mtime) >= 1.0:
+                ok = _holds(path, st, entry.digest)
         if not ok:
             return False
     return True
+
+
+def _holds(path: str, st: os.stat_result, digest: str) -> bool:
+    """True when the file ``path`` (of stat ``st``) hashes to ``digest``."""
+    try:
+        found, _ = _hash_file(path, st)
+    except (OSError, InvalidWorkspaceException):
+        return False
+    return found == digest
 
 
 def link_tree(src: str, dest: str) -> int:

@@ -1,0 +1,55 @@
+"""Workspace faults found by a second probe: snapshots of a workspace whose files were touched,
+deep trees, and what a failed copy leaves behind (asynctorchx.schedulers.workspace)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from _workspace_env import make_workspace
+
+from asynctorchx.schedulers.workspace import TORCHXIGNORE, scan_workspace, snapshot
+from asynctorchx.specs import Workspace
+
+# -- snapshots: a touched workspace -----------------------------------------------------------------
+
+
+def test_a_touched_workspace_file_reuses_its_snapshot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A workspace file whose time moved but whose bytes did not (touch, a checkout, an edit undone)
+    keeps its snapshot: it was remade, with a warning that a replica had rewritten it, and removed
+    from under the submits linking to it meanwhile."""
+    ws = make_workspace(tmp_path / "ws", {"train.py": "print('hi')\n", "lib/util.py": "x = 1\n"})
+    store = str(tmp_path / "store")
+    scan = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    final, made = snapshot(scan, store, scan.digest, read_only=True)
+    assert made
+    inode = os.stat(final).st_ino
+    later = os.stat(ws / "train.py").st_mtime + 3600
+    os.utime(ws / "train.py", (later, later))
+    again = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    assert again.digest == scan.digest
+    with caplog.at_level(logging.WARNING, logger="asynctorchx.schedulers.workspace"):
+        assert snapshot(again, store, again.digest, read_only=True) == (final, False)
+    assert os.stat(final).st_ino == inode
+    assert not [r for r in caplog.records if "changed since it was made" in r.getMessage()]
+
+
+def test_a_snapshot_file_rewritten_in_place_with_its_size_is_made_again(tmp_path: Path) -> None:
+    """A snapshot file rewritten in place (same size, other bytes, time moved) is still caught:
+    the snapshot is made again and holds the workspace's bytes."""
+    ws = make_workspace(tmp_path / "ws", {"config.txt": "original\n"})
+    store = str(tmp_path / "store")
+    scan = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    final, _ = snapshot(scan, store, scan.digest, read_only=True)
+    copy = Path(final) / "config.txt"
+    copy.chmod(0o644)
+    copy.write_text("tampered\n")
+    copy.chmod(0o444)
+    later = os.stat(copy).st_mtime + 3600
+    os.utime(copy, (later, later))
+    assert snapshot(scan, store, scan.digest, read_only=True) == (final, True)
+    assert copy.read_text() == "original\n"
