@@ -35,6 +35,7 @@ def test_a_touched_workspace_file_reuses_its_snapshot(
     with caplog.at_level(logging.WARNING, logger="asynctorchx.schedulers.workspace"):
         assert snapshot(again, store, again.digest, read_only=True) == (final, False)
     assert os.stat(final).st_ino == inode
+    assert os.stat(Path(final) / "train.py").st_mtime == later  # the next submit: a stat alone
     assert not [r for r in caplog.records if "changed since it was made" in r.getMessage()]
 
 
