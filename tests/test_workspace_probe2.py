@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from _workspace_env import make_workspace
 
-from asynctorchx.schedulers.workspace import TORCHXIGNORE, scan_workspace, snapshot
+from asynctorchx.schedulers.workspace import (
+    TORCHXIGNORE,
+    link_tree,
+    remove_tree,
+    scan_workspace,
+    snapshot,
+)
 from asynctorchx.specs import Workspace
 
 # -- snapshots: a touched workspace -----------------------------------------------------------------
@@ -54,3 +61,37 @@ def test_a_snapshot_file_rewritten_in_place_with_its_size_is_made_again(tmp_path
     os.utime(copy, (later, later))
     assert snapshot(scan, store, scan.digest, read_only=True) == (final, True)
     assert copy.read_text() == "original\n"
+
+
+# -- deep trees ---------------------------------------------------------------------------------------
+
+
+def _deep_workspace(root: Path, depth: int) -> str:
+    """A workspace whose one file lies ``depth`` directories down; returns its relative path."""
+    rel = "/".join(["d"] * depth)
+    os.makedirs(root)
+    for i in range(1, depth + 1):  # os.makedirs itself recurses once per missing level
+        os.mkdir(root / "/".join(["d"] * i))
+    (root / rel / "f.txt").write_text("deep\n")
+    return f"{rel}/f.txt"
+
+
+def test_a_workspace_deeper_than_the_recursion_limit_is_snapshot_and_linked(
+    tmp_path: Path,
+) -> None:
+    """A tree deeper than Python's recursion limit (its paths still far below PATH_MAX) is
+    snapshot, linked into an app's directory and removed: the link failed with RecursionError, and
+    removing the partial link tree failed the same way, leaving it behind."""
+    depth = sys.getrecursionlimit() + 100
+    try:
+        rel = _deep_workspace(tmp_path / "ws", depth)
+        scan = scan_workspace(Workspace.from_str(str(tmp_path / "ws")), TORCHXIGNORE)
+        final, _ = snapshot(scan, str(tmp_path / "store"), scan.digest, read_only=True)
+        app = tmp_path / "app"
+        assert link_tree(final, str(app)) == scan.files
+        assert (app / rel).read_text() == "deep\n"
+        remove_tree(str(app))
+        assert not app.exists()
+    finally:  # pytest's own clean-up of tmp_path recurses too
+        for name in ("ws", "store", "app"):
+            remove_tree(str(tmp_path / name))

@@ -41,7 +41,6 @@ import logging
 import os
 import posixpath
 import re
-import shutil
 import stat
 import tarfile
 import threading
@@ -74,6 +73,7 @@ __all__ = [
     "WorkspaceScan",
     "copy_scan",
     "read_shipped",
+    "remove_tree",
     "report",
     "reporting",
     "scan_workspace",
@@ -1047,7 +1047,7 @@ def snapshot(
         except FileNotFoundError:
             pass  # another submit set it aside first
         else:
-            shutil.rmtree(aside, ignore_errors=True)  # the apps using it keep their hard links
+            remove_tree(aside)  # the apps using it keep their hard links
     what = f"copy workspace {scan.workspace}"
     _sweep_scratch(store)
     try:
@@ -1068,10 +1068,10 @@ def snapshot(
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise copy_error(e, what, final) from None
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             return final, False
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return final, True
 
@@ -1101,7 +1101,7 @@ def _sweep_scratch(store: str) -> None:
         try:
             os.kill(int(m["pid"]), 0)
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(store, n), ignore_errors=True)
+            remove_tree(os.path.join(store, n))
         except (PermissionError, OverflowError):
             pass  # alive (another user's), or no pid at all
 
@@ -1157,30 +1157,70 @@ def _holds(path: str, st: os.stat_result, digest: str) -> bool:
 
 def link_tree(src: str, dest: str) -> int:
     """Recreates the directories of ``src`` under the new directory ``dest`` and hard-links its
-    files there (symlinks are copied as symlinks). Returns the number of files linked."""
+    files there (symlinks are copied as symlinks). Returns the number of files linked.
+
+    Walked with a stack of its own, so a tree of any depth is linked (``os.walk`` recurses once
+    per level before Python 3.12: a workspace deeper than the recursion limit failed with
+    RecursionError). A directory that cannot be listed fails the link (it is not left out: a
+    partial tree, silently), and what was linked is removed.
+    """
     count = 0
     os.mkdir(dest)
-
-    def fail(e: OSError) -> None:
-        raise e  # os.walk would leave out what it cannot list: a partial tree, silently
-
-    for dirpath, dirnames, filenames in os.walk(src, onerror=fail):
-        rel = os.path.relpath(dirpath, src)
-        here = dest if rel == "." else os.path.join(dest, rel)
-        for d in dirnames:
-            p = os.path.join(dirpath, d)
-            if os.path.islink(p):
-                os.symlink(os.readlink(p), os.path.join(here, d))
-            else:
-                os.mkdir(os.path.join(here, d))
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            if os.path.islink(p):
-                os.symlink(os.readlink(p), os.path.join(here, f))
-            else:
-                os.link(p, os.path.join(here, f))
-                count += 1
+    try:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            with os.scandir(os.path.join(src, rel) if rel else src) as it:
+                items = list(it)
+            here = os.path.join(dest, rel) if rel else dest
+            for item in items:
+                target = os.path.join(here, item.name)
+                if item.is_symlink():
+                    os.symlink(os.readlink(item.path), target)
+                elif item.is_dir(follow_symlinks=False):
+                    os.mkdir(target)
+                    stack.append(os.path.join(rel, item.name) if rel else item.name)
+                else:
+                    os.link(item.path, target)
+                    count += 1
+    except BaseException:
+        remove_tree(dest)
+        raise
     return count
+
+
+def remove_tree(path: str) -> None:
+    """Removes ``path`` and everything below it, as far as it can (errors are ignored), without
+    following symlinks and without recursion: ``shutil.rmtree`` recurses once per level before
+    Python 3.12 and fails with RecursionError on a tree deeper than the recursion limit, leaving
+    it all behind whatever ``ignore_errors`` says."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+    except OSError:
+        return
+    stack = [(path, False)]
+    while stack:
+        directory, emptied = stack.pop()
+        if emptied:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+            continue
+        stack.append((directory, True))
+        try:
+            with os.scandir(directory) as it:
+                items = list(it)
+        except OSError:
+            continue
+        for item in items:
+            try:
+                if item.is_dir(follow_symlinks=False):
+                    stack.append((item.path, False))
+                else:
+                    os.unlink(item.path)
+            except OSError:
+                pass
 
 
 # -- plans and progress -----------------------------------------------------------------------------
