@@ -319,6 +319,33 @@ class _ComponentParser(argparse.ArgumentParser):
         self.given: set[str] = set()  # the options seen by this parse (see _Once)
         return super().parse_known_args(args, namespace)
 
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._meant(extras)}")
+        return parsed
+
+    def _meant(self, extras: Sequence[str]) -> str:
+        """What the first unknown option in ``extras`` may stand for: the option it abbreviates
+        (TorchX's parser takes ``--ms`` for ``--msg``; this one takes options in full only, so
+        that a parameter added later never changes what a command line means), else a close
+        spelling."""
+        options = [o for o in self._option_string_actions if o.startswith("--") and o != "--help"]
+        for arg in extras:
+            name = arg.partition("=")[0]
+            if not name.startswith("--") or len(name) < 3:
+                continue
+            longer = [o for o in options if o.startswith(name)]
+            if len(longer) == 1:
+                return f" ({name} abbreviates {longer[0]}: give options in full)"
+            close = difflib.get_close_matches(name, options, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+            return ""
+        return ""
+
 
 class _Action(argparse.Action):
     """An argparse action that sets ``dest`` to ``value(parser, values)``."""
