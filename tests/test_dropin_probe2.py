@@ -3,12 +3,25 @@ arguments, component files, log targets), each pinned here once fixed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+from _torchx_env import REPO
+from test_cli_commands import Cli
 
 from asynctorchx.components._finder import get_component
 from asynctorchx.specs import AppDef
 from asynctorchx.specs.builders import materialize_appdef, to_dict
 from asynctorchx.specs.errors import InvalidComponentArgsException
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cli]:
+    base = tmp_path_factory.mktemp("dropin2")
+    c = Cli(base, base / "root")
+    c.env["PYTHONPATH"] = str(REPO)
+    yield c
 
 
 def _builtin(name: str, *args: str) -> AppDef:
@@ -64,3 +77,44 @@ def test_an_abbreviated_component_option_names_the_option_in_full(
     option it abbreviates (or the close spelling) instead of only 'unrecognized arguments'."""
     with pytest.raises(InvalidComponentArgsException, match=f"unrecognized arguments: .*{said}"):
         _builtin(component, *args)
+
+
+# -- --workspace: a directory whose name holds ':' or ',' ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("made", "given", "url"),
+    [
+        (["runs/exp-10", "runs/exp-10:30"], "runs/exp-10:30", "runs/exp-10%3A30"),
+        (["exp", "v2", "exp,v2"], "exp,v2", "exp%2Cv2"),
+        (["data,v2"], "data,v2", "data%2Cv2"),
+    ],
+)
+def test_a_workspace_naming_a_directory_with_a_colon_or_comma_is_refused_naming_its_url(
+    cli: Cli, tmp_path: Path, made: list[str], given: str, url: str
+) -> None:
+    """--workspace runs/exp-10:30, where that directory exists, fails naming the file:// URL to
+    give, even when the other reading exists too (runs/exp-10 was shipped into 30/, silently,
+    instead of the directory named; exp,v2 shipped exp and v2 merged)."""
+    for d in made:
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / made[-1] / "mine.txt").write_text("the directory named\n")
+    result = cli(
+        "run", "--dryrun", "-s", "local_dir", "--workspace", str(tmp_path / given), "utils.echo"
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"file://{tmp_path}/{url}" in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_a_mapped_workspace_whose_literal_name_is_no_directory_is_mapped(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """DIR:SUBDIR is still DIR going to SUBDIR when no directory is named DIR:SUBDIR."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "a.txt").write_text("a\n")
+    result = cli(
+        "run", "--dryrun", "-s", "local_dir", "--workspace", f"{tmp_path}/proj:sub", "utils.echo"
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"workspace: {tmp_path}/proj:sub" in result.stdout
