@@ -118,3 +118,47 @@ def test_a_mapped_workspace_whose_literal_name_is_no_directory_is_mapped(
     )
     assert result.returncode == 0, result.stderr
     assert f"workspace: {tmp_path}/proj:sub" in result.stdout
+
+
+# -- run: what a component file writes to stdout -------------------------------------------------------
+
+LOW_LEVEL = '''
+import subprocess
+import sys
+
+import torchx.specs as specs
+
+sys.stdout.buffer.write(b"bytes through sys.stdout.buffer\\n")
+sys.stdout.flush()
+subprocess.run(["echo", "a child given sys.stdout"], stdout=sys.stdout, check=True)
+subprocess.run(["echo", "a child inheriting stdout"], check=True)
+
+
+def hello(msg: str = "hi") -> specs.AppDef:
+    """Says hello.
+
+    Args:
+        msg: what to say
+    """
+    print(f"building with {msg}")
+    return specs.AppDef("hello", [specs.Role("r", "img", "echo", args=[msg])])
+'''
+
+
+def test_a_component_file_writing_to_stdouts_bytes_or_descriptor_runs(cli: Cli) -> None:
+    """A component file that writes to sys.stdout.buffer or hands sys.stdout to a child (TorchX
+    loads it) runs; what it and its children write goes to stderr, stdout is the handle alone.
+    It failed: sys.stdout was a StringIO, without a buffer or a descriptor."""
+    (cli.cwd / "lowlevel.py").write_text(LOW_LEVEL)
+    run = cli("run", "lowlevel.py:hello", "--msg", "x")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1 and run.stdout.startswith("local_cwd://"), run.stdout
+    for said in (
+        "bytes through sys.stdout.buffer\n",
+        "a child given sys.stdout\n",
+        "a child inheriting stdout\n",
+        "building with x\n",
+    ):
+        assert said in run.stderr
+    helped = cli("run", "lowlevel.py:hello", "--help")
+    assert helped.returncode == 0 and "--msg MSG" in helped.stdout
