@@ -95,3 +95,29 @@ def test_a_workspace_deeper_than_the_recursion_limit_is_snapshot_and_linked(
     finally:  # pytest's own clean-up of tmp_path recurses too
         for name in ("ws", "store", "app"):
             remove_tree(str(tmp_path / name))
+
+
+# -- ignore files: TorchX's trailing comments ---------------------------------------------------------
+
+
+def test_a_trailing_comment_in_an_ignore_file_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """'data  # big' in .torchxignore excludes data under TorchX (the rest of a line is a comment
+    there) but is one pattern under Docker's rules, which ship data: the scan says so, naming the
+    file and line, instead of shipping it silently; plain patterns and 'a#b' are not warned about."""
+    ws = make_workspace(
+        tmp_path / "ws",
+        {
+            "data/big.bin": "x",
+            "a#b": "",
+            "keep.py": "",
+            TORCHXIGNORE: "# comments on their own line\n*.tmp\na#b\ndata  # the big files\n",
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="asynctorchx.schedulers.workspace"):
+        scan = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert f"{ws / TORCHXIGNORE} line 4: 'data  # the big files' is one pattern" in warned[0]
+    assert scan.get("data/big.bin") is not None and scan.get("a#b") is None

@@ -155,6 +155,10 @@ def copy_error(e: OSError, what: str, where: str, path: str = "") -> WorkspaceCo
 # -- ignore rules -----------------------------------------------------------------------------------
 
 
+#: A ``#`` after a space inside a pattern: a comment in TorchX's reading, a character in Docker's.
+_TRAILING_COMMENT = re.compile(r"\s#")
+
+
 class IgnoreRules:
     """The patterns of one ignore file (dockerignore syntax; see the module docstring).
 
@@ -175,6 +179,15 @@ class IgnoreRules:
             text = line.strip()
             if not text:
                 continue
+            if _TRAILING_COMMENT.search(text):
+                logger.warning(
+                    "%s line %d: %r is one pattern: '#' starts a comment only at the start of a "
+                    "line, as in .dockerignore (TorchX read the rest of the line as a comment); "
+                    "put the comment on a line of its own",
+                    source or "ignore file",
+                    number,
+                    text,
+                )
             include = text.startswith("!")
             if include:
                 text = text[1:].strip()
