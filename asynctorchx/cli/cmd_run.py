@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from asynctorchx.cli._help import HelpFormatter
 
@@ -171,6 +171,10 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     scheduler: str = args.scheduler
     component, component_args = _split_component(args)
     workspace = args.workspace if args.workspace is not None else run_defaults().get("workspace")
+    if workspace:
+        from asynctorchx.cli._workspace import check_named_directory
+
+        check_named_directory(workspace)
     style = err_styler()
     async with runner_for_session(None) as runner:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)
@@ -232,22 +236,60 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
 
 @contextlib.contextmanager
 def _component_prints_on_stderr() -> Iterator[None]:
-    """What the component's file prints while it is loaded and called goes to stderr, so that
-    stdout holds the handle alone (``h=$(asynctorchx run file.py:fn)``); its ``--help`` (which ends
-    the command with ``SystemExit``) stays on stdout. Kept until then, written in one piece."""
-    import io
-    import sys
+    """What the component's file writes to stdout while it is loaded and called goes to stderr,
+    so that stdout holds the handle alone (``h=$(asynctorchx run file.py:fn)``); its ``--help``
+    (which ends the command with ``SystemExit``) stays on stdout. Kept until then, written in
+    one piece.
 
-    printed = io.StringIO()
+    Descriptor 1 itself points to a spool file meanwhile, and ``sys.stdout`` is a real file on it:
+    a file that writes to ``sys.stdout.buffer`` or hands ``sys.stdout`` (or descriptor 1) to a
+    child process works as under TorchX, and what its children print is kept too.
+    """
+    import os
+    import sys
+    import tempfile
+
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        sys.stdout.flush()
     to = sys.stderr
-    try:
-        with contextlib.redirect_stdout(printed):
-            yield
-    except SystemExit:
-        to = sys.stdout
-        raise
-    finally:
-        to.write(printed.getvalue())
+    with tempfile.TemporaryFile() as spool:
+        try:
+            saved: int | None = os.dup(1)
+        except OSError:  # descriptor 1 was closed: it is again afterwards
+            saved = None
+        os.dup2(spool.fileno(), 1)
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        stream = open(1, "w", encoding=encoding, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        try:
+            with contextlib.redirect_stdout(stream):
+                yield
+        except SystemExit:
+            to = sys.stdout
+            raise
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+            if saved is None:
+                if spool.fileno() != 1:  # (the spool itself may have got descriptor 1)
+                    os.close(1)
+            else:
+                os.dup2(saved, 1)
+                os.close(saved)
+            spool.seek(0)
+            _write_bytes(to, spool.read())
+
+
+def _write_bytes(to: TextIO, data: bytes) -> None:
+    """Writes ``data`` to the text stream ``to`` (through its binary buffer when it has one)."""
+    if not data:
+        return
+    to.flush()
+    buffer = getattr(to, "buffer", None)
+    if buffer is not None:
+        buffer.write(data)
+        buffer.flush()
+    else:
+        to.write(data.decode(getattr(to, "encoding", None) or "utf-8", "replace"))
         to.flush()
 
 

@@ -41,7 +41,6 @@ import logging
 import os
 import posixpath
 import re
-import shutil
 import stat
 import tarfile
 import threading
@@ -74,6 +73,7 @@ __all__ = [
     "WorkspaceScan",
     "copy_scan",
     "read_shipped",
+    "remove_tree",
     "report",
     "reporting",
     "scan_workspace",
@@ -155,6 +155,10 @@ def copy_error(e: OSError, what: str, where: str, path: str = "") -> WorkspaceCo
 # -- ignore rules -----------------------------------------------------------------------------------
 
 
+#: A ``#`` after a space inside a pattern: a comment in TorchX's reading, a character in Docker's.
+_TRAILING_COMMENT = re.compile(r"\s#")
+
+
 class IgnoreRules:
     """The patterns of one ignore file (dockerignore syntax; see the module docstring).
 
@@ -175,6 +179,15 @@ class IgnoreRules:
             text = line.strip()
             if not text:
                 continue
+            if _TRAILING_COMMENT.search(text):
+                logger.warning(
+                    "%s line %d: %r is one pattern: '#' starts a comment only at the start of a "
+                    "line, as in .dockerignore (TorchX read the rest of the line as a comment); "
+                    "put the comment on a line of its own",
+                    source or "ignore file",
+                    number,
+                    text,
+                )
             include = text.startswith("!")
             if include:
                 text = text[1:].strip()
@@ -1047,7 +1060,7 @@ def snapshot(
         except FileNotFoundError:
             pass  # another submit set it aside first
         else:
-            shutil.rmtree(aside, ignore_errors=True)  # the apps using it keep their hard links
+            remove_tree(aside)  # the apps using it keep their hard links
     what = f"copy workspace {scan.workspace}"
     _sweep_scratch(store)
     try:
@@ -1068,10 +1081,10 @@ def snapshot(
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise copy_error(e, what, final) from None
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(tmp)
             return final, False
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
         raise
     return final, True
 
@@ -1101,21 +1114,28 @@ def _sweep_scratch(store: str) -> None:
         try:
             os.kill(int(m["pid"]), 0)
         except ProcessLookupError:
-            shutil.rmtree(os.path.join(store, n), ignore_errors=True)
+            remove_tree(os.path.join(store, n))
         except (PermissionError, OverflowError):
             pass  # alive (another user's), or no pid at all
 
 
 def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
     """True while the snapshot ``final`` holds every entry of ``scan`` with the kind, and for files
-    the size, modification time (to the second) and mode, they were copied with.
+    the size, mode and bytes, they were copied with.
 
-    An in-place write moves a file's modification time to the time of the write; one stat per
-    entry (0.3 s for 50 000 files) costs far less than reading the files again.
+    An in-place write moves a file's modification time to the time of the write, so a file whose
+    modification time is the workspace file's (to the second) is taken as intact: one stat per
+    entry (0.3 s for 50 000 files) costs far less than reading the files again. A file whose time
+    differs is read and hashed: the workspace file may have been touched, checked out again or
+    edited and reverted since the snapshot was made, its bytes unchanged (the snapshot, named by
+    content, kept the time of the first copy), and remaking the snapshot then would also remove
+    it from under the submits linking to it. A file found intact takes the time of the workspace
+    file, so that the next submit of that workspace needs its stat alone.
     """
     for entry in scan.entries:
+        path = os.path.join(final, *entry.path.split("/"))
         try:
-            st = os.lstat(os.path.join(final, *entry.path.split("/")))
+            st = os.lstat(path)
         except OSError:
             return False
         if entry.kind == "dir":
@@ -1128,39 +1148,92 @@ def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
                 stat.S_ISREG(st.st_mode)
                 and stat.S_IMODE(st.st_mode) == mode
                 and st.st_size == entry.size
-                and abs(st.st_mtime - entry.mtime) < 1.0
             )
+            if ok and abs(st.st_mtime - entry.mtime) >= 1.0:
+                ok = _holds(path, st, entry.digest)
+                if ok:  # vouched for: the next submit of this workspace needs its stat alone
+                    with contextlib.suppress(OSError):
+                        os.utime(path, (entry.mtime, entry.mtime))
         if not ok:
             return False
     return True
 
 
+def _holds(path: str, st: os.stat_result, digest: str) -> bool:
+    """True when the file ``path`` (of stat ``st``) hashes to ``digest``."""
+    try:
+        found, _ = _hash_file(path, st)
+    except (OSError, InvalidWorkspaceException):
+        return False
+    return found == digest
+
+
 def link_tree(src: str, dest: str) -> int:
     """Recreates the directories of ``src`` under the new directory ``dest`` and hard-links its
-    files there (symlinks are copied as symlinks). Returns the number of files linked."""
+    files there (symlinks are copied as symlinks). Returns the number of files linked.
+
+    Walked with a stack of its own, so a tree of any depth is linked (``os.walk`` recurses once
+    per level before Python 3.12: a workspace deeper than the recursion limit failed with
+    RecursionError). A directory that cannot be listed fails the link (it is not left out: a
+    partial tree, silently), and what was linked is removed.
+    """
     count = 0
     os.mkdir(dest)
-
-    def fail(e: OSError) -> None:
-        raise e  # os.walk would leave out what it cannot list: a partial tree, silently
-
-    for dirpath, dirnames, filenames in os.walk(src, onerror=fail):
-        rel = os.path.relpath(dirpath, src)
-        here = dest if rel == "." else os.path.join(dest, rel)
-        for d in dirnames:
-            p = os.path.join(dirpath, d)
-            if os.path.islink(p):
-                os.symlink(os.readlink(p), os.path.join(here, d))
-            else:
-                os.mkdir(os.path.join(here, d))
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            if os.path.islink(p):
-                os.symlink(os.readlink(p), os.path.join(here, f))
-            else:
-                os.link(p, os.path.join(here, f))
-                count += 1
+    try:
+        stack = [""]
+        while stack:
+            rel = stack.pop()
+            with os.scandir(os.path.join(src, rel) if rel else src) as it:
+                items = list(it)
+            here = os.path.join(dest, rel) if rel else dest
+            for item in items:
+                target = os.path.join(here, item.name)
+                if item.is_symlink():
+                    os.symlink(os.readlink(item.path), target)
+                elif item.is_dir(follow_symlinks=False):
+                    os.mkdir(target)
+                    stack.append(os.path.join(rel, item.name) if rel else item.name)
+                else:
+                    os.link(item.path, target)
+                    count += 1
+    except BaseException:
+        remove_tree(dest)
+        raise
     return count
+
+
+def remove_tree(path: str) -> None:
+    """Removes ``path`` and everything below it, as far as it can (errors are ignored), without
+    following symlinks and without recursion: ``shutil.rmtree`` recurses once per level before
+    Python 3.12 and fails with RecursionError on a tree deeper than the recursion limit, leaving
+    it all behind whatever ``ignore_errors`` says."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+            return
+    except OSError:
+        return
+    stack = [(path, False)]
+    while stack:
+        directory, emptied = stack.pop()
+        if emptied:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+            continue
+        stack.append((directory, True))
+        try:
+            with os.scandir(directory) as it:
+                items = list(it)
+        except OSError:
+            continue
+        for item in items:
+            try:
+                if item.is_dir(follow_symlinks=False):
+                    stack.append((item.path, False))
+                else:
+                    os.unlink(item.path)
+            except OSError:
+                pass
 
 
 # -- plans and progress -----------------------------------------------------------------------------

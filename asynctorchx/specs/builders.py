@@ -128,19 +128,27 @@ def to_list(arg: str) -> list[str]:
 def _scan(text: str) -> list[tuple[int, str]]:
     """The positions and characters of ``=``, ``,`` and ``;`` that are outside quotes.
 
+    A quote opens a quoted value only right after a ``=`` (spaces aside): elsewhere it is an
+    ordinary character, as in TorchX, so that ``MSG=don't panic`` is a value, not an unclosed quote.
+
     Raises:
-        ValueError: a quote is not closed.
+        ValueError: a quote opened after a ``=`` is not closed.
     """
     out: list[tuple[int, str]] = []
     quote: str | None = None
+    previous = ""  # the last character outside quotes that is not a space
     for i, ch in enumerate(text):
         if quote:
             if ch == quote:
                 quote = None
-        elif ch in "'\"":
+                previous = ch
+            continue
+        if ch in "'\"" and previous == "=":
             quote = ch
         elif ch in "=,;":
             out.append((i, ch))
+        if not ch.isspace():
+            previous = ch
     if quote:
         raise ValueError(f"unterminated {quote} quote in {text!r}")
     return out
@@ -158,11 +166,13 @@ def to_dict(arg: str) -> dict[str, str]:
 
     A value may hold ``,``/``;``-separated items: the last delimiter before the next ``KEY=``
     separates pairs, so ``"FOO=a,b,BAR=c"`` is ``{"FOO": "a,b", "BAR": "c"}``. A value that is
-    quoted (``'...'`` or ``"..."``) is taken literally, quotes removed; a ``=`` not followed by
-    another pair stays in the value (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
+    quoted (``'...'`` or ``"..."``) is taken literally, quotes removed; a quote inside a value is
+    a character (``"MSG=don't"``); a ``=`` not followed by another pair stays in the value
+    (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
 
     Raises:
-        ValueError: the string has no ``KEY=value`` pair, an empty key or an unclosed quote.
+        ValueError: the string has no ``KEY=value`` pair, an empty key or a quoted value that is
+            not closed.
     """
     text = arg.strip()
     if text[-1:] in (",", ";"):
@@ -308,6 +318,33 @@ class _ComponentParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         self.given: set[str] = set()  # the options seen by this parse (see _Once)
         return super().parse_known_args(args, namespace)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._meant(extras)}")
+        return parsed
+
+    def _meant(self, extras: Sequence[str]) -> str:
+        """What the first unknown option in ``extras`` may stand for: the option it abbreviates
+        (TorchX's parser takes ``--ms`` for ``--msg``; this one takes options in full only, so
+        that a parameter added later never changes what a command line means), else a close
+        spelling."""
+        options = [o for o in self._option_string_actions if o.startswith("--") and o != "--help"]
+        for arg in extras:
+            name = arg.partition("=")[0]
+            if not name.startswith("--") or len(name) < 3:
+                continue
+            longer = [o for o in options if o.startswith(name)]
+            if len(longer) == 1:
+                return f" ({name} abbreviates {longer[0]}: give options in full)"
+            close = difflib.get_close_matches(name, options, n=1)
+            if close:
+                return f" (did you mean {close[0]}?)"
+            return ""
+        return ""
 
 
 class _Action(argparse.Action):
