@@ -121,3 +121,55 @@ def test_a_trailing_comment_in_an_ignore_file_is_warned_about(
     assert len(warned) == 1, warned
     assert f"{ws / TORCHXIGNORE} line 4: 'data  # the big files' is one pattern" in warned[0]
     assert scan.get("data/big.bin") is not None and scan.get("a#b") is None
+
+
+def test_files_that_torchxs_reading_of_the_ignore_file_leaves_out_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """'*.pt' matches top-level paths only under Docker's rules (used here), but any depth under
+    TorchX's (fnmatch, whose '*' crosses '/'): the nested checkpoints are shipped as documented,
+    and the scan says so once, naming the pattern, the files and the '**/' form that leaves them
+    out; what both readings agree on ('!' re-includes, top-level matches) is not warned about."""
+    ws = make_workspace(
+        tmp_path / "ws",
+        {
+            "a.pt": "",
+            "ckpt/step1/model.pt": "",
+            "ckpt/step2/model.pt": "",
+            "kept/k.pt": "",
+            "src/train.py": "",
+            TORCHXIGNORE: "*.pt\n!kept/*.pt\n",
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="asynctorchx.schedulers.workspace"):
+        scan = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    assert scan.get("a.pt") is None
+    assert scan.get("ckpt/step1/model.pt") is not None and scan.get("kept/k.pt") is not None
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert f"{ws / TORCHXIGNORE}: 2 files that TorchX would leave out are shipped" in warned
+    assert "'ckpt/step1/model.pt', 'ckpt/step2/model.pt'" in warned and "kept/k.pt" not in warned
+    assert "'*.pt' matches only at the top level" in warned and "write '**/*.pt'" in warned
+
+
+def test_an_ignore_file_read_alike_by_torchx_and_docker_is_not_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Patterns both readings agree on (names, directories, '**/' globs, globs with nothing
+    nested to match) give no warning."""
+    ws = make_workspace(
+        tmp_path / "ws",
+        {
+            "a.pt": "",
+            "data/big.bin": "",
+            "src/__pycache__/m.pyc": "",
+            "src/m.py": "",
+            "notes.txt": "",
+            TORCHXIGNORE: "data\n**/*.pyc\n*.pt\n*.tmp\n",
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="asynctorchx.schedulers.workspace"):
+        scan = scan_workspace(Workspace.from_str(str(ws)), TORCHXIGNORE)
+    shipped = {e.path for e in scan.entries if e.kind == "file"}
+    assert {"notes.txt", "src/m.py"} <= shipped
+    assert not shipped & {"a.pt", "data/big.bin", "src/__pycache__/m.pyc"}
+    assert caplog.records == []

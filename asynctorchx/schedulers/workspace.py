@@ -25,6 +25,12 @@ with trailing slashes dropped, which gives Docker's rules; the differences are i
 not entered unless a ``!`` pattern starts with its path, so ``!**/keep`` does not re-include a file
 inside an excluded directory, but ``!build/keep`` does.
 
+TorchX reads the same files differently: each pattern is an ``fnmatch`` of the whole path, whose
+``*`` crosses ``/`` (``*.pt`` leaves out ``ckpt/a/b.pt`` too), and ``#`` starts a comment anywhere
+on a line. A scan warns, naming the pattern and a few of the files, when it ships what TorchX's
+reading would have left out, so that a TorchX user's ignore file never ships checkpoints silently
+(``**/*.pt`` means the same in both readings).
+
 The functions here block (they read and hash files): async code calls them through
 ``run_in_thread``, which stops them between files and 1 MB pieces when the caller is cancelled.
 """
@@ -36,6 +42,7 @@ import contextlib
 import contextvars
 import errno
 import fcntl
+import fnmatch
 import hashlib
 import logging
 import os
@@ -157,6 +164,8 @@ def copy_error(e: OSError, what: str, where: str, path: str = "") -> WorkspaceCo
 
 #: A ``#`` after a space inside a pattern: a comment in TorchX's reading, a character in Docker's.
 _TRAILING_COMMENT = re.compile(r"\s#")
+#: A pattern with one of these reads differently in TorchX (``fnmatch``: ``*`` crosses ``/``).
+_GLOB = re.compile(r"[*?\[]")
 
 
 class IgnoreRules:
@@ -172,6 +181,8 @@ class IgnoreRules:
 
         self.source = source
         self._patterns: list[tuple[str, bool, Any]] = []
+        #: every pattern as TorchX reads it (``fnmatch`` of the whole path), when one is a glob
+        self._torchx: list[tuple[str, bool, re.Pattern[str]]] = []
         for number, raw in enumerate(lines, 1):
             line = raw.lstrip("\ufeff") if number == 1 else raw
             if line.startswith("#"):
@@ -205,6 +216,10 @@ class IgnoreRules:
             if pattern.regex is None:
                 continue
             self._patterns.append((text, include, pattern.regex))
+            self._torchx.append((text, include, re.compile(fnmatch.translate(text))))
+        if not any(_GLOB.search(text) for text, _, _ in self._torchx):
+            self._torchx = []  # without a glob both readings agree
+        self._torchx_dirs: dict[str, str | None] = {}
 
     @classmethod
     def load(cls, directory: str, name: str) -> IgnoreRules:
@@ -251,6 +266,30 @@ class IgnoreRules:
             if regex.match(rel):
                 return not include
         return False
+
+    def torchx_excludes(self, rel: str) -> str | None:
+        """The pattern under which TorchX would leave out ``rel`` (a path these rules include), or
+        None when TorchX would ship it too.
+
+        TorchX matches each pattern against the whole path with ``fnmatch`` (its ``*`` crosses
+        ``/``), the last matching pattern deciding, and does not enter a directory it leaves out.
+        Only a path below a directory can be read differently.
+        """
+        if not self._torchx or "/" not in rel:
+            return None
+        parent = rel.rpartition("/")[0]
+        if parent in self._torchx_dirs:
+            up = self._torchx_dirs[parent]
+        else:
+            up = self.torchx_excludes(parent) if "/" in parent else self._torchx_decides(parent)
+            self._torchx_dirs[parent] = up
+        return up if up is not None else self._torchx_decides(rel)
+
+    def _torchx_decides(self, rel: str) -> str | None:
+        for text, include, regex in reversed(self._torchx):
+            if regex.match(rel):
+                return None if include else text
+        return None
 
     def may_include_below(self, rel_dir: str) -> bool:
         """True when a ``!`` pattern starts with ``rel_dir/`` (the Docker CLI then enters the
@@ -644,8 +683,13 @@ def _scan(
                 entries.setdefault(
                     d, WorkspaceEntry(path=d, source=project, kind="dir", mode=0o755)
                 )
+        differ: dict[str, list[str]] = {}  # shipped here, left out by TorchX: pattern -> paths
         for rel, path, st in _walk(project, rules, keep, skip, skip_marker):
             _check_cancelled()
+            if not stat.S_ISDIR(st.st_mode) and rel not in keep:
+                pattern = rules.torchx_excludes(rel)
+                if pattern is not None:
+                    differ.setdefault(pattern, []).append(rel)
             target = f"{dest}/{rel}" if dest else rel
             try:
                 entry = _entry(target, path, st, now)
@@ -658,6 +702,8 @@ def _scan(
                     f"{target!r}"
                 )
             entries.setdefault(target, entry)
+        if differ:
+            _warn_torchx_reading(rules.source, differ)
     _check_parents(entries)
     ordered = tuple(entries[k] for k in sorted(entries))
     h = hashlib.sha256(_HASH_VERSION + b"\0")
@@ -668,6 +714,28 @@ def _scan(
             )
         )
     return WorkspaceScan(workspace, ignore_file, ordered, h.hexdigest())
+
+
+def _warn_torchx_reading(source: str, differ: dict[str, list[str]]) -> None:
+    """Warns that files ``source``'s patterns leave out in TorchX's reading are shipped."""
+    paths = sorted(p for found in differ.values() for p in found)
+    examples = ", ".join(repr(p) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+    fixes = ", ".join(
+        repr(p if p.startswith("**/") else f"**/{p.lstrip('/')}") for p in sorted(differ)
+    )
+    logger.warning(
+        "%s: %d file%s that TorchX would leave out %s shipped (%s): %s match%s only at the top "
+        "level here, as in .dockerignore, where TorchX's '*' crosses '/'; write %s to leave them "
+        "out at any depth",
+        source,
+        len(paths),
+        "" if len(paths) == 1 else "s",
+        "is" if len(paths) == 1 else "are",
+        examples,
+        ", ".join(repr(p) for p in sorted(differ)),
+        "es" if len(differ) == 1 else "",
+        fixes,
+    )
 
 
 def _check_shippable(project: str, skip: frozenset[tuple[int, int]]) -> None:
