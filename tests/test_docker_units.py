@@ -954,18 +954,22 @@ async def test_a_submit_that_ends_in_its_checks_removes_its_launch_claim(how: st
     await scheduler.close()
 
 
-async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once() -> None:
+async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An app marked cancelled by a process that has exited, its replica still running: two
     schedulers (as two processes) cancelling it at once take the cancel over once between them
     (one marker of the next turn, one stop)."""
     import subprocess
     import sys
 
+    from asynctorchx.schedulers._docker import cancel
     from asynctorchx.schedulers._docker.cancel import _host_and_namespace
 
+    monkeypatch.setattr(cancel, "STOP_SLACK", 0.0)  # a fake engine kills at once
     docker = FakeDocker({IMAGE})
     schedulers = [DockerScheduler("s", docker, watch_events=False) for _ in range(2)]
-    app_id = await schedulers[0].submit(_app(_role()), {})
+    app_id = await schedulers[0].submit(_app(_role()), {"stop_timeout": 0})
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,

@@ -1,0 +1,97 @@
+# ruff: noqa: F811 - the fixtures imported from _docker_env are redefined as test parameters
+"""local_docker against the real engine: processes killed in the middle of a cancel or a submit.
+
+The other processes are real Python children (a canceller, a launcher) held or killed at a chosen
+step, synchronised through their stdout; the app is then looked at from this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import textwrap
+from pathlib import Path
+
+import anyio
+import pytest
+from _docker_env import (  # noqa: F401 - pytest fixtures
+    busybox_image,
+    collect,
+    docker_engine,
+    docker_scheduler,
+    docker_session,
+    sh,
+    wait_for,
+)
+
+from asynctorchx.schedulers.docker import DockerScheduler
+from asynctorchx.specs import AppDef, AppState
+
+pytestmark = pytest.mark.docker
+REPO = Path(__file__).resolve().parents[1]
+
+#: A replica whose SIGTERM handler logs "term" and keeps it running (until SIGKILL).
+TERM_LOGGER = "trap 'echo term' TERM; echo up; while :; do sleep 0.001; done"
+
+#: A process that cancels ``argv[1]`` through a scheduler of its own and prints "stopping" once
+#: its stop requests are with the engine (it then waits for them, to be killed meanwhile).
+STOPPING_CANCELLER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+
+    async def main():
+        async with DockerScheduler("someone-else") as s:
+            real = s.engine.stop_container
+
+            async def stop(cid, **kwargs):
+                print("stopping", flush=True)
+                return await real(cid, **kwargs)
+
+            s.engine.stop_container = stop
+            await s.cancel(sys.argv[1])
+
+    asyncio.run(main())
+    """
+)
+
+
+async def _python(script: str, *args: str) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script, *args, cwd=REPO, stdout=asyncio.subprocess.PIPE
+    )
+
+
+async def _line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    return (await proc.stdout.readline()).decode().strip()
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.kill()
+    await proc.wait()
+
+
+async def test_a_canceller_killed_while_its_stop_runs_leaves_one_sigterm(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """A canceller killed after its stop reached the engine (the replica is in its SIGTERM
+    handler): the process that then finds it gone does not signal the replica again (the engine
+    ends that stop), and the app ends CANCELLED with the handler run once."""
+    with anyio.fail_after(60):
+        app_id = await docker_scheduler.submit(
+            AppDef("terms", [sh(busybox_image, TERM_LOGGER)]), {"stop_timeout": 3}
+        )
+        lines = docker_scheduler.log_iter(app_id, "main", should_tail=True)
+        assert await anext(lines) == "up\n"
+        proc = await _python(STOPPING_CANCELLER, app_id)
+        try:
+            assert await _line(proc) == "stopping"
+            assert await anext(lines) == "term\n"  # the engine has sent the SIGTERM
+        finally:
+            await _kill(proc)
+            await lines.aclose()  # type: ignore[attr-defined]
+        resp = await wait_for(docker_scheduler, app_id)
+    assert resp.state == AppState.CANCELLED
+    assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
