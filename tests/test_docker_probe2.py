@@ -95,3 +95,76 @@ async def test_a_canceller_killed_while_its_stop_runs_leaves_one_sigterm(
         resp = await wait_for(docker_scheduler, app_id)
     assert resp.state == AppState.CANCELLED
     assert await collect(docker_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
+#: A process that submits a 2-replica busybox app in session ``argv[1]`` and prints its id once
+#: its submit has done ``argv[2]`` ("created": every container made, "committed": the launch claim
+#: removed too), then waits for good (to be killed there, before any start).
+HELD_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    async def main():
+        session, point, image = sys.argv[1:4]
+        async with DockerScheduler(session) as s:
+            role = Role("main", image, entrypoint="sh", args=["-c", "echo ran"], num_replicas=2)
+            info = s.submit_dryrun(AppDef("held", [role]), {"stop_timeout": 1})
+            made = 0
+            real_create, real_start = s.engine.create_container, s.engine.start_container
+
+            async def hold():
+                print(info.request.app_id, flush=True)
+                await asyncio.Event().wait()
+
+            async def create(*args, **kwargs):
+                nonlocal made
+                cid = await real_create(*args, **kwargs)
+                made += 1
+                if point == "created" and made == 2:
+                    await hold()
+                return cid
+
+            async def start(*args, **kwargs):
+                await hold()
+
+            s.engine.create_container, s.engine.start_container = create, start
+            await s.schedule(info)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def _networks_of(app_id: str) -> list[str]:
+    """The names of the networks labelled with ``app_id`` (asked directly)."""
+    import aiodocker
+
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    async with aiodocker.Docker() as client:
+        nets = await client.networks.list(filters={"label": [f"{LABEL_APP_ID}={app_id}"]})
+    return [n["Name"] for n in nets]
+
+
+@pytest.mark.parametrize("point", ["created", "committed"])
+async def test_an_app_whose_launcher_died_before_starting_it_fails(
+    docker_scheduler: DockerScheduler, docker_session: str, busybox_image: str, point: str
+) -> None:
+    """A launcher killed once it has created the app's containers (its launch claim still
+    there, or removed) but started none: the app reads FAILED, its launcher having exited (it
+    was PENDING for good: a wait never ended), and its network is removed."""
+    with anyio.fail_after(60):
+        proc = await _python(HELD_LAUNCHER, docker_session, point, busybox_image)
+        try:
+            app_id = await _line(proc)
+            pending = await docker_scheduler.describe(app_id)
+        finally:
+            await _kill(proc)
+        assert pending is not None and pending.state == AppState.PENDING
+        resp = await wait_for(docker_scheduler, app_id)
+        await docker_scheduler._reconciler.wait_idle()
+    assert resp.state == AppState.FAILED
+    assert "launcher" in resp.msg, resp.msg
+    assert await _networks_of(app_id) == []

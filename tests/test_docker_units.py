@@ -964,7 +964,7 @@ async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_contai
     import sys
 
     from asynctorchx.schedulers._docker import cancel
-    from asynctorchx.schedulers._docker.cancel import _host_and_namespace
+    from asynctorchx.schedulers._docker.processes import _host_and_namespace
 
     monkeypatch.setattr(cancel, "STOP_SLACK", 0.0)  # a fake engine kills at once
     docker = FakeDocker({IMAGE})

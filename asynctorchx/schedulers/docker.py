@@ -11,7 +11,9 @@ How an app maps onto Docker:
   process (not only the launcher) can describe, list, cancel and read the logs of any app: apps
   outlive the process that launched them. An app id Docker has no container for is unknown
   (``describe`` returns None) unless it is being submitted (PENDING); it is never reported as
-  SUCCEEDED.
+  SUCCEEDED. Each container also names the process that created it to start it: a replica never
+  started by a launcher that has exited (killed mid-submit) fails the app, which would otherwise
+  stay PENDING for good (judged on the launcher's host only, see ``_docker/processes.py``).
 - Status is one container listing by label for any number of apps (none while Docker's event
   stream vouches for the last one); changes are pushed by one subscription to ``/events``.
 - Retries: a REPLICA retry policy is Docker's own ``on-failure`` restart policy; ROLE and
@@ -56,12 +58,7 @@ from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps, started_after
-from asynctorchx.schedulers._docker.cancel import (
-    abandoned_cancel,
-    process_gone,
-    process_identity,
-    take_over_if_abandoned,
-)
+from asynctorchx.schedulers._docker.cancel import abandoned_cancel, take_over_if_abandoned
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -71,6 +68,7 @@ from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
 from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
+from asynctorchx.schedulers._docker.processes import process_gone, process_identity
 from asynctorchx.schedulers._docker.request import (
     KIND_LAUNCH_CLAIM,
     LABEL_APP_ID,
@@ -87,6 +85,7 @@ from asynctorchx.schedulers._docker.state import (
     Assessment,
     ContainerInfo,
     assess,
+    dead_launch,
     group_by_app,
     restarted_by_docker,
 )
@@ -329,7 +328,8 @@ class DockerScheduler(Scheduler[DockerJob]):
                 found.append(assessment)
         for assessment in await asyncio.gather(*(self._with_restart_counts(a) for a in found)):
             out[assessment.response.app_id] = assessment.response
-            if abandoned_cancel(assessment):  # its follow-up finishes the cancel
+            if abandoned_cancel(assessment) or dead_launch(assessment):
+                # No event says that a process died: its follow-up finishes what it left.
                 self._reconciler.request(assessment.response.app_id)
         unknown = [app_id for app_id, r in out.items() if r is None]
         if unknown:

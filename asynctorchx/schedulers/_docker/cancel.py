@@ -19,12 +19,11 @@ still running after it: a container is never signalled again while its handler r
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
 from typing import Any
 
 from asynctorchx.schedulers._docker.actions import started_after
 from asynctorchx.schedulers._docker.engine import DockerEngine
+from asynctorchx.schedulers._docker.processes import process_gone, process_identity
 from asynctorchx.schedulers._docker.request import (
     DEFAULT_STOP_TIMEOUT,
     LABEL_CANCEL_TURN,
@@ -32,47 +31,9 @@ from asynctorchx.schedulers._docker.request import (
     cancel_marker,
 )
 from asynctorchx.schedulers._docker.state import Assessment, ContainerInfo
-from asynctorchx.schedulers._local.recordfile import pid_alive, proc_start_ticks
 
 #: how long past a container's stop timeout the engine may take to have killed it
 STOP_SLACK = 2.0
-
-
-@functools.cache
-def _host_and_namespace() -> tuple[str, str]:
-    """This machine's boot id and this process's pid namespace ("" where unreadable)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    return boot, namespace
-
-
-def process_identity() -> str:
-    """Names this process for a cancel marker: ``boot/pid-namespace/pid/start-ticks``."""
-    boot, namespace = _host_and_namespace()
-    pid = os.getpid()
-    return f"{boot}/{namespace}/{pid}/{proc_start_ticks(pid) or ''}"
-
-
-def process_gone(identity: str) -> bool:
-    """True only when the process ``identity`` names has certainly exited.
-
-    A process of another machine or pid namespace (or an unreadable identity) cannot be judged
-    from here: it counts as alive.
-    """
-    boot, namespace, pid, ticks = ([*identity.split("/", 3), "", "", "", ""])[:4]
-    if not boot or not namespace or (boot, namespace) != _host_and_namespace():
-        return False
-    try:
-        return not pid_alive(int(pid), int(ticks) if ticks else None)
-    except ValueError:
-        return False
 
 
 def turn(marker: ContainerInfo) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.frames import format_api_time
+from asynctorchx.schedulers._docker.processes import with_launchers_judged
 from asynctorchx.schedulers._docker.request import KIND_CANCEL_MARKER, LABEL_APP_ID, LABEL_KIND
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
@@ -291,7 +292,9 @@ class EventFeed:
         return out
 
     def with_exits_seen(self, infos: list[ContainerInfo]) -> list[ContainerInfo]:
-        """``infos`` with the exits announced by events that the listing does not show yet."""
+        """``infos`` with the exits announced by events that the listing does not show yet, and
+        the never-started replicas of launchers that have exited marked so (no event says it)."""
+        infos = with_launchers_judged(infos)
         if not self._died:
             return infos
         now = time.monotonic()

@@ -17,12 +17,13 @@ from typing import Any, TypeVar, cast
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks, started_since
-from asynctorchx.schedulers._docker.cancel import process_identity
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
+from asynctorchx.schedulers._docker.processes import process_identity
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
     LABEL_APP_NAME,
     LABEL_LAUNCH_TOKEN,
+    LABEL_LAUNCHER,
     LABEL_SESSION,
     ContainerRequest,
     DockerJob,
@@ -331,10 +332,11 @@ class Launcher:
         return winner
 
     async def _create(self, request: ContainerRequest, network_id: str | None) -> str:
-        config = request.config
+        config = copy.deepcopy(request.config)
+        # Names this process, so that others can tell a container it will never start (it died).
+        config["Labels"][LABEL_LAUNCHER] = process_identity()
         if network_id is not None:
             # Join the app's network by id: a duplicate of its name cannot make it ambiguous.
-            config = copy.deepcopy(config)
             config["HostConfig"]["NetworkMode"] = network_id
             endpoints = config.get("NetworkingConfig", {}).get("EndpointsConfig", {})
             endpoint: dict[str, Any] = next(iter(endpoints.values()), {})
