@@ -168,3 +168,91 @@ async def test_an_app_whose_launcher_died_before_starting_it_fails(
     assert resp.state == AppState.FAILED
     assert "launcher" in resp.msg, resp.msg
     assert await _networks_of(app_id) == []
+
+
+#: A process that submits a busybox app in session ``argv[1]``, prints its id once its launch
+#: claim is made and its image check has begun, and holds that check until a line on stdin (as a
+#: long pull would); it prints "scheduled" once ``schedule`` has returned.
+CHECKING_LAUNCHER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.docker import DockerScheduler
+    from asynctorchx.specs import AppDef, Role
+
+    async def main():
+        async with DockerScheduler(sys.argv[1]) as s:
+            role = Role("main", sys.argv[2], entrypoint="sh", args=["-c", "exec sleep 300"])
+            info = s.submit_dryrun(AppDef("checking", [role]), {"stop_timeout": 1})
+            real_claim, real_inspect = s.engine.create_volume, s.engine.inspect_image
+            claimed = asyncio.Event()
+
+            async def claim(*args, **kwargs):
+                try:
+                    return await real_claim(*args, **kwargs)
+                finally:
+                    claimed.set()
+
+            async def held_check(*args, **kwargs):
+                await claimed.wait()
+                print(info.request.app_id, flush=True)
+                await asyncio.to_thread(sys.stdin.readline)
+                return await real_inspect(*args, **kwargs)
+
+            s.engine.create_volume, s.engine.inspect_image = claim, held_check
+            await s.schedule(info)
+            print("scheduled", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_an_app_cancelled_during_another_processs_checks_reads_cancelled_at_once(
+    docker_scheduler: DockerScheduler, docker_session: str, busybox_image: str
+) -> None:
+    """A cancel from another process while the launcher still checks its image (a pull): right
+    after the cancel returns, every process reads the app CANCELLED (it was unknown, ``exists``
+    False, until the launch ended), and it stays CANCELLED once the launch has ended."""
+    with anyio.fail_after(60):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            CHECKING_LAUNCHER,
+            docker_session,
+            busybox_image,
+            cwd=REPO,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        try:
+            app_id = await _line(proc)
+            other = DockerScheduler("someone-else")
+            try:
+                await other.cancel(app_id)
+                seen_there, there = await other.describe(app_id), await other.exists(app_id)
+            finally:
+                await other.close()
+            seen_here = await docker_scheduler.describe(app_id)
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            await proc.stdin.drain()
+            assert await _line(proc) == "scheduled"
+            assert await proc.wait() == 0
+        finally:
+            await _kill(proc)
+        after = await docker_scheduler.describe(app_id)
+    assert seen_there is not None and seen_there.state == AppState.CANCELLED and there
+    assert seen_here is not None and seen_here.state == AppState.CANCELLED
+    assert after is not None and after.state == AppState.CANCELLED
+    assert await _volumes_of(app_id) == []
+
+
+async def _volumes_of(app_id: str) -> list[str]:
+    """The names of the volumes labelled with ``app_id`` (asked directly)."""
+    import aiodocker
+
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    async with aiodocker.Docker() as client:
+        answer = await client.volumes.list(filters={"label": [f"{LABEL_APP_ID}={app_id}"]})
+    return [v["Name"] for v in answer.get("Volumes") or []]

@@ -70,6 +70,7 @@ from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, 
 from asynctorchx.schedulers._docker.logs import DockerLogSource
 from asynctorchx.schedulers._docker.processes import process_gone, process_identity
 from asynctorchx.schedulers._docker.request import (
+    KIND_LAUNCH_CANCELLED,
     KIND_LAUNCH_CLAIM,
     LABEL_APP_ID,
     LABEL_KIND,
@@ -77,6 +78,8 @@ from asynctorchx.schedulers._docker.request import (
     DockerJob,
     build_job,
     cancel_marker,
+    cancel_record,
+    cancel_record_name,
     claim_name,
     is_app_id,
     run_options,
@@ -333,19 +336,27 @@ class DockerScheduler(Scheduler[DockerJob]):
                 self._reconciler.request(assessment.response.app_id)
         unknown = [app_id for app_id, r in out.items() if r is None]
         if unknown:
-            for app_id in await self._being_launched(unknown):
-                out[app_id] = DescribeAppResponse(
-                    app_id=app_id, state=AppState.PENDING, msg="being submitted"
+            for app_id, kind in (await self._being_launched(unknown)).items():
+                out[app_id] = (
+                    DescribeAppResponse(
+                        app_id=app_id,
+                        state=AppState.CANCELLED,
+                        msg="cancelled before its containers were made",
+                    )
+                    if kind == KIND_LAUNCH_CANCELLED
+                    else DescribeAppResponse(
+                        app_id=app_id, state=AppState.PENDING, msg="being submitted"
+                    )
                 )
         return {app_id: out.get(app_id) for app_id in asked}
 
-    async def _being_launched(self, app_ids: list[str]) -> list[str]:
-        """Those of ``app_ids`` (apps Docker has no container of) being submitted: by this
-        process, or by another whose launch claim is there (and whose process is not gone)."""
-        here = [a for a in app_ids if a in self._launches]
+    async def _being_launched(self, app_ids: list[str]) -> dict[str, str]:
+        """Those of ``app_ids`` (apps Docker has no container of) being submitted, by this
+        process or by another (see ``_launch_claims``), with the kind of their volume."""
+        here = {a: KIND_LAUNCH_CLAIM for a in app_ids if a in self._launches}
         elsewhere = [a for a in app_ids if a not in self._launches]
         if elsewhere:
-            here.extend(await self._launch_claims(elsewhere))
+            here.update(await self._launch_claims(elsewhere))
         return here
 
     async def _with_restart_counts(self, a: Assessment) -> Assessment:
@@ -377,21 +388,24 @@ class DockerScheduler(Scheduler[DockerJob]):
             or bool(await self._launch_claims([app_id]))
         )
 
-    async def _launch_claims(self, app_ids: Sequence[str]) -> set[str]:
-        """Those of ``app_ids`` whose launch claim is there and whose launcher is not known to be
-        gone (asked only for apps Docker has no container of: a launch that has not created
-        them yet, see ``CancelWatch``)."""
+    async def _launch_claims(self, app_ids: Sequence[str]) -> dict[str, str]:
+        """Those of ``app_ids`` whose launch claim (``KIND_LAUNCH_CLAIM``), or the record a cancel
+        left in its place (``KIND_LAUNCH_CANCELLED``, once the claim is gone), is there and whose
+        launcher is not known to be gone (asked only for apps Docker has no container of: a
+        launch that has not created them yet, see ``CancelWatch``)."""
         wanted = set(app_ids)
         label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_APP_ID
-        out = set()
+        out: dict[str, str] = {}
         for v in await self._engine.list_volumes(label):
             labels = dict(v.get("Labels") or {})
+            kind, app_id = labels.get(LABEL_KIND), labels.get(LABEL_APP_ID, "")
             if (
-                labels.get(LABEL_KIND) == KIND_LAUNCH_CLAIM
-                and labels.get(LABEL_APP_ID) in wanted
+                kind in (KIND_LAUNCH_CLAIM, KIND_LAUNCH_CANCELLED)
+                and app_id in wanted
                 and not process_gone(labels.get(LABEL_LAUNCHER, ""))
+                and out.get(app_id) != KIND_LAUNCH_CLAIM  # the claim, until a cancel removes it
             ):
-                out.add(labels[LABEL_APP_ID])
+                out[app_id] = kind
         return out
 
     async def list(self) -> list[ListAppResponse]:
@@ -452,7 +466,7 @@ class DockerScheduler(Scheduler[DockerJob]):
     async def _stop_app(self, app_id: str) -> None:
         a = assess(app_id, await self._events.containers(app_id))
         if a is None:  # being launched by another process, which has made no container yet
-            if await self._engine.remove_volume(claim_name(app_id)):
+            if await self._cancel_launch(app_id):
                 self._notify(app_id)  # that launch now creates nothing but the marker
                 return
             a = assess(app_id, await self._events.containers(app_id))  # made them meanwhile
@@ -495,6 +509,30 @@ class DockerScheduler(Scheduler[DockerJob]):
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise type(errors[0])(f"stopping the containers of {app_id}: {errors[0]}")
+
+    async def _cancel_launch(self, app_id: str) -> bool:
+        """Cancels the launch of an app another process is submitting and has made no container
+        of yet, by removing its launch claim; False when there was none (any more).
+
+        A record of the cancel is made first (the claim's labels, another kind), so that from the
+        claim's removal on every process reads the app CANCELLED, not unknown, until the launch
+        makes the cancel marker and removes the record. When the claim was removed by someone
+        else, the record is removed again if the launch had committed (its containers exist),
+        and left for the launch to remove if another cancel came first.
+        """
+        volumes = await self._engine.list_volumes(f"{LABEL_APP_ID}={app_id}")
+        claim = next((v for v in volumes if v.get("Name") == claim_name(app_id)), None)
+        if claim is None:
+            return False
+        labels = {str(k): str(v) for k, v in (claim.get("Labels") or {}).items()}
+        if labels.get(LABEL_KIND) != KIND_LAUNCH_CLAIM or labels.get(LABEL_APP_ID) != app_id:
+            return False
+        await self._engine.create_volume(cancel_record(labels))
+        if await self._engine.remove_volume(claim_name(app_id)):
+            return True
+        if await self._events.containers(app_id):
+            await self._engine.remove_volume(cancel_record_name(app_id))
+        return False
 
     # -- logs and lifecycle ---------------------------------------------------------------------
 

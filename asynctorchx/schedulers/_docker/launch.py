@@ -29,6 +29,7 @@ from asynctorchx.schedulers._docker.request import (
     DockerJob,
     NetworkRequest,
     cancel_marker,
+    cancel_record_name,
     claim_name,
     claim_request,
     marker_name,
@@ -209,8 +210,12 @@ class Launcher:
             )
 
     async def unclaim(self, job: DockerJob) -> None:
-        """Removes the launch claim of a submit that failed (if it is still there)."""
-        await self._engine.remove_volume(claim_name(job.app_id))
+        """Removes the launch claim of a submit that failed (if it is still there), or the
+        record of a cancel that removed it."""
+        await asyncio.gather(
+            self._engine.remove_volume(claim_name(job.app_id)),
+            self._engine.remove_volume(cancel_record_name(job.app_id)),
+        )
 
     async def abandon(self, job: DockerJob) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
@@ -248,7 +253,10 @@ class Launcher:
         )
         if job.network_request is not None and len(never_started) == len(replicas):
             await remove_networks(self._engine, job.app_id)
-        await self._engine.remove_volume(claim_name(job.app_id))  # cancelled before the commit
+        await asyncio.gather(  # cancelled before the commit: the marker says it from now on
+            self._engine.remove_volume(claim_name(job.app_id)),
+            self._engine.remove_volume(cancel_record_name(job.app_id)),
+        )
         logger.info("the launch of %s stopped: the app was cancelled", job.app_id)
         return False
 
@@ -378,6 +386,7 @@ class Launcher:
             if network is not None:
                 await remove_networks(self._engine, app_id)
             await self._engine.remove_volume(claim_name(app_id))
+            await self._engine.remove_volume(cancel_record_name(app_id))
         except Exception:
             logger.exception("cleaning up after the failed submit of %s", app_id)
 
