@@ -98,8 +98,8 @@ async def test_a_canceller_killed_while_its_stop_runs_leaves_one_sigterm(
 
 
 #: A process that submits a 2-replica busybox app in session ``argv[1]`` and prints its id once
-#: its submit has done ``argv[2]`` ("created": every container made, "committed": the launch claim
-#: removed too), then waits for good (to be killed there, before any start).
+#: its submit has done ``argv[2]`` ("network": made the app's network, "created": every container
+#: too, "committed": the launch claim removed too), then waits for good (to be killed there).
 HELD_LAUNCHER = textwrap.dedent(
     """
     import asyncio, sys
@@ -113,10 +113,17 @@ HELD_LAUNCHER = textwrap.dedent(
             info = s.submit_dryrun(AppDef("held", [role]), {"stop_timeout": 1})
             made = 0
             real_create, real_start = s.engine.create_container, s.engine.start_container
+            real_network = s.engine.create_network
 
             async def hold():
                 print(info.request.app_id, flush=True)
                 await asyncio.Event().wait()
+
+            async def network(*args, **kwargs):
+                nid = await real_network(*args, **kwargs)
+                if point == "network":
+                    await hold()
+                return nid
 
             async def create(*args, **kwargs):
                 nonlocal made
@@ -130,6 +137,7 @@ HELD_LAUNCHER = textwrap.dedent(
                 await hold()
 
             s.engine.create_container, s.engine.start_container = create, start
+            s.engine.create_network = network
             await s.schedule(info)
 
     asyncio.run(main())
@@ -168,6 +176,36 @@ async def test_an_app_whose_launcher_died_before_starting_it_fails(
     assert resp.state == AppState.FAILED
     assert "launcher" in resp.msg, resp.msg
     assert await _networks_of(app_id) == []
+    assert await _volumes_of(app_id) == []
+
+
+async def test_what_a_launcher_killed_before_its_containers_made_is_removed(
+    docker_scheduler: DockerScheduler, docker_session: str, busybox_image: str
+) -> None:
+    """A launcher killed once it has made the app's network and launch claim, before any
+    container: the app is unknown, and the network and the claim are removed by the process
+    that finds the launcher gone (a describe of the app, or any scheduler's first look at the
+    engine's events) instead of staying forever (Docker's address pools run out of networks)."""
+    with anyio.fail_after(60):
+        ids = []
+        for _ in range(2):
+            proc = await _python(HELD_LAUNCHER, docker_session, "network", busybox_image)
+            try:
+                ids.append(await _line(proc))
+            finally:
+                await _kill(proc)
+        assert await docker_scheduler.describe(ids[0]) is None
+        await docker_scheduler._reconciler.wait_idle()
+        assert await _networks_of(ids[0]) == [] and await _volumes_of(ids[0]) == []
+        assert await _networks_of(ids[1]) != []
+        other = DockerScheduler("someone-else")
+        try:
+            await other._events.connected()  # its first look at the engine
+            await other._events.caught_up()
+            await other._reconciler.wait_idle()
+        finally:
+            await other.close()
+    assert await _networks_of(ids[1]) == [] and await _volumes_of(ids[1]) == []
 
 
 #: A process that submits a busybox app in session ``argv[1]``, prints its id once its launch

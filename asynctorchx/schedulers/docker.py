@@ -26,7 +26,10 @@ How an app maps onto Docker:
   a never-started marker container, so that every process sees the app as CANCELLED. Until a
   submit has created the app's containers, a launch claim (a volume named after the app) names
   it for every process (PENDING, "being submitted"); a cancel then removes the claim, and the
-  launch, which removes it itself once its containers exist, starts nothing if it finds it gone.
+  launch, which removes it itself once its containers exist, starts nothing if it finds it gone
+  (the cancel leaves a record in the claim's place, so that the app reads CANCELLED meanwhile).
+  What a launcher killed before its containers existed left (its claim, its network) is removed
+  by the process that finds it gone: a describe of the app, or any scheduler's first connection.
   After that the submit looks for the marker before the starts, after rank 0 and after the last
   start, and stops there. Each container is stopped once (a second SIGTERM would run its handler
   again): by the process that made the marker if it started before the marker, else by the launch
@@ -68,7 +71,11 @@ from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
 from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
-from asynctorchx.schedulers._docker.processes import process_gone, process_identity
+from asynctorchx.schedulers._docker.processes import (
+    dead_launches,
+    process_gone,
+    process_identity,
+)
 from asynctorchx.schedulers._docker.request import (
     KIND_LAUNCH_CANCELLED,
     KIND_LAUNCH_CLAIM,
@@ -396,7 +403,10 @@ class DockerScheduler(Scheduler[DockerJob]):
         wanted = set(app_ids)
         label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_APP_ID
         out: dict[str, str] = {}
-        for v in await self._engine.list_volumes(label):
+        volumes = await self._engine.list_volumes(label)
+        for app_id in wanted.intersection(dead_launches(volumes)):
+            self._reconciler.request(app_id)  # its follow-up removes what that launch left
+        for v in volumes:
             labels = dict(v.get("Labels") or {})
             kind, app_id = labels.get(LABEL_KIND), labels.get(LABEL_APP_ID, "")
             if (
@@ -439,6 +449,10 @@ class DockerScheduler(Scheduler[DockerJob]):
         a = await self._follow_ups.run(app_id)
         if a is not None and await take_over_if_abandoned(self._engine, a):
             logger.info("finished the cancel of %s: its canceller had exited", app_id)
+        if (a is None and self._follow_ups.removed(app_id) is None) or (
+            a is not None and any(c.launcher_gone for c in a.containers)
+        ):
+            await self._launcher.clear_dead(app_id, has_containers=a is not None)
 
     # -- cancel ---------------------------------------------------------------------------------
 

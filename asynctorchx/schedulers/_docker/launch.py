@@ -18,7 +18,7 @@ from typing import Any, TypeVar, cast
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks, started_since
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
-from asynctorchx.schedulers._docker.processes import process_identity
+from asynctorchx.schedulers._docker.processes import dead_launches, process_identity
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
     LABEL_APP_NAME,
@@ -216,6 +216,26 @@ class Launcher:
             self._engine.remove_volume(claim_name(job.app_id)),
             self._engine.remove_volume(cancel_record_name(job.app_id)),
         )
+
+    async def clear_dead(self, app_id: str, *, has_containers: bool) -> bool:
+        """Removes what a launch of ``app_id`` killed before it had created the app's containers
+        left: its launch claim (or the record of a cancel that removed it), and the app's own
+        network when the app has no container (else its follow-up removes it once it has
+        ended). Returns False when no such launch left anything (its launcher lives, say).
+        """
+        volumes = await self._engine.list_volumes(f"{LABEL_APP_ID}={app_id}")
+        names = [
+            n
+            for n in dead_launches(volumes).get(app_id, [])
+            if n in (claim_name(app_id), cancel_record_name(app_id))
+        ]
+        if not names:
+            return False
+        if not has_containers:
+            await remove_networks(self._engine, app_id)
+        await _gather_all([self._engine.remove_volume(n) for n in names])
+        logger.info("removed what the killed launch of %s left", app_id)
+        return True
 
     async def abandon(self, job: DockerJob) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),

@@ -12,8 +12,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-from asynctorchx.schedulers._docker.request import LABEL_LAUNCHER
+from asynctorchx.schedulers._docker.request import (
+    KIND_LAUNCH_CANCELLED,
+    KIND_LAUNCH_CLAIM,
+    LABEL_APP_ID,
+    LABEL_KIND,
+    LABEL_LAUNCHER,
+)
 from asynctorchx.schedulers._docker.state import ContainerInfo
 from asynctorchx.schedulers._local.recordfile import pid_alive, proc_start_ticks
 
@@ -74,4 +82,20 @@ def with_launchers_judged(infos: list[ContainerInfo]) -> list[ContainerInfo]:
             if gone[launcher]:
                 c = dataclasses.replace(c, launcher_gone=True)
         out.append(c)
+    return out
+
+
+def dead_launches(volumes: Iterable[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """The launch claims and cancel records among ``volumes`` (entries of a volume listing)
+    whose launcher has exited, by app id: what a launch killed before its containers existed
+    left (see ``Launcher.clear_dead``)."""
+    out: dict[str, list[str]] = {}
+    for v in volumes:
+        labels = v.get("Labels") or {}
+        if (
+            labels.get(LABEL_KIND) in (KIND_LAUNCH_CLAIM, KIND_LAUNCH_CANCELLED)
+            and labels.get(LABEL_APP_ID)
+            and process_gone(str(labels.get(LABEL_LAUNCHER, "")))
+        ):
+            out.setdefault(str(labels[LABEL_APP_ID]), []).append(str(v.get("Name", "")))
     return out
