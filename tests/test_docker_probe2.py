@@ -294,3 +294,63 @@ async def _volumes_of(app_id: str) -> list[str]:
     async with aiodocker.Docker() as client:
         answer = await client.volumes.list(filters={"label": [f"{LABEL_APP_ID}={app_id}"]})
     return [v["Name"] for v in answer.get("Volumes") or []]
+
+
+@pytest.mark.parametrize("call", ["describe", "cancel"])
+async def test_a_launch_committing_between_the_listings_of_a_look_is_not_missed(
+    docker_scheduler: DockerScheduler, busybox_image: str, call: str
+) -> None:
+    """A describe or cancel from another process that lists the app's containers before the
+    launch has made them and its volumes after the launch has removed its claim: the app is
+    still found (PENDING; cancelled, nothing left running), not unknown (a watcher took that
+    for good as "the scheduler no longer knows this app", and the cancel did nothing)."""
+    launch_engine = docker_scheduler.engine
+    info = docker_scheduler.submit_dryrun(
+        AppDef("between", [sh(busybox_image, "exec sleep 300", n=2)]), {"stop_timeout": 1}
+    )
+    app_id = info.request.app_id
+    other = DockerScheduler("someone-else")
+    listed, committed = asyncio.Event(), asyncio.Event()
+    real_create, real_remove = launch_engine.create_container, launch_engine.remove_volume
+    real_list, real_volumes = other.engine.list_containers, other.engine.list_volumes
+
+    async def create_once_listed(*args: object, **kwargs: object) -> object:
+        await listed.wait()
+        return await real_create(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def remove_noted(name: str) -> bool:
+        try:
+            return await real_remove(name)
+        finally:
+            if name.startswith("asynctorchx-launch-"):
+                committed.set()
+
+    async def list_noted(label: str) -> list[dict[str, object]]:
+        try:
+            return await real_list(label)
+        finally:
+            listed.set()
+
+    async def volumes_once_committed(label: str) -> list[dict[str, object]]:
+        await committed.wait()
+        return await real_volumes(label)
+
+    launch_engine.create_container = create_once_listed  # type: ignore[method-assign]
+    launch_engine.remove_volume = remove_noted  # type: ignore[method-assign]
+    other.engine.list_containers = list_noted  # type: ignore[method-assign]
+    other.engine.list_volumes = volumes_once_committed  # type: ignore[method-assign]
+    try:
+        with anyio.fail_after(60):
+            submit = asyncio.ensure_future(docker_scheduler.schedule(info))
+            if call == "describe":
+                seen = await other.describe(app_id)
+                await submit
+                assert seen is not None, "the app was unknown"
+                assert seen.state in (AppState.PENDING, AppState.RUNNING)
+            else:
+                await other.cancel(app_id)
+                await submit
+                resp = await wait_for(docker_scheduler, app_id)
+                assert resp.state == AppState.CANCELLED
+    finally:
+        await other.close()

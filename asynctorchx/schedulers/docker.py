@@ -343,7 +343,18 @@ class DockerScheduler(Scheduler[DockerJob]):
                 self._reconciler.request(assessment.response.app_id)
         unknown = [app_id for app_id, r in out.items() if r is None]
         if unknown:
-            for app_id, kind in (await self._being_launched(unknown)).items():
+            launching = await self._being_launched(unknown)
+            missed = [app_id for app_id in unknown if app_id not in launching]
+            if missed:
+                # A launch may have made its containers, then removed its claim, between the
+                # two listings: looked for again, they are there (it has no claim any more).
+                one = missed[0] if len(missed) == 1 else None
+                again = group_by_app(await self._events.containers(one, for_apps=missed))
+                for app_id in missed:
+                    late = assess(app_id, again.get(app_id, []))
+                    if late is not None:
+                        out[app_id] = late.response
+            for app_id, kind in launching.items():
                 out[app_id] = (
                     DescribeAppResponse(
                         app_id=app_id,
@@ -393,6 +404,8 @@ class DockerScheduler(Scheduler[DockerJob]):
             or bool(await self._events.containers(app_id))
             or self._follow_ups.removed(app_id) is not None
             or bool(await self._launch_claims([app_id]))
+            # its launch may have made them, then removed its claim, between the two listings
+            or bool(await self._events.containers(app_id))
         )
 
     async def _launch_claims(self, app_ids: Sequence[str]) -> dict[str, str]:
