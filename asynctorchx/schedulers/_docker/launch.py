@@ -218,9 +218,9 @@ class Launcher:
         )
 
     async def clear_dead(self, app_id: str, *, has_containers: bool) -> bool:
-        """Removes what a launch of ``app_id`` killed before it had created the app's containers
-        left: its launch claim (or the record of a cancel that removed it), and the app's own
-        network when the app has no container (else its follow-up removes it once it has
+        """Removes what a launch of ``app_id`` killed before it had removed its launch claim
+        left: the claim (or the record of a cancel that removed it), and the app's own network
+        when the app has no container (else the app's follow-up removes it once the app has
         ended). Returns False when no such launch left anything (its launcher lives, say).
         """
         volumes = await self._engine.list_volumes(f"{LABEL_APP_ID}={app_id}")
@@ -360,11 +360,12 @@ class Launcher:
         return winner
 
     async def _create(self, request: ContainerRequest, network_id: str | None) -> str:
-        config = copy.deepcopy(request.config)
         # Names this process, so that others can tell a container it will never start (it died).
-        config["Labels"][LABEL_LAUNCHER] = process_identity()
+        labels = {**request.config["Labels"], LABEL_LAUNCHER: process_identity()}
+        config = {**request.config, "Labels": labels}
         if network_id is not None:
             # Join the app's network by id: a duplicate of its name cannot make it ambiguous.
+            config = copy.deepcopy(config)
             config["HostConfig"]["NetworkMode"] = network_id
             endpoints = config.get("NetworkingConfig", {}).get("EndpointsConfig", {})
             endpoint: dict[str, Any] = next(iter(endpoints.values()), {})
