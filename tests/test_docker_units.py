@@ -609,14 +609,15 @@ async def test_describe_and_cancel_of_an_unknown_app() -> None:
 
 
 async def test_describe_many_is_one_listing_for_many_apps() -> None:
-    """Describing many apps costs one container listing, whatever their number (and one volume
-    listing for the launch claims of those it has no container of)."""
+    """Describing many apps costs one container listing, whatever their number (and, for those
+    it has no container of, one volume listing for their launch claims, then one container
+    listing again: a launch may have made them, then removed its claim, meanwhile)."""
     docker = FakeDocker({IMAGE})
     scheduler = DockerScheduler("s", docker, watch_events=False)
     ids = [await scheduler.submit(_app(_role()), {}) for _ in range(5)]
     docker.calls.clear()
     result = await scheduler.describe_many([*ids, "unknown-1", "unknown-2"])
-    assert [op for op, _ in docker.calls] == ["list", "volume_list"]
+    assert [op for op, _ in docker.calls] == ["list", "volume_list", "list"]
     assert all(result[i] is not None and result[i].state == AppState.RUNNING for i in ids)  # type: ignore[union-attr]
     assert result["unknown-1"] is None and result["unknown-2"] is None
     await scheduler.close()
@@ -747,7 +748,8 @@ async def test_status_reads_issue_no_write_to_the_engine() -> None:
     await scheduler._reconciler.wait_idle()
     assert scheduler.engine.writes == writes
     assert scheduler.engine.requests["container_list"] >= 4
-    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 2 + ["volume_list"] + ["list"] * 3
+    # describe_many lists the containers of "other-1" again after its (absent) launch claim
+    assert [op for op, _ in docker.calls[calls:]] == ["list"] * 2 + ["volume_list"] + ["list"] * 4
     assert docker.by_name(f"{app_id}-r-1").state == "running"  # type: ignore[union-attr]
     await scheduler.close()
 
@@ -954,18 +956,22 @@ async def test_a_submit_that_ends_in_its_checks_removes_its_launch_claim(how: st
     await scheduler.close()
 
 
-async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once() -> None:
+async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_container_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An app marked cancelled by a process that has exited, its replica still running: two
     schedulers (as two processes) cancelling it at once take the cancel over once between them
     (one marker of the next turn, one stop)."""
     import subprocess
     import sys
 
-    from asynctorchx.schedulers._docker.cancel import _host_and_namespace
+    from asynctorchx.schedulers._docker import cancel
+    from asynctorchx.schedulers._docker.processes import _host_and_namespace
 
+    monkeypatch.setattr(cancel, "STOP_SLACK", 0.0)  # a fake engine kills at once
     docker = FakeDocker({IMAGE})
     schedulers = [DockerScheduler("s", docker, watch_events=False) for _ in range(2)]
-    app_id = await schedulers[0].submit(_app(_role()), {})
+    app_id = await schedulers[0].submit(_app(_role()), {"stop_timeout": 0})
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,

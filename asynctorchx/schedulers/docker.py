@@ -11,7 +11,9 @@ How an app maps onto Docker:
   process (not only the launcher) can describe, list, cancel and read the logs of any app: apps
   outlive the process that launched them. An app id Docker has no container for is unknown
   (``describe`` returns None) unless it is being submitted (PENDING); it is never reported as
-  SUCCEEDED.
+  SUCCEEDED. Each container also names the process that created it to start it: a replica never
+  started by a launcher that has exited (killed mid-submit) fails the app, which would otherwise
+  stay PENDING for good (judged on the launcher's host only, see ``_docker/processes.py``).
 - Status is one container listing by label for any number of apps (none while Docker's event
   stream vouches for the last one); changes are pushed by one subscription to ``/events``.
 - Retries: a REPLICA retry policy is Docker's own ``on-failure`` restart policy; ROLE and
@@ -24,7 +26,10 @@ How an app maps onto Docker:
   a never-started marker container, so that every process sees the app as CANCELLED. Until a
   submit has created the app's containers, a launch claim (a volume named after the app) names
   it for every process (PENDING, "being submitted"); a cancel then removes the claim, and the
-  launch, which removes it itself once its containers exist, starts nothing if it finds it gone.
+  launch, which removes it itself once its containers exist, starts nothing if it finds it gone
+  (the cancel leaves a record in the claim's place, so that the app reads CANCELLED meanwhile).
+  What a launcher killed before its containers existed left (its claim, its network) is removed
+  by the process that finds it gone: a describe of the app, or any scheduler's first connection.
   After that the submit looks for the marker before the starts, after rank 0 and after the last
   start, and stops there. Each container is stopped once (a second SIGTERM would run its handler
   again): by the process that made the marker if it started before the marker, else by the launch
@@ -56,12 +61,7 @@ from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps, started_after
-from asynctorchx.schedulers._docker.cancel import (
-    abandoned_cancel,
-    process_gone,
-    process_identity,
-    take_over_if_abandoned,
-)
+from asynctorchx.schedulers._docker.cancel import abandoned_cancel, take_over_if_abandoned
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -71,7 +71,13 @@ from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.image import ensure_image, plan_image
 from asynctorchx.schedulers._docker.launch import CancelWatch, ClaimTakenError, Launcher
 from asynctorchx.schedulers._docker.logs import DockerLogSource
+from asynctorchx.schedulers._docker.processes import (
+    dead_launches,
+    process_gone,
+    process_identity,
+)
 from asynctorchx.schedulers._docker.request import (
+    KIND_LAUNCH_CANCELLED,
     KIND_LAUNCH_CLAIM,
     LABEL_APP_ID,
     LABEL_KIND,
@@ -79,6 +85,8 @@ from asynctorchx.schedulers._docker.request import (
     DockerJob,
     build_job,
     cancel_marker,
+    cancel_record,
+    cancel_record_name,
     claim_name,
     is_app_id,
     run_options,
@@ -87,6 +95,7 @@ from asynctorchx.schedulers._docker.state import (
     Assessment,
     ContainerInfo,
     assess,
+    dead_launch,
     group_by_app,
     restarted_by_docker,
 )
@@ -329,23 +338,43 @@ class DockerScheduler(Scheduler[DockerJob]):
                 found.append(assessment)
         for assessment in await asyncio.gather(*(self._with_restart_counts(a) for a in found)):
             out[assessment.response.app_id] = assessment.response
-            if abandoned_cancel(assessment):  # its follow-up finishes the cancel
+            if abandoned_cancel(assessment) or dead_launch(assessment):
+                # No event says that a process died: its follow-up finishes what it left.
                 self._reconciler.request(assessment.response.app_id)
         unknown = [app_id for app_id, r in out.items() if r is None]
         if unknown:
-            for app_id in await self._being_launched(unknown):
-                out[app_id] = DescribeAppResponse(
-                    app_id=app_id, state=AppState.PENDING, msg="being submitted"
+            launching = await self._being_launched(unknown)
+            missed = [app_id for app_id in unknown if app_id not in launching]
+            if missed:
+                # A launch may have made its containers, then removed its claim, between the
+                # two listings: looked for again, they are there (it has no claim any more).
+                one = missed[0] if len(missed) == 1 else None
+                again = group_by_app(await self._events.containers(one, for_apps=missed))
+                for app_id in missed:
+                    late = assess(app_id, again.get(app_id, []))
+                    if late is not None:
+                        out[app_id] = late.response
+            for app_id, kind in launching.items():
+                out[app_id] = (
+                    DescribeAppResponse(
+                        app_id=app_id,
+                        state=AppState.CANCELLED,
+                        msg="cancelled before its containers were made",
+                    )
+                    if kind == KIND_LAUNCH_CANCELLED
+                    else DescribeAppResponse(
+                        app_id=app_id, state=AppState.PENDING, msg="being submitted"
+                    )
                 )
         return {app_id: out.get(app_id) for app_id in asked}
 
-    async def _being_launched(self, app_ids: list[str]) -> list[str]:
-        """Those of ``app_ids`` (apps Docker has no container of) being submitted: by this
-        process, or by another whose launch claim is there (and whose process is not gone)."""
-        here = [a for a in app_ids if a in self._launches]
+    async def _being_launched(self, app_ids: list[str]) -> dict[str, str]:
+        """Those of ``app_ids`` (apps Docker has no container of) being submitted, by this
+        process or by another (see ``_launch_claims``), with the kind of their volume."""
+        here = {a: KIND_LAUNCH_CLAIM for a in app_ids if a in self._launches}
         elsewhere = [a for a in app_ids if a not in self._launches]
         if elsewhere:
-            here.extend(await self._launch_claims(elsewhere))
+            here.update(await self._launch_claims(elsewhere))
         return here
 
     async def _with_restart_counts(self, a: Assessment) -> Assessment:
@@ -375,23 +404,31 @@ class DockerScheduler(Scheduler[DockerJob]):
             or bool(await self._events.containers(app_id))
             or self._follow_ups.removed(app_id) is not None
             or bool(await self._launch_claims([app_id]))
+            # its launch may have made them, then removed its claim, between the two listings
+            or bool(await self._events.containers(app_id))
         )
 
-    async def _launch_claims(self, app_ids: Sequence[str]) -> set[str]:
-        """Those of ``app_ids`` whose launch claim is there and whose launcher is not known to be
-        gone (asked only for apps Docker has no container of: a launch that has not created
-        them yet, see ``CancelWatch``)."""
+    async def _launch_claims(self, app_ids: Sequence[str]) -> dict[str, str]:
+        """Those of ``app_ids`` whose launch claim (``KIND_LAUNCH_CLAIM``), or the record a cancel
+        left in its place (``KIND_LAUNCH_CANCELLED``, once the claim is gone), is there and whose
+        launcher is not known to be gone (asked only for apps Docker has no container of: a
+        launch that has not created them yet, see ``CancelWatch``)."""
         wanted = set(app_ids)
         label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_APP_ID
-        out = set()
-        for v in await self._engine.list_volumes(label):
+        out: dict[str, str] = {}
+        volumes = await self._engine.list_volumes(label)
+        for app_id in wanted.intersection(dead_launches(volumes)):
+            self._reconciler.request(app_id)  # its follow-up removes what that launch left
+        for v in volumes:
             labels = dict(v.get("Labels") or {})
+            kind, app_id = labels.get(LABEL_KIND), labels.get(LABEL_APP_ID, "")
             if (
-                labels.get(LABEL_KIND) == KIND_LAUNCH_CLAIM
-                and labels.get(LABEL_APP_ID) in wanted
+                kind in (KIND_LAUNCH_CLAIM, KIND_LAUNCH_CANCELLED)
+                and app_id in wanted
                 and not process_gone(labels.get(LABEL_LAUNCHER, ""))
+                and out.get(app_id) != KIND_LAUNCH_CLAIM  # the claim, until a cancel removes it
             ):
-                out.add(labels[LABEL_APP_ID])
+                out[app_id] = kind
         return out
 
     async def list(self) -> list[ListAppResponse]:
@@ -425,6 +462,10 @@ class DockerScheduler(Scheduler[DockerJob]):
         a = await self._follow_ups.run(app_id)
         if a is not None and await take_over_if_abandoned(self._engine, a):
             logger.info("finished the cancel of %s: its canceller had exited", app_id)
+        if (a is None and self._follow_ups.removed(app_id) is None) or (
+            a is not None and any(c.launcher_gone for c in a.containers)
+        ):
+            await self._launcher.clear_dead(app_id, has_containers=a is not None)
 
     # -- cancel ---------------------------------------------------------------------------------
 
@@ -452,7 +493,7 @@ class DockerScheduler(Scheduler[DockerJob]):
     async def _stop_app(self, app_id: str) -> None:
         a = assess(app_id, await self._events.containers(app_id))
         if a is None:  # being launched by another process, which has made no container yet
-            if await self._engine.remove_volume(claim_name(app_id)):
+            if await self._cancel_launch(app_id):
                 self._notify(app_id)  # that launch now creates nothing but the marker
                 return
             a = assess(app_id, await self._events.containers(app_id))  # made them meanwhile
@@ -495,6 +536,30 @@ class DockerScheduler(Scheduler[DockerJob]):
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
             raise type(errors[0])(f"stopping the containers of {app_id}: {errors[0]}")
+
+    async def _cancel_launch(self, app_id: str) -> bool:
+        """Cancels the launch of an app another process is submitting and has made no container
+        of yet, by removing its launch claim; False when there was none (any more).
+
+        A record of the cancel is made first (the claim's labels, another kind), so that from the
+        claim's removal on every process reads the app CANCELLED, not unknown, until the launch
+        makes the cancel marker and removes the record. When the claim was removed by someone
+        else, the record is removed again if the launch had committed (its containers exist),
+        and left for the launch to remove if another cancel came first.
+        """
+        volumes = await self._engine.list_volumes(f"{LABEL_APP_ID}={app_id}")
+        claim = next((v for v in volumes if v.get("Name") == claim_name(app_id)), None)
+        if claim is None:
+            return False
+        labels = {str(k): str(v) for k, v in (claim.get("Labels") or {}).items()}
+        if labels.get(LABEL_KIND) != KIND_LAUNCH_CLAIM or labels.get(LABEL_APP_ID) != app_id:
+            return False
+        await self._engine.create_volume(cancel_record(labels))
+        if await self._engine.remove_volume(claim_name(app_id)):
+            return True
+        if await self._events.containers(app_id):
+            await self._engine.remove_volume(cancel_record_name(app_id))
+        return False
 
     # -- logs and lifecycle ---------------------------------------------------------------------
 

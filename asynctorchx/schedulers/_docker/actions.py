@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable
 
 from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
-from asynctorchx.schedulers._docker.request import LABEL_APP_ID, marker_name
+from asynctorchx.schedulers._docker.processes import process_identity
+from asynctorchx.schedulers._docker.request import LABEL_APP_ID, LABEL_LAUNCHER, marker_name
 from asynctorchx.schedulers._docker.state import (
     Assessment,
     ContainerInfo,
@@ -116,7 +117,9 @@ class FollowUps:
             info = await self._engine.inspect_container(old.id)
             if info is None:
                 raise DockerSchedulerError(f"container {old.name} of the retried replica is gone")
-            configs.append((old, recreate_config(info, retry.attempt)))
+            config = recreate_config(info, retry.attempt)
+            config["Labels"][LABEL_LAUNCHER] = process_identity()  # it starts them, not the first
+            configs.append((old, config))
         started: list[str] = []
         for old, config in configs:
             what = f"retrying role {old.role!r} replica {old.replica_id}"

@@ -8,60 +8,32 @@ handler again. A canceller killed between its marker and its stops would leave t
 ``describe``, a second ``cancel``) and can tell, on the same host, that the canceller's process is
 gone takes over by making the marker of the next turn (one process wins the name) and stopping
 the containers the dead canceller owed.
+
+A canceller may have died after asking the engine to stop them: the engine goes on with that stop
+(SIGTERM, then SIGKILL after the container's stop timeout) whether or not its client lives. So the
+process that finds the canceller gone first waits out that stop timeout (the canceller died
+before it was found gone, so any stop it asked for ends by then) and stops only the containers
+still running after it: a container is never signalled again while its handler runs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import os
+from typing import Any
 
 from asynctorchx.schedulers._docker.actions import started_after
 from asynctorchx.schedulers._docker.engine import DockerEngine
+from asynctorchx.schedulers._docker.processes import process_gone, process_identity
 from asynctorchx.schedulers._docker.request import (
+    DEFAULT_STOP_TIMEOUT,
     LABEL_CANCEL_TURN,
     LABEL_CANCELLER,
     cancel_marker,
 )
 from asynctorchx.schedulers._docker.state import Assessment, ContainerInfo
-from asynctorchx.schedulers._local.recordfile import pid_alive, proc_start_ticks
 
-
-@functools.cache
-def _host_and_namespace() -> tuple[str, str]:
-    """This machine's boot id and this process's pid namespace ("" where unreadable)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        namespace = ""
-    return boot, namespace
-
-
-def process_identity() -> str:
-    """Names this process for a cancel marker: ``boot/pid-namespace/pid/start-ticks``."""
-    boot, namespace = _host_and_namespace()
-    pid = os.getpid()
-    return f"{boot}/{namespace}/{pid}/{proc_start_ticks(pid) or ''}"
-
-
-def process_gone(identity: str) -> bool:
-    """True only when the process ``identity`` names has certainly exited.
-
-    A process of another machine or pid namespace (or an unreadable identity) cannot be judged
-    from here: it counts as alive.
-    """
-    boot, namespace, pid, ticks = ([*identity.split("/", 3), "", "", "", ""])[:4]
-    if not boot or not namespace or (boot, namespace) != _host_and_namespace():
-        return False
-    try:
-        return not pid_alive(int(pid), int(ticks) if ticks else None)
-    except ValueError:
-        return False
+#: how long past a container's stop timeout the engine may take to have killed it
+STOP_SLACK = 2.0
 
 
 def turn(marker: ContainerInfo) -> int:
@@ -86,14 +58,25 @@ async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
     """Finishes the cancel of app ``a`` if its canceller died before stopping its containers.
 
     Returns True when this process took the cancel over (and has stopped what the canceller
-    owed: the live containers started before the first marker), False when there is nothing to
-    do: no marker, nothing alive, a canceller still alive (or that cannot be judged), or another
-    process that took over first.
+    owed: the containers started before the first marker that still run once any stop the
+    canceller asked for has ended), False when there is nothing to do: no marker, nothing alive,
+    a canceller still alive (or that cannot be judged), or another process that took over first.
     """
     owner = abandoned_cancel(a)
     if owner is None:
         return False
     first = min((c for c in a.containers if c.is_marker), key=turn)
+    alive = [c.id for c in a.containers if c.alive and not c.is_marker]
+    later = await started_after(engine, first.id, alive)
+    owed = [c for c, after in zip(alive, later, strict=True) if after is not True]
+    if not owed:
+        return False
+    infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
+    await asyncio.sleep(max(_stop_timeout(info) for info in infos) + STOP_SLACK)
+    infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
+    owed = [c for c, info in zip(owed, infos, strict=True) if _running(info)]
+    if not owed:
+        return False  # the canceller's stops had been asked for: the engine ended them
     marker = cancel_marker(
         a.response.app_id,
         a.name,
@@ -105,8 +88,17 @@ async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
     what = f"taking over the cancel of {a.response.app_id}"
     if await engine.create_container(marker.config, marker.name, what=what, exist_ok=True) is None:
         return False
-    alive = [c.id for c in a.containers if c.alive and not c.is_marker]
-    later = await started_after(engine, first.id, alive)
-    owed = [c for c, after in zip(alive, later, strict=True) if after is not True]
     await asyncio.gather(*(engine.stop_container(c) for c in owed))
     return True
+
+
+def _stop_timeout(info: dict[str, Any] | None) -> float:
+    """The seconds the engine gives a container between its stop signal and SIGKILL."""
+    value = ((info or {}).get("Config") or {}).get("StopTimeout")
+    return float(value) if isinstance(value, int) and value >= 0 else DEFAULT_STOP_TIMEOUT
+
+
+def _running(info: dict[str, Any] | None) -> bool:
+    """True when an ``inspect`` answer shows the container running (or about to restart)."""
+    state = (info or {}).get("State") or {}
+    return bool(state.get("Running") or state.get("Restarting"))

@@ -30,6 +30,7 @@ from typing import Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.frames import format_api_time
+from asynctorchx.schedulers._docker.processes import dead_launches, with_launchers_judged
 from asynctorchx.schedulers._docker.request import KIND_CANCEL_MARKER, LABEL_APP_ID, LABEL_KIND
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
@@ -84,6 +85,7 @@ class EventFeed:
         self._ready: asyncio.Event | None = None
         self._epoch = 0
         self._caught_up = False
+        self._caught_up_done = asyncio.Event()
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._settling: set[str] = set()
         self._died: dict[str, tuple[int | None, float]] = {}
@@ -155,10 +157,22 @@ class EventFeed:
             self._spawn(("catch-up",), self._catch_up_apps())
 
     async def _catch_up_apps(self) -> None:
-        for app_id, containers in group_by_app(await self.containers()).items():
-            a = assess(app_id, containers)
-            if a is not None and a.actions:
+        """Asks for the follow-ups of the apps that owe one, and of the apps whose launcher was
+        killed before it made their containers (their claim and network are to be removed)."""
+        try:
+            for app_id, containers in group_by_app(await self.containers()).items():
+                a = assess(app_id, containers)
+                if a is not None and a.actions:
+                    self._on_follow_up(app_id)
+            for app_id in dead_launches(await self._engine.list_volumes(LABEL_APP_ID)):
                 self._on_follow_up(app_id)
+        finally:
+            self._caught_up_done.set()
+
+    async def caught_up(self) -> None:
+        """Returns once the first connection's look at every app has asked for their
+        follow-ups (see ``_catch_up_apps``)."""
+        await self._caught_up_done.wait()
 
     def handle(self, event: Mapping[str, Any]) -> None:
         """Takes in one event of the stream."""
@@ -291,7 +305,9 @@ class EventFeed:
         return out
 
     def with_exits_seen(self, infos: list[ContainerInfo]) -> list[ContainerInfo]:
-        """``infos`` with the exits announced by events that the listing does not show yet."""
+        """``infos`` with the exits announced by events that the listing does not show yet, and
+        the never-started replicas of launchers that have exited marked so (no event says it)."""
+        infos = with_launchers_judged(infos)
         if not self._died:
             return infos
         now = time.monotonic()

@@ -17,17 +17,19 @@ from typing import Any, TypeVar, cast
 
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks, started_since
-from asynctorchx.schedulers._docker.cancel import process_identity
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
+from asynctorchx.schedulers._docker.processes import dead_launches, process_identity
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
     LABEL_APP_NAME,
     LABEL_LAUNCH_TOKEN,
+    LABEL_LAUNCHER,
     LABEL_SESSION,
     ContainerRequest,
     DockerJob,
     NetworkRequest,
     cancel_marker,
+    cancel_record_name,
     claim_name,
     claim_request,
     marker_name,
@@ -208,8 +210,32 @@ class Launcher:
             )
 
     async def unclaim(self, job: DockerJob) -> None:
-        """Removes the launch claim of a submit that failed (if it is still there)."""
-        await self._engine.remove_volume(claim_name(job.app_id))
+        """Removes the launch claim of a submit that failed (if it is still there), or the
+        record of a cancel that removed it."""
+        await asyncio.gather(
+            self._engine.remove_volume(claim_name(job.app_id)),
+            self._engine.remove_volume(cancel_record_name(job.app_id)),
+        )
+
+    async def clear_dead(self, app_id: str, *, has_containers: bool) -> bool:
+        """Removes what a launch of ``app_id`` killed before it had removed its launch claim
+        left: the claim (or the record of a cancel that removed it), and the app's own network
+        when the app has no container (else the app's follow-up removes it once the app has
+        ended). Returns False when no such launch left anything (its launcher lives, say).
+        """
+        volumes = await self._engine.list_volumes(f"{LABEL_APP_ID}={app_id}")
+        names = [
+            n
+            for n in dead_launches(volumes).get(app_id, [])
+            if n in (claim_name(app_id), cancel_record_name(app_id))
+        ]
+        if not names:
+            return False
+        if not has_containers:
+            await remove_networks(self._engine, app_id)
+        await _gather_all([self._engine.remove_volume(n) for n in names])
+        logger.info("removed what the killed launch of %s left", app_id)
+        return True
 
     async def abandon(self, job: DockerJob) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
@@ -247,7 +273,10 @@ class Launcher:
         )
         if job.network_request is not None and len(never_started) == len(replicas):
             await remove_networks(self._engine, job.app_id)
-        await self._engine.remove_volume(claim_name(job.app_id))  # cancelled before the commit
+        await asyncio.gather(  # cancelled before the commit: the marker says it from now on
+            self._engine.remove_volume(claim_name(job.app_id)),
+            self._engine.remove_volume(cancel_record_name(job.app_id)),
+        )
         logger.info("the launch of %s stopped: the app was cancelled", job.app_id)
         return False
 
@@ -331,7 +360,9 @@ class Launcher:
         return winner
 
     async def _create(self, request: ContainerRequest, network_id: str | None) -> str:
-        config = request.config
+        # Names this process, so that others can tell a container it will never start (it died).
+        labels = {**request.config["Labels"], LABEL_LAUNCHER: process_identity()}
+        config = {**request.config, "Labels": labels}
         if network_id is not None:
             # Join the app's network by id: a duplicate of its name cannot make it ambiguous.
             config = copy.deepcopy(config)
@@ -376,6 +407,7 @@ class Launcher:
             if network is not None:
                 await remove_networks(self._engine, app_id)
             await self._engine.remove_volume(claim_name(app_id))
+            await self._engine.remove_volume(cancel_record_name(app_id))
         except Exception:
             logger.exception("cleaning up after the failed submit of %s", app_id)
 

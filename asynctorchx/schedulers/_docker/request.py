@@ -59,6 +59,7 @@ LABEL_CANCEL_TURN = LABEL_PREFIX + "cancel-turn"
 KIND_REPLICA = "replica"
 KIND_CANCEL_MARKER = "cancel-marker"
 KIND_LAUNCH_CLAIM = "launch-claim"
+KIND_LAUNCH_CANCELLED = "launch-cancelled"
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 DEFAULT_BRIDGE = "bridge"
@@ -641,6 +642,21 @@ def claim_name(app_id: str) -> str:
     is then known by them), or a cancel before that (the launch then starts nothing).
     """
     return f"asynctorchx-launch-{app_id}"
+
+
+def cancel_record_name(app_id: str) -> str:
+    """The name of the volume that says app ``app_id`` was cancelled before its containers
+    existed, until its launch has made the cancel marker (see ``cancel_record``)."""
+    return f"asynctorchx-cancelled-{app_id}"
+
+
+def cancel_record(claim_labels: Mapping[str, str]) -> dict[str, Any]:
+    """The create request of the record a cancel leaves in place of a launch claim (whose
+    labels it keeps: the app, its session and its launcher), so that every process reads the
+    app CANCELLED while the launch, which finds its claim gone, makes the cancel marker."""
+    labels = {**claim_labels, LABEL_KIND: KIND_LAUNCH_CANCELLED}
+    labels.pop(LABEL_LAUNCH_TOKEN, None)
+    return {"Name": cancel_record_name(labels[LABEL_APP_ID]), "Labels": labels}
 
 
 def claim_request(job: DockerJob, launcher: str, token: str) -> dict[str, Any]:

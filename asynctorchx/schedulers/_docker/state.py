@@ -61,6 +61,8 @@ class ContainerInfo:
         exit_code: the exit code once exited (parsed from Docker's status text), else None.
         created: creation time (POSIX seconds).
         restart_count: how often Docker's restart policy restarted it (-1 when not looked up).
+        launcher_gone: never started, and the process that created it to start it has exited
+            (see ``processes.with_launchers_judged``): nobody will start it.
     """
 
     id: str
@@ -71,6 +73,7 @@ class ContainerInfo:
     exit_code: int | None
     created: int
     restart_count: int = -1
+    launcher_gone: bool = False
 
     @property
     def app_id(self) -> str:
@@ -141,7 +144,7 @@ def group_by_app(containers: Iterable[ContainerInfo]) -> dict[str, list[Containe
 def replica_state(c: ContainerInfo) -> AppState:
     """The state of the replica a container runs."""
     if c.state == "created":
-        return AppState.PENDING
+        return AppState.FAILED if c.launcher_gone else AppState.PENDING
     if c.state in ("running", "restarting", "paused"):
         return AppState.RUNNING
     if c.state == "exited":
@@ -284,7 +287,7 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
     """The state of app ``app_id`` from its containers, or None when it has none (unknown app).
 
     Rules, in order: a cancelled app is CANCELLED once none of its containers is alive (RUNNING
-    until then); a replica that failed with no retry left fails the app (its live replicas are to be
+    until then); a replica its launcher died before starting fails the app; a replica that failed with no retry left fails the app (its live replicas are to be
     stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
     the app RUNNING and asks for the retry; a replica whose container is gone once every replica
     has been started (removed by someone else: it will never end) fails the app; otherwise RUNNING
@@ -387,6 +390,14 @@ def _verdict(
             "cancelling" if alive else "cancelled",
             to_stop=alive,
         )
+    orphans = [k for k, c in current.items() if c.launcher_gone]
+    if orphans:  # its launcher died before starting them: nobody will
+        role, k = sorted(orphans, key=lambda rk: _role_order(shapes, rk))[0]
+        return _Verdict(
+            AppState.FAILED,
+            f"replica {role}/{k} was never started: its launcher exited first",
+            to_stop=alive,
+        )
     removed_under_us = (
         missing
         and replicas[0].labels.get(LABEL_REMOVE_FINISHED) != "true"  # else: our removal under way
@@ -477,6 +488,12 @@ def follow_ups(a: Assessment) -> tuple[Action, ...]:
     return tuple(actions)
 
 
+def dead_launch(a: Assessment) -> bool:
+    """True when app ``a`` has replicas its launcher died before starting, and is owed
+    follow-ups for it (the survivors stopped, its network removed)."""
+    return bool(a.actions) and any(c.launcher_gone for c in a.containers)
+
+
 def restarted_by_docker(labels: Mapping[str, Any]) -> bool:
     """True for a container whose failures Docker's restart policy retries (REPLICA retries)."""
     return labels.get(LABEL_RETRY_POLICY) == RetryPolicy.REPLICA.value and labels.get(
@@ -485,8 +502,9 @@ def restarted_by_docker(labels: Mapping[str, Any]) -> bool:
 
 
 def _settled(c: ContainerInfo) -> bool:
-    """True for a container that will not run (again) on its own: exited, dead, or a marker."""
-    return c.is_marker or not (c.alive or c.state == "created")
+    """True for a container that will not run (again) on its own: exited, dead, a marker, or
+    never started by a launcher that exited."""
+    return c.is_marker or c.launcher_gone or not (c.alive or c.state == "created")
 
 
 def may_restart(labels: Mapping[str, Any], exit_code: int | None) -> bool:
