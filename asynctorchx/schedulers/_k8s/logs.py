@@ -6,7 +6,8 @@ A replica is the newest pod of its completion index; following it goes on across
 which gives ``since``/``until`` per line. A dropped stream, or a followed one silent for the
 connection's ``log_read_timeout`` (a quiet container, or a connection gone half-open), is resumed
 from ``sinceTime`` (rounded down to the second by the API) with the shared ``ResumeCursor`` skipping
-the lines already returned; a pod that has ended is read to its end without follow. Kubernetes
+the lines already returned, from the same pod even if it was replaced meanwhile (its last lines
+first, then its replacement's); a pod that has ended is read to its end without follow. Kubernetes
 keeps a container's stdout and stderr as one log: only COMBINED is readable.
 """
 
@@ -173,6 +174,9 @@ class KubeLogSource:
                     continue
                 if not query.follow:
                     return
+                if read.error is not None and read.error.status == 0:
+                    # cut or silent: what the pod wrote since comes first, even once it is replaced
+                    catch_up = uid
                 if read.clean and was_terminal:
                     state.finished.add(uid)
                     continue
