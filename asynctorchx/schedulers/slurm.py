@@ -67,6 +67,7 @@ from asynctorchx.schedulers._slurm.parse import (
     SlurmJob,
     SlurmOutputError,
     SlurmPartition,
+    expand_hostlist,
     json_errors,
     parse_max_script_size,
     parse_partitions,
@@ -339,7 +340,8 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         (its backfill scheduler, the only one that starts them, plans so), so such a job would stay
         PENDING with the reason ``Resources`` forever; sbatch takes it without a word. The node
         counts come from one ``scontrol show partition``, trusted for ``PARTITIONS_TTL`` seconds,
-        asked only for apps of several replicas. The check is skipped when it cannot be sure:
+        asked only for apps of several replicas; a list of partitions counts each of their nodes
+        once (partitions often share nodes). The check is skipped when it cannot be sure:
         ``sbatch_args`` choosing the partition or the cluster, a partition scontrol does not list,
         or scontrol failing.
         """
@@ -358,16 +360,18 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
                 return
         else:
             chosen = [p for p in partitions.values() if p.default]
-        nodes = sum(p.total_nodes for p in chosen)
+        nodes = _node_count(chosen)
         if not chosen or len(req.replicas) <= nodes:
             return
         counts = Counter(r.role for r in req.replicas)
         role, count = counts.most_common(1)[0]
-        where = ", ".join(repr(p.name) for p in chosen)
+        names = ", ".join(repr(p.name) for p in chosen)
+        where = f"partitions {names}" if len(chosen) > 1 else f"partition {names}"
+        has = "they have" if len(chosen) > 1 else "it has"
         total = f" (the app has {len(req.replicas)} replicas in all)" if len(counts) > 1 else ""
         raise InvalidAppDefException(
-            f"num_replicas {count} is more than partition {where} can run at once{total}: it has "
-            f"{nodes} nodes, and Slurm starts a job only when each replica (one component of a "
+            f"num_replicas {count} is more than {where} can run at once{total}: {has} {nodes} "
+            "nodes, and Slurm starts a job only when each replica (one component of a "
             "heterogeneous job) has a node of its own, so it would stay PENDING (Resources) forever",
             role=role,
             field_name="num_replicas",
@@ -686,6 +690,20 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _node_count(partitions: Sequence[SlurmPartition]) -> int:
+    """How many distinct nodes ``partitions`` hold together (partitions may share nodes: a job that
+    may go to any of them has no more); their sum when a node list cannot be read."""
+    if len(partitions) == 1:
+        return partitions[0].total_nodes
+    names: set[str] = set()
+    for p in partitions:
+        hosts = expand_hostlist(p.nodes)
+        if hosts is None or len(hosts) != p.total_nodes:
+            return sum(p.total_nodes for p in partitions)
+        names |= hosts
+    return len(names)
 
 
 def _make_dirs(path: str) -> list[str]:

@@ -1,0 +1,77 @@
+# ruff: noqa: F811 - the fixtures imported from _slurm_env are redefined as test parameters
+"""Probes of the slurm backend's submit-time limits: against the real test clusters where Slurm's
+own behaviour is the point, against a fake command runner for the error paths.
+
+Each test pins a defect found by probing: it failed before its fix.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
+    CountingRunner,
+    accounting,
+    slurm_runner,
+    slurm_scheduler,
+    slurm_session,
+)
+
+from asynctorchx.schedulers._slurm.parse import expand_hostlist
+from asynctorchx.schedulers.slurm import SlurmScheduler
+from asynctorchx.specs.api import AppDef, InvalidAppDefException, Resource, Role
+
+SMALL = Resource(cpu=1, gpu=0, memMB=64)
+
+
+def _app(replicas: int) -> AppDef:
+    role = Role("w", "/tmp", entrypoint="true", num_replicas=replicas, resource=SMALL)
+    return AppDef("wide", [role])
+
+
+def _partition_nodes(partition: str) -> set[str]:
+    """The nodes of one partition of the test's cluster."""
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-p", partition, "-o", "%N"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=20,
+    ).stdout
+    return set(out.split())
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(60)
+async def test_partitions_that_share_their_nodes_count_each_node_once(
+    slurm_scheduler: SlurmScheduler, slurm_runner: CountingRunner, tmp_path: Path
+) -> None:
+    """An app wider than the nodes of 'debug,short' (two partitions of the same nodes) is refused:
+    their node counts were added up, and the job Slurm accepted stayed PENDING (Resources)."""
+    nodes = _partition_nodes("debug") | _partition_nodes("short")
+    assert nodes == _partition_nodes("debug"), "the test clusters' partitions share their nodes"
+    cfg = {"job_dir": str(tmp_path / "jobs"), "partition": "debug,short"}
+    with pytest.raises(InvalidAppDefException, match=f"they have {len(nodes)} nodes"):
+        await slurm_scheduler.submit(_app(len(nodes) + 1), cfg)
+    assert slurm_runner.counts["sbatch"] == 0 and not (tmp_path / "jobs").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "hosts"),
+    [
+        ("node[1-3,07],gpu1", {"node1", "node2", "node3", "node07", "gpu1"}),
+        ("r[1-2]n[01-02]", {"r1n01", "r1n02", "r2n01", "r2n02"}),
+        ("node[8-10]-ib", {"node8-ib", "node9-ib", "node10-ib"}),
+        ("(null)", set()),
+        ("n[1-4", None),
+        ("n[a-b]", None),
+        ("n[5-1]", None),
+        ("n[0-2000000]", None),
+    ],
+)
+def test_host_lists_expand_to_their_hosts(text: str, hosts: set[str] | None) -> None:
+    """A Slurm host list expression gives its host names (zero padding kept, several bracket
+    groups multiplied); one this cannot read, or naming over a million hosts, gives None."""
+    assert expand_hostlist(text) == hosts
