@@ -7,8 +7,11 @@ Each test pins a defect found by probing: it failed before its fix.
 
 from __future__ import annotations
 
+import os
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
@@ -20,7 +23,7 @@ from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameter
 )
 
 from asynctorchx.schedulers._slurm.parse import expand_hostlist
-from asynctorchx.schedulers.slurm import SlurmScheduler
+from asynctorchx.schedulers.slurm import CommandResult, SlurmScheduler, SubprocessRunner
 from asynctorchx.specs.api import AppDef, InvalidAppDefException, Resource, Role
 
 SMALL = Resource(cpu=1, gpu=0, memMB=64)
@@ -75,3 +78,66 @@ def test_host_lists_expand_to_their_hosts(text: str, hosts: set[str] | None) -> 
     """A Slurm host list expression gives its host names (zero padding kept, several bracket
     groups multiplied); one this cannot read, or naming over a million hosts, gives None."""
     assert expand_hostlist(text) == hosts
+
+
+PARTITIONS = (
+    "PartitionName=small Default=YES Nodes=n[1-2] TotalNodes=2\n"
+    "PartitionName=big Default=NO Nodes=n[1-8] TotalNodes=8\n"
+)
+
+
+class FakeSlurm:
+    """Answers scontrol with ``PARTITIONS`` and sbatch with job 7; records every command."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
+        self.calls.append(tuple(argv))
+        out = {"scontrol": PARTITIONS, "sbatch": "7\n"}.get(argv[0], "")
+        return CommandResult(tuple(argv), 0, out, "")
+
+
+@pytest.mark.parametrize(
+    ("env", "cfg", "replicas", "refused"),
+    [
+        ({"SBATCH_PARTITION": "big"}, {}, 8, False),  # not the 2-node default partition
+        ({"SBATCH_PARTITION": "big"}, {"partition": "small"}, 8, False),  # over the script's
+        ({"SBATCH_PARTITION": "small"}, {"partition": "big"}, 3, True),
+        ({"SBATCH_PARTITION": ""}, {}, 3, True),  # empty: unset
+        ({"SBATCH_CLUSTERS": "other"}, {}, 3, False),  # another cluster: not checked
+        ({"SLURM_CLUSTERS": "other"}, {}, 3, False),
+    ],
+)
+async def test_the_partition_checked_is_the_one_sbatch_takes_from_the_environment(
+    env: dict[str, str],
+    cfg: dict[str, Any],
+    replicas: int,
+    refused: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SBATCH_PARTITION (which sbatch puts before the script's --partition and the default
+    partition) is the partition whose nodes are counted, and SBATCH_CLUSTERS/SLURM_CLUSTERS skip
+    the check: the default or cfg partition was checked, refusing apps the cluster would run."""
+    for name in ("SBATCH_PARTITION", "SBATCH_CLUSTERS", "SLURM_CLUSTERS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    fake = FakeSlurm()
+    sched = SlurmScheduler("s", runner=fake)
+    cfg = {"job_dir": str(tmp_path / "jobs"), **cfg}
+    if not refused:
+        assert await sched.submit(_app(replicas), cfg) == "7"
+        return
+    with pytest.raises(InvalidAppDefException, match=r"partition 'small' .* it has 2 nodes"):
+        await sched.submit(_app(replicas), cfg)
+    assert not any(call[0] == "sbatch" for call in fake.calls)
+
+
+def test_the_command_runner_tells_the_environment_its_commands_get() -> None:
+    """SubprocessRunner.environ is what sbatch reads SBATCH_* options from: the process's
+    environment, with the runner's extra variables over it."""
+    assert SubprocessRunner().environ is os.environ
+    env = SubprocessRunner(env={"SBATCH_PARTITION": "big"}).environ
+    assert env["SBATCH_PARTITION"] == "big" and env["PATH"] == os.environ["PATH"]

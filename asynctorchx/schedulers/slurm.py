@@ -139,6 +139,8 @@ _DETAIL_MAX = 1000
 CLOSE_WAIT = 30.0
 #: How long the partitions' node counts, asked for at submit, are trusted (seconds).
 PARTITIONS_TTL = 60.0
+#: Environment variables with which sbatch submits to another cluster than scontrol may ask.
+_CLUSTERS_ENV = ("SBATCH_CLUSTERS", "SLURM_CLUSTERS")
 #: What sbatch prints when the controller finds a field, the batch script among them, too long.
 _TOO_LONG = re.compile(r"too long", re.IGNORECASE)
 
@@ -341,18 +343,26 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         PENDING with the reason ``Resources`` forever; sbatch takes it without a word. The node
         counts come from one ``scontrol show partition``, trusted for ``PARTITIONS_TTL`` seconds,
         asked only for apps of several replicas; a list of partitions counts each of their nodes
-        once (partitions often share nodes). The check is skipped when it cannot be sure:
-        ``sbatch_args`` choosing the partition or the cluster, a partition scontrol does not list,
-        or scontrol failing.
+        once (partitions often share nodes). The partition is the one sbatch picks: the
+        environment's ``SBATCH_PARTITION``, else the ``partition`` run option, else the default
+        one. The check is skipped when it cannot be sure: ``sbatch_args`` choosing the partition or
+        the cluster, ``SBATCH_CLUSTERS``/``SLURM_CLUSTERS`` set, a partition scontrol does not
+        list, or scontrol failing.
         """
-        if len(req.replicas) < 2 or any(
-            names_option(arg, option, letter)
-            for arg in req.cmd[1:]
-            for option, letter in (("partition", "p"), ("clusters", "M"))
+        env = self._runner.environ if isinstance(self._runner, SubprocessRunner) else os.environ
+        if (
+            len(req.replicas) < 2
+            or any(env.get(name) for name in _CLUSTERS_ENV)
+            or any(
+                names_option(arg, option, letter)
+                for arg in req.cmd[1:]
+                for option, letter in (("partition", "p"), ("clusters", "M"))
+            )
         ):
             return
         partitions = await self._partition_nodes()
-        wanted = req.replicas[0].sbatch_opts.get("partition")
+        # sbatch takes SBATCH_PARTITION over the script's --partition (and the default partition)
+        wanted = env.get("SBATCH_PARTITION") or req.replicas[0].sbatch_opts.get("partition")
         if wanted:
             named = [partitions.get(name) for name in wanted.split(",")]
             chosen = [p for p in named if p is not None]
