@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
     CountingRunner,
@@ -23,7 +24,12 @@ from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameter
 )
 
 from asynctorchx.schedulers._slurm.parse import expand_hostlist
-from asynctorchx.schedulers.slurm import CommandResult, SlurmScheduler, SubprocessRunner
+from asynctorchx.schedulers.slurm import (
+    CommandResult,
+    SlurmScheduler,
+    SlurmSubmitError,
+    SubprocessRunner,
+)
 from asynctorchx.specs.api import AppDef, InvalidAppDefException, Resource, Role
 
 SMALL = Resource(cpu=1, gpu=0, memMB=64)
@@ -141,3 +147,43 @@ def test_the_command_runner_tells_the_environment_its_commands_get() -> None:
     assert SubprocessRunner().environ is os.environ
     env = SubprocessRunner(env={"SBATCH_PARTITION": "big"}).environ
     assert env["SBATCH_PARTITION"] == "big" and env["PATH"] == os.environ["PATH"]
+
+
+def _commands(tmp_path: Path, sbatch: str) -> tuple[SubprocessRunner, Path]:
+    """A real runner whose PATH starts with an ``sbatch`` running ``sbatch`` (sh) and a
+    ``scontrol`` that hangs (a controller that does not answer), each call of it written to the
+    returned file; commands are killed after 0.5 s."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\ncat >/dev/null\n{sbatch}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$*" >>{calls}\nexec sleep 60\n')
+    for name in ("sbatch", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    return SubprocessRunner(env=env, timeout=0.5), calls
+
+
+async def test_a_hung_scontrol_does_not_replace_sbatchs_refusal(tmp_path: Path) -> None:
+    """When sbatch refuses a script as too long and scontrol (asked for max_script_size) hangs,
+    the submit fails with sbatch's own refusal: it raised scontrol's TimeoutError instead."""
+    runner, _ = _commands(
+        tmp_path,
+        "echo 'sbatch: error: Batch job submission failed: Pathname of a file, directory or "
+        "other parameter too long' >&2; exit 1",
+    )
+    sched = SlurmScheduler("s", runner=runner)
+    with anyio.fail_after(20), pytest.raises(SlurmSubmitError, match="parameter too long"):
+        await sched.submit(_app(1), {"job_dir": str(tmp_path / "jobs")})
+
+
+async def test_a_hung_scontrol_leaves_the_partition_unchecked_once_per_ttl(tmp_path: Path) -> None:
+    """When scontrol (asked for the partitions' node counts) hangs, apps are submitted unchecked
+    as when it fails, and the next submits do not wait for it again while the answer would be
+    trusted: the submit raised scontrol's TimeoutError."""
+    runner, calls = _commands(tmp_path, "echo 7")
+    sched = SlurmScheduler("s", runner=runner)
+    with anyio.fail_after(20):
+        for _ in range(3):
+            assert await sched.submit(_app(2), {"job_dir": str(tmp_path / "jobs")}) == "7"
+    assert calls.read_text().splitlines() == ["--all --oneliner show partition"]

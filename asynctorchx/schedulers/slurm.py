@@ -388,19 +388,22 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         )
 
     async def _partition_nodes(self) -> dict[str, SlurmPartition]:
-        """The partitions and their node counts (cached ``PARTITIONS_TTL`` s); {} if scontrol fails."""
+        """The partitions and their node counts, or {} when scontrol fails, hangs (the runner's
+        timeout) or cannot start; either answer is kept for ``PARTITIONS_TTL`` seconds, so that a
+        controller that does not answer costs one wait per period, not one per submit."""
         now = time.monotonic()
         if self._partitions is not None and now - self._partitions[0] < PARTITIONS_TTL:
             return self._partitions[1]
+        partitions: dict[str, SlurmPartition] = {}
         try:
             result = await self._run(["scontrol", "--all", "--oneliner", "show", "partition"])
-        except SlurmNotFoundError as e:
-            logger.warning("%s", e)
-            return {}
-        if result.returncode != 0:
-            logger.warning("%s", SlurmCommandError("scontrol show partition failed", result))
-            return {}
-        partitions = parse_partitions(result.stdout)
+        except (OSError, TimeoutError) as e:
+            logger.warning("the partitions' sizes are unknown, not checked: %s", e)
+        else:
+            if result.returncode == 0:
+                partitions = parse_partitions(result.stdout)
+            else:
+                logger.warning("%s", SlurmCommandError("scontrol show partition failed", result))
         self._partitions = (now, partitions)
         return partitions
 
@@ -410,7 +413,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         size = len(script.encode())
         try:
             result = await self._run(["scontrol", "show", "config"])
-        except SlurmNotFoundError:
+        except (OSError, TimeoutError):  # sbatch's own refusal is said instead
             return None
         limit = parse_max_script_size(result.stdout) if result.returncode == 0 else None
         if limit is None or size <= limit:
