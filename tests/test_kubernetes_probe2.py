@@ -6,14 +6,20 @@ Each test pins a defect found by probing: it failed before its fix.
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 from typing import Any
 
 import anyio
+import pytest
+from aiohttp import web
 from k8s_fake import FakeKubeApiServer, PodContext, PodScript
+from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, until
 
 from asynctorchx import AsyncRunner
 from asynctorchx.runner.hub import PollSettings
+from asynctorchx.schedulers._k8s.status import parse_time_ns
+from asynctorchx.schedulers.kubernetes import KubernetesScheduler
 from asynctorchx.specs import AppDef, RetryPolicy, Role
 
 __all__ = ["fake_k8s"]
@@ -65,3 +71,52 @@ async def test_a_pod_replaced_while_its_follow_was_silent_is_read_to_its_end_fir
                     gate.set()  # the first pod writes "first 1" (unsent) and fails
                     await until(fake_k8s, lambda: len(fake_k8s.store.list("pods", NS)) == 2)
     assert got == ["first 0\n", "first 1\n", "second 0\n", "second 1\n"]
+
+
+@pytest.mark.parametrize("tail", [False, True])
+async def test_a_log_read_cut_repeatedly_whose_lines_the_regex_drops_still_reaches_its_end(
+    fake_k8s: FakeKubeApiServer, tail: bool
+) -> None:
+    """An ended pod's log whose every read is cut after 50 lines (5 cuts in all), read with a regex
+    only its last line matches, returns that line: each cut read got further, but only lines the
+    regex kept counted as progress, so it failed after 3 resumes ("Unreachable")."""
+    sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
+    count, per_read = 250, 50
+    base_ns = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 10**9
+
+    async def cut_log(request: web.Request) -> web.StreamResponse | None:
+        if not request.path.endswith("/log"):
+            return None
+        since = request.query.get("sinceTime")
+        first = 0 if since is None else ((parse_time_ns(since) or base_ns) - base_ns) // 10**9
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(first, min(first + per_read, count)):  # a line a second: exact resumes
+            await resp.write(f"{format_ts(base_ns + i * 10**9)} line {i}\n".encode())
+        if first + per_read < count and request.transport is not None:
+            request.transport.abort()  # cut, as a proxy that drops long streams
+        else:
+            await resp.write_eof()
+        return resp
+
+    try:
+        app_id = await sched.submit(AppDef("cutlog", roles=[role()]), {})
+        await until(
+            fake_k8s,
+            lambda: any(
+                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
+            ),
+        )
+        fake_k8s.intercept = cut_log
+        with anyio.fail_after(45):
+            every = [line async for line in sched.log_iter(app_id, "worker", 0, should_tail=tail)]
+            assert every == [f"line {i}\n" for i in range(count)]
+            last = [
+                line
+                async for line in sched.log_iter(
+                    app_id, "worker", 0, regex=f"line {count - 1}$", should_tail=tail
+                )
+            ]
+        assert last == [f"line {count - 1}\n"]
+    finally:
+        await sched.close()

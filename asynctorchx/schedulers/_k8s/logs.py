@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 #: a log read (without following: an ended pod's, or any without follow) cut this many times in a
-#: row without a new line raises instead of returning a part or retrying forever
+#: row without reading further raises instead of returning a part or retrying forever
 _MAX_LOG_RESUMES = 3
 
 
@@ -138,11 +138,14 @@ class KubeLogSource:
                 following = query.follow and not was_terminal
                 read = _PodRead()
                 cursor = state.cursors.setdefault(uid, ResumeCursor())
+                reached = (cursor.last_ns, cursor.at_last)
                 pod_lines = self._read_pod(ns, pod, query, cursor, read, following)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
                         state.drops = 0  # counted only in a row: this read got somewhere
                         yield (uid, cursor.last_ns or 0, cursor.at_last), line
+                if (cursor.last_ns, cursor.at_last) != reached:
+                    state.drops = 0  # it got further, even if no line it read was wanted
                 if read.past_until:
                     return
                 if older:
