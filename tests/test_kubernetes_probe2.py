@@ -20,7 +20,7 @@ from asynctorchx import AsyncRunner
 from asynctorchx.runner.hub import PollSettings
 from asynctorchx.schedulers._k8s.status import parse_time_ns
 from asynctorchx.schedulers.kubernetes import KubernetesScheduler
-from asynctorchx.specs import AppDef, RetryPolicy, Role
+from asynctorchx.specs import AppDef, InvalidAppDefException, Resource, RetryPolicy, Role
 
 __all__ = ["fake_k8s"]
 
@@ -120,3 +120,42 @@ async def test_a_log_read_cut_repeatedly_whose_lines_the_regex_drops_still_reach
         assert last == [f"line {count - 1}\n"]
     finally:
         await sched.close()
+
+
+@pytest.mark.parametrize(
+    ("devices", "words"),
+    [
+        ({"example.com/" + "x" * 64: 1}, "a name of at most 63 characters"),
+        ({"a" * 245 + ".com/x": 1}, "leave room for one"),
+        ({"requests.example.com/x": 1}, "must not start with 'requests.'"),
+        ({"hugepages-big": 1}, "'hugepages-' and a page size"),
+        ({"hugepages-2Mi": 3}, r"whole number of pages \(bytes, a multiple of 2097152\)"),
+    ],
+)
+def test_device_names_and_counts_the_api_server_refuses_fail_the_dry_run(
+    devices: dict[str, int], words: str
+) -> None:
+    """A resource.devices name the API server takes from no container (a name past 63 characters,
+    an extended prefix with no room for 'requests.', 'requests.' itself, a huge page name without a
+    size) or a huge page count that is no whole number of pages fails the dry run naming it: the
+    dry run let them through and the API server refused the Job at submit."""
+    res = Resource(cpu=1, gpu=0, memMB=64, devices=devices)
+    app = AppDef("dev", roles=[role(resource=res)])
+    sched = KubernetesScheduler("test")
+    with pytest.raises(InvalidAppDefException, match=words) as info:
+        sched.submit_dryrun(app, {})
+    assert info.value.role == "worker" and info.value.field_name == "resource.devices"
+
+
+def test_huge_pages_without_cpu_or_memory_fail_the_dry_run() -> None:
+    """Huge pages asked for without resource.cpu or resource.memMB (which the API server refuses:
+    "HugePages require cpu or memory") fail the dry run; with memory they pass."""
+    sched = KubernetesScheduler("test")
+    pages = {"hugepages-2Mi": 2 * 2**21}
+    bare = Resource(cpu=0, gpu=0, memMB=0, devices=pages)
+    with pytest.raises(InvalidAppDefException, match=r"needs resource\.cpu or resource\.memMB"):
+        sched.submit_dryrun(AppDef("hp", roles=[role(resource=bare)]), {})
+    ok = Resource(cpu=0, gpu=0, memMB=64, devices=pages)
+    info = sched.submit_dryrun(AppDef("hp", roles=[role(resource=ok)]), {})
+    limits = info.request.jobs[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert limits["limits"]["hugepages-2Mi"] == 2 * 2**21
