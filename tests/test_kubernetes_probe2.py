@@ -159,3 +159,43 @@ def test_huge_pages_without_cpu_or_memory_fail_the_dry_run() -> None:
     info = sched.submit_dryrun(AppDef("hp", roles=[role(resource=ok)]), {})
     limits = info.request.jobs[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert limits["limits"]["hugepages-2Mi"] == 2 * 2**21
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="asynctorchx/logs/_timestamps.py: CursorPass.admit drops any line older than the last "
+    "one returned, also in a first read; the kubelet's (containerd's) stdout and stderr loggers "
+    "stamp a line before taking the shared file's lock, so a log can go back by microseconds",
+)
+async def test_a_line_stamped_before_the_line_written_ahead_of_it_is_returned(
+    fake_k8s: FakeKubeApiServer,
+) -> None:
+    """A log whose second line carries an earlier timestamp than its first (stdout and stderr
+    written at once: containerd stamps each before the shared lock) returns both lines."""
+    sched = KubernetesScheduler("test", k8s_configuration=fake_k8s.configuration())
+    base_ns = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 10**9
+
+    async def log(request: web.Request) -> web.StreamResponse | None:
+        if not request.path.endswith("/log"):
+            return None
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(f"{format_ts(base_ns + 2000)} err\n".encode())
+        await resp.write(f"{format_ts(base_ns + 1000)} out\n".encode())
+        await resp.write_eof()
+        return resp
+
+    try:
+        app_id = await sched.submit(AppDef("stamps", roles=[role()]), {})
+        await until(
+            fake_k8s,
+            lambda: any(
+                p["status"].get("phase") == "Succeeded" for p in fake_k8s.store.list("pods", NS)
+            ),
+        )
+        fake_k8s.intercept = log
+        with anyio.fail_after(30):
+            lines = [line async for line in sched.log_iter(app_id, "worker", 0)]
+        assert lines == ["err\n", "out\n"]
+    finally:
+        await sched.close()
