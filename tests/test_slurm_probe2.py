@@ -7,6 +7,7 @@ Each test pins a defect found by probing: it failed before its fix.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 from collections.abc import Sequence
@@ -187,3 +188,30 @@ async def test_a_hung_scontrol_leaves_the_partition_unchecked_once_per_ttl(tmp_p
         for _ in range(3):
             assert await sched.submit(_app(2), {"job_dir": str(tmp_path / "jobs")}) == "7"
     assert calls.read_text().splitlines() == ["--all --oneliner show partition"]
+
+
+async def test_submits_at_once_share_one_partition_lookup(tmp_path: Path) -> None:
+    """Twenty apps of several replicas submitted at once (a sweep's start) ask scontrol for the
+    partitions once: each ran its own scontrol while none had answered yet."""
+    called, release = asyncio.Event(), asyncio.Event()
+    fake = FakeSlurm()
+
+    async def runner(argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
+        if argv[0] == "scontrol":
+            called.set()
+            await release.wait()
+        return await fake(argv, stdin=stdin)
+
+    sched = SlurmScheduler("s", runner=runner)
+    cfg = {"job_dir": str(tmp_path / "jobs")}
+    try:
+        with anyio.fail_after(20):
+            submits = [asyncio.ensure_future(sched.submit(_app(2), cfg)) for _ in range(20)]
+            await called.wait()  # every submit has reached the lookup: they started before it
+            release.set()
+            assert await asyncio.gather(*submits) == ["7"] * 20
+    finally:
+        await sched.close()
+    assert [c for c in fake.calls if c[0] == "scontrol"] == [
+        ("scontrol", "--all", "--oneliner", "show", "partition")
+    ]

@@ -210,6 +210,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
         self._partitions: tuple[float, dict[str, SlurmPartition]] | None = None
+        self._partitions_lookup: asyncio.Task[dict[str, SlurmPartition]] | None = None
         self._tasks = TaskSupervisor(f"slurm:{session_name}")
 
     @property
@@ -390,10 +391,19 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
     async def _partition_nodes(self) -> dict[str, SlurmPartition]:
         """The partitions and their node counts, or {} when scontrol fails, hangs (the runner's
         timeout) or cannot start; either answer is kept for ``PARTITIONS_TTL`` seconds, so that a
-        controller that does not answer costs one wait per period, not one per submit."""
-        now = time.monotonic()
-        if self._partitions is not None and now - self._partitions[0] < PARTITIONS_TTL:
+        controller that does not answer costs one wait per period, not one per submit. Submits
+        that need them at once share one scontrol."""
+        if self._partitions is not None and time.monotonic() - self._partitions[0] < PARTITIONS_TTL:
             return self._partitions[1]
+        lookup = self._partitions_lookup
+        if lookup is None or lookup.done():
+            lookup = self._tasks.spawn(self._look_up_partitions(), "scontrol show partition")
+            self._partitions_lookup = lookup
+        return await asyncio.shield(lookup)
+
+    async def _look_up_partitions(self) -> dict[str, SlurmPartition]:
+        """One ``scontrol show partition``, its answer (or {}) kept from now on."""
+        now = time.monotonic()
         partitions: dict[str, SlurmPartition] = {}
         try:
             result = await self._run(["scontrol", "--all", "--oneliner", "show", "partition"])
