@@ -388,16 +388,16 @@ def test_sbatch_without_id_raises() -> None:
 
 
 def test_partitions_from_scontrol_oneliner() -> None:
-    """scontrol --oneliner show partition gives each partition's node count and the default one;
-    a line without a count is skipped."""
+    """scontrol --oneliner show partition gives each partition's node count, its nodes and the
+    default one; a line without a count is skipped."""
     text = (
         "PartitionName=debug Default=YES MaxNodes=UNLIMITED Nodes=node[1-4] TotalNodes=4 State=UP\n"
         "PartitionName=gpu Default=NO Nodes=g[1-16] TotalCPUs=64 TotalNodes=16\n"
         "PartitionName=broken Default=NO\n"
     )
     assert parse_partitions(text) == {
-        "debug": SlurmPartition("debug", 4, True),
-        "gpu": SlurmPartition("gpu", 16, False),
+        "debug": SlurmPartition("debug", 4, True, "node[1-4]"),
+        "gpu": SlurmPartition("gpu", 16, False, "g[1-16]"),
     }
     assert parse_partitions("") == {}
 

@@ -216,6 +216,8 @@ async def test_cancelled_submit_withdraws_the_job(tmp_path: Path) -> None:
 PARTITIONS = (
     "PartitionName=small Default=YES Nodes=n[1-2] TotalNodes=2\n"
     "PartitionName=big Default=NO Nodes=n[1-8] TotalNodes=8\n"
+    "PartitionName=gpu Default=NO Nodes=g[1-4] TotalNodes=4\n"
+    "PartitionName=odd Default=NO Nodes=n[1-2]{x} TotalNodes=2\n"
 )
 
 
@@ -230,7 +232,11 @@ def _replicas(n: int) -> AppDef:
         ({}, 2, False),
         ({"partition": "big"}, 8, False),
         ({"partition": "big"}, 9, True),
-        ({"partition": "small,big"}, 10, False),  # either partition: up to 2 + 8 nodes
+        ({"partition": "small,big"}, 8, False),  # either partition: n1..n8
+        ({"partition": "small,big"}, 9, True),  # small's nodes are big's too: 8 nodes in all
+        ({"partition": "big,gpu"}, 12, False),  # either partition: up to 8 + 4 nodes
+        ({"partition": "big,gpu"}, 13, True),
+        ({"partition": "small,odd"}, 4, False),  # an unreadable node list: counted as given
         ({"partition": "unlisted"}, 9, False),  # not listed (hidden, or a typo sbatch reports)
         ({"sbatch_args": ["--partition=small"]}, 9, False),  # sbatch_args decide: not checked
         ({"sbatch_args": ["-Mother"]}, 9, False),  # another cluster: not checked
@@ -240,8 +246,9 @@ async def test_more_replicas_than_the_partition_has_nodes_are_refused_before_sba
     cfg: dict[str, Any], replicas: int, refused: bool, tmp_path: Path
 ) -> None:
     """An app with more replicas than its partition has nodes (which Slurm never starts) is refused
-    naming the role, num_replicas, the partition and its node count, and sbatch never runs; the check
-    is skipped when sbatch_args choose the partition or the cluster, or scontrol does not list it."""
+    naming the role, num_replicas, the partition and its node count, and sbatch never runs; several
+    partitions count each node once (they may share nodes); the check is skipped when sbatch_args
+    choose the partition or the cluster, or scontrol does not list it."""
     fake = FakeSlurm("")
     fake.sbatch = CommandResult(("sbatch",), 0, "7\n", "")
     fake.scontrol = CommandResult(("scontrol",), 0, PARTITIONS, "")
@@ -250,7 +257,9 @@ async def test_more_replicas_than_the_partition_has_nodes_are_refused_before_sba
     if not refused:
         assert await sched.submit(_replicas(replicas), cfg) == "7"
         return
-    with pytest.raises(InvalidAppDefException, match=rf"num_replicas {replicas} .* has \d nodes"):
+    with pytest.raises(
+        InvalidAppDefException, match=rf"num_replicas {replicas} .* (has|have) \d+ nodes"
+    ):
         await sched.submit(_replicas(replicas), cfg)
     assert fake.count("sbatch") == 0
     assert not (tmp_path / "jobs").exists()

@@ -67,6 +67,7 @@ from asynctorchx.schedulers._slurm.parse import (
     SlurmJob,
     SlurmOutputError,
     SlurmPartition,
+    expand_hostlist,
     json_errors,
     parse_max_script_size,
     parse_partitions,
@@ -138,6 +139,8 @@ _DETAIL_MAX = 1000
 CLOSE_WAIT = 30.0
 #: How long the partitions' node counts, asked for at submit, are trusted (seconds).
 PARTITIONS_TTL = 60.0
+#: Environment variables with which sbatch submits to another cluster than scontrol may ask.
+_CLUSTERS_ENV = ("SBATCH_CLUSTERS", "SLURM_CLUSTERS")
 #: What sbatch prints when the controller finds a field, the batch script among them, too long.
 _TOO_LONG = re.compile(r"too long", re.IGNORECASE)
 
@@ -207,6 +210,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
         self._partitions: tuple[float, dict[str, SlurmPartition]] | None = None
+        self._partitions_lookup: asyncio.Task[dict[str, SlurmPartition]] | None = None
         self._tasks = TaskSupervisor(f"slurm:{session_name}")
 
     @property
@@ -339,18 +343,27 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         (its backfill scheduler, the only one that starts them, plans so), so such a job would stay
         PENDING with the reason ``Resources`` forever; sbatch takes it without a word. The node
         counts come from one ``scontrol show partition``, trusted for ``PARTITIONS_TTL`` seconds,
-        asked only for apps of several replicas. The check is skipped when it cannot be sure:
-        ``sbatch_args`` choosing the partition or the cluster, a partition scontrol does not list,
-        or scontrol failing.
+        asked only for apps of several replicas; a list of partitions counts each of their nodes
+        once (partitions often share nodes). The partition is the one sbatch picks: the
+        environment's ``SBATCH_PARTITION``, else the ``partition`` run option, else the default
+        one. The check is skipped when it cannot be sure: ``sbatch_args`` choosing the partition or
+        the cluster, ``SBATCH_CLUSTERS``/``SLURM_CLUSTERS`` set, a partition scontrol does not
+        list, or scontrol failing.
         """
-        if len(req.replicas) < 2 or any(
-            names_option(arg, option, letter)
-            for arg in req.cmd[1:]
-            for option, letter in (("partition", "p"), ("clusters", "M"))
+        env = self._runner.environ if isinstance(self._runner, SubprocessRunner) else os.environ
+        if (
+            len(req.replicas) < 2
+            or any(env.get(name) for name in _CLUSTERS_ENV)
+            or any(
+                names_option(arg, option, letter)
+                for arg in req.cmd[1:]
+                for option, letter in (("partition", "p"), ("clusters", "M"))
+            )
         ):
             return
         partitions = await self._partition_nodes()
-        wanted = req.replicas[0].sbatch_opts.get("partition")
+        # sbatch takes SBATCH_PARTITION over the script's --partition (and the default partition)
+        wanted = env.get("SBATCH_PARTITION") or req.replicas[0].sbatch_opts.get("partition")
         if wanted:
             named = [partitions.get(name) for name in wanted.split(",")]
             chosen = [p for p in named if p is not None]
@@ -358,35 +371,49 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
                 return
         else:
             chosen = [p for p in partitions.values() if p.default]
-        nodes = sum(p.total_nodes for p in chosen)
+        nodes = _node_count(chosen)
         if not chosen or len(req.replicas) <= nodes:
             return
         counts = Counter(r.role for r in req.replicas)
         role, count = counts.most_common(1)[0]
-        where = ", ".join(repr(p.name) for p in chosen)
+        names = ", ".join(repr(p.name) for p in chosen)
+        where = f"partitions {names}" if len(chosen) > 1 else f"partition {names}"
+        has = "they have" if len(chosen) > 1 else "it has"
         total = f" (the app has {len(req.replicas)} replicas in all)" if len(counts) > 1 else ""
         raise InvalidAppDefException(
-            f"num_replicas {count} is more than partition {where} can run at once{total}: it has "
-            f"{nodes} nodes, and Slurm starts a job only when each replica (one component of a "
+            f"num_replicas {count} is more than {where} can run at once{total}: {has} {nodes} "
+            "nodes, and Slurm starts a job only when each replica (one component of a "
             "heterogeneous job) has a node of its own, so it would stay PENDING (Resources) forever",
             role=role,
             field_name="num_replicas",
         )
 
     async def _partition_nodes(self) -> dict[str, SlurmPartition]:
-        """The partitions and their node counts (cached ``PARTITIONS_TTL`` s); {} if scontrol fails."""
-        now = time.monotonic()
-        if self._partitions is not None and now - self._partitions[0] < PARTITIONS_TTL:
+        """The partitions and their node counts, or {} when scontrol fails, hangs (the runner's
+        timeout) or cannot start; either answer is kept for ``PARTITIONS_TTL`` seconds, so that a
+        controller that does not answer costs one wait per period, not one per submit. Submits
+        that need them at once share one scontrol."""
+        if self._partitions is not None and time.monotonic() - self._partitions[0] < PARTITIONS_TTL:
             return self._partitions[1]
+        lookup = self._partitions_lookup
+        if lookup is None or lookup.done():
+            lookup = self._tasks.spawn(self._look_up_partitions(), "scontrol show partition")
+            self._partitions_lookup = lookup
+        return await asyncio.shield(lookup)
+
+    async def _look_up_partitions(self) -> dict[str, SlurmPartition]:
+        """One ``scontrol show partition``, its answer (or {}) kept from now on."""
+        now = time.monotonic()
+        partitions: dict[str, SlurmPartition] = {}
         try:
             result = await self._run(["scontrol", "--all", "--oneliner", "show", "partition"])
-        except SlurmNotFoundError as e:
-            logger.warning("%s", e)
-            return {}
-        if result.returncode != 0:
-            logger.warning("%s", SlurmCommandError("scontrol show partition failed", result))
-            return {}
-        partitions = parse_partitions(result.stdout)
+        except (OSError, TimeoutError) as e:
+            logger.warning("the partitions' sizes are unknown, not checked: %s", e)
+        else:
+            if result.returncode == 0:
+                partitions = parse_partitions(result.stdout)
+            else:
+                logger.warning("%s", SlurmCommandError("scontrol show partition failed", result))
         self._partitions = (now, partitions)
         return partitions
 
@@ -396,7 +423,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         size = len(script.encode())
         try:
             result = await self._run(["scontrol", "show", "config"])
-        except SlurmNotFoundError:
+        except (OSError, TimeoutError):  # sbatch's own refusal is said instead
             return None
         limit = parse_max_script_size(result.stdout) if result.returncode == 0 else None
         if limit is None or size <= limit:
@@ -686,6 +713,20 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+def _node_count(partitions: Sequence[SlurmPartition]) -> int:
+    """How many distinct nodes ``partitions`` hold together (partitions may share nodes: a job that
+    may go to any of them has no more); their sum when a node list cannot be read."""
+    if len(partitions) == 1:
+        return partitions[0].total_nodes
+    names: set[str] = set()
+    for p in partitions:
+        hosts = expand_hostlist(p.nodes)
+        if hosts is None or len(hosts) != p.total_nodes:
+            return sum(p.total_nodes for p in partitions)
+        names |= hosts
+    return len(names)
 
 
 def _make_dirs(path: str) -> list[str]:

@@ -6,7 +6,8 @@ A replica is the newest pod of its completion index; following it goes on across
 which gives ``since``/``until`` per line. A dropped stream, or a followed one silent for the
 connection's ``log_read_timeout`` (a quiet container, or a connection gone half-open), is resumed
 from ``sinceTime`` (rounded down to the second by the API) with the shared ``ResumeCursor`` skipping
-the lines already returned; a pod that has ended is read to its end without follow. Kubernetes
+the lines already returned, from the same pod even if it was replaced meanwhile (its last lines
+first, then its replacement's); a pod that has ended is read to its end without follow. Kubernetes
 keeps a container's stdout and stderr as one log: only COMBINED is readable.
 """
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 #: a log read (without following: an ended pod's, or any without follow) cut this many times in a
-#: row without a new line raises instead of returning a part or retrying forever
+#: row without reading further raises instead of returning a part or retrying forever
 _MAX_LOG_RESUMES = 3
 
 
@@ -137,11 +138,14 @@ class KubeLogSource:
                 following = query.follow and not was_terminal
                 read = _PodRead()
                 cursor = state.cursors.setdefault(uid, ResumeCursor())
+                reached = (cursor.last_ns, cursor.at_last)
                 pod_lines = self._read_pod(ns, pod, query, cursor, read, following)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
                         state.drops = 0  # counted only in a row: this read got somewhere
                         yield (uid, cursor.last_ns or 0, cursor.at_last), line
+                if (cursor.last_ns, cursor.at_last) != reached:
+                    state.drops = 0  # it got further, even if no line it read was wanted
                 if read.past_until:
                     return
                 if older:
@@ -173,6 +177,9 @@ class KubeLogSource:
                     continue
                 if not query.follow:
                     return
+                if read.error is not None and read.error.status == 0:
+                    # cut or silent: what the pod wrote since comes first, even once it is replaced
+                    catch_up = uid
                 if read.clean and was_terminal:
                     state.finished.add(uid)
                     continue

@@ -76,7 +76,6 @@ _QUANTITY = re.compile(
     r"[+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
     r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?"
 )
-_STANDARD_DEVICE = re.compile(r"ephemeral-storage|hugepages-.+")
 _RESOURCE_NAME = re.compile(
     r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
 )
@@ -590,6 +589,47 @@ def memory_quantity(mem_mb: float) -> str:
     return f"{round(mem_mb * 1024)}Ki"
 
 
+_SI_FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+_BINARY_FACTORS = {f"{p}i": 1024 ** (i + 1) for i, p in enumerate("KMGTPE")}
+_PAGE_SIZE = re.compile(r"hugepages-([0-9]+)([kMGTPE]|[KMGTPE]i)?")
+
+
+def _hugepage_size(dev: str) -> int | None:
+    """The page size (bytes) of a ``hugepages-SIZE`` resource name, else None."""
+    m = _PAGE_SIZE.fullmatch(dev)
+    if m is None:
+        return None
+    suffix = m.group(2) or ""
+    return int(m.group(1)) * (_BINARY_FACTORS.get(suffix) or _SI_FACTORS[suffix]) or None
+
+
+def _device_name_problem(dev: str) -> str | None:
+    """Why the API server takes ``dev`` as no container resource name, or None when it does
+    (its rules: a standard name without a prefix, or a qualified name whose extended form
+    ``requests.NAME`` is one too)."""
+    if "/" not in dev:
+        if dev in ("cpu", "memory"):
+            return "set resource.cpu or resource.memMB instead"
+        if dev == "ephemeral-storage" or _hugepage_size(dev) is not None:
+            return None
+        if dev.startswith("hugepages-"):
+            return "a huge page resource is 'hugepages-' and a page size, like 'hugepages-2Mi'"
+        return "an extended resource needs a domain prefix, like 'vpc.amazonaws.com/efa'"
+    if not n.is_label_key(dev):
+        return (
+            "a DNS subdomain prefix of at most 253 characters, '/', and a name of at most 63 "
+            "characters ([A-Za-z0-9_.-], alphanumeric ends)"
+        )
+    if "kubernetes.io/" not in dev and (
+        dev.startswith("requests.") or not n.is_label_key(f"requests.{dev}")
+    ):
+        return (
+            "an extended resource name must not start with 'requests.', and its prefix must "
+            "leave room for one (at most 244 characters)"
+        )
+    return None
+
+
 def resource_requirements(role: Role) -> dict[str, Any]:
     """Requests equal to limits for every resource the role asks for (nothing is trimmed).
 
@@ -655,13 +695,8 @@ def resource_requirements(role: Role) -> dict[str, Any]:
                 role=role.name,
                 field_name="resource.devices",
             )
-        if "/" not in dev and not _STANDARD_DEVICE.fullmatch(dev):
-            # the API server takes only its standard names without a domain prefix
-            hint = (
-                "set resource.cpu or resource.memMB instead"
-                if dev in ("cpu", "memory")
-                else "an extended resource needs a domain prefix, like 'vpc.amazonaws.com/efa'"
-            )
+        hint = _device_name_problem(dev)
+        if hint is not None:
             raise InvalidAppDefException(
                 f"resource.devices key {dev!r} is not a resource a Kubernetes container can "
                 f"request: {hint}",
@@ -675,6 +710,20 @@ def resource_requirements(role: Role) -> dict[str, Any]:
                 role=role.name,
                 field_name="resource.devices",
             )
+        page = _hugepage_size(dev)
+        if count > 0 and page is not None:
+            if count % page:
+                problem = f"must be a whole number of pages (bytes, a multiple of {page})"
+            elif not (res.cpu > 0 or res.memMB > 0):
+                problem = "needs resource.cpu or resource.memMB set too"
+            else:
+                problem = ""
+            if problem:
+                raise InvalidAppDefException(
+                    f"resource.devices[{dev!r}] {problem} on Kubernetes, got {count!r}",
+                    role=role.name,
+                    field_name="resource.devices",
+                )
         if count > 0:
             amounts[dev] = count
     if not amounts:

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +54,11 @@ class SubprocessRunner:
     def __init__(self, env: dict[str, str] | None = None, timeout: float | None = 120.0) -> None:
         self._env = {**os.environ, **env} if env else None
         self._timeout = timeout
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        """The environment the commands run with (``sbatch`` reads options from it too)."""
+        return os.environ if self._env is None else self._env
 
     async def __call__(self, argv: Sequence[str], *, stdin: str | None = None) -> CommandResult:
         # A session of its own, so that a command that is a wrapper script is killed with what it

@@ -397,6 +397,54 @@ def first_host(nodelist: str) -> str:
     return f"{prefix}{first}"
 
 
+_HOSTLIST_PART = re.compile(r"([^\[\]]*)\[([^\[\]]*)\]")
+_HOSTLIST_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def expand_hostlist(nodelist: str, limit: int = 1_000_000) -> set[str] | None:
+    """The host names of a Slurm host list expression (``node[1-3,07],gpu1``, ``r[1-2]n[01-02]``;
+    ``(null)`` is none), or None when it is not one this reads or names more than ``limit`` hosts."""
+    text = nodelist.strip()
+    if not text or text == "(null)":
+        return set()
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            return None
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    hosts: set[str] = set()
+    for item in items:
+        names = [""]
+        pos = 0
+        for m in _HOSTLIST_PART.finditer(item):
+            if m.start() != pos:
+                return None
+            pos = m.end()
+            numbers: list[str] = []
+            for part in m.group(2).split(","):
+                r = _HOSTLIST_RANGE.fullmatch(part)
+                if r is None:
+                    return None
+                lo, hi = r.group(1), r.group(2) or r.group(1)
+                if int(hi) < int(lo) or len(numbers) + int(hi) - int(lo) >= limit:
+                    return None
+                numbers += [str(k).zfill(len(lo)) for k in range(int(lo), int(hi) + 1)]
+            if len(names) * len(numbers) > limit:
+                return None
+            names = [f"{name}{m.group(1)}{k}" for name in names for k in numbers]
+        rest = item[pos:]
+        if not item or "[" in rest or "]" in rest:
+            return None
+        hosts.update(f"{name}{rest}" for name in names)
+        if len(hosts) > limit:
+            return None
+    return hosts
+
+
 # -- cluster configuration ---------------------------------------------------------------------
 
 #: Slurm's default ``max_script_size`` (``DEFAULT_BATCH_SCRIPT_LIMIT``: 4 MiB, per slurm.conf(5)).
@@ -411,11 +459,14 @@ class SlurmPartition:
         name: the partition's name.
         total_nodes: how many nodes it holds, whatever their state.
         default: whether jobs that name no partition go to it.
+        nodes: its nodes, as a Slurm host list expression (``node[1-4]``; partitions may share
+            nodes).
     """
 
     name: str
     total_nodes: int
     default: bool
+    nodes: str = ""
 
 
 def parse_partitions(text: str) -> dict[str, SlurmPartition]:
@@ -426,7 +477,8 @@ def parse_partitions(text: str) -> dict[str, SlurmPartition]:
         fields = dict(w.partition("=")[::2] for w in line.split() if "=" in w)
         name, total = fields.get("PartitionName", ""), fields.get("TotalNodes", "")
         if name and total.isdigit():
-            out[name] = SlurmPartition(name, int(total), fields.get("Default") == "YES")
+            default = fields.get("Default") == "YES"
+            out[name] = SlurmPartition(name, int(total), default, fields.get("Nodes", ""))
     return out
 
 
