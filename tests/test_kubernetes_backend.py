@@ -682,9 +682,9 @@ async def test_following_an_ended_pod_whose_log_never_comes_fails_instead_of_han
 
 
 def test_a_log_read_timeout_that_is_not_a_positive_number_is_refused() -> None:
-    """``log_read_timeout`` of 0, a negative number or infinity is a clear error, not a follow
-    that never times out or times out at once."""
-    for bad in (0, -1.0, float("inf"), float("nan")):
+    """``log_read_timeout`` of 0, a negative number, infinity or a bool (``True`` read as one
+    second) is a clear error, not a follow that never times out or times out at once."""
+    for bad in (0, -1.0, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match=r"log_read_timeout must be a positive number"):
             KubernetesScheduler("test", log_read_timeout=bad)
 

@@ -159,7 +159,11 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         docker_host: str | None = None,
     ) -> None:
         super().__init__("kubernetes", session_name)
-        if not (isinstance(log_read_timeout, int | float) and 0 < log_read_timeout < math.inf):
+        if not (
+            isinstance(log_read_timeout, int | float)
+            and not isinstance(log_read_timeout, bool)
+            and 0 < log_read_timeout < math.inf
+        ):
             raise ValueError(
                 f"log_read_timeout must be a positive number of seconds, got {log_read_timeout!r}"
             )
