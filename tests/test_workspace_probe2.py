@@ -3,10 +3,12 @@ deep trees, and what a failed copy leaves behind (asynctorchx.schedulers.workspa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _workspace_env import make_workspace
@@ -95,6 +97,37 @@ def test_a_workspace_deeper_than_the_recursion_limit_is_snapshot_and_linked(
     finally:  # pytest's own clean-up of tmp_path recurses too
         for name in ("ws", "store", "app"):
             remove_tree(str(tmp_path / name))
+
+
+def test_a_directory_swapped_for_a_symlink_during_a_removal_removes_nothing_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of the tree replaced by a symlink to another directory after its parent was
+    listed (a replica still writing into its app directory while it is removed) is not followed:
+    the other directory keeps its files, as with shutil.rmtree; the tree itself is removed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me\n")
+    tree = tmp_path / "tree"
+    (tree / "sub" / "deeper").mkdir(parents=True)
+    (tree / "sub" / "deeper" / "f.txt").write_text("x\n")
+    real_scandir = os.scandir
+    swapped: list[bool] = []
+
+    def scandir_then_swap(target: Any) -> Any:
+        listing = list(real_scandir(target))
+        if not swapped and any(e.name == "sub" for e in listing):
+            swapped.append(True)
+            os.rename(tree / "sub", tmp_path / "moved")
+            os.symlink(outside, tree / "sub")
+        return contextlib.nullcontext(iter(listing))
+
+    monkeypatch.setattr(os, "scandir", scandir_then_swap)
+    remove_tree(str(tree))
+    monkeypatch.undo()
+    assert swapped == [True]
+    assert (outside / "precious.txt").read_text() == "keep me\n"
+    assert not tree.exists()
 
 
 # -- ignore files: TorchX's trailing comments ---------------------------------------------------------

@@ -1271,37 +1271,57 @@ def link_tree(src: str, dest: str) -> int:
 
 
 def remove_tree(path: str) -> None:
-    """Removes ``path`` and everything below it, as far as it can (errors are ignored), without
-    following symlinks and without recursion: ``shutil.rmtree`` recurses once per level before
-    Python 3.12 and fails with RecursionError on a tree deeper than the recursion limit, leaving
-    it all behind whatever ``ignore_errors`` says."""
+    """Removes ``path`` and everything below it, as far as it can (errors are ignored).
+
+    Without recursion: ``shutil.rmtree`` recurses once per level before Python 3.12 and fails
+    with RecursionError on a tree deeper than the recursion limit, leaving it all behind whatever
+    ``ignore_errors`` says. And, as ``shutil.rmtree``, through descriptors: each directory is
+    opened (``O_NOFOLLOW``) relative to its parent's descriptor and its entries removed relative
+    to its own, so a directory swapped for a symlink while the tree is removed (by a replica
+    still writing into it) never makes it remove anything outside the tree. One descriptor is
+    open per level being removed.
+    """
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             os.unlink(path)
             return
+        top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return
-    stack = [(path, False)]
+    # (descriptor, parent's descriptor or -1 for the top, name in the parent, entries done)
+    stack: list[tuple[int, int, str, bool]] = [(top, -1, path, False)]
     while stack:
-        directory, emptied = stack.pop()
+        fd, parent, name, emptied = stack.pop()
         if emptied:
+            os.close(fd)
             with contextlib.suppress(OSError):
-                os.rmdir(directory)
+                if parent < 0:
+                    os.rmdir(name)
+                else:
+                    os.rmdir(name, dir_fd=parent)
             continue
-        stack.append((directory, True))
+        stack.append((fd, parent, name, True))
         try:
-            with os.scandir(directory) as it:
-                items = list(it)
+            with os.scandir(fd) as it:
+                items = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
         except OSError:
             continue
-        for item in items:
+        for entry, is_dir in items:
             try:
-                if item.is_dir(follow_symlinks=False):
-                    stack.append((item.path, False))
-                else:
-                    os.unlink(item.path)
-            except OSError:
-                pass
+                if not is_dir:
+                    os.unlink(entry, dir_fd=fd)
+                    continue
+                child = os.open(
+                    entry,
+                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    dir_fd=fd,
+                )
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):  # no longer a directory: a symlink
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry, dir_fd=fd)
+                continue
+            stack.append((child, fd, entry, False))
 
 
 # -- plans and progress -----------------------------------------------------------------------------

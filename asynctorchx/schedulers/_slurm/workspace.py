@@ -19,7 +19,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping
 
@@ -34,6 +33,7 @@ from asynctorchx.schedulers.workspace import (
     copy_error,
     copy_scan,
     format_bytes,
+    remove_tree,
     report,
     run_in_thread,
     scan_workspace,
@@ -138,7 +138,7 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
         ) from None
     except OSError as e:
         if created:
-            shutil.rmtree(job_dir, ignore_errors=True)
+            remove_tree(job_dir)
         raise copy_error(e, what, job_dir, CLAIM_FILE) from None
     try:
         with os.fdopen(fd, "w") as f:
@@ -146,7 +146,7 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
     except OSError as e:
         # only what this submit made goes: a racing submit may be using job_dir by now
         if created:
-            shutil.rmtree(job_dir, ignore_errors=True)
+            remove_tree(job_dir)
         else:
             with contextlib.suppress(OSError):
                 os.unlink(claim)
@@ -160,12 +160,12 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
 
 def _release(job_dir: str, created: bool) -> None:
     if created:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        remove_tree(job_dir)
         return
     for name in os.listdir(job_dir):
         path = os.path.join(job_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
         else:
             try:
                 os.unlink(path)
