@@ -259,15 +259,29 @@ async def test_a_directory_whose_name_holds_a_colon_fails_saying_to_give_a_file_
     app = AppDef("colon", [sh("trainer", "ls")])
     with pytest.raises(InvalidWorkspaceException) as info:
         runner.dryrun(app, scheduler, workspace=str(exp))
-    assert (
-        f"was read as directory '{tmp_path / 'runs' / 'exp-10'}' going to sub-directory '30'"
-        in (str(info.value))
-    )
-    assert str(info.value).endswith(
-        f"give a directory whose name holds ':' as a file:// URL, {url})"
-    )
+    assert f"workspace '{exp}' is a directory, but is read as DIR:SUBDIR" in str(info.value)
+    assert f"give it as {url} " in str(info.value)
     _, out = await run_to_end(runner, app, scheduler, url)
     assert out["trainer"] == "a.py\n"
+
+
+@pytest.mark.parametrize("scheduler", ["local_cwd", "local_dir"])
+@pytest.mark.parametrize(
+    ("made", "given"),
+    [(["ws", "ws:30"], "ws:30"), (["exp", "v2", "exp,v2"], "exp,v2")],
+)
+async def test_a_workspace_string_naming_a_directory_read_otherwise_is_refused(
+    runner: AsyncRunner, tmp_path: Path, scheduler: str, made: list[str], given: str
+) -> None:
+    """Through the API too, 'ws:30' or 'exp,v2' naming an existing directory is refused naming
+    its file:// URL even when the other reading exists (ws went to 30/, exp and v2 were merged,
+    silently: another directory than the one named was shipped); nothing starts."""
+    for d in made:
+        make_workspace(tmp_path / d, {f"{d}.txt": ""}, nonce=False)
+    app = AppDef("named", [sh("trainer", "ls")])
+    with pytest.raises(InvalidWorkspaceException, match="file://"):
+        await runner.run(app, scheduler, workspace=str(tmp_path / given))
+    assert await runner.list(scheduler) == []
 
 
 async def test_a_scheduler_without_workspaces_refuses_one_naming_itself(tmp_path: Path) -> None:

@@ -88,36 +88,3 @@ def print_log_tail(lines: list[str]) -> None:
     for line in lines:
         print(f"  {line}", file=sys.stderr)
     sys.stderr.flush()
-
-
-def check_named_directory(text: str) -> None:
-    """Refuses a ``--workspace`` that names an existing directory whose name holds ``,`` or ``:``.
-
-    Such a value is read as several directories (``exp,v2``) or as a directory going to a
-    sub-directory (``runs/exp-10:30`` is ``runs/exp-10`` going to ``30/``): when the other reading
-    exists too, a different directory would be shipped, silently. The error names the
-    ``file://`` URL that names the directory itself.
-
-    Raises:
-        CliError: ``text`` (or one of its ``,``-separated items) is such a directory.
-    """
-    import os
-    from urllib.parse import quote
-
-    from asynctorchx.cli._errors import CliError
-
-    value = text.strip()
-    if "://" in value or (value.startswith("{") and value.endswith("}")):
-        return
-    items = [value, *(item.strip() for item in value.split(","))] if "," in value else [value]
-    for item in items:
-        if ":" not in item and "," not in item:
-            continue
-        path = os.path.abspath(os.path.expanduser(item))
-        if os.path.isdir(path):
-            reading = "several directories" if "," in item else "DIR:SUBDIR"
-            raise CliError(
-                f"--workspace {text!r}: {item!r} is a directory, but is read as {reading}; to "
-                f"ship the directory itself, give it as file://{quote(path)}",
-                "to map a directory to a sub-directory, write DIR/:SUBDIR",
-            )

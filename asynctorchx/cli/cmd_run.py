@@ -171,10 +171,6 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     scheduler: str = args.scheduler
     component, component_args = _split_component(args)
     workspace = args.workspace if args.workspace is not None else run_defaults().get("workspace")
-    if workspace:
-        from asynctorchx.cli._workspace import check_named_directory
-
-        check_named_directory(workspace)
     style = err_styler()
     async with runner_for_session(None) as runner:
         cfg = parse_cfg(runner, scheduler, args.scheduler_args)

@@ -544,19 +544,29 @@ def check_directory(path: str) -> None:
         )
 
 
-def colon_hint(project: str, dest: str) -> str:
-    """When ``project:dest`` is a directory, a hint saying that the ``:`` in its name was read as
-    the separator of a project and its sub-directory (``~/runs/exp-10:30`` became ``~/runs/exp-10``
-    shipped to ``30/``), and how to name it; else ``""``."""
-    given = f"{project}:{dest}"
-    if not dest or not os.path.isdir(given):
-        return ""
-    from urllib.parse import quote
+def check_literal_names(workspace: Workspace) -> None:
+    """Refuses a workspace whose string names an existing directory that the multi-project syntax
+    read otherwise (``Workspace.literal_names``): ``exp,v2`` read as two directories, or
+    ``runs/exp-10:30`` as ``runs/exp-10`` going to ``30/``. Shipping another directory than the
+    one named, silently, is worse than an error naming the ``file://`` URL that names it.
 
-    return (
-        f" ({given!r} was read as directory {project!r} going to sub-directory {dest!r}: give a "
-        f"directory whose name holds ':' as a file:// URL, file://{quote(given)})"
-    )
+    Raises:
+        InvalidWorkspaceException: such a directory exists.
+    """
+    for given, path in workspace.literal_names:
+        if os.path.isdir(path):
+            from urllib.parse import quote
+
+            reading = (
+                "several directories separated by ','"
+                if "," in given
+                else "DIR:SUBDIR (a directory going to a sub-directory)"
+            )
+            raise InvalidWorkspaceException(
+                f"workspace {given!r} is a directory, but is read as {reading}: to ship the "
+                f"directory itself, give it as file://{quote(path)} (to map a directory to a "
+                "sub-directory, write DIR/:SUBDIR)"
+            )
 
 
 def _walk(
@@ -669,11 +679,9 @@ def _scan(
 ) -> WorkspaceScan:
     entries: dict[str, WorkspaceEntry] = {}
     now = time.time()
+    check_literal_names(workspace)
     for project, dest in workspace.projects.items():
-        try:
-            check_directory(project)
-        except InvalidWorkspaceException as missing:
-            raise InvalidWorkspaceException(f"{missing}{colon_hint(project, dest)}") from None
+        check_directory(project)
         _check_shippable(project, skip)
         rules = IgnoreRules.load(project, ignore_file)
         if dest:

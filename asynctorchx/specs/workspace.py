@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["InvalidWorkspaceException", "Workspace"]
 
@@ -47,6 +47,11 @@ class Workspace:
     """
 
     projects: dict[str, str]
+    #: ``(as written, absolute path)`` of what the string the workspace was parsed from names as
+    #: a directory, where the multi-project syntax read it otherwise (``exp,v2`` as two
+    #: directories, ``runs/exp-10:30`` as ``runs/exp-10`` going to ``30/``): such a directory
+    #: that exists is refused when the workspace is read, naming the ``file://`` URL to give.
+    literal_names: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.projects, Mapping) or not self.projects:
@@ -107,7 +112,15 @@ class Workspace:
                     f"workspace {workspace!r} names directory {local!r} twice"
                 )
             projects[local] = dest
-        return Workspace(projects)
+        items = [text, *(i.strip() for i in text.split(","))] if "," in text else [text]
+        literal = tuple(
+            dict.fromkeys(
+                (item, os.path.normpath(os.path.abspath(os.path.expanduser(item))))
+                for item in items
+                if item and "\0" not in item and ("," in item or ":" in item)
+            )
+        )
+        return Workspace(projects, literal)
 
     @classmethod
     def of(

@@ -34,7 +34,7 @@ from asynctorchx.schedulers.workspace import (
     WorkspacePlan,
     WorkspaceProgress,
     check_directory,
-    colon_hint,
+    check_literal_names,
     copy_error,
     format_bytes,
     link_tree,
@@ -76,14 +76,13 @@ def plan_local(
             ``local_cwd``) not one directory.
     """
     if backend == "local_cwd":
+        check_literal_names(workspace)
         path = workspace.root
         if path is None:
-            [(project, dest), *more] = workspace.projects.items()
-            hint = "" if more else colon_hint(project, dest)
             raise InvalidWorkspaceException(
                 f"local_cwd runs the replicas in the workspace directory itself, so the workspace "
                 f"must be one directory, got {str(workspace)!r} (local_dir assembles several into "
-                f"a snapshot){hint}"
+                f"a snapshot)"
             )
         check_directory(path)
         return WorkspacePlan(
