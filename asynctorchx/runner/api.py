@@ -272,8 +272,11 @@ class AsyncRunner:
         await self._close_schedulers()
 
     async def _close_hubs(self) -> None:
+        # every hub's waiters are woken before any loop is awaited: one backend's round that
+        # ignores its cancellation must not hold the waits on the others
         for hub in self._hubs.values():
-            await hub.aclose()
+            hub.shut()
+        await asyncio.gather(*(hub.aclose() for hub in self._hubs.values()))
 
     async def _close_step(self, step: Coroutine[Any, Any, None], what: str) -> None:
         """Runs a step of the close for at most ``close_timeout`` seconds; one still running then

@@ -521,18 +521,27 @@ class StatusHub:
                 listener(entry)
         return changed
 
-    async def aclose(self) -> None:
-        """Stops listening to the backend and wakes every waiter (they raise RuntimeError)."""
+    def shut(self) -> None:
+        """Stops listening to the backend, wakes every waiter (they raise RuntimeError) and
+        cancels the loop, at once; ``aclose`` then waits for the loop. Idempotent.
+
+        Separate from ``aclose`` because the loop's round may take long to end (or never, if the
+        backend ignores its cancellation): the waiters of this hub, and of every other hub of
+        the runner, must not wait for that.
+        """
         self._closed = True
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        # the waiters first: the loop's round may take long to end (or never, if the backend
-        # ignores its cancellation), and the runner's close does not wait for it without bound
         for entry in self._entries.values():
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
+
+    async def aclose(self) -> None:
+        """``shut``, then waits until the loop has ended."""
+        self.shut()
+        if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
