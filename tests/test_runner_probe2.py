@@ -5,6 +5,8 @@ close hangs, launch blocks left while the runner closes, calls whose backend ans
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -12,8 +14,10 @@ import pytest
 from _fake_scheduler import DeafFakeScheduler, FakeScheduler
 
 from asynctorchx import AsyncRunner
-from asynctorchx.runner import PollSettings
+from asynctorchx.logs import LogQuery
+from asynctorchx.runner import Limits, PollSettings
 from asynctorchx.specs import AppDef, Role
+from asynctorchx.testing import VirtualClock
 
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
 
@@ -59,3 +63,63 @@ async def test_a_hung_status_round_of_one_backend_does_not_hold_the_waiters_of_a
         with anyio.fail_after(10):
             await closer
     assert good.closed and deaf.closed
+
+
+class SlowClosingTail(FakeScheduler):
+    """A FakeScheduler whose tail yields one line, then waits for lines that never come; its
+    iterator's close waits until ``release`` is set (a backend slow to stop reading)."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.first_line = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        try:
+            yield "first\n"
+            self.first_line.set()
+            await asyncio.Event().wait()
+        finally:
+            await self.release.wait()
+
+
+async def test_waits_end_at_once_while_a_log_iteration_is_slow_to_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Closing the runner ends a wait() and a status() held by the call rate at once, also while
+    the close is still ending a log iteration whose source is slow to close (they waited for it,
+    up to close_timeout); the status loop held by the rate ends without an error."""
+    clock = VirtualClock()  # never advanced: the call rate's next slot never comes
+    sched = SlowClosingTail("t")
+    runner = AsyncRunner(
+        "t",
+        scheduler_factories={"fake": lambda *a, **k: sched},
+        poll_settings=FAST,
+        close_timeout=30,
+        limits={"fake": Limits(max_calls_per_second=3)},
+        clock=clock,
+    )
+    await runner.open()
+    closer: asyncio.Task[None] | None = None
+    try:
+        handle = await runner.run(app(), "fake")  # a call of the window, then two for the log
+        lines = runner.log_lines(handle, "worker", should_tail=True)
+        assert await anext(lines) == "first\n"
+        waiter = asyncio.create_task(runner.wait(handle))
+        status = asyncio.create_task(runner.status(handle))
+        with anyio.fail_after(10):
+            while len(runner._limiters["fake"]._waits) < 2:
+                await asyncio.sleep(0)  # bounded polling: the hub's round and status() queued
+        closer = asyncio.create_task(runner.close())
+        with anyio.fail_after(5):
+            with pytest.raises(RuntimeError, match="the runner was closed while waiting"):
+                await waiter
+            with pytest.raises(RuntimeError, match="closed"):
+                await status
+    finally:
+        sched.release.set()
+        with anyio.fail_after(10):
+            await (closer or runner.close())
+    with pytest.raises(RuntimeError, match="the runner was closed while reading logs"):
+        await anext(lines)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -258,6 +258,12 @@ class AsyncRunner:
             for queue in self._readers:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
+            # the waits end now, not after the steps of the clean-up (a log iteration slow to
+            # close held them up to close_timeout)
+            for hub in self._hubs.values():
+                hub.shut()
+            for limiter in self._limiters.values():
+                limiter.close()
             # its own supervisor: the runner's is closed by the clean-up itself
             self._closer = TaskSupervisor(f"runner:{self._name}")
             self._closing = self._closer.spawn(self._close(), name="close")
@@ -266,8 +272,6 @@ class AsyncRunner:
     async def _close(self) -> None:
         await self._readings.aclose(self._close_timeout)
         await self._close_step(self._close_hubs(), "the status hubs")
-        for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
-            limiter.close()
         await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
         await self._close_schedulers()
 
