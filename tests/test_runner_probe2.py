@@ -19,6 +19,7 @@ from asynctorchx.runner import Limits, PollSettings
 from asynctorchx.specs import AppDef, Role
 from asynctorchx.testing import VirtualClock
 
+CLOSED = "the runner was closed while reading logs"
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
 
 
@@ -67,20 +68,47 @@ async def test_a_hung_status_round_of_one_backend_does_not_hold_the_waiters_of_a
 
 class SlowClosingTail(FakeScheduler):
     """A FakeScheduler whose tail yields one line, then waits for lines that never come; its
-    iterator's close waits until ``release`` is set (a backend slow to stop reading)."""
+    iterator's close waits until ``release`` is set (a backend slow to stop reading): an async
+    generator whose ``finally`` waits, or (``iterator=True``) an iterator whose ``aclose`` does."""
 
-    def __init__(self, session_name: str, **kw: Any) -> None:
+    def __init__(self, session_name: str, *, iterator: bool = False, **kw: Any) -> None:
         super().__init__(session_name, **kw)
         self.first_line = asyncio.Event()
         self.release = asyncio.Event()
+        self._iterator = iterator
 
-    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+    def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        return _SlowClosingLines(self) if self._iterator else self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
         try:
             yield "first\n"
             self.first_line.set()
             await asyncio.Event().wait()
         finally:
             await self.release.wait()
+
+
+class _SlowClosingLines:
+    """``SlowClosingTail``'s lines as a plain async iterator (no generator)."""
+
+    def __init__(self, tail: SlowClosingTail) -> None:
+        self._tail = tail
+        self._read = 0
+
+    def __aiter__(self) -> _SlowClosingLines:
+        return self
+
+    async def __anext__(self) -> str:
+        self._read += 1
+        if self._read == 1:
+            return "first\n"
+        self._tail.first_line.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        await self._tail.release.wait()
 
 
 async def test_waits_end_at_once_while_a_log_iteration_is_slow_to_close(
@@ -123,3 +151,34 @@ async def test_waits_end_at_once_while_a_log_iteration_is_slow_to_close(
     with pytest.raises(RuntimeError, match="the runner was closed while reading logs"):
         await anext(lines)
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("iterator", [False, True], ids=["generator", "iterator"])
+async def test_a_reader_waiting_for_a_line_whose_source_close_hangs_gets_the_error(
+    iterator: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader waiting for a tail's next line when the runner closes gets 'closed while reading
+    logs' within close_timeout even if the source's close hangs (it waited for that close
+    forever), with a warning, and its task is not left cancelled."""
+    sched = SlowClosingTail("t", iterator=iterator)
+    runner = AsyncRunner(
+        "t",
+        scheduler_factories={"fake": lambda *a, **k: sched},
+        poll_settings=FAST,
+        close_timeout=0.3,
+    )
+    await runner.open()
+    try:
+        handle = await runner.run(app(), "fake")
+        lines = runner.log_lines(handle, "worker", should_tail=True)
+        assert await anext(lines) == "first\n"
+        reader = asyncio.create_task(anext(lines))
+        with anyio.fail_after(10):
+            await sched.first_line.wait()  # set as the tail waits for its next line
+            await runner.close()
+        with anyio.fail_after(5), pytest.raises(RuntimeError, match=CLOSED):
+            await reader
+        assert reader.cancelling() == 0
+    finally:
+        sched.release.set()
+    assert any("within 0.3 s of the runner's close" in r.getMessage() for r in caplog.records)
