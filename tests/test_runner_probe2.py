@@ -182,3 +182,44 @@ async def test_a_reader_waiting_for_a_line_whose_source_close_hangs_gets_the_err
     finally:
         sched.release.set()
     assert any("within 0.3 s of the runner's close" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("exit_by", ["normal", "error"])
+async def test_a_launch_block_left_while_the_runner_closes_says_the_runner_was_closed(
+    exit_by: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A launch block left while the runner's close is under way (its first steps still
+    running) reports that the runner was closed, as when the close has ended: a RuntimeError on
+    a normal exit, a warning otherwise; not a clean-up timeout (TimeoutError) and a logged
+    traceback of each refused cancel."""
+    sched = SlowClosingTail("t")  # its log iteration holds the close's first step
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    await runner.open()
+    closer: asyncio.Task[None] | None = None
+    try:
+        lines = runner.log_lines(await runner.run(app(), "fake"), "worker", should_tail=True)
+        assert await anext(lines) == "first\n"
+        expected = RuntimeError if exit_by == "normal" else OSError
+        with anyio.fail_after(10), pytest.raises(expected) as caught:
+            async with runner.launched(
+                app("b"), "fake", cancel_on_normal_exit=True, cleanup_timeout=5
+            ) as handle:
+                closer = asyncio.create_task(runner.close())
+                with pytest.raises(RuntimeError, match="the runner was closed while waiting"):
+                    await runner.wait(handle)
+                assert not closer.done()
+                if exit_by == "error":
+                    raise OSError("boom")
+    finally:
+        sched.release.set()
+        with anyio.fail_after(10):
+            await (closer or runner.close())
+    said = str(caught.value) if exit_by == "normal" else caplog.text
+    assert (
+        f"the runner was closed inside the launch block, so 1 app(s) it launched were not "
+        f"cancelled: {handle}" in said
+    )
+    assert "not terminal" not in caplog.text
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]

@@ -832,6 +832,7 @@ class AsyncRunner:
             wait_all=self.wait_all,
             supervisor=self._supervisor,
             watch_final=self._watch_final,
+            closed=lambda: self._state is _Lifecycle.CLOSED,
         )
 
     def _watch_final(
