@@ -16,7 +16,8 @@ from _fake_scheduler import DeafFakeScheduler, FakeScheduler
 from asynctorchx import AsyncRunner
 from asynctorchx.logs import LogQuery
 from asynctorchx.runner import Limits, PollSettings
-from asynctorchx.specs import AppDef, Role
+from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.specs import AppDef, AppState, Role
 from asynctorchx.testing import VirtualClock
 
 CLOSED = "the runner was closed while reading logs"
@@ -223,3 +224,57 @@ async def test_a_launch_block_left_while_the_runner_closes_says_the_runner_was_c
     )
     assert "not terminal" not in caplog.text
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+class SlowCallsScheduler(FakeScheduler):
+    """A FakeScheduler whose cancel and describe wait for ``release`` once it is armed
+    (``slow``), telling ``entered`` that one has begun."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.slow = False
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def _hold(self) -> None:
+        if self.slow:
+            self.entered.set()
+            await self.release.wait()
+
+    async def _cancel_existing(self, app_id: str) -> None:
+        await self._hold()
+        await super()._cancel_existing(app_id)
+
+    async def describe(self, app_id: str) -> DescribeAppResponse | None:
+        await self._hold()
+        return await super().describe(app_id)
+
+
+@pytest.mark.parametrize("call", ["cancel", "status"])
+async def test_a_call_the_backend_answered_as_the_runner_closed_returns_its_answer(
+    call: str,
+) -> None:
+    """A cancel() or status() whose backend call completes while the runner closes returns as
+    it would have (the app was cancelled; its status), as run() returns its handle; they raised
+    'the runner is closed' after the backend had done what was asked."""
+    sched = SlowCallsScheduler("t")
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    await runner.open()
+    handle = await runner.run(app(), "fake")
+    sched.slow = True
+    task = asyncio.create_task(getattr(runner, call)(handle))
+    with anyio.fail_after(10):
+        await sched.entered.wait()
+        closer = asyncio.create_task(runner.close())
+        while "closed" not in repr(runner):
+            await asyncio.sleep(0)  # bounded polling: the close has begun
+        sched.release.set()
+        result = await task
+        await closer
+    app_id = handle.rsplit("/", 1)[1]
+    if call == "cancel":
+        assert result is None and sched.apps[app_id].state == AppState.CANCELLED
+    else:
+        assert result is not None and result.state == AppState.RUNNING

@@ -873,7 +873,8 @@ class AsyncRunner:
         backend, app_id = self._split(app_handle)
         await self._call(backend)
         response = await self._scheduler(backend).describe(app_id)
-        self._hub(backend).record(app_id, response)
+        if self._state is not _Lifecycle.CLOSED:  # (closed meanwhile: the answer stands)
+            self._hub(backend).record(app_id, response)
         return None if response is None else response.to_status()
 
     async def wait(
@@ -1090,12 +1091,17 @@ class AsyncRunner:
     # -- control and inspection -----------------------------------------------------------------
 
     async def cancel(self, app_handle: AppHandle) -> None:
-        """Asks the scheduler to stop the app; returns without waiting for it to end. Idempotent."""
+        """Asks the scheduler to stop the app; returns without waiting for it to end. Idempotent.
+
+        A cancel the backend carries out while the runner closes returns normally (as ``status``
+        returns what the backend answered then): only calls made after the close began raise.
+        """
         self._check_open()
         backend, app_id = self._split(app_handle)
         await self._call(backend)
         await self._scheduler(backend).cancel(app_id)
-        self._hub(backend).refresh(app_id)
+        if self._state is not _Lifecycle.CLOSED:  # (closed meanwhile: the app was cancelled)
+            self._hub(backend).refresh(app_id)
 
     async def stop(self, app_handle: AppHandle) -> None:
         """TorchX's older name for ``cancel`` (same behaviour)."""
