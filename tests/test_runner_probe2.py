@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -19,6 +20,11 @@ from asynctorchx.runner import Limits, PollSettings
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs import AppDef, AppState, Role
 from asynctorchx.testing import VirtualClock
+
+if sys.version_info >= (3, 11):
+    from builtins import BaseExceptionGroup
+else:  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 CLOSED = "the runner was closed while reading logs"
 FAST = PollSettings(min_interval=0.01, max_interval=0.05, push_safety_interval=0.2)
@@ -278,3 +284,58 @@ async def test_a_call_the_backend_answered_as_the_runner_closed_returns_its_answ
         assert result is None and sched.apps[app_id].state == AppState.CANCELLED
     else:
         assert result is not None and result.state == AppState.RUNNING
+
+
+class _BackendBaseError(BaseException):
+    """A BaseException a backend's code raises (not KeyboardInterrupt or SystemExit)."""
+
+
+class OddRoundScheduler(FakeScheduler):
+    """A FakeScheduler whose next status round raises ``error`` once it is set (``raised`` is
+    set then)."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.error: BaseException | None = None
+        self.raised = asyncio.Event()
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        error, self.error = self.error, None
+        if error is not None:
+            self.raised.set()
+            raise error
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        _BackendBaseError("odd"),
+        GeneratorExit(),
+        BaseExceptionGroup("a task group's", [asyncio.CancelledError()]),
+    ],
+    ids=["base-exception", "generator-exit", "group-of-cancelled"],
+)
+async def test_a_status_round_raising_a_base_exception_does_not_stop_the_hub(
+    error: BaseException, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A status round whose backend raises a BaseException other than KeyboardInterrupt or
+    SystemExit counts as a failed round (logged): the hub goes on and a wait sees the app end
+    (the hub's loop died with it and every wait hung)."""
+    sched = OddRoundScheduler("t")
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        app_id = handle.rsplit("/", 1)[1]
+        await sched.wait_described(app_id)
+        sched.error = error
+        waiter = asyncio.create_task(runner.wait(handle))
+        with anyio.fail_after(10):
+            await sched.raised.wait()
+        sched.set_state(app_id, AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED
+    assert any("status round for 1 fake apps failed" in r.getMessage() for r in caplog.records)

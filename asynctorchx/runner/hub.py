@@ -450,7 +450,14 @@ class StatusHub:
             )
             self._answered(ids, number)
             return False
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            # an Exception, or a backend's BaseException (GeneratorExit, a task group's
+            # BaseExceptionGroup): a failed round, unless this loop is being stopped; ending
+            # the loop would leave every waiter waiting
+            if not isinstance(e, Exception) and self._stopping():
+                raise
             logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
             self._answered(ids, number)
             return False
@@ -469,6 +476,11 @@ class StatusHub:
         task = asyncio.current_task()
         cancelling = getattr(task, "cancelling", None)
         return not self._closed and cancelling is not None and cancelling() == 0
+
+    def _stopping(self) -> bool:
+        """True when this loop is being cancelled (by ``aclose``, or by whoever cancels it)."""
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+        return self._closed or (cancelling is not None and cancelling() > 0)
 
     def _wake_consulting(self) -> None:
         """Wakes the waiters of a last round (``wait_consulted``): it is held back by the rate."""
