@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -339,3 +339,52 @@ async def test_a_status_round_raising_a_base_exception_does_not_stop_the_hub(
             status = await waiter
         assert status is not None and status.state == AppState.SUCCEEDED
     assert any("status round for 1 fake apps failed" in r.getMessage() for r in caplog.records)
+
+
+class MalformedRoundScheduler(FakeScheduler):
+    """A FakeScheduler whose next status round returns ``answer(app_ids)`` once it is set."""
+
+    def __init__(self, session_name: str, **kw: Any) -> None:
+        super().__init__(session_name, **kw)
+        self.answer: Callable[[Sequence[str]], Any] | None = None
+        self.answered = asyncio.Event()
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        answer, self.answer = self.answer, None
+        if answer is not None:
+            self.answered.set()
+            return answer(app_ids)  # type: ignore[no-any-return]
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [lambda ids: None, lambda ids: list(ids), lambda ids: {ids[0]: "RUNNING"}],
+    ids=["none", "list", "string-value"],
+)
+async def test_a_malformed_status_answer_does_not_stop_the_hub(
+    answer: Callable[[Sequence[str]], Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A status round whose backend returns no mapping of app ids to DescribeAppResponse or
+    None counts as a failed round, logged naming the backend: the hub goes on and a wait sees
+    the app end (applying it ended the hub's loop and every wait hung)."""
+    sched = MalformedRoundScheduler("t")
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        app_id = handle.rsplit("/", 1)[1]
+        await sched.wait_described(app_id)
+        sched.answer = answer
+        waiter = asyncio.create_task(runner.wait(handle))
+        with anyio.fail_after(10):
+            await sched.answered.wait()
+        sched.set_state(app_id, AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED
+    assert any(
+        r.exc_info is not None and "fake: describe_many must return a mapping" in str(r.exc_info[1])
+        for r in caplog.records
+    )

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -139,6 +139,24 @@ class AppEntry:
 
 
 _MAX_FINAL_ENTRIES = 100_000
+
+
+def _check_answer(answer: object, ids: list[str], backend: str) -> None:
+    """Raises TypeError unless ``answer`` (of ``describe_many``) maps the ids to
+    DescribeAppResponse or None: a malformed one (a backend's bug) is a failed round, whereas
+    applying it ended the hub's loop, and every wait hung."""
+    if isinstance(answer, Mapping):
+        bad = next(
+            (a for a in ids if not isinstance(answer.get(a), (DescribeAppResponse, type(None)))),
+            None,
+        )
+        if bad is None:
+            return
+        answer = answer.get(bad)
+    raise TypeError(
+        f"{backend}: describe_many must return a mapping of app ids to DescribeAppResponse or "
+        f"None, got {answer!r:.200}"
+    )
 
 
 def _key(resp: DescribeAppResponse | None) -> tuple[AppState, int] | None:
@@ -439,6 +457,7 @@ class StatusHub:
         number = self.rounds
         try:
             responses = await self.scheduler.describe_many(ids)
+            _check_answer(responses, ids, self.scheduler.backend)
         except asyncio.CancelledError:
             if not self._stray_cancellation():
                 raise
