@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ from asynctorchx.logs import LogQuery
 from asynctorchx.runner import Limits, PollSettings
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs import AppDef, AppState, Role
-from asynctorchx.testing import VirtualClock
+from asynctorchx.testing import ScriptedBackend, VirtualClock
 
 if sys.version_info >= (3, 11):
     from builtins import BaseExceptionGroup
@@ -388,3 +389,39 @@ async def test_a_malformed_status_answer_does_not_stop_the_hub(
         r.exc_info is not None and "fake: describe_many must return a mapping" in str(r.exc_info[1])
         for r in caplog.records
     )
+
+
+async def test_closing_a_runner_with_twenty_thousand_iterations_of_one_app_is_fast() -> None:
+    """Closing a runner that 20 000 as_completed and watch iterations of one app follow ends
+    them all within a couple of seconds (each stopped listening by a list's remove, in the
+    close's order: quadratic, 5 s of a blocked loop)."""
+    backend = ScriptedBackend("sb")
+    runner = AsyncRunner("t", scheduler_factories={"sb": backend})
+    n = 20_000
+    await runner.open()
+    try:
+        handle = await runner.run(app(), "sb")
+        hub = runner.hub("sb")
+
+        async def follow(i: int) -> None:
+            with pytest.raises(RuntimeError, match="the runner was closed while"):
+                if i % 2:
+                    async for _ in runner.as_completed([handle]):
+                        pass
+                else:
+                    async for _ in runner.watch([handle]):
+                        pass
+
+        tasks = [asyncio.create_task(follow(i)) for i in range(n)]
+        with anyio.fail_after(30):
+            while hub._listening < n:
+                await asyncio.sleep(0.01)  # bounded polling: every iteration listens
+        started = time.perf_counter()
+        await runner.close()
+        with anyio.fail_after(30):
+            await asyncio.gather(*tasks)
+        took = time.perf_counter() - started
+    finally:
+        await runner.close()
+    assert hub._listening == 0
+    assert took < 2.5, f"closing {n} iterations of one app took {took:.2f} s"

@@ -119,8 +119,10 @@ class AppEntry:
     submitted_at: float | None = None  # set when this runner submitted it
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     version: int = 0
-    _listeners: list[Callable[[AppEntry], None]] = field(
-        default_factory=list, init=False, repr=False
+    # by a key of each ``listen``: thousands of iterations may listen to one app, and each
+    # stops listening on its own (a list's remove made that quadratic)
+    _listeners: dict[object, Callable[[AppEntry], None]] = field(
+        default_factory=dict, init=False, repr=False
     )
     # the number (``StatusHub.rounds``) of the last round that included this app, answered or failed
     consulted: int = 0
@@ -243,12 +245,12 @@ class StatusHub:
         While someone listens, a final entry is not forgotten, and a polled backend is asked at
         least every ``PollSettings.max_interval`` whatever the waits' hints.
         """
-        entry._listeners.append(callback)
+        key = object()
+        entry._listeners[key] = callback
         self._listening += 1
 
         def stop() -> None:
-            if callback in entry._listeners:
-                entry._listeners.remove(callback)
+            if entry._listeners.pop(key, None) is not None:
                 self._listening -= 1
 
         return stop
@@ -548,7 +550,7 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-            for listener in list(entry._listeners):
+            for listener in list(entry._listeners.values()):
                 listener(entry)
         return changed
 
