@@ -425,3 +425,39 @@ async def test_closing_a_runner_with_twenty_thousand_iterations_of_one_app_is_fa
         await runner.close()
     assert hub._listening == 0
     assert took < 2.5, f"closing {n} iterations of one app took {took:.2f} s"
+
+
+class BadlyClosingTail(FakeScheduler):
+    """A FakeScheduler whose tail yields one line, then waits; its close raises a BaseException
+    of the backend's own (not KeyboardInterrupt or SystemExit)."""
+
+    async def _log_iter(self, query: LogQuery) -> AsyncIterator[str]:
+        try:
+            yield "first\n"
+            await asyncio.Event().wait()
+        finally:
+            raise _BackendBaseError("the tail's clean-up failed")
+
+
+async def test_a_log_source_whose_close_raises_a_base_exception_does_not_abort_the_close(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A log iteration whose source's close raises a BaseException (not KeyboardInterrupt or
+    SystemExit) is logged, and the close goes on to close the schedulers; it aborted the close
+    with a BaseExceptionGroup, the schedulers left open (local apps running)."""
+    sched = BadlyClosingTail("t")
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    await runner.open()
+    lines = runner.log_lines(await runner.run(app(), "fake"), "worker", should_tail=True)
+    assert await anext(lines) == "first\n"
+    with anyio.fail_after(10):
+        await runner.close()
+    assert sched.closed
+    assert any(
+        r.exc_info is not None and isinstance(r.exc_info[1], _BackendBaseError)
+        for r in caplog.records
+    )
+    with pytest.raises(RuntimeError, match=CLOSED):
+        await anext(lines)

@@ -222,9 +222,14 @@ def _stop_at_yield(gen: AsyncGenerator[Any, None]) -> None:
 
 
 async def _aclose_logged(source: AsyncIterator[Any]) -> None:
+    """Closes ``source``; what its close raises is logged (also a BaseException of the
+    backend's own, which would abort the runner's close), but for a cancellation, a
+    KeyboardInterrupt or a SystemExit."""
     try:
         await _aclose(source)
-    except Exception:
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+        raise
+    except BaseException:
         logger.exception("closing a log iteration failed")
 
 

@@ -270,7 +270,11 @@ class AsyncRunner:
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
-        await self._readings.aclose(self._close_timeout)
+        # each step runs whatever the one before did: a failed step (logged by the closing
+        # supervisor) must not leave the schedulers open
+        await self._close_step(
+            self._readings.aclose(self._close_timeout), "the log iterations", bounded=False
+        )
         await self._close_step(self._close_hubs(), "the status hubs")
         await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
         await self._close_schedulers()
@@ -282,13 +286,16 @@ class AsyncRunner:
             hub.shut()
         await asyncio.gather(*(hub.aclose() for hub in self._hubs.values()))
 
-    async def _close_step(self, step: Coroutine[Any, Any, None], what: str) -> None:
-        """Runs a step of the close for at most ``close_timeout`` seconds; one still running then
-        (a backend call that ignores its cancellation: nothing can end it) is left to the
-        closing supervisor, with a warning."""
+    async def _close_step(
+        self, step: Coroutine[Any, Any, None], what: str, *, bounded: bool = True
+    ) -> None:
+        """Runs a step of the close for at most ``close_timeout`` seconds (``bounded=False``: a
+        step that bounds itself); one still running then (a backend call that ignores its
+        cancellation: nothing can end it) is left to the closing supervisor, with a warning.
+        A step that fails is logged by that supervisor; the close goes on."""
         assert self._closer is not None
         task = self._closer.spawn(step, name=what)
-        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        timeout = None if self._close_timeout == math.inf or not bounded else self._close_timeout
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             logger.warning(
@@ -297,8 +304,6 @@ class AsyncRunner:
                 what,
                 self._close_timeout,
             )
-            return
-        task.result()
 
     async def _close_schedulers(self) -> None:
         """Closes every scheduler at once, each for at most ``close_timeout`` seconds: one that
