@@ -461,3 +461,32 @@ async def test_a_log_source_whose_close_raises_a_base_exception_does_not_abort_t
     )
     with pytest.raises(RuntimeError, match=CLOSED):
         await anext(lines)
+
+
+async def test_a_launch_blocks_submit_in_flight_as_the_runner_closes_returns_its_handle() -> None:
+    """The submits of launched() and launch_group() blocks in flight when the runner closes
+    complete and give their blocks the handles, as a run()'s gives its caller; the close
+    cancelled them mid-submit ('closed during submit'), so nobody learnt what they launched."""
+    backend = ScriptedBackend("sb", submit_latency=0.3)  # real time: the close does not wait
+    runner = AsyncRunner("t", scheduler_factories={"sb": backend})
+    await runner.open()
+
+    async def in_launched() -> str:
+        async with runner.launched(app("launched"), "sb") as handle:
+            return handle
+
+    async def in_group() -> str:
+        async with runner.launch_group() as group:
+            return await group.launch(app("group"), "sb")
+
+    tasks = [
+        asyncio.create_task(in_launched()),
+        asyncio.create_task(in_group()),
+        asyncio.create_task(runner.run(app("run"), "sb")),
+    ]
+    with anyio.fail_after(10):
+        await backend.wait_until(lambda: backend.in_flight_submits == 3)
+        await runner.close()
+        handles = await asyncio.gather(*tasks)
+    assert sorted(handles) == [f"sb://t/{a}" for a in sorted(backend.apps)]
+    assert len(backend.apps) == 3

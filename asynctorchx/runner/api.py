@@ -140,7 +140,8 @@ class AsyncRunner:
             waiting, timeouts and status polling always use real time.
         close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
             concurrently), and for each of its other steps (the log iterations it ends, the
-            status hubs, its background tasks); a scheduler still closing then is cancelled,
+            status hubs, the launch blocks' submits in flight, its background tasks); a
+            scheduler still closing then is cancelled,
             with a warning naming its backend (``math.inf``: no bound). The default
             leaves the builtins their own bounded clean-up (up to a minute, e.g. the local
             backend's stopping grace).
@@ -196,6 +197,9 @@ class AsyncRunner:
         self._hubs: dict[str, StatusHub] = {}
         self._split_cache: dict[str, tuple[str, str]] = {}
         self._supervisor = TaskSupervisor(f"runner:{name}")
+        # the submits of launch blocks (shielded from their caller's cancellation): close() lets
+        # those in flight finish, as a run()'s, so that their blocks learn what they launched
+        self._submits = TaskSupervisor(f"runner:{name}")
         self._state = _Lifecycle.UNOPENED
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
@@ -246,8 +250,9 @@ class AsyncRunner:
         The iterations it handed out end with RuntimeError ("the runner was closed while ..."):
         ``as_completed``, ``watch``, and ``log_lines``/``log_entries`` (whose scheduler iterators
         are closed: a tail of an app the close does not stop reads nothing more); a
-        ``launch_events`` stream ends. The schedulers close concurrently, each for at most
-        ``close_timeout`` seconds (see ``AsyncRunner``).
+        ``launch_events`` stream ends. Submits in flight complete (bounded), so that their
+        ``run()`` or launch block gets the handle. The schedulers close concurrently, each for
+        at most ``close_timeout`` seconds (see ``AsyncRunner``).
 
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
@@ -276,8 +281,12 @@ class AsyncRunner:
             self._readings.aclose(self._close_timeout), "the log iterations", bounded=False
         )
         await self._close_step(self._close_hubs(), "the status hubs")
-        await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
+        await self._close_step(self._submits.join(), "the submits in flight")
+        await self._close_step(self._close_tasks(), "the runner's background tasks")
         await self._close_schedulers()
+
+    async def _close_tasks(self) -> None:
+        await asyncio.gather(self._submits.aclose(), self._supervisor.aclose())
 
     async def _close_hubs(self) -> None:
         # every hub's waiters are woken before any loop is awaited: one backend's round that
@@ -711,7 +720,7 @@ class AsyncRunner:
                     return app_id
                 # a launch block must learn the id of what it submitted, even if cancelled meanwhile
                 return await _launch.shielded(
-                    self._supervisor,
+                    self._submits,
                     scheduler.schedule(dryrun_info),
                     name=f"submit:{backend}",
                     on_result=submitted,
