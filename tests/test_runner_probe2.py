@@ -464,9 +464,10 @@ async def test_a_log_source_whose_close_raises_a_base_exception_does_not_abort_t
 
 
 async def test_a_launch_blocks_submit_in_flight_as_the_runner_closes_returns_its_handle() -> None:
-    """The submits of launched() and launch_group() blocks in flight when the runner closes
-    complete and give their blocks the handles, as a run()'s gives its caller; the close
-    cancelled them mid-submit ('closed during submit'), so nobody learnt what they launched."""
+    """The submits of launched() and launch_group() blocks (a gang's too) in flight when the
+    runner closes complete and give their blocks the handles, as a run()'s gives its caller;
+    the close cancelled them mid-submit ('closed during submit'), so nobody learnt what they
+    launched, and a gang's then raised 'the runner is closed' as it began to watch its app."""
     backend = ScriptedBackend("sb", submit_latency=0.3)  # real time: the close does not wait
     runner = AsyncRunner("t", scheduler_factories={"sb": backend})
     await runner.open()
@@ -475,18 +476,19 @@ async def test_a_launch_blocks_submit_in_flight_as_the_runner_closes_returns_its
         async with runner.launched(app("launched"), "sb") as handle:
             return handle
 
-    async def in_group() -> str:
-        async with runner.launch_group() as group:
-            return await group.launch(app("group"), "sb")
+    async def in_group(gang: bool) -> str:
+        async with runner.launch_group(gang=gang) as group:
+            return await group.launch(app("gang" if gang else "group"), "sb")
 
     tasks = [
         asyncio.create_task(in_launched()),
-        asyncio.create_task(in_group()),
+        asyncio.create_task(in_group(gang=False)),
+        asyncio.create_task(in_group(gang=True)),
         asyncio.create_task(runner.run(app("run"), "sb")),
     ]
     with anyio.fail_after(10):
-        await backend.wait_until(lambda: backend.in_flight_submits == 3)
+        await backend.wait_until(lambda: backend.in_flight_submits == 4)
         await runner.close()
         handles = await asyncio.gather(*tasks)
     assert sorted(handles) == [f"sb://t/{a}" for a in sorted(backend.apps)]
-    assert len(backend.apps) == 3
+    assert len(backend.apps) == 4

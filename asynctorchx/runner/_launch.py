@@ -249,7 +249,8 @@ class LaunchGroup:
             return
         member = _Member(handle)
         self._members[handle] = member
-        if self.gang and not self._closing:  # after the block, nobody would stop watching it
+        # after the block, nobody would stop watching it; a closed runner watches nothing
+        if self.gang and not self._closing and not self._runner.closed():
             member.stop_watching = self._runner.watch_final(
                 handle, lambda status: self._on_final(handle, status)
             )
