@@ -50,6 +50,8 @@ class Launcher:
     wait_all: Callable[..., Awaitable[dict[AppHandle, AppStatus | None]]]
     supervisor: TaskSupervisor
     watch_final: WatchFinal
+    #: True once the runner's close has begun (it then refuses every call)
+    closed: Callable[[], bool]
 
 
 class GangFailedError(Exception):
@@ -247,7 +249,8 @@ class LaunchGroup:
             return
         member = _Member(handle)
         self._members[handle] = member
-        if self.gang and not self._closing:  # after the block, nobody would stop watching it
+        # after the block, nobody would stop watching it; a closed runner watches nothing
+        if self.gang and not self._closing and not self._runner.closed():
             member.stop_watching = self._runner.watch_final(
                 handle, lambda status: self._on_final(handle, status)
             )
@@ -285,6 +288,8 @@ class LaunchGroup:
                 await runner.wait(handle)
                 unconfirmed.discard(handle)
             except Exception:
+                if runner.closed():  # it refuses calls now: the block reports that
+                    return
                 logger.exception("cancelling %s on leaving its launch block failed", handle)
 
         with anyio.move_on_after(seconds):
@@ -296,8 +301,11 @@ class LaunchGroup:
     async def _cleanup(self, handles: list[AppHandle], seconds: float) -> list[AppHandle]:
         if not handles:
             return []
+        if self._runner.closed():  # (its close may still be under way: it refuses calls)
+            self._runner_closed = True
+            return handles
         try:
-            return await shielded(
+            left = await shielded(
                 self._runner.supervisor,
                 self._stop_all(handles, seconds),
                 name="cancel launched apps",
@@ -305,6 +313,9 @@ class LaunchGroup:
         except RuntimeError:  # the runner closed: it stopped what it owns; nothing more to do here
             self._runner_closed = True
             return handles
+        if left and self._runner.closed():  # closed during the clean-up: not a timeout
+            self._runner_closed = True
+        return left
 
     def _not_stopped(self, left: list[AppHandle], timeout: float) -> str:
         if self._runner_closed:

@@ -10,7 +10,9 @@ ends by itself, so ``close()`` ends every iteration still open, each where it st
   close then closes (``aclose``);
 - parked in an ``await`` of the source (a tail waiting for the next line): the task driving it is
   cancelled, and the iteration turns that cancellation into the same RuntimeError (the task is not
-  left cancelled: ``Task.uncancel``); ``close()`` waits (bounded) until it has ended.
+  left cancelled: ``Task.uncancel``); ``close()`` waits (bounded) until it has ended. A source
+  whose clean-up hangs holds its reader no longer than ``close_timeout`` either: one still
+  unwinding the cancellation then is cancelled again, and its close is bounded likewise.
 
 Nothing is paid per line: the iteration is one plain async-generator layer (a 200 000-line read
 costs what it did); the bookkeeping is done once per iteration, and the work at ``close()``.
@@ -22,6 +24,7 @@ import asyncio
 import gc
 import inspect
 import logging
+import math
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -36,7 +39,17 @@ T = TypeVar("T")
 class _Reading:
     """One iteration handed out: its generator (weakly: a reader may drop it) and its source."""
 
-    __slots__ = ("__weakref__", "closing", "driver", "ended", "gen", "source", "source_closing")
+    __slots__ = (
+        "__weakref__",
+        "cancels",
+        "closing",
+        "driver",
+        "ended",
+        "gen",
+        "source",
+        "source_closing",
+        "unwound",
+    )
 
     def __init__(self) -> None:
         self.gen: weakref.ref[AsyncGenerator[Any, None]] | None = None
@@ -44,6 +57,8 @@ class _Reading:
         self.closing = False  # the runner is ending it
         self.source_closing = False  # the runner closes its source (the reader must not)
         self.driver: asyncio.Task[Any] | None = None  # the task the runner cancelled to end it
+        self.cancels = 0  # how many times the runner cancelled it
+        self.unwound = False  # out of its source (whatever ended it): no more cancellations
         self.ended = asyncio.Event()
 
 
@@ -53,6 +68,7 @@ class LogReadings:
     def __init__(self) -> None:
         self._open: set[_Reading] = set()
         self._closed = False
+        self._timeout = math.inf  # close_timeout, once aclose is called
 
     def __len__(self) -> int:
         return len(self._open)
@@ -96,7 +112,7 @@ class LogReadings:
                         raise
                     del item  # not held while the next one is read (a huge line: one copy)
             except asyncio.CancelledError:
-                if reading.driver is None or not _uncancel(reading.driver):
+                if reading.driver is None or not _uncancel(reading.driver, reading.cancels):
                     raise
                 raise RuntimeError(f"the runner was closed while {what}") from None
             except Exception:
@@ -104,15 +120,33 @@ class LogReadings:
                     raise
                 # (the source was closed under it: "already running", or its own error)
                 raise RuntimeError(f"the runner was closed while {what}") from None
-            if reading.closing:  # the source ended as the close began
+            if reading.closing:  # the source ended as the close began (or swallowed its end)
+                if reading.driver is not None:
+                    _uncancel(reading.driver, reading.cancels)
                 raise RuntimeError(f"the runner was closed while {what}")
         finally:
+            reading.unwound = True
             self._open.discard(reading)
             try:
-                if not reading.source_closing:
+                if reading.closing and not reading.source_closing:
+                    await self._aclose_ended(source)
+                elif not reading.source_closing:
                     await _aclose(source)
             finally:
                 reading.ended.set()
+
+    async def _aclose_ended(self, source: AsyncIterator[Any]) -> None:
+        """Closes the source of an iteration the runner's close ended, in the reader's task, for
+        at most ``close_timeout``: a source whose close hangs must not hold its reader forever
+        (the runner's close waits for it only that long)."""
+        with anyio.move_on_after(self._timeout) as scope:
+            await _aclose_logged(source)
+        if scope.cancelled_caught:
+            logger.warning(
+                "a log iteration's source did not close within %.3g s of the runner's close "
+                "(AsyncRunner close_timeout): abandoned",
+                self._timeout,
+            )
 
     async def aclose(self, timeout: float) -> None:  # noqa: ASYNC109
         """Ends every open iteration (see the module's docstring); at most ``timeout`` seconds.
@@ -121,6 +155,7 @@ class LogReadings:
         the others reading; the sources are closed concurrently.
         """
         self._closed = True
+        self._timeout = timeout
         parked: list[_Reading] = []  # in an await: their tasks end them
         at_yield: list[AsyncIterator[Any]] = []  # their sources are closed from here
         for reading in list(self._open):
@@ -143,6 +178,7 @@ class LogReadings:
                 logger.warning("a log iteration could not be stopped: its task was not found")
                 continue
             reading.driver = driver
+            reading.cancels += 1
             driver.cancel()
         with anyio.move_on_after(timeout) as scope:
             async with anyio.create_task_group() as tg:
@@ -152,6 +188,12 @@ class LogReadings:
                 if reading.driver is not None:
                     await reading.ended.wait()
         if scope.cancelled_caught:
+            for reading in parked:
+                # a source still unwinding the first cancellation (a ``finally`` that hangs):
+                # cancelled again, so that its reader is not held by it for good
+                if reading.driver is not None and not reading.unwound:
+                    reading.cancels += 1
+                    reading.driver.cancel()
             logger.warning(
                 "the log iterations did not all end within %.3g s of the runner's close "
                 "(AsyncRunner close_timeout)",
@@ -180,9 +222,14 @@ def _stop_at_yield(gen: AsyncGenerator[Any, None]) -> None:
 
 
 async def _aclose_logged(source: AsyncIterator[Any]) -> None:
+    """Closes ``source``; what its close raises is logged (also a BaseException of the
+    backend's own, which would abort the runner's close), but for a cancellation, a
+    KeyboardInterrupt or a SystemExit."""
     try:
         await _aclose(source)
-    except Exception:
+    except (KeyboardInterrupt, SystemExit, asyncio.CancelledError):
+        raise
+    except BaseException:
         logger.exception("closing a log iteration failed")
 
 
@@ -192,13 +239,19 @@ async def _aclose(source: AsyncIterator[Any]) -> None:
         await aclose()
 
 
-def _uncancel(task: asyncio.Task[Any]) -> bool:
-    """Takes back the runner's cancellation of ``task`` (the current task); False when another
-    cancellation is pending too (that one wins: the CancelledError goes on)."""
+def _uncancel(task: asyncio.Task[Any], times: int) -> bool:
+    """Takes back the runner's ``times`` cancellations of ``task`` (the current task); False when
+    another cancellation is pending too (that one wins: the CancelledError goes on)."""
     if task is not asyncio.current_task():
         return False
     uncancel = getattr(task, "uncancel", None)  # Python 3.11+ (3.10 cannot tell: taken back)
-    return uncancel is None or uncancel() == 0
+    cancelling = getattr(task, "cancelling", None)
+    if uncancel is None or cancelling is None:
+        return True
+    left: int = cancelling()
+    for _ in range(min(times, left)):
+        left = uncancel()
+    return left == 0
 
 
 def _drivers(

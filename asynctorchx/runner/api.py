@@ -140,7 +140,8 @@ class AsyncRunner:
             waiting, timeouts and status polling always use real time.
         close_timeout: how long ``close()`` waits for each scheduler's ``close()`` (they close
             concurrently), and for each of its other steps (the log iterations it ends, the
-            status hubs, its background tasks); a scheduler still closing then is cancelled,
+            status hubs, the launch blocks' submits in flight, its background tasks); a
+            scheduler still closing then is cancelled,
             with a warning naming its backend (``math.inf``: no bound). The default
             leaves the builtins their own bounded clean-up (up to a minute, e.g. the local
             backend's stopping grace).
@@ -196,6 +197,9 @@ class AsyncRunner:
         self._hubs: dict[str, StatusHub] = {}
         self._split_cache: dict[str, tuple[str, str]] = {}
         self._supervisor = TaskSupervisor(f"runner:{name}")
+        # the submits of launch blocks (shielded from their caller's cancellation): close() lets
+        # those in flight finish, as a run()'s, so that their blocks learn what they launched
+        self._submits = TaskSupervisor(f"runner:{name}")
         self._state = _Lifecycle.UNOPENED
         # the queues that as_completed and watch are reading: close() puts _CLOSED in each
         self._readers: set[asyncio.Queue[Any]] = set()
@@ -246,8 +250,9 @@ class AsyncRunner:
         The iterations it handed out end with RuntimeError ("the runner was closed while ..."):
         ``as_completed``, ``watch``, and ``log_lines``/``log_entries`` (whose scheduler iterators
         are closed: a tail of an app the close does not stop reads nothing more); a
-        ``launch_events`` stream ends. The schedulers close concurrently, each for at most
-        ``close_timeout`` seconds (see ``AsyncRunner``).
+        ``launch_events`` stream ends. Submits in flight complete (bounded), so that their
+        ``run()`` or launch block gets the handle. The schedulers close concurrently, each for
+        at most ``close_timeout`` seconds (see ``AsyncRunner``).
 
         Idempotent. The clean-up runs to its end even if the caller is cancelled meanwhile (then the
         cancellation is raised afterwards), so nothing is left half-closed.
@@ -258,30 +263,48 @@ class AsyncRunner:
             for queue in self._readers:
                 queue.put_nowait(_CLOSED)
             self._launch_events.close()
+            # the waits end now, not after the steps of the clean-up (a log iteration slow to
+            # close held them up to close_timeout)
+            for hub in self._hubs.values():
+                hub.shut()
+            for limiter in self._limiters.values():
+                limiter.close()
             # its own supervisor: the runner's is closed by the clean-up itself
             self._closer = TaskSupervisor(f"runner:{self._name}")
             self._closing = self._closer.spawn(self._close(), name="close")
         await await_shielded(self._closing)
 
     async def _close(self) -> None:
-        await self._readings.aclose(self._close_timeout)
+        # each step runs whatever the one before did: a failed step (logged by the closing
+        # supervisor) must not leave the schedulers open
+        await self._close_step(
+            self._readings.aclose(self._close_timeout), "the log iterations", bounded=False
+        )
         await self._close_step(self._close_hubs(), "the status hubs")
-        for limiter in self._limiters.values():  # after the hubs: their rounds wait on them too
-            limiter.close()
-        await self._close_step(self._supervisor.aclose(), "the runner's background tasks")
+        await self._close_step(self._submits.join(), "the submits in flight")
+        await self._close_step(self._close_tasks(), "the runner's background tasks")
         await self._close_schedulers()
 
-    async def _close_hubs(self) -> None:
-        for hub in self._hubs.values():
-            await hub.aclose()
+    async def _close_tasks(self) -> None:
+        await asyncio.gather(self._submits.aclose(), self._supervisor.aclose())
 
-    async def _close_step(self, step: Coroutine[Any, Any, None], what: str) -> None:
-        """Runs a step of the close for at most ``close_timeout`` seconds; one still running then
-        (a backend call that ignores its cancellation: nothing can end it) is left to the
-        closing supervisor, with a warning."""
+    async def _close_hubs(self) -> None:
+        # every hub's waiters are woken before any loop is awaited: one backend's round that
+        # ignores its cancellation must not hold the waits on the others
+        for hub in self._hubs.values():
+            hub.shut()
+        await asyncio.gather(*(hub.aclose() for hub in self._hubs.values()))
+
+    async def _close_step(
+        self, step: Coroutine[Any, Any, None], what: str, *, bounded: bool = True
+    ) -> None:
+        """Runs a step of the close for at most ``close_timeout`` seconds (``bounded=False``: a
+        step that bounds itself); one still running then (a backend call that ignores its
+        cancellation: nothing can end it) is left to the closing supervisor, with a warning.
+        A step that fails is logged by that supervisor; the close goes on."""
         assert self._closer is not None
         task = self._closer.spawn(step, name=what)
-        timeout = None if self._close_timeout == math.inf else self._close_timeout
+        timeout = None if self._close_timeout == math.inf or not bounded else self._close_timeout
         done, _ = await asyncio.wait({task}, timeout=timeout)
         if not done:
             logger.warning(
@@ -290,8 +313,6 @@ class AsyncRunner:
                 what,
                 self._close_timeout,
             )
-            return
-        task.result()
 
     async def _close_schedulers(self) -> None:
         """Closes every scheduler at once, each for at most ``close_timeout`` seconds: one that
@@ -699,7 +720,7 @@ class AsyncRunner:
                     return app_id
                 # a launch block must learn the id of what it submitted, even if cancelled meanwhile
                 return await _launch.shielded(
-                    self._supervisor,
+                    self._submits,
                     scheduler.schedule(dryrun_info),
                     name=f"submit:{backend}",
                     on_result=submitted,
@@ -825,6 +846,7 @@ class AsyncRunner:
             wait_all=self.wait_all,
             supervisor=self._supervisor,
             watch_final=self._watch_final,
+            closed=lambda: self._state is _Lifecycle.CLOSED,
         )
 
     def _watch_final(
@@ -865,7 +887,8 @@ class AsyncRunner:
         backend, app_id = self._split(app_handle)
         await self._call(backend)
         response = await self._scheduler(backend).describe(app_id)
-        self._hub(backend).record(app_id, response)
+        if self._state is not _Lifecycle.CLOSED:  # (closed meanwhile: the answer stands)
+            self._hub(backend).record(app_id, response)
         return None if response is None else response.to_status()
 
     async def wait(
@@ -1082,12 +1105,17 @@ class AsyncRunner:
     # -- control and inspection -----------------------------------------------------------------
 
     async def cancel(self, app_handle: AppHandle) -> None:
-        """Asks the scheduler to stop the app; returns without waiting for it to end. Idempotent."""
+        """Asks the scheduler to stop the app; returns without waiting for it to end. Idempotent.
+
+        A cancel the backend carries out while the runner closes returns normally (as ``status``
+        returns what the backend answered then): only calls made after the close began raise.
+        """
         self._check_open()
         backend, app_id = self._split(app_handle)
         await self._call(backend)
         await self._scheduler(backend).cancel(app_id)
-        self._hub(backend).refresh(app_id)
+        if self._state is not _Lifecycle.CLOSED:  # (closed meanwhile: the app was cancelled)
+            self._hub(backend).refresh(app_id)
 
     async def stop(self, app_handle: AppHandle) -> None:
         """TorchX's older name for ``cancel`` (same behaviour)."""

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -119,8 +119,10 @@ class AppEntry:
     submitted_at: float | None = None  # set when this runner submitted it
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     version: int = 0
-    _listeners: list[Callable[[AppEntry], None]] = field(
-        default_factory=list, init=False, repr=False
+    # by a key of each ``listen``: thousands of iterations may listen to one app, and each
+    # stops listening on its own (a list's remove made that quadratic)
+    _listeners: dict[object, Callable[[AppEntry], None]] = field(
+        default_factory=dict, init=False, repr=False
     )
     # the number (``StatusHub.rounds``) of the last round that included this app, answered or failed
     consulted: int = 0
@@ -139,6 +141,24 @@ class AppEntry:
 
 
 _MAX_FINAL_ENTRIES = 100_000
+
+
+def _check_answer(answer: object, ids: list[str], backend: str) -> None:
+    """Raises TypeError unless ``answer`` (of ``describe_many``) maps the ids to
+    DescribeAppResponse or None: a malformed one (a backend's bug) is a failed round, whereas
+    applying it ended the hub's loop, and every wait hung."""
+    if isinstance(answer, Mapping):
+        bad = next(
+            (a for a in ids if not isinstance(answer.get(a), (DescribeAppResponse, type(None)))),
+            None,
+        )
+        if bad is None:
+            return
+        answer = answer.get(bad)
+    raise TypeError(
+        f"{backend}: describe_many must return a mapping of app ids to DescribeAppResponse or "
+        f"None, got {answer!r:.200}"
+    )
 
 
 def _key(resp: DescribeAppResponse | None) -> tuple[AppState, int] | None:
@@ -225,12 +245,12 @@ class StatusHub:
         While someone listens, a final entry is not forgotten, and a polled backend is asked at
         least every ``PollSettings.max_interval`` whatever the waits' hints.
         """
-        entry._listeners.append(callback)
+        key = object()
+        entry._listeners[key] = callback
         self._listening += 1
 
         def stop() -> None:
-            if callback in entry._listeners:
-                entry._listeners.remove(callback)
+            if entry._listeners.pop(key, None) is not None:
                 self._listening -= 1
 
         return stop
@@ -439,6 +459,7 @@ class StatusHub:
         number = self.rounds
         try:
             responses = await self.scheduler.describe_many(ids)
+            _check_answer(responses, ids, self.scheduler.backend)
         except asyncio.CancelledError:
             if not self._stray_cancellation():
                 raise
@@ -450,7 +471,14 @@ class StatusHub:
             )
             self._answered(ids, number)
             return False
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            # an Exception, or a backend's BaseException (GeneratorExit, a task group's
+            # BaseExceptionGroup): a failed round, unless this loop is being stopped; ending
+            # the loop would leave every waiter waiting
+            if not isinstance(e, Exception) and self._stopping():
+                raise
             logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
             self._answered(ids, number)
             return False
@@ -469,6 +497,11 @@ class StatusHub:
         task = asyncio.current_task()
         cancelling = getattr(task, "cancelling", None)
         return not self._closed and cancelling is not None and cancelling() == 0
+
+    def _stopping(self) -> bool:
+        """True when this loop is being cancelled (by ``aclose``, or by whoever cancels it)."""
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+        return self._closed or (cancelling is not None and cancelling() > 0)
 
     def _wake_consulting(self) -> None:
         """Wakes the waiters of a last round (``wait_consulted``): it is held back by the rate."""
@@ -517,22 +550,31 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-            for listener in list(entry._listeners):
+            for listener in list(entry._listeners.values()):
                 listener(entry)
         return changed
 
-    async def aclose(self) -> None:
-        """Stops listening to the backend and wakes every waiter (they raise RuntimeError)."""
+    def shut(self) -> None:
+        """Stops listening to the backend, wakes every waiter (they raise RuntimeError) and
+        cancels the loop, at once; ``aclose`` then waits for the loop. Idempotent.
+
+        Separate from ``aclose`` because the loop's round may take long to end (or never, if the
+        backend ignores its cancellation): the waiters of this hub, and of every other hub of
+        the runner, must not wait for that.
+        """
         self._closed = True
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        # the waiters first: the loop's round may take long to end (or never, if the backend
-        # ignores its cancellation), and the runner's close does not wait for it without bound
         for entry in self._entries.values():
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
+
+    async def aclose(self) -> None:
+        """``shut``, then waits until the loop has ended."""
+        self.shut()
+        if self._loop_task is not None:
             await asyncio.gather(self._loop_task, return_exceptions=True)
