@@ -12,6 +12,8 @@ Prints one JSON object:
 - ``local_cancel_ms``: on ``local_cwd``, from ``Task.cancel()`` of a task inside
   ``runner.launched(sh -c 'sleep 60')`` to the task's end (the app is CANCELLED by then):
   median and max over ``--local`` apps.
+- ``close_followed_s``: seconds from ``close()`` until ``--followers`` ``as_completed``/``watch``
+  iterations of one app (on the scripted backend) have all ended with "the runner was closed".
 """
 
 from __future__ import annotations
@@ -86,6 +88,34 @@ async def local_cancel(n: int, root: str) -> dict[str, float]:
     return {"median": statistics.median(latencies), "max": max(latencies), "count": n}
 
 
+async def close_followed(n: int) -> float:
+    runner = AsyncRunner("bench", scheduler_factories={"sb": ScriptedBackend("sb")})
+    await runner.open()
+    handle = await runner.run(app(), "sb")
+    listening = asyncio.Event()
+    started = 0
+
+    async def follow(i: int) -> None:
+        nonlocal started
+        started += 1
+        if started == n:
+            listening.set()
+        try:
+            async for _ in runner.as_completed([handle]) if i % 2 else runner.watch([handle]):
+                pass
+        except RuntimeError:
+            pass
+
+    tasks = [asyncio.create_task(follow(i)) for i in range(n)]
+    await listening.wait()
+    for _ in range(10):  # each iteration subscribes at its first step
+        await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    await runner.close()
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - t0
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"submits": args.submits}
     result["submit_us"] = {
@@ -97,6 +127,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         result["local_cancel_ms"] = await local_cancel(args.local, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    result["close_followed_s"] = {
+        "followers": args.followers,
+        "seconds": round(await close_followed(args.followers), 3),
+    }
     result["cpus"] = os.cpu_count()
     return result
 
@@ -105,4 +139,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--submits", type=int, default=5000)
     parser.add_argument("--local", type=int, default=10)
+    parser.add_argument("--followers", type=int, default=20_000)
     print(json.dumps(asyncio.run(main(parser.parse_args()))))

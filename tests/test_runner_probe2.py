@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -393,10 +392,10 @@ async def test_a_malformed_status_answer_does_not_stop_the_hub(
     )
 
 
-async def test_closing_a_runner_with_twenty_thousand_iterations_of_one_app_is_fast() -> None:
+async def test_closing_a_runner_with_twenty_thousand_iterations_of_one_app_ends_them_all() -> None:
     """Closing a runner that 20 000 as_completed and watch iterations of one app follow ends
-    them all within a couple of seconds (each stopped listening by a list's remove, in the
-    close's order: quadratic, 5 s of a blocked loop)."""
+    each with "the runner was closed" and leaves no listener (what it costs: bench_embed.py's
+    close_followed_s, 0.4 s; each stopped listening by a list's remove before: 5.5 s)."""
     backend = ScriptedBackend("sb")
     runner = AsyncRunner("t", scheduler_factories={"sb": backend})
     n = 20_000
@@ -418,15 +417,12 @@ async def test_closing_a_runner_with_twenty_thousand_iterations_of_one_app_is_fa
         with anyio.fail_after(30):
             while hub._listening < n:
                 await asyncio.sleep(0.01)  # bounded polling: every iteration listens
-        started = time.perf_counter()
         await runner.close()
         with anyio.fail_after(30):
             await asyncio.gather(*tasks)
-        took = time.perf_counter() - started
     finally:
         await runner.close()
     assert hub._listening == 0
-    assert took < 2.5, f"closing {n} iterations of one app took {took:.2f} s"
 
 
 class BadlyClosingTail(FakeScheduler):
