@@ -161,12 +161,6 @@ def test_huge_pages_without_cpu_or_memory_fail_the_dry_run() -> None:
     assert limits["limits"]["hugepages-2Mi"] == 2 * 2**21
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="asynctorchx/logs/_timestamps.py: CursorPass.admit drops any line older than the last "
-    "one returned, also in a first read; the kubelet's (containerd's) stdout and stderr loggers "
-    "stamp a line before taking the shared file's lock, so a log can go back by microseconds",
-)
 async def test_a_line_stamped_before_the_line_written_ahead_of_it_is_returned(
     fake_k8s: FakeKubeApiServer,
 ) -> None:

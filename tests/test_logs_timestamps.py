@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import random
 from datetime import datetime, timezone
 
 import pytest
 
 from asynctorchx.logs._timestamps import (
+    MARGIN_NS,
     ResumeCursor,
     format_rfc3339_seconds,
     parse_rfc3339_ns,
@@ -82,30 +85,178 @@ def test_query_times_convert_back_to_their_exact_microsecond() -> None:
         assert seconds_to_ns(t.timestamp()) == 1767225600 * 10**9 + micros * 1000
 
 
+SECOND = 10**9
+T0 = NOON * SECOND + SECOND - 3_000_000  # 3 ms before a second's end: the stamps cross it
+
+
+def engine(stamps: list[int | None], since: int | None, kubelet: bool) -> list[int]:
+    """The indexes of the lines a log of ``stamps`` gives resumed from ``since``: every line stamped
+    at or after it, in stored order (the kubelet takes ``sinceTime`` to the second only)."""
+    if since is None:
+        return list(range(len(stamps)))
+    if kubelet:
+        since = since // SECOND * SECOND
+    return [i for i, ts in enumerate(stamps) if ts is None or ts >= since]
+
+
+def read(
+    stamps: list[int | None], cursor: ResumeCursor, kubelet: bool, limit: int | None = None
+) -> list[int]:
+    """The lines one pass returns, resumed from ``cursor`` (at most ``limit``), as a reader does."""
+    opened = cursor.since_ns
+    new = cursor.begin_pass(opened)
+    out: list[int] = []
+    for i in engine(stamps, opened, kubelet):
+        if limit is not None and len(out) == limit:
+            break
+        if new.admit(stamps[i]):
+            out.append(i)
+    return out
+
+
+def saved(cursor: ResumeCursor) -> ResumeCursor:
+    """The cursor as a reader hands it out and takes it back (its three numbers)."""
+    return ResumeCursor(cursor.since_ns, cursor.count, cursor.partial)
+
+
+def shuffled_stamps(seed: int, n: int = 400, unstamped: bool = False) -> list[int | None]:
+    """Stamps as two streams' lines get them when both write at once: rising by up to 1 ms a line,
+    with pauses, over about 3 s (across second boundaries), often a little before the line stored
+    ahead (up to 2 ms), sometimes much before (up to 900 ms), in bursts of equal stamps; with
+    ``unstamped``, a few lines without one (which a resume cannot place: they come again)."""
+    rng = random.Random(seed)
+    clock, out = T0, []
+    for _ in range(n):
+        roll = rng.random()
+        clock += rng.randrange(0, 1_000_000)
+        if roll < 0.03:
+            clock += rng.randrange(100_000_000, 400_000_000)
+        if roll < 0.01 and unstamped:
+            out.append(None)
+        elif roll < 0.3:
+            out.append(clock - rng.randrange(1, 2_000_000))
+        elif roll < 0.33:
+            out.append(clock - rng.randrange(1, 900_000_000))
+        elif roll < 0.4 and out and out[-1] is not None:
+            out.append(out[-1])
+        else:
+            out.append(clock)
+    return out
+
+
+@pytest.mark.parametrize("kubelet", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_read_of_stamps_that_go_back_returns_every_line(seed: int, kubelet: bool) -> None:
+    """A line stamped before the line stored ahead of it (stdout and stderr written at once) is
+    returned by a plain read, and so is every other line: a pass drops no line for its stamp."""
+    stamps = shuffled_stamps(seed, unstamped=True)
+    assert None in stamps
+    assert any(b is not None and a is not None and b < a for a, b in itertools.pairwise(stamps))
+    assert read(stamps, ResumeCursor(), kubelet) == list(range(len(stamps)))
+
+
+@pytest.mark.parametrize("kubelet", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cursor_at_any_line_of_stamps_that_go_back_resumes_exactly(
+    seed: int, kubelet: bool
+) -> None:
+    """A cursor taken after any line, handed out as its three numbers and taken back, resumes
+    with exactly the lines after it, though the stamps go back along the log (a line returned
+    before may be stamped after the next one: it is not given again)."""
+    stamps = shuffled_stamps(seed)
+    for cut in range(len(stamps) + 1):
+        cursor = ResumeCursor()
+        assert read(stamps, cursor, kubelet, limit=cut) == list(range(cut))
+        rest = read(stamps, saved(cursor), kubelet)
+        assert rest == list(range(cut, len(stamps))), cut
+
+
+@pytest.mark.parametrize("kubelet", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_log_resumed_after_every_line_gives_each_line_once(seed: int, kubelet: bool) -> None:
+    """A log read one line per pass, each pass resumed from the previous one's handed-out cursor
+    (a follow cut after every line), gives every line exactly once, in order; the cursor stays
+    small (it counts at most the lines of the last two seconds)."""
+    stamps = shuffled_stamps(seed)
+    got: list[int] = []
+    cursor = ResumeCursor()
+    for _ in range(len(stamps) + 1):
+        cursor = saved(cursor)
+        got += read(stamps, cursor, kubelet, limit=1)
+        assert cursor.count <= 400
+    assert got == list(range(len(stamps)))
+    assert read(stamps, saved(cursor), kubelet) == []
+
+
+def test_the_cursor_resumes_a_second_before_the_newest_line_and_counts_from_there() -> None:
+    """The resume time is the newest stamp read, rounded down to the second, less MARGIN_NS (one
+    second); the count is of the lines read stamped at or after it; neither ever goes back."""
+    assert MARGIN_NS == SECOND
+    start = NOON * SECOND
+    cursor = ResumeCursor()
+    p = cursor.begin_pass()
+    assert p.admit(start + 500)
+    assert (cursor.since_ns, cursor.count) == (start - SECOND, 1)
+    assert p.admit(start + SECOND + 7) and p.admit(start + 100)  # the second went back a little
+    assert (cursor.since_ns, cursor.count) == (start, 3)
+    assert p.admit(start + 2 * SECOND + 1)
+    assert (cursor.since_ns, cursor.count) == (start + SECOND, 2)
+    assert p.admit(start + 200)  # far back: returned, not counted (not before the resume time)
+    assert (cursor.since_ns, cursor.count) == (start + SECOND, 2)
+
+
 def test_cursor_skips_what_was_already_read() -> None:
-    """A resumed stream skips lines before the last timestamp and those already read at it."""
+    """A resumed stream skips the lines before the resume time and the cursor's count at or after
+    it, also lines that share one timestamp."""
+    start = NOON * SECOND
+    stamps = [start + 10, start + 20, start + 20]
     cursor = ResumeCursor()
     first = cursor.begin_pass()
-    assert [first.admit(t) for t in (10, 20, 20)] == [True, True, True]
-    assert (cursor.last_ns, cursor.at_last) == (20, 2)
-    again = cursor.begin_pass()
-    assert [again.admit(t) for t in (5, 10, 20, 20, 20, 30)] == [
-        False,
-        False,
+    assert [first.admit(t) for t in stamps] == [True, True, True]
+    assert (cursor.since_ns, cursor.count) == (start - SECOND, 3)
+    again = cursor.begin_pass(cursor.since_ns)
+    later = [start - 2 * SECOND, *stamps, start + 20, start + 30]
+    assert [again.admit(t) for t in later] == [False, False, False, False, True, True]
+    assert (cursor.since_ns, cursor.count) == (start - SECOND, 5)
+
+
+def test_cursor_admits_unstamped_lines_and_restarts_from_its_numbers() -> None:
+    """A line without a time is always new (not counted); a cursor rebuilt from its numbers
+    resumes the same way as the original."""
+    start = NOON * SECOND
+    cursor = ResumeCursor()
+    p = cursor.begin_pass()
+    assert [p.admit(t) for t in (None, start + 7, start + 7, None)] == [True] * 4
+    rebuilt = saved(cursor)
+    again = rebuilt.begin_pass(rebuilt.since_ns)
+    assert [again.admit(t) for t in (start + 7, start + 7, start + 7, start + 8)] == [
         False,
         False,
         True,
         True,
     ]
-    assert (cursor.last_ns, cursor.at_last) == (30, 1)
 
 
-def test_cursor_admits_unstamped_lines_and_restarts_from_its_two_numbers() -> None:
-    """A line without a time is always new; a cursor rebuilt from (last_ns, at_last) resumes the
-    same way as the original."""
+def test_a_cursor_of_the_earlier_form_resumes_after_its_last_timestamp_and_count() -> None:
+    """A cursor handed out before (the last timestamp returned, and how many lines carried it)
+    resumes after those lines: exactly, where the stamps did not go back."""
+    start = NOON * SECOND + 123
+    stamps: list[int | None] = [start + (i // 3) * 1000 for i in range(30)]
+    for cut in range(1, len(stamps) + 1):
+        last = stamps[cut - 1]
+        old = ResumeCursor(last, stamps[:cut].count(last))
+        assert read(stamps, old, kubelet=True) == list(range(cut, len(stamps))), cut
+
+
+def test_a_first_read_opened_at_a_time_counts_nothing_before_it() -> None:
+    """A first read opened at a time (a query's ``since``; the kubelet also gives the rest of that
+    second) returns what comes, but its cursor never resumes before that time, where it read
+    nothing, so a resume skips only lines it has read."""
+    start = NOON * SECOND + 700_000_000
+    stamps: list[int | None] = [start - 400_000_000, start + 5, start + 6, start + 900_000_000]
+    opened = start
     cursor = ResumeCursor()
-    p = cursor.begin_pass()
-    assert [p.admit(t) for t in (None, 7, 7, None)] == [True, True, True, True]
-    rebuilt = ResumeCursor(cursor.last_ns, cursor.at_last)
-    again = rebuilt.begin_pass()
-    assert [again.admit(t) for t in (7, 7, 7, 8)] == [False, False, True, True]
+    p = cursor.begin_pass(opened)
+    assert [p.admit(t) for t in stamps[:2]] == [True, True]  # the reader drops the first
+    assert (cursor.since_ns, cursor.count) == (opened, 1)
+    assert read(stamps, saved(cursor), kubelet=True) == [2, 3]

@@ -7,18 +7,21 @@ position itself. The position depends on the backend:
 - ``file`` (local, Slurm): ``[file, offset]``, the stream whose file was read and the byte offset
   just past the line in it;
 - ``docker``: ``[attempt, container id]`` then, for each stream read (stdout, then stderr),
-  ``timestamp ns, count, partial``: each stream has its own cursor, because the engine stamps the
-  two streams apart and a combined read interleaves their timestamps out of order. ``partial`` is
-  the size of an unterminated line given out after the counted ones (0: none), see
+  ``since ns, count, partial``: each stream has its own cursor (and its own unfinished last line).
+  ``partial`` is the size of an unterminated line given out after the counted ones (0: none), see
   ``ResumeCursor``. An older single-stream cursor ``[attempt, container id, timestamp ns, count]``
   still reads (``partial`` 0); an older combined one (one count for both streams) cannot be placed
   exactly, and is rejected;
-- ``kubernetes``: ``[pod uid, timestamp ns, count]``;
+- ``kubernetes``: ``[pod uid, since ns, count]``;
 - ``index`` (the testing scheduler): ``[number of lines of the selection read]``.
 
-The engine backends' ``count`` is the tie-breaker of ``ResumeCursor``: how many lines carrying
-exactly that timestamp were read, so lines written in one burst with equal timestamps are neither
-repeated nor skipped. Decoding checks the cursor's shape and what it is bound to, so that a damaged
+The engine backends' ``since ns, count`` is a ``ResumeCursor``: a time at or before the stamp of
+every line after the cursor (the newest stamp read, to the second, less a margin: the engines'
+stamps can go back a little along the log) and how many lines read carry that time or later, which
+a log resumed from that time gives again and the reader skips; so lines with equal or out-of-order
+stamps are neither repeated nor skipped. The earlier form of these two numbers (the last timestamp
+returned and how many lines carried it) reads the same way: exact where the stamps did not go
+back, as that form was. Decoding checks the cursor's shape and what it is bound to, so that a damaged
 or foreign cursor is a one-line ValueError at the call rather than a wrong read; a forged position
 of the right shape is caught by the reader (a file offset past the file's end, a container that
 is not the replica's), as a ValueError when read. A file offset inside a line is how the cursor of

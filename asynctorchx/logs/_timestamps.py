@@ -2,16 +2,19 @@
 
 Docker (``logs?timestamps=1``) and the kubelet (``log?timestamps=true``) both prefix every log line
 with its RFC 3339 time at nanosecond precision and a space, and both can resume a log from a time
-(Docker's ``since``, the kubelet's ``sinceTime``). A resumed stream starts with lines already read
-(the kubelet rounds ``sinceTime`` down to the second; several lines can share one timestamp), so a
-reader keeps a ``ResumeCursor``: the last timestamp it returned and how many lines of exactly that
-timestamp it returned. The cursor is two integers, so it can be handed out and taken back later.
+(Docker's ``since``, the kubelet's ``sinceTime``, rounded down to the second): the resumed stream
+gives every line stamped at or after that time, in the order the log stores them. That order is
+not the stamps' order: a line can carry an earlier time than the line stored ahead of it (both
+engines stamp a line when they read it from its pipe, before the writer that stdout and stderr
+share takes it). So a reader keeps a ``ResumeCursor``: a time at or before every line not read
+yet, and how many lines read are stamped at or after it, which a resumed stream skips. The cursor
+is two integers (and the size of an unfinished last line), so it can be handed out and taken back.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 _NS = 1_000_000_000
@@ -20,6 +23,11 @@ _RFC3339 = re.compile(
 )
 _PREFIX = re.compile(rb"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(?:\.\d+)?(?:[Zz]|[+-]\d\d:\d\d) ")
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+#: how long before the newest line read (rounded down to the second) a ``ResumeCursor`` resumes:
+#: the engines stamp a line before the writer shared by stdout and stderr stores it, so a line can
+#: carry an earlier time than the one stored ahead of it (by microseconds: the writer's lock)
+MARGIN_NS = _NS
 
 
 def parse_rfc3339_ns(value: str | bytes) -> int:
@@ -85,69 +93,121 @@ def format_rfc3339_seconds(ns: int) -> str:
 
 @dataclass
 class ResumeCursor:
-    """How far a log has been read: the last timestamp returned, and how many lines carried it.
+    """How far a log has been read, as a time to resume from and a count of lines to skip there.
 
-    A line still being written when a read ended (given out unterminated) is not counted: it is
-    the next line after the cursor, given again whole once it has grown; ``partial`` is its size,
-    so that it is not given again while it has not.
+    The engines stamp a line when they read it from its pipe, before the writer that stdout and
+    stderr share stores it, so a stored log's stamps can go back a little (by microseconds; more
+    under load): a line can carry an earlier time than the line stored ahead of it. A stream
+    resumed from a time (Docker's ``since``, the kubelet's ``sinceTime``) gives every line stamped
+    at or after it, in stored order. So the cursor is:
+
+    - ``since_ns``: a time at or before the stamp of every line after the cursor: the newest stamp
+      read, rounded down to the second, less a margin (``MARGIN_NS``: a line is not stamped that
+      much before a line stored ahead of it);
+    - ``count``: how many lines before the cursor carry ``since_ns`` or later.
+
+    A stream (re)opened at ``since_ns`` or before gives the lines before the cursor stamped before
+    ``since_ns``, and the first ``count`` stamped at or after it, again: they are dropped, the rest
+    is new. A first read (no ``since_ns`` yet) drops no line. A line stamped more than the margin
+    before one stored ahead of it is read by a pass under way, but not by a resume from a cursor
+    before it (the engine does not send it). The cursor does not depend on the query's time
+    window (the reader applies it after the cursor): it is a place in the log. The lines counted
+    are remembered per second of their stamps (two or three seconds' worth, not part of the
+    cursor), rebuilt from the lines a resumed stream skips.
+
+    A cursor of the earlier form (the last timestamp returned and how many lines carried it) reads
+    as this one: exactly so where the stamps did not go back. A line still being written when a
+    read ended (given out unterminated) is not counted: it is the next line after the cursor,
+    given again whole once it has grown; ``partial`` is its size, so that it is not given again
+    while it has not.
 
     Args:
-        last_ns: the timestamp of the last line returned (None: nothing returned yet).
-        at_last: how many of the lines returned carry exactly ``last_ns``.
+        since_ns: where a resumed stream starts (None: from the start of the log, or of the
+            query's window).
+        count: how many lines read carry ``since_ns`` or later.
         partial: the size in bytes of the unterminated line returned after those (0: none).
     """
 
-    last_ns: int | None = None
-    at_last: int = 0
+    since_ns: int | None = None
+    count: int = 0
     partial: int = 0
+    _seconds: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _newest: int | None = field(default=None, init=False, repr=False, compare=False)
 
-    def begin_pass(self) -> CursorPass:
-        """Starts reading a stream (re)opened at ``last_ns`` or before."""
-        return CursorPass(self)
+    def begin_pass(self, opened_ns: int | None = None) -> CursorPass:
+        """Starts reading a stream (re)opened at ``opened_ns`` (None: at its start), which is
+        ``since_ns`` or before when ``since_ns`` is set."""
+        self._seconds.clear()  # rebuilt from the lines skipped
+        self._newest = None
+        return CursorPass(self, opened_ns)
+
+    def _skipped(self, ts: int) -> None:
+        """Remembers a counted line read again (the rebuild of a resumed pass)."""
+        second = ts // _NS
+        self._seconds[second] = self._seconds.get(second, 0) + 1
+        if self._newest is None or ts > self._newest:
+            self._newest = ts
+
+    def _returned(self, ts: int, opened_ns: int | None) -> None:
+        """Moves the cursor past a new line: ``since_ns`` follows the newest stamp (never back,
+        and never before where this pass was opened), ``count`` what is at or after it."""
+        newest = ts if self._newest is None or ts > self._newest else self._newest
+        self._newest = newest
+        start = newest // _NS * _NS - MARGIN_NS
+        since = self.since_ns
+        if since is None:
+            # lines before the opening were not read: the cursor cannot count them
+            since = self.since_ns = start if opened_ns is None else max(start, opened_ns)
+        elif start > since:
+            since = self.since_ns = start
+            first = start // _NS
+            for second in [s for s in self._seconds if s < first]:
+                self.count -= self._seconds.pop(second)
+        if ts >= since:
+            second = ts // _NS
+            self._seconds[second] = self._seconds.get(second, 0) + 1
+            self.count += 1
 
 
 class CursorPass:
     """One read of a (re)opened stream: drops what the cursor says was returned before."""
 
-    __slots__ = ("_cursor", "_skip")
+    __slots__ = ("_cursor", "_floor", "_opened", "_skip")
 
-    def __init__(self, cursor: ResumeCursor) -> None:
+    def __init__(self, cursor: ResumeCursor, opened_ns: int | None) -> None:
         self._cursor = cursor
-        self._skip = cursor.at_last
+        self._floor = cursor.since_ns
+        self._opened = opened_ns
+        self._skip = cursor.count
 
     def admit(self, ts: int | None) -> bool:
         """True when a line of timestamp ``ts`` is new (it is then counted as returned).
 
-        Lines older than the cursor, and the first ``at_last`` lines at its timestamp, were returned
-        before. A line without a timestamp cannot be placed: it is always new.
+        A resumed pass drops the lines stamped before the cursor's ``since_ns`` and the first
+        ``count`` at or after it: the lines before the cursor. Every later line is new, whatever
+        its stamp; a first read drops none. A line without a timestamp cannot be placed: it is
+        always new.
         """
-        c = self._cursor
         if ts is None:
             return True
-        if c.last_ns is not None:
-            if ts < c.last_ns:
+        c = self._cursor
+        if self._floor is not None:
+            if ts < self._floor:
                 return False
-            if ts == c.last_ns and self._skip > 0:
+            if self._skip:
                 self._skip -= 1
+                c._skipped(ts)
                 return False
-        if ts == c.last_ns:
-            c.at_last += 1
-        else:
-            c.last_ns, c.at_last = ts, 1
         c.partial = 0
-        self._skip = 0
+        c._returned(ts, self._opened)
         return True
 
     def admit_partial(self, ts: int | None, size: int) -> bool:
         """True when an unterminated last line of ``size`` bytes is new: it is not counted (it is
         the next line after the cursor), only its size is kept; the same unterminated line read
-        again (same size) is not new. A line older than the cursor never is."""
+        again (same size) is not new, and neither is one the pass reads before the cursor."""
         c = self._cursor
-        if (
-            ts is not None
-            and c.last_ns is not None
-            and (ts < c.last_ns or (ts == c.last_ns and self._skip > 0))
-        ):
+        if ts is not None and self._floor is not None and (ts < self._floor or self._skip):
             return False
         if size == c.partial:
             return False

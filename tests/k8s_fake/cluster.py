@@ -100,6 +100,9 @@ class PodScript:
         message: the termination message (what the container wrote to /dev/termination-log).
         burst: lines are stamped in groups of this many sharing one timestamp (lines written in
             one burst, as a kubelet can stamp them alike).
+        stamp_offsets: line ``i`` is stamped this many nanoseconds off the time it is written
+            (negative: before the lines stored ahead of it, as containerd stamps a stdout or
+            stderr line when it reads it, before the log's shared writer takes it).
     """
 
     lines: list[str | bytes] = field(default_factory=list)
@@ -111,6 +114,7 @@ class PodScript:
     hold: asyncio.Event | None = None
     message: str = ""
     burst: int = 1
+    stamp_offsets: dict[int, int] = field(default_factory=dict)
 
 
 def default_script(ctx: PodContext) -> PodScript:
@@ -123,12 +127,14 @@ class PodLog:
     lines: list[tuple[int, bytes]] = field(default_factory=list)
     closed: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    clock: int = 0  # when the last line was written (its stamp, but for its offset)
 
-    def append(self, text: str | bytes, same_stamp: bool = False) -> None:
+    def append(self, text: str | bytes, same_stamp: bool = False, offset: int = 0) -> None:
         ts = time.time_ns()
-        if self.lines and (same_stamp or ts <= self.lines[-1][0]):
-            ts = self.lines[-1][0] + (0 if same_stamp else 1)
-        self.lines.append((ts, text.encode() if isinstance(text, str) else text))
+        if self.lines and (same_stamp or ts <= self.clock):
+            ts = self.clock + (0 if same_stamp else 1)
+        self.clock = ts
+        self.lines.append((ts + offset, text.encode() if isinstance(text, str) else text))
         self._wake()
 
     def close(self) -> None:
@@ -645,7 +651,9 @@ class FakeCluster:
                 gate = script.gates.get(i)
                 if gate is not None and not await _first(gate, stop):
                     return
-                log.append(line, same_stamp=i % script.burst != 0)
+                log.append(
+                    line, same_stamp=i % script.burst != 0, offset=script.stamp_offsets.get(i, 0)
+                )
                 if await _wait_or(stop, script.line_interval):
                     return
             if script.hold is not None and not await _first(script.hold, stop):

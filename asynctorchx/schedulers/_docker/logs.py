@@ -5,10 +5,11 @@ container; a REPLICA retry restarts the same one), read oldest first. Lines are 
 ``timestamps=1`` and stdout/stderr as the query asks (both: in the order Docker received them);
 ``since``/``until`` go to the engine and are checked again on each line's time; a followed stream
 that drops is resumed from its ``ResumeCursor``s (the shared one of ``asynctorchx.logs``), so no
-line is lost or repeated. Each stream read has its own cursor: the engine stamps stdout and stderr
-apart, so the lines of a combined read are in the order Docker received them but their timestamps
-can go back and forth between the streams. Following ends once the app is terminal and every
-container has been drained.
+line is lost or repeated. Each stream read has its own cursor (its own unfinished last line): the
+engine stamps stdout and stderr apart, each line when it reads it from its pipe, so the lines of a
+combined read are in the order Docker stored them but their timestamps can go back between the
+streams; no line is dropped for its timestamp, only those a resumed stream gives again. Following
+ends once the app is terminal and every container has been drained.
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ class DockerLogSource:
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
 
-        A position is ``(attempt, container id)`` then ``(timestamp, count, partial)`` of each
+        A position is ``(attempt, container id)`` then ``(since, count, partial)`` of each
         stream read: the container's cursors (``ResumeCursor``) once the line was returned.
-        Resuming skips the attempts before the cursor's, and starts the cursor's container, for
-        each stream, after its ``count`` lines of ``timestamp``.
+        Resuming skips the attempts before the cursor's, and reads the cursor's container from the
+        earliest ``since``, each stream skipping its lines stamped before its ``since`` and its
+        first ``count`` at or after it.
 
         Raises:
             UnknownAppException: Docker has no container of the app.
@@ -181,8 +183,9 @@ class DockerLogSource:
         """
         failures = 0
         while True:
-            read = _Read({s: c.begin_pass() for s, c in cursors.items()}, window)
-            frames = self._engine.container_log_frames(cid, _params(window, cursors, follow))
+            opened = _opening(window, cursors)
+            read = _Read({s: c.begin_pass(opened) for s, c in cursors.items()}, window)
+            frames = self._engine.container_log_frames(cid, _params(window, opened, follow))
             try:
                 async with contextlib.aclosing(frames):
                     async for frame in frames:
@@ -235,17 +238,21 @@ class _Read:
         self._assembler = LineAssembler()
 
     def feed(self, stream: int, payload: bytes) -> LogLine | None:
-        """The line a frame completes, if it is to be returned; ``END`` past ``until``."""
+        """The line a frame completes, if it is to be returned; ``END`` past ``until``.
+
+        The cursor sees every line before the window is applied: a cursor is a place in the log,
+        whatever window it was taken with.
+        """
         line = self._assembler.feed(stream, payload)
         if line is None:
             return None
         until = self._window.until_ns
         if until is not None and line.ts_ns is not None and line.ts_ns > until:
             return self.END
-        if not self._window.admits(line.ts_ns):
-            return None
         cursor = self._cursors.get(line.stream)
-        return line if cursor is None or cursor.admit(line.ts_ns) else None
+        if cursor is not None and not cursor.admit(line.ts_ns):
+            return None
+        return line if self._window.admits(line.ts_ns) else None
 
     def flush(self) -> Iterator[LogLine]:
         """The unterminated last lines, once the stream has ended: each is admitted to its
@@ -263,21 +270,26 @@ def _position(attempt: int, cid: str, cursors: _Cursors) -> Position:
     """A line's position: the container and each stream's cursor (see ``entries``)."""
     out: list[int | str] = [attempt, cid]
     for c in cursors.values():
-        out += (c.last_ns or 0, c.at_last, c.partial)
+        out += (c.since_ns or 0, c.count, c.partial)
     return tuple(out)
 
 
-def _params(window: _Window, cursors: _Cursors, follow: bool) -> dict[str, Any]:
-    """The query of ``GET /containers/{id}/logs``: resume from the cursors (from the earliest
-    stream's: each skips what it returned; else from ``since``)."""
+def _opening(window: _Window, cursors: _Cursors) -> int | None:
+    """Where to (re)open a container's log: the earliest of the streams' cursors' ``since`` (the
+    query's ``since`` for a stream that has none yet; None: the log's start). Each stream skips
+    what it returned."""
+    starts = [window.since_ns if c.since_ns is None else c.since_ns for c in cursors.values()]
+    return None if None in starts else min(s for s in starts if s is not None)
+
+
+def _params(window: _Window, start: int | None, follow: bool) -> dict[str, Any]:
+    """The query of ``GET /containers/{id}/logs``, from ``start`` (None: the log's start)."""
     params: dict[str, Any] = {
         "stdout": window.stdout,
         "stderr": window.stderr,
         "timestamps": True,
         "follow": follow,
     }
-    last = [c.last_ns for c in cursors.values() if c.last_ns is not None]
-    start = min(last) if len(last) == len(cursors) else window.since_ns
     if start is not None:
         params["since"] = format_api_time(start)
     if window.until_ns is not None:

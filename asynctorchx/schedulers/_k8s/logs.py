@@ -8,7 +8,10 @@ connection's ``log_read_timeout`` (a quiet container, or a connection gone half-
 from ``sinceTime`` (rounded down to the second by the API) with the shared ``ResumeCursor`` skipping
 the lines already returned, from the same pod even if it was replaced meanwhile (its last lines
 first, then its replacement's); a pod that has ended is read to its end without follow. Kubernetes
-keeps a container's stdout and stderr as one log: only COMBINED is readable.
+keeps a container's stdout and stderr as one log: only COMBINED is readable. The container runtime
+stamps each line when it reads it from its stream, before the log's shared writer takes it, so the
+stamps can go back a little between stdout and stderr lines: no line is dropped for its timestamp,
+only those a resumed stream gives again.
 """
 
 from __future__ import annotations
@@ -98,9 +101,9 @@ class KubeLogSource:
     async def entries(self, query: LogQuery) -> AsyncGenerator[tuple[Position, str], None]:
         """``(position, line)`` pairs of what ``query`` asks for, after ``query.after`` when set.
 
-        A position is ``(pod uid, timestamp, count)``: that pod's ``ResumeCursor`` once the line
-        was returned. Resuming starts that pod's log after its ``count`` lines of ``timestamp``
-        (the API's ``sinceTime`` is rounded down to the second; the cursor skips the rest); when
+        A position is ``(pod uid, since, count)``: that pod's ``ResumeCursor`` once the line was
+        returned. Resuming reads that pod's log from ``since`` (a whole second, as the API's
+        ``sinceTime`` is) and skips its first ``count`` lines stamped at or after it; when
         that pod has been replaced since (and is still listed, terminated or still terminating),
         the rest of its log comes first (followed to its end when following), then the newest
         pod's from its start. A replaced pod whose log the API refuses (400, 404) is skipped with
@@ -138,13 +141,13 @@ class KubeLogSource:
                 following = query.follow and not was_terminal
                 read = _PodRead()
                 cursor = state.cursors.setdefault(uid, ResumeCursor())
-                reached = (cursor.last_ns, cursor.at_last)
+                reached = (cursor.since_ns, cursor.count)
                 pod_lines = self._read_pod(ns, pod, query, cursor, read, following)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
                         state.drops = 0  # counted only in a row: this read got somewhere
-                        yield (uid, cursor.last_ns or 0, cursor.at_last), line
-                if (cursor.last_ns, cursor.at_last) != reached:
+                        yield (uid, cursor.since_ns or 0, cursor.count), line
+                if (cursor.since_ns, cursor.count) != reached:
                     state.drops = 0  # it got further, even if no line it read was wanted
                 if read.past_until:
                     return
@@ -220,26 +223,32 @@ class KubeLogSource:
         follow: bool,
     ) -> AsyncGenerator[str, None]:
         """The new lines of one pod's log (following it with ``follow``); how the read ended goes
-        to ``read`` (a follow silent for the log read timeout ends as a drop, status 0)."""
+        to ``read`` (a follow silent for the log read timeout ends as a drop, status 0).
+
+        The cursor sees every line before ``since`` is applied: a cursor is a place in the log,
+        whatever window it was taken with.
+        """
         since_ns = None if query.since is None else seconds_to_ns(query.since)
         until_ns = None if query.until is None else seconds_to_ns(query.until)
-        start = cursor.last_ns if cursor.last_ns is not None else since_ns
+        start = cursor.since_ns if cursor.since_ns is not None else since_ns
         since_time = to_rfc3339_seconds(start) if start is not None else None
         api = await self._connection.api()
         try:
             async with api.pod_log(
                 ns, meta(pod)["name"], follow=follow, since_time=since_time
             ) as raw_lines:
-                new = cursor.begin_pass()
+                new = cursor.begin_pass(start)
                 async for raw in raw_lines:
                     ts, body = split_timestamp(raw)
                     if ts is not None and until_ns is not None and ts > until_ns:
                         read.past_until = True
                         return
-                    if ts is not None and since_ns is not None and ts < since_ns:
+                    if not new.admit(ts) or (
+                        ts is not None and since_ns is not None and ts < since_ns
+                    ):
                         continue
                     text = body.decode("utf-8", "replace")
-                    if new.admit(ts) and query.matches(text):
+                    if query.matches(text):
                         yield text
             read.clean = True
         except KubeApiError as e:
