@@ -42,7 +42,7 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
-from asynctorchx.schedulers._local.recordfile import is_app_id
+from asynctorchx.schedulers._local.recordfile import MAX_APP_ID, is_app_id
 from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
@@ -120,8 +120,8 @@ class AppLauncher:
         if not is_app_id(request.app_id):  # (a request made by hand: it would name other files)
             raise ValueError(
                 f"app id {request.app_id!r} of the dry run is not a local app id (letters, digits, "
-                "'_', '.' and '-', starting with a letter or digit); make the dry run with "
-                "submit_dryrun"
+                f"'_', '.' and '-', starting with a letter or digit, at most {MAX_APP_ID} "
+                "characters); make the dry run with submit_dryrun"
             )
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id

@@ -41,6 +41,10 @@ TERMINAL_NAMES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 #: What a record holds where there is no structured error (``asynctorchx.specs.NONE``).
 NONE = "<NONE>"
 _APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+#: The longest local app id (``submit_dryrun`` makes ids of at most 40): every file named after an
+#: app must fit in a file name (255 bytes), the longest being the temporary file of a record's
+#: compaction, ``.{app_id}.{pid}.{thread id}.tmp`` (34 bytes more).
+MAX_APP_ID = 200
 _PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
 
 
@@ -67,8 +71,13 @@ def records_dir(root: str | os.PathLike[str]) -> str:
 
 
 def is_app_id(app_id: object) -> bool:
-    """True when ``app_id`` can be the id of a local app (and so names a file in the records dir)."""
-    return isinstance(app_id, str) and _APP_ID_RE.fullmatch(app_id) is not None
+    """True when ``app_id`` can be the id of a local app (and so names files in the records dir:
+    ``[A-Za-z0-9][A-Za-z0-9_.-]*``, at most ``MAX_APP_ID`` characters)."""
+    return (
+        isinstance(app_id, str)
+        and len(app_id) <= MAX_APP_ID
+        and _APP_ID_RE.fullmatch(app_id) is not None
+    )
 
 
 def list_ids(directory: str | os.PathLike[str]) -> list[str]:
