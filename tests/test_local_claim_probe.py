@@ -1,5 +1,5 @@
 """Faults found by probing the claim of a local app's id: hand-made app ids too long for the files
-named after them."""
+named after them, and a state root that turns read-only between the claim and the launch."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
-from _local_env import GATE, wait_for
+from _local_env import GATE, tiny_tmpfs, wait_for
 
-from asynctorchx.schedulers._local import protocol
+from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local.launch import AppLauncher
 from asynctorchx.schedulers._local.recordfile import MAX_APP_ID
+from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
 
@@ -41,8 +45,6 @@ async def test_a_dry_run_whose_app_id_is_too_long_for_its_files_is_refused(
     """A hand-made app id longer than ``MAX_APP_ID`` (its record, lock or cancel marker would not
     fit in a file name) is refused with a ValueError naming its length before any claim, file or
     process."""
-    from asynctorchx.schedulers.local import LocalScheduler
-
     root, go = tmp_path / "root", tmp_path / "go"
     async with LocalScheduler("long", local_root=root) as s:
         info = s.submit_dryrun(_gated_app(go), {})
@@ -73,8 +75,6 @@ async def test_an_app_id_of_the_longest_length_runs_and_is_cancelled_by_another_
 ) -> None:
     """An app id of ``MAX_APP_ID`` characters is launched, recorded and cancelled from another
     process (its lock file and cancel marker fit in file names): it ends CANCELLED."""
-    from asynctorchx.schedulers.local import LocalScheduler
-
     root, go = tmp_path / "root", tmp_path / "go"
     async with LocalScheduler("long", local_root=root) as s:
         info = s.submit_dryrun(_gated_app(go), {})
@@ -88,3 +88,47 @@ async def test_an_app_id_of_the_longest_length_runs_and_is_cancelled_by_another_
         assert done.returncode == 0, done.stderr
         desc = await wait_for(s, app_id)
         assert desc.state == AppState.CANCELLED, desc
+
+
+def _marked(app_id: str) -> list[int]:
+    prefix = protocol.app_marker_prefix(app_id)
+    return [p for p, _, _ in contain.live_processes(protocol.MARKER_ENV_BYTES, [prefix])]
+
+
+def _remount_ro_before(
+    real: Callable[[AppLauncher, Any], Coroutine[Any, Any, None]], fs: Path
+) -> Callable[[AppLauncher, Any], Coroutine[Any, Any, None]]:
+    """``real`` (a step of the launch of a claimed app), run once ``fs`` was made read-only (fault
+    injection: a file system remounted read-only after an I/O error)."""
+
+    async def step(self: AppLauncher, app: Any) -> None:
+        await anyio.to_thread.run_sync(
+            lambda: subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        )
+        await real(self, app)
+
+    return step
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step", ["launch", "_start_app"])
+async def test_a_state_root_turned_read_only_after_the_claim_fails_the_submit_with_its_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
+) -> None:
+    """A state root remounted read-only after the app's claim (before its log directory is
+    checked, or before its replicas start and its record is written) fails the submit with the
+    LaunchError of what could not be written, not the undo's "Read-only file system" on the
+    record it could not remove; nothing of the app runs and its cgroup is removed."""
+    go = tmp_path / "go"
+    with tiny_tmpfs(tmp_path / "fs", "1m") as fs:
+        monkeypatch.setattr(AppLauncher, step, _remount_ro_before(getattr(AppLauncher, step), fs))
+        # (the replicas' logs elsewhere, so that the launch gets as far as ``step``)
+        cfg = {"log_dir": str(tmp_path / "logs")} if step == "_start_app" else {}
+        async with LocalScheduler("ro", local_root=fs / "state") as s:
+            info = s.submit_dryrun(_gated_app(go), cfg)
+            app_id = info.request.app_id
+            with anyio.fail_after(30), pytest.raises(LaunchError, match="Read-only file system"):
+                await s.schedule(info)
+            assert s._runtime.apps == {} and _marked(app_id) == []
+            cgroup = s._runtime.contain.app_dir(app_id)
+            assert cgroup is None or not os.path.exists(cgroup)

@@ -484,7 +484,13 @@ class RecordStore:
         return recordfile.list_ids(self.records_dir)
 
     def remove(self, app_id: str) -> None:
-        """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind)."""
+        """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind).
+
+        A file that cannot be removed (the file system turned read-only) is left, and the others
+        are removed all the same: the undo of a failed submit goes on and its error is the one
+        raised. A claim left so refuses only its dry run, and is taken over once its launcher is
+        gone (``take_stale_claim``).
+        """
         if self.path(app_id) is None:
             return
         records_dir = str(self.records_dir)
@@ -494,10 +500,8 @@ class RecordStore:
             protocol.lock_path(records_dir, app_id),
             protocol.claim_path(records_dir, app_id),  # (last: the id is free once it goes)
         ):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(p)
-            except FileNotFoundError:
-                pass
 
     def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
         """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
