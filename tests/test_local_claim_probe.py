@@ -1,10 +1,13 @@
 """Faults found by probing the claim of a local app's id: hand-made app ids too long for the files
-named after them, and a state root that turns read-only between the claim and the launch."""
+named after them, a state root that turns read-only between the claim and the launch, and a
+watchdog that cannot be started again right after a claim."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,7 +19,7 @@ import anyio
 import pytest
 from _local_env import GATE, tiny_tmpfs, wait_for
 
-from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local import contain, guard, protocol
 from asynctorchx.schedulers._local.launch import AppLauncher
 from asynctorchx.schedulers._local.recordfile import MAX_APP_ID
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
@@ -132,3 +135,37 @@ async def test_a_state_root_turned_read_only_after_the_claim_fails_the_submit_wi
             assert s._runtime.apps == {} and _marked(app_id) == []
             cgroup = s._runtime.contain.app_dir(app_id)
             assert cgroup is None or not os.path.exists(cgroup)
+
+
+@pytest.mark.timeout(60)
+async def test_a_watchdog_that_cannot_be_restarted_after_a_claim_leaves_no_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submit whose claim was made but whose watchdog cannot then be started (its claims
+    directory was removed, so the watchdog is restarted to hold the new claims file, and the fork
+    fails: the host is out of processes) fails with a LaunchError and leaves no claim: the same
+    dry run runs once processes can be started again."""
+    root, go = tmp_path / "root", tmp_path / "go"
+    go.touch()
+    real_popen = guard.subprocess.Popen
+
+    def no_watchdog(argv: list[str], **kw: Any) -> Any:  # fault injection: fork fails (EAGAIN)
+        if str(guard.WATCHDOG_SCRIPT) in argv:
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real_popen(argv, **kw)
+
+    async with LocalScheduler("fork", local_root=root) as s:
+        first = await s.schedule(s.submit_dryrun(_gated_app(go), {}))
+        await wait_for(s, first)
+        shutil.rmtree(root / ".apps" / protocol.CLAIMS_DIR)
+        info = s.submit_dryrun(_gated_app(go), {})
+        app_id = info.request.app_id
+        with monkeypatch.context() as m:
+            m.setattr(guard.subprocess, "Popen", no_watchdog)
+            with pytest.raises(LaunchError, match="Resource temporarily unavailable"):
+                await s.schedule(info)
+        assert not os.path.lexists(protocol.claim_path(str(root / ".apps"), app_id))
+        assert s._runtime.claimed == {}
+        with anyio.fail_after(20):
+            assert await s.schedule(info) == app_id
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED

@@ -113,7 +113,8 @@ class AppLauncher:
             ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
                 by another process), or processes of an earlier launch of it are left, or its id
                 cannot be a local app's; nothing was made.
-            LaunchError: the claim cannot be made.
+            LaunchError: the claim cannot be made, or no watchdog can be started to learn of the
+                app (nothing is left of it then).
         """
         self._check_open()
         rt = self._rt
@@ -126,7 +127,10 @@ class AppLauncher:
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id
         app.cgroup = rt.contain.app_dir(app_id)
-        rt.watchdog.ensure_started()
+        try:
+            rt.watchdog.ensure_started()
+        except OSError as e:
+            raise launch_error(app_id, e, "the watchdog", rt.store.records_dir) from None
         registration = rt.registration(app)  # (made first: sent right after the claim)
         try:
             claimed = rt.store.claim(app_id)
@@ -135,12 +139,24 @@ class AppLauncher:
         if not claimed:
             await self._take_over(app_id)
         app.claimed = True
-        if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
-            # (its holder file was removed and made again: the watchdog must hold it too)
-            rt.watchdog.keep_fds = rt.store.lock_fds()
-            rt.watchdog.restart("the launcher's claims file was made again")
-        rt.claimed[app_id] = app
-        rt.watchdog.send_now(registration)
+        try:
+            if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
+                # (its holder file was removed and made again: the watchdog must hold it too)
+                rt.watchdog.keep_fds = rt.store.lock_fds()
+                rt.watchdog.restart("the launcher's claims file was made again")
+            rt.claimed[app_id] = app
+            rt.watchdog.send_now(registration)
+        except BaseException as e:
+            # no watchdog could be started to learn of the app: it is given up (its claim, left,
+            # would refuse the dry run while this process lives, and a watchdog started later,
+            # told of it, would record it FAILED when this process dies: it never ran)
+            rt.claimed.pop(app_id, None)
+            rt.watchdog.send_later(protocol.forget_line(app_id))
+            app.claimed = False
+            protocol.drop_claim(str(rt.store.records_dir), app_id)
+            if isinstance(e, OSError):
+                raise launch_error(app_id, e, "the watchdog", rt.store.records_dir) from None
+            raise
         return app
 
     async def _take_over(self, app_id: str) -> None:
