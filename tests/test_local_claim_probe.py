@@ -1,6 +1,7 @@
 """Faults found by probing the claim of a local app's id: hand-made app ids too long for the files
-named after them, a state root that turns read-only between the claim and the launch, and a
-watchdog that cannot be started again right after a claim."""
+named after them, a state root that turns read-only between the claim and the launch, a watchdog
+that cannot be started again right after a claim, and a launcher killed in the middle of taking a
+stale claim over."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 from _local_env import GATE, tiny_tmpfs, wait_for
+from test_local_claim import STALE, _doomed, _leave_stale_claim, _stale_dryrun, wait_started
 
 from asynctorchx.schedulers._local import contain, guard, protocol
 from asynctorchx.schedulers._local.launch import AppLauncher
@@ -169,3 +171,47 @@ async def test_a_watchdog_that_cannot_be_restarted_after_a_claim_leaves_no_claim
         with anyio.fail_after(20):
             assert await s.schedule(info) == app_id
         assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+
+
+def _killed_taking_over(after: str) -> str:
+    """The script of a launcher that takes a stale claim over and is SIGKILLed right ``after`` its
+    ``link`` (of its holder file to the claim's temporary name) or ``replace`` (of the claim by
+    that name), printing its watchdog's pid first."""
+    return _doomed(
+        f"""
+        real = getattr(os, {after!r})
+
+        def then_die(src, dst, **kw):  # (fault injection: the kill at that step)
+            real(src, dst, **kw)
+            if os.path.basename(src if {after!r} == "replace" else dst).startswith(".take."):
+                print(sched._runtime.watchdog.pid, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(os, {after!r}, then_die)
+        """
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("after", ["link", "replace"])
+async def test_a_launcher_killed_while_taking_a_stale_claim_over_leaves_it_to_the_next(
+    tmp_path: Path, after: str
+) -> None:
+    """A launcher SIGKILLed in the middle of taking a stale claim over (its holder linked to the
+    temporary name, or the claim replaced by it) leaves a claim the next launch of the dry run
+    takes over once that launcher's watchdog is gone: the app runs once."""
+    root = tmp_path / "root"
+    info, dryrun, started, go = _stale_dryrun(tmp_path, root)
+    await _leave_stale_claim(STALE, root, dryrun)
+    await _leave_stale_claim(_killed_taking_over(after), root, dryrun)
+    app_id = info.request.app_id
+    assert _claims_and_records(str(root / ".apps")) == [f"claim:{app_id}"]
+    assert not started.exists()
+    async with LocalScheduler("retry", local_root=root) as s:
+        with anyio.fail_after(20):
+            assert await s.schedule(info) == app_id
+        await wait_started(started)
+        go.touch()
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+    assert len(started.read_text().split()) == 1
+    assert _claims_and_records(str(root / ".apps")) == [f"{app_id}.json"]
