@@ -29,7 +29,7 @@ from _local_env import poll_until, wait_for
 
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers.local import LaunchError, LaunchSpecError, LocalScheduler
-from asynctorchx.specs import AppDef, AppDryRunInfo, AppState, Role
+from asynctorchx.specs import AppDef, AppDryRunInfo, AppState, Role, is_terminal
 
 
 def _counting_app(started: Path, go: Path) -> AppDef:
@@ -234,7 +234,9 @@ async def test_a_launcher_killed_between_claim_and_spawn_leaves_a_failed_app(
     records = str(root / ".apps")
     async with LocalScheduler("reader", local_root=root) as reader:
         with anyio.fail_after(20):
-            while (desc := await reader.describe(app_id)) is None:  # (bounded: the watchdog)
+            # (bounded: the watchdog; PENDING while it holds the claim, before it records it)
+            while (desc := await reader.describe(app_id)) is None or not is_terminal(desc.state):
+                assert desc is None or desc.state == AppState.PENDING, desc
                 await asyncio.sleep(0.02)
         assert desc.state == AppState.FAILED and "launcher" in desc.msg and "died" in desc.msg
         assert not os.path.lexists(protocol.claim_path(records, app_id))

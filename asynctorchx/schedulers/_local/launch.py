@@ -47,7 +47,11 @@ from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
-from asynctorchx.schedulers._local.supervise import CONTAIN_TIMEOUT, AppSupervision
+from asynctorchx.schedulers._local.supervise import (
+    CONTAIN_TIMEOUT,
+    FOREIGN_CANCEL,
+    AppSupervision,
+)
 from asynctorchx.specs.api import AppDef, AppState, copy_app, is_terminal
 
 logger = logging.getLogger(__name__)
@@ -211,6 +215,24 @@ class AppLauncher:
             "was this dry run already scheduled?"
         )
 
+    def hear_foreign_cancel(self, app: LiveApp) -> None:
+        """Another process left a cancel marker for an app claimed and not started yet (inotify
+        said so): it is read in a worker thread and the app stopped (it then starts nothing and
+        ends CANCELLED); one started meanwhile is the supervision's."""
+        with contextlib.suppress(RuntimeError):  # closing: nothing of it starts any more
+            self._rt.supervisor.spawn(self._stop_claimed(app), f"cancel-marker:{app.app_id}")
+
+    async def _stop_claimed(self, app: LiveApp) -> None:
+        rt = self._rt
+        signalled = await anyio.to_thread.run_sync(rt.store.cancel_requested, app.app_id)
+        if signalled is None or app.discard or app.cancel_reason is not None:
+            return
+        if rt.claimed.get(app.app_id) is app:
+            self._supervision.request_stop(app, FOREIGN_CANCEL)
+            rt.notify_soon(app.app_id)
+        elif rt.apps.get(app.app_id) is app:
+            self._supervision.hear_foreign_cancel(app)
+
     async def release(self, app: LiveApp) -> None:
         """Gives up an app that was claimed but not launched: the watchdog forgets it and its
         claim is removed; runs to completion even if the caller is cancelled."""
@@ -365,6 +387,10 @@ class AppLauncher:
         rt.claimed.pop(app_id, None)
         await self._prepare_cgroups(app)
         self._check_open()
+        if app.cancel_reason is None and rt.store.cancel_marked(app_id):
+            # cancelled by another process while it was being submitted (one lookup here: the
+            # marker's inotify event may not have been read yet)
+            self._supervision.request_stop(app, FOREIGN_CANCEL)
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._spawner.start(app, app.replicas)
             app.set_app_state(AppState.RUNNING, time.time())

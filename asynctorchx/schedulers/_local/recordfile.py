@@ -17,6 +17,10 @@ crash or a full disk) and a complete line that is not JSON (a torn line the next
 skipped, and the version before them wins; blank lines are skipped. A file written before this
 format (one JSON document and no newline) is read whole. A file with no complete version (empty:
 created a moment ago and not yet written) is no record yet.
+
+**Apps being submitted.** A launcher claims an app's id before it ships or starts anything of it,
+and writes its record only once it starts it (``protocol.py``): an app whose claim's lock is held
+but which has no record is being submitted (``claim_holder``, ``held_claims``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,69 @@ def list_ids(directory: str | os.PathLike[str]) -> list[str]:
     except FileNotFoundError:
         return []
     return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
+
+
+#: The directory of the claims in the records directory (``protocol.CLAIMS_DIR``).
+CLAIMS_DIR = ".claims"
+
+
+def claim_holder(records_dir: str, app_id: str) -> dict[str, Any] | None:
+    """What the launcher holding the claim of ``app_id`` says of itself (the JSON of its holder
+    file, ``{"backend": ..., "session": ...}``; ``{}`` when it says nothing), or None when there
+    is no claim or nobody holds its lock any more (its launcher and watchdog are gone: the claim is
+    stale, and taken over by the next launch of the dry run) or it cannot be told (a claim of a
+    file system without hard links or locks, or of an older version).
+
+    The lock is probed with an exclusive ``flock`` that fails at once while a launcher or a
+    watchdog holds its shared one; one that succeeds is let go at once (``take_stale_claim`` tries
+    again when it meets it).
+    """
+    import fcntl
+    import stat
+
+    path = os.path.join(records_dir, CLAIMS_DIR, app_id)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # held: by a launcher that may still start the app, or by its watchdog
+        except OSError:
+            return None
+        else:
+            return None
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        said = json.loads(data) if data.strip() else {}
+    except ValueError:
+        said = {}
+    return said if isinstance(said, dict) else {}
+
+
+def held_claims(records_dir: str, recorded: Container[str]) -> dict[str, dict[str, Any]]:
+    """``claim_holder`` of every app claimed in ``records_dir`` but not in ``recorded`` (the apps
+    being submitted, without a record yet), by app id; one listing of the claims directory."""
+    try:
+        names = os.listdir(os.path.join(records_dir, CLAIMS_DIR))
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name in recorded or not is_app_id(name):  # (the holder files start with a dot)
+            continue
+        said = claim_holder(records_dir, name)
+        if said is not None:
+            out[name] = said
+    return out
 
 
 def log_warning(message: str, *args: object) -> None:

@@ -10,13 +10,17 @@ process finishing a cancel) updates the record under a lock file.
 
 A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record
 (it lists the process groups the canceller already sent SIGTERM to), which the launcher notices
-through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.lock`` are removed
+through inotify, or when a replica exits. An app being submitted (claimed, see below, and not
+started: no record yet) gets one too; its launcher looks for it before the app's first replica
+starts, and the app ends CANCELLED with nothing started. Both it and the lock file ``.{app_id}.lock`` are removed
 once the record is terminal (``protocol.py``).
 
 A launcher claims an app's id before it starts anything of it (``RecordStore.claim``, a hard
 link of its holder file that only one launcher makes), so a dry run scheduled twice at once, even
 by two processes, starts once; a claim whose launcher died before its watchdog knew of the app is
-taken over by the next launcher of that dry run (``RecordStore.take_stale_claim``). A write that finds the records directory gone creates it again; one that finds the file system
+taken over by the next launcher of that dry run (``RecordStore.take_stale_claim``). Other
+processes see an app claimed by a launcher (or watchdog) that lives, without a record yet, as
+being submitted (``RecordStore.claim_held``, ``held_claims``). A write that finds the records directory gone creates it again; one that finds the file system
 full rewrites the record in place when it fits in the space the file already holds. A new record's
 first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
 which is then linked into place.
@@ -31,7 +35,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,10 +281,13 @@ class RecordStore:
 
     Args:
         root: the state root.
+        launcher: what the launcher says of itself in its holder file (its backend and session:
+            other processes list the apps it is submitting with them).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, launcher: Mapping[str, str] | None = None) -> None:
         self.root = root
+        self._says = json.dumps(dict(launcher)).encode() if launcher else b""
         self.records_dir = Path(recordfile.records_dir(root))
         self._ready = False
         self._lock = threading.Lock()
@@ -372,7 +379,7 @@ class RecordStore:
         self.ensure()
         pid = os.getpid()
         name = f"{pid}.{proc_start_ticks(pid) or 0}.{secrets.token_hex(4)}"
-        made = protocol.make_holder(str(self.records_dir), name)
+        made = protocol.make_holder(str(self.records_dir), name, self._says)
         self._held = True
         if self.holder_fd >= 0:
             self._old_holder_fds.append(self.holder_fd)
@@ -454,6 +461,16 @@ class RecordStore:
             return outcome
         return outcome
 
+    def claim_held(self, app_id: str) -> bool:
+        """True when ``app_id`` is claimed by a launcher (or its watchdog) that lives
+        (``recordfile.claim_holder``): without a record, it is being submitted."""
+        return recordfile.claim_holder(str(self.records_dir), app_id) is not None
+
+    def held_claims(self, recorded: Container[str]) -> dict[str, dict[str, Any]]:
+        """The apps claimed by a launcher that lives, but those in ``recorded``, with what their
+        launcher says of itself (``recordfile.held_claims``)."""
+        return recordfile.held_claims(str(self.records_dir), recorded)
+
     def _has_side_files(self, app_id: str) -> bool:
         records_dir = str(self.records_dir)
         return os.path.exists(protocol.lock_path(records_dir, app_id)) or os.path.exists(
@@ -489,11 +506,21 @@ class RecordStore:
         A file that cannot be removed (the file system turned read-only) is left, and the others
         are removed all the same: the undo of a failed submit goes on and its error is the one
         raised. A claim left so refuses only its dry run, and is taken over once its launcher is
-        gone (``take_stale_claim``).
+        gone (``take_stale_claim``). The files go under the record's lock (where it can be
+        taken), so that a cancel from another process either leaves its marker before (removed
+        here) or finds no claim after (and leaves none).
         """
         if self.path(app_id) is None:
             return
         records_dir = str(self.records_dir)
+        try:
+            with protocol.locked_record(records_dir, app_id):
+                self._remove_files(records_dir, app_id)
+        except OSError:
+            self._remove_files(records_dir, app_id)
+
+    @staticmethod
+    def _remove_files(records_dir: str, app_id: str) -> None:
         for p in (
             protocol.record_path(records_dir, app_id),
             protocol.cancel_path(records_dir, app_id),
@@ -505,12 +532,17 @@ class RecordStore:
 
     def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
         """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
-        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is terminal
-        or gone."""
+        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is
+        terminal, or there is none and the app is not being submitted (``claim_held``)."""
         records_dir = str(self.records_dir)
         with protocol.locked_record(records_dir, app_id):
             record = self.read(app_id)
-            if record is None or record.state.name in TERMINAL_NAMES:
+            if record is None and not self.claim_held(app_id):
+                # (a stale claim stays: the next launch of the dry run takes it over)
+                with contextlib.suppress(OSError):
+                    os.unlink(protocol.lock_path(records_dir, app_id))
+                return False
+            if record is not None and record.state.name in TERMINAL_NAMES:
                 protocol.drop_lock_files(records_dir, app_id)
                 return False
             data = "".join(f"{g}\n" for g in groups).encode()
@@ -523,6 +555,10 @@ class RecordStore:
                 os.close(fd)
             os.replace(tmp, protocol.cancel_path(records_dir, app_id))
         return True
+
+    def cancel_marked(self, app_id: str) -> bool:
+        """True when another process left the cancel marker of ``app_id`` (one lookup)."""
+        return os.path.lexists(protocol.cancel_path(str(self.records_dir), app_id))
 
     def cancel_requested(self, app_id: str) -> set[int] | None:
         """None, or the process groups another process sent SIGTERM when it cancelled ``app_id``."""
