@@ -1,13 +1,15 @@
 """Faults found by probing the claim of a local app's id: hand-made app ids too long for the files
 named after them, a state root that turns read-only between the claim and the launch, a watchdog
-that cannot be started again right after a claim, and a launcher killed in the middle of taking a
-stale claim over."""
+that cannot be started again right after a claim, a launcher killed in the middle of taking a
+stale claim over, and a claims directory removed while an app is being submitted."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import errno
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -18,8 +20,15 @@ from typing import Any
 
 import anyio
 import pytest
-from _local_env import GATE, tiny_tmpfs, wait_for
-from test_local_claim import STALE, _doomed, _leave_stale_claim, _stale_dryrun, wait_started
+from _local_env import GATE, poll_until, tiny_tmpfs, wait_for
+from test_local_claim import (
+    STALE,
+    _doomed,
+    _holders_open_in,
+    _leave_stale_claim,
+    _stale_dryrun,
+    wait_started,
+)
 
 from asynctorchx.schedulers._local import contain, guard, protocol
 from asynctorchx.schedulers._local.launch import AppLauncher
@@ -215,3 +224,155 @@ async def test_a_launcher_killed_while_taking_a_stale_claim_over_leaves_it_to_th
         assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
     assert len(started.read_text().split()) == 1
     assert _claims_and_records(str(root / ".apps")) == [f"{app_id}.json"]
+
+
+SCHEDULE = textwrap.dedent(
+    """
+    import asyncio, pickle, sys
+    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.specs import is_terminal
+
+    async def main(root, dryrun, backend):
+        with open(dryrun, "rb") as f:
+            info = pickle.load(f)
+        async with LocalScheduler("claimed", backend, local_root=root) as s:
+            try:
+                app_id = await s.schedule(info)
+            except ValueError as e:
+                print("lost", e, flush=True)
+                return
+            print("won", flush=True)
+            while not is_terminal((await s.describe(app_id)).state):
+                await asyncio.sleep(0.02)
+            print((await s.describe(app_id)).state.name, flush=True)
+
+    asyncio.run(main(*sys.argv[1:4]))
+    """
+)
+
+
+class Held:
+    """Holds a step of every submit (``cls.name``, a coroutine method) back until ``go`` is set;
+    ``entered`` is set once one waits."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+        real = getattr(cls, name)
+
+        async def step(*args: Any) -> None:
+            self.entered.set()
+            await self.go.wait()
+            await real(*args)
+
+        monkeypatch.setattr(cls, name, step)
+
+
+def _printing_app(tmp_path: Path, image: Path, workspace: bool) -> tuple[AppDef, Path, Path]:
+    """An app (its image: ``image``, where its script ``main.sh`` is written, run from the image
+    on ``local_dir`` and by its path on ``local_cwd``) whose replica notes its start in
+    ``started``, prints a line (its log directory is made) and runs until ``go`` exists; with
+    ``started`` and ``go``."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    image.mkdir(exist_ok=True)
+    (image / "main.sh").write_text(f"echo $$ >> {started}; echo up\n{GATE}\n")
+    script = "main.sh" if workspace else str(image / "main.sh")
+    role = Role("main", image=str(image), entrypoint="sh", args=[script], env={"GO": str(go)})
+    return AppDef("shared", [role]), started, go
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workspace", [False, True])
+async def test_a_claims_directory_removed_during_a_submit_lets_one_launcher_start_the_app(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workspace: bool
+) -> None:
+    """A launcher whose claim was removed with the claims directory while it submitted an app
+    (held before its launch, or before its ``local_dir`` workspace ship), and which another
+    process then claimed and started, refuses the app when its launch or ship comes, touching
+    nothing: the other's record, claim, log and workspace directories stay, and the app runs
+    once, to SUCCEEDED."""
+    root = tmp_path / "root"
+    backend = "local_dir" if workspace else "local_cwd"
+    if workspace:
+        held = Held(monkeypatch, LocalScheduler, "_ship_workspace")
+    else:
+        held = Held(monkeypatch, AppLauncher, "launch")
+    app, started, go = _printing_app(tmp_path, tmp_path / "ws", workspace)
+    async with LocalScheduler("claimed", backend, local_root=root) as s:
+        info = s.submit_dryrun(app, {}, workspace=str(tmp_path / "ws") if workspace else None)
+        app_id = info.request.app_id
+        dryrun = tmp_path / "dryrun.pickle"
+        dryrun.write_bytes(pickle.dumps(info))
+        task = asyncio.ensure_future(s.schedule(info))
+        other = None
+        try:
+            with anyio.fail_after(20):
+                await held.entered.wait()
+            shutil.rmtree(root / ".apps" / protocol.CLAIMS_DIR)
+            argv = [sys.executable, "-c", SCHEDULE, str(root), str(dryrun), backend]
+            other = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            app_dir = Path(info.request.app_dir)
+            await poll_until(app_dir.is_dir, "the other launcher's app to print")
+            held.go.set()
+            with anyio.fail_after(20), pytest.raises(ValueError, match=r"another launcher|exists"):
+                await task
+            records = root / ".apps"
+            assert (records / f"{app_id}.json").exists()
+            assert os.path.lexists(protocol.claim_path(str(records), app_id))
+            assert app_dir.is_dir()
+            if workspace:
+                assert (root / "workspaces" / "apps" / "claimed" / app_id / "main.sh").exists()
+            go.touch()
+            out, err = await anyio.to_thread.run_sync(lambda: other.communicate(timeout=40))
+            assert out.split() == ["won", "SUCCEEDED"], err
+        finally:
+            held.go.set()
+            go.touch()
+            if other is not None and other.poll() is None:
+                other.kill()
+                other.wait()
+            await asyncio.wait([task])
+    assert len(started.read_text().split()) == 1
+
+
+@pytest.mark.timeout(90)
+async def test_a_claim_removed_during_a_submit_is_made_again_before_the_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launcher whose claim was removed with the claims directory while it shipped the app's
+    workspace makes the claim again when its launch comes (its watchdog holding the new claims
+    file): another process scheduling the same dry run then is refused, and the app runs once."""
+    root = tmp_path / "root"
+    held = Held(monkeypatch, AppLauncher, "launch")
+    app, started, go = _printing_app(tmp_path, tmp_path / "ws", True)
+    async with LocalScheduler("claimed", "local_dir", local_root=root) as s:
+        info = s.submit_dryrun(app, {}, workspace=str(tmp_path / "ws"))
+        app_id = info.request.app_id
+        dryrun = tmp_path / "dryrun.pickle"
+        dryrun.write_bytes(pickle.dumps(info))
+        task = asyncio.ensure_future(s.schedule(info))
+        try:
+            with anyio.fail_after(20):
+                await held.entered.wait()
+            shutil.rmtree(root / ".apps" / protocol.CLAIMS_DIR)
+            held.go.set()
+            with anyio.fail_after(20):
+                assert await task == app_id
+            claim = protocol.claim_path(str(root / ".apps"), app_id)
+            store = s._runtime.store
+            assert store.holder is not None and os.path.samefile(claim, store.holder)
+            watchdog = s._runtime.watchdog.pid
+            assert watchdog is not None and store.holder in _holders_open_in(watchdog)
+            argv = [sys.executable, "-c", SCHEDULE, str(root), str(dryrun), "local_dir"]
+            done = await anyio.to_thread.run_sync(
+                lambda: subprocess.run(argv, capture_output=True, text=True, timeout=40)
+            )
+            assert done.stdout.startswith("lost") and "already scheduled" in done.stdout, done
+        finally:
+            held.go.set()
+            go.touch()
+            await asyncio.wait([task])
+        assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+    assert len(started.read_text().split()) == 1

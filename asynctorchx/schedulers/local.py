@@ -296,8 +296,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 directory entrypoint, missing working directory, a log_dir that cannot be written).
             LaunchError: a resource ran out (file descriptors, disk space, processes).
             ValueError: this dry run was already scheduled (or is being, by a process that
-                lives), processes of an earlier launch of it whose launcher died are left, or its
-                request names an id that cannot be a local app's.
+                lives), processes of an earlier launch of it whose launcher died are left, its
+                request names an id that cannot be a local app's, or its claim was removed
+                during the submit and another launcher claimed it (nothing is touched then).
 
         Whatever the error, even a cancellation, nothing of the app is left running or on disk.
         """
@@ -321,7 +322,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 shipped = True
             await self._launcher.launch(app)
         except BaseException:
-            if shipped:  # a bad entrypoint, say: the app's workspace directory goes too
+            if shipped and app is not None and app.claimed:
+                # a bad entrypoint, say: the app's workspace directory goes too (unless another
+                # launcher claimed the app meanwhile: it may be that launcher's)
                 await in_thread_shielded(
                     local_workspace.remove_workdir, self._root, self.session_name, app_id
                 )

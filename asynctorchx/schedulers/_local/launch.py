@@ -144,10 +144,7 @@ class AppLauncher:
             await self._take_over(app_id)
         app.claimed = True
         try:
-            if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
-                # (its holder file was removed and made again: the watchdog must hold it too)
-                rt.watchdog.keep_fds = rt.store.lock_fds()
-                rt.watchdog.restart("the launcher's claims file was made again")
+            self._watchdog_holds_claims()
             rt.claimed[app_id] = app
             rt.watchdog.send_now(registration)
         except BaseException as e:
@@ -162,6 +159,41 @@ class AppLauncher:
                 raise launch_error(app_id, e, "the watchdog", rt.store.records_dir) from None
             raise
         return app
+
+    def _watchdog_holds_claims(self) -> None:
+        """Restarts the watchdog if the store's holder file was made again (it was removed): the
+        watchdog must hold its lock too. Raises OSError when no watchdog can be started."""
+        rt = self._rt
+        if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
+            rt.watchdog.keep_fds = rt.store.lock_fds()
+            rt.watchdog.restart("the launcher's claims file was made again")
+
+    def _confirm_claim(self, app: LiveApp) -> None:
+        """Checks that the app's claim is still this launcher's (``RecordStore.confirm_claim``:
+        one ``lstat``), and makes it again if it was removed (``rm -r .apps``, say) while the app
+        was being submitted.
+
+        Raises:
+            ValueError: another launcher claimed the app meanwhile (``app.claimed`` is then
+                False: nothing of it may be removed, it may be that launcher's).
+            LaunchError: the claim cannot be made again, or no watchdog can be started to hold
+                it.
+        """
+        rt = self._rt
+        records = rt.store.records_dir
+        try:
+            mine = rt.store.confirm_claim(app.app_id)
+            if mine:
+                self._watchdog_holds_claims()
+        except OSError as e:
+            raise launch_error(app.app_id, e, "the app's claim", records) from None
+        if not mine:
+            app.claimed = False
+            raise ValueError(
+                f"app {app.app_id!r} was claimed by another launcher while it was being submitted "
+                f"(its claim, in {records}, was removed meanwhile), or recorded already; was this "
+                "dry run scheduled twice?"
+            )
 
     async def _take_over(self, app_id: str) -> None:
         """Takes over the claim of ``app_id`` that its launcher left when it died before its
@@ -235,12 +267,13 @@ class AppLauncher:
 
     async def release(self, app: LiveApp) -> None:
         """Gives up an app that was claimed but not launched: the watchdog forgets it and its
-        claim is removed; runs to completion even if the caller is cancelled."""
+        claim is removed, if it is still this launcher's (``RecordStore.release_claim``); runs to
+        completion even if the caller is cancelled."""
         self._rt.claimed.pop(app.app_id, None)
         self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
         if app.claimed:
             app.claimed = False
-            await in_thread_shielded(self._rt.store.remove, app.app_id)
+            await in_thread_shielded(self._rt.store.release_claim, app.app_id)
 
     async def launch(self, app: LiveApp) -> None:
         """Starts a claimed app; see ``LocalScheduler.schedule``.
@@ -248,8 +281,11 @@ class AppLauncher:
         Raises:
             LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left
                 but its claim (``release``).
+            ValueError: the app's claim was removed meanwhile and another launcher claimed it
+                (``app.claimed`` is then False); nothing was touched.
         """
         self._check_open()
+        self._confirm_claim(app)
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
         # a lazy writer keeps the descriptors of its files promised until it has them (they are

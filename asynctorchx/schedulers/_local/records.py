@@ -70,6 +70,7 @@ def _unlock_in_forked_child() -> None:
             with contextlib.suppress(OSError):
                 os.close(fd)
         store.holder, store.holder_fd, store._old_holder_fds = None, -1, []
+        store._holder_ids.clear()
         store._held = False
 
 
@@ -300,6 +301,9 @@ class RecordStore:
         self.holder_fd = -1
         #: the locks of the holder files made before (``hold`` again): claims may still link them
         self._old_holder_fds: list[int] = []
+        #: ``(st_dev, st_ino)`` of every holder file ``hold`` made (the claims this store made link
+        #: one of them: ``confirm_claim``)
+        self._holder_ids: set[tuple[int, int]] = set()
         self._held = False
         _stores.add(self)
 
@@ -380,6 +384,9 @@ class RecordStore:
         pid = os.getpid()
         name = f"{pid}.{proc_start_ticks(pid) or 0}.{secrets.token_hex(4)}"
         made = protocol.make_holder(str(self.records_dir), name, self._says)
+        if made is not None:
+            st = os.fstat(made[1])
+            self._holder_ids.add((st.st_dev, st.st_ino))
         self._held = True
         if self.holder_fd >= 0:
             self._old_holder_fds.append(self.holder_fd)
@@ -406,6 +413,7 @@ class RecordStore:
             if fd >= 0:
                 os.close(fd)
         self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
+        self._holder_ids.clear()
         self._held = False
 
     def claim(self, app_id: str) -> bool:
@@ -430,6 +438,38 @@ class RecordStore:
             protocol.drop_claim(records_dir, app_id)
             return False
         return True
+
+    def confirm_claim(self, app_id: str) -> bool:
+        """True when the claim this store made of ``app_id`` is still its own (one ``lstat``),
+        made again (``claim``) if it was removed (its claims directory, say); False when it is now
+        another launcher's, or the app has a record (another launcher claimed it meanwhile, and
+        may have started it): nothing is touched then.
+
+        A claim that is a file of its own (``protocol.claim_app`` without hard links or locks)
+        cannot be told from another launcher's, and is taken for this store's.
+
+        Raises:
+            OSError: the claim cannot be made again.
+        """
+        try:
+            st = os.lstat(protocol.claim_path(str(self.records_dir), app_id))
+        except FileNotFoundError:
+            return self.claim(app_id)
+        return self._is_mine(st)
+
+    def _is_mine(self, claim: os.stat_result) -> bool:
+        return (claim.st_dev, claim.st_ino) in self._holder_ids or claim.st_nlink == 1
+
+    def release_claim(self, app_id: str) -> None:
+        """``remove`` for an app claimed and not started, when its claim is still this store's;
+        nothing when it is not (it was removed meanwhile, and another launcher may have claimed,
+        started or recorded the app since: what is there is that launcher's)."""
+        try:
+            mine = self._is_mine(os.lstat(protocol.claim_path(str(self.records_dir), app_id)))
+        except OSError:
+            mine = False
+        if mine:
+            self.remove(app_id)
 
     def take_stale_claim(self, app_id: str, may_take: Callable[[], bool] = lambda: True) -> str:
         """Takes the claim of ``app_id`` over when it was left by a launcher that died before its
