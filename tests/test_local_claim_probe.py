@@ -1,7 +1,8 @@
 """Faults found by probing the claim of a local app's id: hand-made app ids too long for the files
 named after them, a state root that turns read-only between the claim and the launch, a watchdog
 that cannot be started again right after a claim, a launcher killed in the middle of taking a
-stale claim over, and a claims directory removed while an app is being submitted."""
+stale claim over, a claims directory removed while an app is being submitted, and two threads
+making a launcher's holder file again at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from test_local_claim import (
 from asynctorchx.schedulers._local import contain, guard, protocol
 from asynctorchx.schedulers._local.launch import AppLauncher
 from asynctorchx.schedulers._local.recordfile import MAX_APP_ID
+from asynctorchx.schedulers._local.records import RecordStore
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
 
@@ -376,3 +379,56 @@ async def test_a_claim_removed_during_a_submit_is_made_again_before_the_launch(
             await asyncio.wait([task])
         assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
     assert len(started.read_text().split()) == 1
+
+
+class _MeetingList(list[int]):
+    """The list of a store's older holder locks, whose ``append`` waits (at most ``patience``
+    seconds) until ``met`` is set: fault injection that keeps a ``hold`` in the middle of replacing
+    the holder while another one runs."""
+
+    def __init__(self, met: threading.Event, patience: float) -> None:
+        super().__init__()
+        self.met = met
+        self.patience = patience
+
+    def append(self, fd: int) -> None:
+        self.met.wait(self.patience)
+        super().append(fd)
+
+
+def test_two_holds_at_once_keep_each_older_lock_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads making a store's holder file again at once (the claims directory was removed,
+    and a take-over in a worker thread claims while the event loop does) keep each older lock once
+    and lose none: ``release_holder`` closes every descriptor exactly once (one was kept twice and
+    closed twice, the second time maybe another file's)."""
+    store = RecordStore(tmp_path / "root")
+    store.hold()
+    first = store.holder_fd
+    second_in = threading.Event()
+    real = protocol.make_holder
+
+    def make_holder(records_dir: str, name: str, says: bytes = b"") -> tuple[str, int] | None:
+        made = real(records_dir, name, says)
+        if threading.current_thread().name == "second":
+            second_in.set()
+        return made
+
+    monkeypatch.setattr(protocol, "make_holder", make_holder)
+    # (the first waits in its replacement until the second has made its holder, or 0.5 s: what a
+    # lock around the replacement makes it wait for in vain)
+    store._old_holder_fds = _MeetingList(second_in, 0.5)
+    threads = [threading.Thread(target=store.hold, name=n) for n in ("first", "second")]
+    threads[0].start()
+    threads[1].start()
+    for t in threads:
+        t.join(20)
+    fds = store.lock_fds()
+    assert len(fds) == 3 and len(set(fds)) == 3 and first in fds, fds
+    names = [os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) for fd in fds]
+    assert all(n.startswith(protocol.HOLDER_PREFIX) for n in names), names
+    store.release_holder()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)

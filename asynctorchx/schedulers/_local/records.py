@@ -66,6 +66,7 @@ def _unlock_in_forked_child() -> None:
     # a fork of the launcher must not keep its claims held after the launcher and its watchdog
     # died (the lock is the open file's: closing the child's copy leaves the parent's)
     for store in list(_stores):
+        store._holder_lock = threading.Lock()  # (another thread may have held it at the fork)
         for fd in store.lock_fds():
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -305,6 +306,9 @@ class RecordStore:
         #: one of them: ``confirm_claim``)
         self._holder_ids: set[tuple[int, int]] = set()
         self._held = False
+        #: serialises the changes of the holder: ``hold`` runs on the event loop (``claim``) and
+        #: in worker threads (``prepare``, a take-over's ``claim``) alike
+        self._holder_lock = threading.Lock()
         _stores.add(self)
 
     def ensure(self) -> None:
@@ -379,18 +383,20 @@ class RecordStore:
         """Makes this store's holder file (``protocol.make_holder``), which its claims link and
         whose lock says that its launcher or watchdog lives; ``holder_fd`` holds the lock (pass it
         to the watchdog). A holder made again (its file was removed) keeps the older locks, which
-        the claims made before still name, until ``release_holder``. Raises OSError."""
+        the claims made before still name, until ``release_holder``. Thread-safe (two at once make
+        two holders, and keep each older lock once). Raises OSError."""
         self.ensure()
         pid = os.getpid()
         name = f"{pid}.{proc_start_ticks(pid) or 0}.{secrets.token_hex(4)}"
-        made = protocol.make_holder(str(self.records_dir), name, self._says)
-        if made is not None:
-            st = os.fstat(made[1])
-            self._holder_ids.add((st.st_dev, st.st_ino))
-        self._held = True
-        if self.holder_fd >= 0:
-            self._old_holder_fds.append(self.holder_fd)
-        self.holder, self.holder_fd = made if made is not None else (None, -1)
+        with self._holder_lock:
+            made = protocol.make_holder(str(self.records_dir), name, self._says)
+            if made is not None:
+                st = os.fstat(made[1])
+                self._holder_ids.add((st.st_dev, st.st_ino))
+            self._held = True
+            if self.holder_fd >= 0:
+                self._old_holder_fds.append(self.holder_fd)
+            self.holder, self.holder_fd = made if made is not None else (None, -1)
 
     def drop_dead_holders(self) -> None:
         """Removes the holder files of launchers that are gone and left no claim
@@ -399,22 +405,24 @@ class RecordStore:
 
     def lock_fds(self) -> tuple[int, ...]:
         """The descriptors holding the locks of this store's claims (for its watchdog)."""
-        fds = (self.holder_fd, *self._old_holder_fds)
+        with self._holder_lock:
+            fds = (self.holder_fd, *self._old_holder_fds)
         return tuple(fd for fd in fds if fd >= 0)
 
     def release_holder(self) -> None:
         """Lets the holder's locks go (the scheduler closed; its watchdog may keep them a little
         longer) and removes the holder file when no claim links it any more."""
-        if self.holder_fd >= 0 and self.holder is not None:
-            with contextlib.suppress(OSError):
-                if os.fstat(self.holder_fd).st_nlink == 1:
-                    os.unlink(self.holder)
-        for fd in [self.holder_fd, *self._old_holder_fds]:
-            if fd >= 0:
-                os.close(fd)
-        self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
-        self._holder_ids.clear()
-        self._held = False
+        with self._holder_lock:
+            if self.holder_fd >= 0 and self.holder is not None:
+                with contextlib.suppress(OSError):
+                    if os.fstat(self.holder_fd).st_nlink == 1:
+                        os.unlink(self.holder)
+            for fd in [self.holder_fd, *self._old_holder_fds]:
+                if fd >= 0:
+                    os.close(fd)
+            self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
+            self._holder_ids.clear()
+            self._held = False
 
     def claim(self, app_id: str) -> bool:
         """Claims ``app_id`` for this launcher (``protocol.claim_app``); False when it is claimed
