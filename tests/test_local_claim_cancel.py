@@ -22,7 +22,7 @@ import pytest
 from _local_env import wait_for
 from test_local_claim import STALE, _counting_app, _leave_stale_claim, _stale_dryrun
 
-from asynctorchx.schedulers._local import contain, protocol
+from asynctorchx.schedulers._local import contain, protocol, recordfile
 from asynctorchx.schedulers._local.launch import AppLauncher
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppState
@@ -238,3 +238,26 @@ async def test_a_claim_whose_launcher_died_is_not_shown_pending_and_takes_no_can
         go.touch()
         assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
     assert len(started.read_text().split()) == 1
+
+
+def test_a_claim_reads_as_being_submitted_only_while_its_holder_is_locked(tmp_path: Path) -> None:
+    """``recordfile.claim_holder`` gives what a live launcher says of itself through its claim,
+    None once nobody holds the lock, and None for a name that is no app id (a holder file, a path
+    out of the claims directory) whatever it names."""
+    records = str(tmp_path)
+    made = protocol.make_holder(records, "h", b'{"backend": "local_dir", "session": "s"}')
+    assert made is not None
+    holder, fd = made
+    assert protocol.claim_app(records, "app-1", holder)
+    assert recordfile.claim_holder(records, "app-1") == {"backend": "local_dir", "session": "s"}
+    assert recordfile.held_claims(records, ()) == {
+        "app-1": {"backend": "local_dir", "session": "s"}
+    }
+    assert recordfile.held_claims(records, {"app-1"}) == {}
+    name = os.path.basename(holder)
+    assert recordfile.claim_holder(records, name) is None
+    assert recordfile.claim_holder(records, f"../{protocol.CLAIMS_DIR}/{name}") is None
+    os.close(fd)
+    assert recordfile.claim_holder(records, "app-1") is None
+    assert protocol.take_stale_claim(records, "app-1", holder) == protocol.TAKEN
+    assert recordfile.CLAIMS_DIR == protocol.CLAIMS_DIR

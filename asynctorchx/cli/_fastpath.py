@@ -183,9 +183,7 @@ def _read(rf: ModuleType, app_id: str, log: bool = True) -> dict[str, Any] | Non
 
 def _being_submitted(rf: ModuleType, app_id: str) -> bool:
     """True when ``app_id`` (which has no record) is claimed by a launcher that lives."""
-    return (
-        rf.is_app_id(app_id) and rf.claim_holder(rf.records_dir(rf.root_dir()), app_id) is not None
-    )
+    return rf.claim_holder(rf.records_dir(rf.root_dir()), app_id) is not None
 
 
 def _view(fields: dict[str, Any]) -> tuple[AppStatus, AppDef | None]:

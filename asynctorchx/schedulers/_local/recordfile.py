@@ -111,6 +111,8 @@ def claim_holder(records_dir: str, app_id: str) -> dict[str, Any] | None:
     import fcntl
     import stat
 
+    if not is_app_id(app_id):  # (it would name another file)
+        return None
     path = os.path.join(records_dir, CLAIMS_DIR, app_id)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -148,7 +150,7 @@ def held_claims(records_dir: str, recorded: Container[str]) -> dict[str, dict[st
         return {}
     out = {}
     for name in names:
-        if name in recorded or not is_app_id(name):  # (the holder files start with a dot)
+        if name in recorded:  # (the holder files, whose names start with a dot, are no app's)
             continue
         said = claim_holder(records_dir, name)
         if said is not None:
