@@ -90,7 +90,7 @@ async def test_two_schedulers_scheduling_one_dry_run_at_once_start_it_once(tmp_p
 
 CHILD = textwrap.dedent(
     """
-    import asyncio, os, pickle, sys
+    import asyncio, os, pickle, select, sys
     from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
     from asynctorchx.specs import AppDef, Role
 
@@ -100,9 +100,12 @@ CHILD = textwrap.dedent(
         async with LocalScheduler("race", local_root=root) as s:
             warm = s.submit_dryrun(AppDef("warm", [Role("main", image="x", entrypoint="true")]), {})
             await until_done(s, await s.schedule(warm))  # the state root and session are ready
+            # the barrier: both read one byte of one write (the FIFO opened before saying ready: a
+            # reader opening it after the write would wait for another writer for ever)
+            barrier = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
             open(os.path.join(ready, str(os.getpid())), "w").close()
-            with open(fifo, "rb") as f:  # the barrier: both read one byte of one write
-                f.read(1)
+            select.select([barrier], [], [])
+            os.read(barrier, 1)
             try:
                 app_id = await s.schedule(info)
             except ValueError as e:
