@@ -181,9 +181,10 @@ class AppLauncher:
         """
         rt = self._rt
         records = rt.store.records_dir
+        holder_fd = rt.store.holder_fd
         try:
             mine = rt.store.confirm_claim(app.app_id)
-            if mine:
+            if mine and rt.store.holder_fd != holder_fd:  # (made again, with its holder)
                 self._watchdog_holds_claims()
         except OSError as e:
             raise launch_error(app.app_id, e, "the app's claim", records) from None
