@@ -29,7 +29,7 @@ from _local_env import poll_until, wait_for
 
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers.local import LaunchError, LaunchSpecError, LocalScheduler
-from asynctorchx.specs import AppDef, AppDryRunInfo, AppState, Role
+from asynctorchx.specs import AppDef, AppDryRunInfo, AppState, Role, is_terminal
 
 
 def _counting_app(started: Path, go: Path) -> AppDef:
@@ -90,7 +90,7 @@ async def test_two_schedulers_scheduling_one_dry_run_at_once_start_it_once(tmp_p
 
 CHILD = textwrap.dedent(
     """
-    import asyncio, os, pickle, sys
+    import asyncio, os, pickle, select, sys
     from asynctorchx.schedulers.local import LaunchSpecError, LocalScheduler
     from asynctorchx.specs import AppDef, Role
 
@@ -100,9 +100,12 @@ CHILD = textwrap.dedent(
         async with LocalScheduler("race", local_root=root) as s:
             warm = s.submit_dryrun(AppDef("warm", [Role("main", image="x", entrypoint="true")]), {})
             await until_done(s, await s.schedule(warm))  # the state root and session are ready
+            # the barrier: both read one byte of one write (the FIFO opened before saying ready: a
+            # reader opening it after the write would wait for another writer for ever)
+            barrier = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
             open(os.path.join(ready, str(os.getpid())), "w").close()
-            with open(fifo, "rb") as f:  # the barrier: both read one byte of one write
-                f.read(1)
+            select.select([barrier], [], [])
+            os.read(barrier, 1)
             try:
                 app_id = await s.schedule(info)
             except ValueError as e:
@@ -234,7 +237,9 @@ async def test_a_launcher_killed_between_claim_and_spawn_leaves_a_failed_app(
     records = str(root / ".apps")
     async with LocalScheduler("reader", local_root=root) as reader:
         with anyio.fail_after(20):
-            while (desc := await reader.describe(app_id)) is None:  # (bounded: the watchdog)
+            # (bounded: the watchdog; PENDING while it holds the claim, before it records it)
+            while (desc := await reader.describe(app_id)) is None or not is_terminal(desc.state):
+                assert desc is None or desc.state == AppState.PENDING, desc
                 await asyncio.sleep(0.02)
         assert desc.state == AppState.FAILED and "launcher" in desc.msg and "died" in desc.msg
         assert not os.path.lexists(protocol.claim_path(records, app_id))

@@ -13,7 +13,9 @@ records and compare their output byte for byte (``tests/test_cli_fastpath.py``).
 Only what needs nothing else is answered here: a handle (or ``-s``) of ``local_cwd`` or
 ``local_dir`` with a non-empty session, no ``.torchxconfig`` at all (a config file may hold launch
 limits or be invalid, which the runner reports), and a kernel with pidfds (without them the local
-backends refuse to start). Anything else returns None, and the command takes the runner path.
+backends refuse to start). Anything else returns None, and the command takes the runner path: so
+does an app being submitted (its id claimed by a launcher that lives, no record yet), which the
+runner path reports PENDING.
 ``ASYNCTORCHX_CLI_FASTPATH=0`` in the environment sends every command the runner path (to compare
 the two, or should they ever disagree).
 """
@@ -179,6 +181,11 @@ def _read(rf: ModuleType, app_id: str, log: bool = True) -> dict[str, Any] | Non
     return fields
 
 
+def _being_submitted(rf: ModuleType, app_id: str) -> bool:
+    """True when ``app_id`` (which has no record) is claimed by a launcher that lives."""
+    return rf.claim_holder(rf.records_dir(rf.root_dir()), app_id) is not None
+
+
 def _view(fields: dict[str, Any]) -> tuple[AppStatus, AppDef | None]:
     """What the runner makes of a record: its status (``AppRecord.to_response().to_status()``) and,
     when the record holds one, its ``AppDef`` (parsed in that order, so a bad record fails alike)."""
@@ -223,7 +230,10 @@ def status(handle: str) -> tuple[AppStatus | None] | None:
     split = _split(handle)
     if split is None:
         return None
-    fields = _read(_recordfile(), split[2])
+    rf = _recordfile()
+    fields = _read(rf, split[2])
+    if fields is None and _being_submitted(rf, split[2]):
+        return None
     return (None if fields is None else _view(fields)[0],)
 
 
@@ -240,9 +250,10 @@ def describe(handle: str) -> tuple[AppDef | None, str] | None:
     if split is None:
         return None
     app_id = split[2]
-    fields = _read(_recordfile(), app_id)
+    rf = _recordfile()
+    fields = _read(rf, app_id)
     if fields is None:
-        return None, "UNKNOWN"
+        return None if _being_submitted(rf, app_id) else (None, "UNKNOWN")
     status, app = _view(fields)
     roles = [] if app is None else app.roles
     return AppDef(name=fields["name"] or app_id, roles=list(roles)), status.state.name
@@ -261,10 +272,10 @@ def list_apps(scheduler: str) -> list[tuple[str, str, str, str]] | None:
 
     rf = _recordfile()
     _debug("listing the app records of %s (no runner, no event loop)", rf.root_dir())
-    read = {
-        app_id: _read(rf, app_id, log=False)
-        for app_id in rf.list_ids(rf.records_dir(rf.root_dir()))
-    }
+    records_dir = rf.records_dir(rf.root_dir())
+    read = {app_id: _read(rf, app_id, log=False) for app_id in rf.list_ids(records_dir)}
+    if rf.held_claims(records_dir, read):  # (apps being submitted: the runner lists them)
+        return None
     records = {r["app_id"]: r for r in read.values() if r is not None}
     ordered = sorted(records.values(), key=lambda r: (r["submitted_at"], r["app_id"]))
     rows = [

@@ -6,6 +6,9 @@ Exits are learnt from pidfds watched by the event loop (no threads, no polling),
 pushed to subscribers (``pushes_changes``). Each app has a record on disk (``_local.records``), so
 another process with the same state root can describe, list, read the logs of and cancel it; changes
 to the records of apps other processes launched are pushed too (inotify on the records directory).
+Before its record, an app's id is claimed (``schedule``): while it is being submitted (a long
+``local_dir`` ship, say) every process sees it PENDING, "being submitted", and a cancel leaves it
+CANCELLED with nothing started.
 
 A replica's environment is the launcher's, then the role's ``env`` (macros substituted), then
 ``TORCHX_RANK0_HOST=localhost``, and unless the role sets them ``TORCHELASTIC_ERROR_FILE``
@@ -101,7 +104,7 @@ from asynctorchx.schedulers._local.request import (
     build_request,
     format_request,
 )
-from asynctorchx.schedulers._local.runtime import LocalRuntime
+from asynctorchx.schedulers._local.runtime import BEING_SUBMITTED, LocalRuntime
 from asynctorchx.schedulers._local.spawn import Spawner
 from asynctorchx.schedulers._local.supervise import (
     CONTAIN_TIMEOUT,
@@ -118,6 +121,7 @@ from asynctorchx.schedulers.api import (
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
+    AppState,
     CfgVal,
     is_terminal,
     make_app_handle,
@@ -181,7 +185,12 @@ class LocalScheduler(Scheduler[LocalRequest]):
         )
         self._root = root
         self._gpu_count = gpu_count
-        self._runtime = rt = LocalRuntime(root, f"{backend}:{session_name}", self._notify)
+        self._runtime = rt = LocalRuntime(
+            root,
+            f"{backend}:{session_name}",
+            self._notify,
+            {"backend": backend, "session": session_name},
+        )
         self._spawner = Spawner(rt, self._check_open)
         self._supervision = AppSupervision(rt, self._spawner, self._records_watched)
         self._launcher = AppLauncher(
@@ -287,8 +296,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 directory entrypoint, missing working directory, a log_dir that cannot be written).
             LaunchError: a resource ran out (file descriptors, disk space, processes).
             ValueError: this dry run was already scheduled (or is being, by a process that
-                lives), processes of an earlier launch of it whose launcher died are left, or its
-                request names an id that cannot be a local app's.
+                lives), processes of an earlier launch of it whose launcher died are left, its
+                request names an id that cannot be a local app's, or its claim was removed
+                during the submit and another launcher claimed it (nothing is touched then).
 
         Whatever the error, even a cancellation, nothing of the app is left running or on disk.
         """
@@ -312,7 +322,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 shipped = True
             await self._launcher.launch(app)
         except BaseException:
-            if shipped:  # a bad entrypoint, say: the app's workspace directory goes too
+            if shipped and app is not None and app.claimed:
+                # a bad entrypoint, say: the app's workspace directory goes too (unless another
+                # launcher claimed the app meanwhile: it may be that launcher's)
                 await in_thread_shielded(
                     local_workspace.remove_workdir, self._root, self.session_name, app_id
                 )
@@ -327,13 +339,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
     # -- describing -------------------------------------------------------------------------------
 
     async def describe(self, app_id: str) -> DescribeAppResponse | None:
-        """The app's state, replicas (pid, exit code, structured error) and roles; None if unknown."""
+        """The app's state, replicas (pid, exit code, structured error) and roles; None if unknown.
+
+        An app another process is submitting (its id claimed, by a launcher or watchdog that
+        lives, and no record yet: a long ``local_dir`` ship, say) is PENDING, "being submitted".
+        """
         own = self._runtime.own(app_id)
         if own is not None:
             return own.record.to_response(own.roles)
         self._ensure_records_watch()
-        record = await anyio.to_thread.run_sync(self._runtime.store.read_checked, app_id)
-        return None if record is None else record.to_response()
+        return (await self._describe_foreign([app_id]))[app_id]
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
         """``describe`` of many apps: the ones this object launched from memory, the others in one
@@ -348,30 +363,47 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 foreign.append(app_id)
         if foreign:
             self._ensure_records_watch()
-            store = self._runtime.store
-            records = await anyio.to_thread.run_sync(store.read_checked_many, foreign)
-            for app_id, record in records.items():
-                out[app_id] = None if record is None else record.to_response()
+            out.update(await self._describe_foreign(foreign))
+        return out
+
+    async def _describe_foreign(self, app_ids: list[str]) -> dict[str, DescribeAppResponse | None]:
+        store = self._runtime.store
+
+        def read() -> dict[str, AppRecord | bool | None]:
+            found: dict[str, AppRecord | bool | None] = {}
+            for app_id, record in store.read_checked_many(app_ids).items():
+                found[app_id] = store.claim_held(app_id) if record is None else record
+            return found
+
+        out: dict[str, DescribeAppResponse | None] = {}
+        for app_id, found in (await anyio.to_thread.run_sync(read)).items():
+            if isinstance(found, AppRecord):
+                out[app_id] = found.to_response()
+            else:
+                out[app_id] = _being_submitted(app_id) if found else None
         return out
 
     async def list(self) -> list[ListAppResponse]:
-        """Every app of this backend in the state root, whichever session or process launched it."""
+        """Every app of this backend in the state root, whichever session or process launched it;
+        those being submitted (claimed, no record yet) last, PENDING."""
         rt = self._runtime
 
-        def read_all() -> list[AppRecord]:
-            records = rt.store.read_checked_many(rt.store.list_ids())
-            return [r for r in records.values() if r is not None]
+        def read_all() -> tuple[list[AppRecord], dict[str, dict[str, Any]]]:
+            ids = rt.store.list_ids()
+            records = rt.store.read_checked_many(ids)
+            return [r for r in records.values() if r is not None], rt.store.held_claims(set(ids))
 
-        records = {r.app_id: r for r in await anyio.to_thread.run_sync(read_all)}
+        found, claims = await anyio.to_thread.run_sync(read_all)
+        records = {r.app_id: r for r in found}
         for app_id in list(records):
             own = rt.record_of(app_id)
             if own is not None:
                 records[app_id] = own
-        for app in rt.apps.values():
+        for app in [*rt.apps.values(), *rt.claimed.values()]:
             if not app.discard:
                 records.setdefault(app.app_id, rt.snapshot(app))
         ordered = sorted(records.values(), key=lambda r: (r.submitted_at, r.app_id))
-        return [
+        out = [
             ListAppResponse(
                 app_id=r.app_id,
                 state=r.state,
@@ -381,6 +413,14 @@ class LocalScheduler(Scheduler[LocalRequest]):
             for r in ordered
             if r.backend == self.backend
         ]
+        for app_id, launcher in sorted(claims.items()):
+            session = launcher.get("session")
+            if app_id in records or launcher.get("backend") != self.backend:
+                continue
+            if isinstance(session, str):
+                handle = make_app_handle(self.backend, session, app_id)
+                out.append(ListAppResponse(app_id, AppState.PENDING, handle))
+        return out
 
     # -- changes made by other processes ------------------------------------------------------------
 
@@ -422,6 +462,8 @@ class LocalScheduler(Scheduler[LocalRequest]):
             app = rt.apps.get(name[:-7])
             if app is not None:
                 self._supervision.hear_foreign_cancel(app)
+            elif (app := rt.claimed.get(name[:-7])) is not None:
+                self._launcher.hear_foreign_cancel(app)
         elif mask & IN_Q_OVERFLOW:  # events were lost: look for cancel markers at the next exits
             for app in rt.apps.values():
                 app.foreign_cancel = True
@@ -429,13 +471,17 @@ class LocalScheduler(Scheduler[LocalRequest]):
     # -- cancelling -------------------------------------------------------------------------------
 
     async def exists(self, app_id: str) -> bool:
-        """True for an app under the state root (from memory for this object's apps)."""
+        """True for an app under the state root (from memory for this object's apps), or being
+        submitted by a process that lives (its id claimed, no record yet)."""
         rt = self._runtime
         if rt.state_of(app_id) is not None:
             return True
         if app_id in rt.apps or app_id in rt.starting:  # being undone or started: not yet
             return False
-        return await anyio.to_thread.run_sync(rt.store.read, app_id) is not None
+        store = rt.store
+        return await anyio.to_thread.run_sync(
+            lambda: store.read(app_id) is not None or store.claim_held(app_id)
+        )
 
     async def _cancel_existing(self, app_id: str) -> None:
         """Stops the app: SIGTERM now, SIGKILL after the grace period; returns without waiting.
@@ -444,6 +490,13 @@ class LocalScheduler(Scheduler[LocalRequest]):
         """
         rt = self._runtime
         app = rt.apps.get(app_id)
+        if app is None and (app := rt.claimed.get(app_id)) is not None:
+            # being submitted: it starts nothing (``AppLauncher.launch``), and ends CANCELLED
+            if app.cancel_reason is None and not app.discard:
+                self._supervision.request_stop(app, "cancelled")
+                app.msg = "cancelling"
+                rt.notify_soon(app_id)
+            return
         if app is not None:
             if app.cancel_reason is None and not is_terminal(app.state) and not app.discard:
                 self._supervision.request_stop(app, "cancelled")
@@ -459,7 +512,12 @@ class LocalScheduler(Scheduler[LocalRequest]):
     def _cancel_foreign(self, app_id: str) -> subprocess.Popen[bytes] | None:
         store = self._runtime.store
         record = store.read(app_id)
-        if record is None or is_terminal(record.state):
+        if record is None:
+            # being submitted (its claim held; else nothing is done): its launcher finds the
+            # marker before the app's first replica starts
+            store.mark_cancel(app_id, ())
+            return None
+        if is_terminal(record.state):
             return None
         live = [
             (rep.pid, rep.start_ticks)
@@ -545,6 +603,11 @@ class LocalScheduler(Scheduler[LocalRequest]):
         rt.store.spares.release()  # (no record is written, and no spare made, from now on)
         await rt.reaper.aclose()
         self._launcher.close()
+
+
+def _being_submitted(app_id: str) -> DescribeAppResponse:
+    """What another process says of an app being submitted (its id claimed, no record yet)."""
+    return DescribeAppResponse(app_id=app_id, state=AppState.PENDING, msg=BEING_SUBMITTED)
 
 
 def _run_options(root: Path) -> runopts:

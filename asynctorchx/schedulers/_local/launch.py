@@ -42,12 +42,16 @@ from asynctorchx.schedulers._local.procs import (
     reserve_fds,
     resolve_executable,
 )
-from asynctorchx.schedulers._local.recordfile import is_app_id
+from asynctorchx.schedulers._local.recordfile import MAX_APP_ID, is_app_id
 from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
-from asynctorchx.schedulers._local.supervise import CONTAIN_TIMEOUT, AppSupervision
+from asynctorchx.schedulers._local.supervise import (
+    CONTAIN_TIMEOUT,
+    FOREIGN_CANCEL,
+    AppSupervision,
+)
 from asynctorchx.specs.api import AppDef, AppState, copy_app, is_terminal
 
 logger = logging.getLogger(__name__)
@@ -113,20 +117,24 @@ class AppLauncher:
             ValueError: the app is claimed or recorded already (a dry run scheduled twice, maybe
                 by another process), or processes of an earlier launch of it are left, or its id
                 cannot be a local app's; nothing was made.
-            LaunchError: the claim cannot be made.
+            LaunchError: the claim cannot be made, or no watchdog can be started to learn of the
+                app (nothing is left of it then).
         """
         self._check_open()
         rt = self._rt
         if not is_app_id(request.app_id):  # (a request made by hand: it would name other files)
             raise ValueError(
                 f"app id {request.app_id!r} of the dry run is not a local app id (letters, digits, "
-                "'_', '.' and '-', starting with a letter or digit); make the dry run with "
-                "submit_dryrun"
+                f"'_', '.' and '-', starting with a letter or digit, at most {MAX_APP_ID} "
+                "characters); make the dry run with submit_dryrun"
             )
         app = LiveApp.create(request, appdef_to_json(appdef), copy_app(appdef).roles, time.time())
         app_id = app.app_id
         app.cgroup = rt.contain.app_dir(app_id)
-        rt.watchdog.ensure_started()
+        try:
+            rt.watchdog.ensure_started()
+        except OSError as e:
+            raise launch_error(app_id, e, "the watchdog", rt.store.records_dir) from None
         registration = rt.registration(app)  # (made first: sent right after the claim)
         try:
             claimed = rt.store.claim(app_id)
@@ -135,13 +143,58 @@ class AppLauncher:
         if not claimed:
             await self._take_over(app_id)
         app.claimed = True
+        try:
+            self._watchdog_holds_claims()
+            rt.claimed[app_id] = app
+            rt.watchdog.send_now(registration)
+        except BaseException as e:
+            # no watchdog could be started to learn of the app: it is given up (its claim, left,
+            # would refuse the dry run while this process lives, and a watchdog started later,
+            # told of it, would record it FAILED when this process dies: it never ran)
+            rt.claimed.pop(app_id, None)
+            rt.watchdog.send_later(protocol.forget_line(app_id))
+            app.claimed = False
+            protocol.drop_claim(str(rt.store.records_dir), app_id)
+            if isinstance(e, OSError):
+                raise launch_error(app_id, e, "the watchdog", rt.store.records_dir) from None
+            raise
+        return app
+
+    def _watchdog_holds_claims(self) -> None:
+        """Restarts the watchdog if the store's holder file was made again (it was removed): the
+        watchdog must hold its lock too. Raises OSError when no watchdog can be started."""
+        rt = self._rt
         if rt.store.holder_fd not in rt.watchdog.keep_fds and rt.store.holder_fd >= 0:
-            # (its holder file was removed and made again: the watchdog must hold it too)
             rt.watchdog.keep_fds = rt.store.lock_fds()
             rt.watchdog.restart("the launcher's claims file was made again")
-        rt.claimed[app_id] = app
-        rt.watchdog.send_now(registration)
-        return app
+
+    def _confirm_claim(self, app: LiveApp) -> None:
+        """Checks that the app's claim is still this launcher's (``RecordStore.confirm_claim``:
+        one ``lstat``), and makes it again if it was removed (``rm -r .apps``, say) while the app
+        was being submitted.
+
+        Raises:
+            ValueError: another launcher claimed the app meanwhile (``app.claimed`` is then
+                False: nothing of it may be removed, it may be that launcher's).
+            LaunchError: the claim cannot be made again, or no watchdog can be started to hold
+                it.
+        """
+        rt = self._rt
+        records = rt.store.records_dir
+        holder_fd = rt.store.holder_fd
+        try:
+            mine = rt.store.confirm_claim(app.app_id)
+            if mine and rt.store.holder_fd != holder_fd:  # (made again, with its holder)
+                self._watchdog_holds_claims()
+        except OSError as e:
+            raise launch_error(app.app_id, e, "the app's claim", records) from None
+        if not mine:
+            app.claimed = False
+            raise ValueError(
+                f"app {app.app_id!r} was claimed by another launcher while it was being submitted "
+                f"(its claim, in {records}, was removed meanwhile), or recorded already; was this "
+                "dry run scheduled twice?"
+            )
 
     async def _take_over(self, app_id: str) -> None:
         """Takes over the claim of ``app_id`` that its launcher left when it died before its
@@ -195,14 +248,33 @@ class AppLauncher:
             "was this dry run already scheduled?"
         )
 
+    def hear_foreign_cancel(self, app: LiveApp) -> None:
+        """Another process left a cancel marker for an app claimed and not started yet (inotify
+        said so): it is read in a worker thread and the app stopped (it then starts nothing and
+        ends CANCELLED); one started meanwhile is the supervision's."""
+        with contextlib.suppress(RuntimeError):  # closing: nothing of it starts any more
+            self._rt.supervisor.spawn(self._stop_claimed(app), f"cancel-marker:{app.app_id}")
+
+    async def _stop_claimed(self, app: LiveApp) -> None:
+        rt = self._rt
+        signalled = await anyio.to_thread.run_sync(rt.store.cancel_requested, app.app_id)
+        if signalled is None or app.discard or app.cancel_reason is not None:
+            return
+        if rt.claimed.get(app.app_id) is app:
+            self._supervision.request_stop(app, FOREIGN_CANCEL)
+            rt.notify_soon(app.app_id)
+        elif rt.apps.get(app.app_id) is app:
+            self._supervision.hear_foreign_cancel(app)
+
     async def release(self, app: LiveApp) -> None:
         """Gives up an app that was claimed but not launched: the watchdog forgets it and its
-        claim is removed; runs to completion even if the caller is cancelled."""
+        claim is removed, if it is still this launcher's (``RecordStore.release_claim``); runs to
+        completion even if the caller is cancelled."""
         self._rt.claimed.pop(app.app_id, None)
         self._rt.watchdog.send_now(protocol.forget_line(app.app_id))
         if app.claimed:
             app.claimed = False
-            await in_thread_shielded(self._rt.store.remove, app.app_id)
+            await in_thread_shielded(self._rt.store.release_claim, app.app_id)
 
     async def launch(self, app: LiveApp) -> None:
         """Starts a claimed app; see ``LocalScheduler.schedule``.
@@ -210,8 +282,11 @@ class AppLauncher:
         Raises:
             LaunchSpecError, LaunchError: as ``schedule`` documents; nothing of the app is left
                 but its claim (``release``).
+            ValueError: the app's claim was removed meanwhile and another launcher claimed it
+                (``app.claimed`` is then False); nothing was touched.
         """
         self._check_open()
+        self._confirm_claim(app)
         self._resolve(app)
         reserved = reserve_fds(app.app_id, len(app.replicas))
         # a lazy writer keeps the descriptors of its files promised until it has them (they are
@@ -349,6 +424,10 @@ class AppLauncher:
         rt.claimed.pop(app_id, None)
         await self._prepare_cgroups(app)
         self._check_open()
+        if app.cancel_reason is None and rt.store.cancel_marked(app_id):
+            # cancelled by another process while it was being submitted (one lookup here: the
+            # marker's inotify event may not have been read yet)
+            self._supervision.request_stop(app, FOREIGN_CANCEL)
         if app.cancel_reason is None:  # else it was cancelled meanwhile: its task records that
             await self._spawner.start(app, app.replicas)
             app.set_app_state(AppState.RUNNING, time.time())

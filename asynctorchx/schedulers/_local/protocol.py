@@ -25,7 +25,10 @@ the claim goes once the app's record is terminal. Each claim is a link of its la
 file, which the launcher and its watchdogs keep a shared ``flock`` on while they live: a claim
 without a record whose lock nobody holds any more was left by a launcher killed before its
 watchdog knew of the app, and is taken over by the next launcher of that dry run
-(``take_stale_claim``).
+(``take_stale_claim``). Until the app's record is written (when it starts), its claim alone
+says that it is being submitted, to any process that finds the claim's lock held
+(``recordfile.claim_holder``); the holder file holds what the launcher says of itself (its
+backend and session, as JSON), for listings.
 
 **Record files** (``write_record_file``) hold one JSON document per line, the last complete one
 being the record (``recordfile.py`` reads them).
@@ -186,12 +189,13 @@ def claim_path(records_dir: str, app_id: str) -> str:
     return os.path.join(records_dir, CLAIMS_DIR, app_id)
 
 
-def make_holder(records_dir: str, name: str) -> tuple[str, int] | None:
-    """Creates a holder file ``HOLDER_PREFIX + name`` in ``CLAIMS_DIR`` and takes a shared
-    ``flock`` on it; returns its path and the descriptor that holds the lock (close-on-exec: pass
-    it to the watchdog, whose copy keeps the lock after the launcher died), or None when the file
-    system has no ``flock`` (the claims are then files of their own, ``claim_app``). Raises
-    OSError when the file cannot be made.
+def make_holder(records_dir: str, name: str, says: bytes = b"") -> tuple[str, int] | None:
+    """Creates a holder file ``HOLDER_PREFIX + name`` in ``CLAIMS_DIR`` holding ``says`` (what
+    the launcher says of itself to other processes, which read it through any of its claims:
+    ``recordfile.claim_holder``) and takes a shared ``flock`` on it; returns its path and the
+    descriptor that holds the lock (close-on-exec: pass it to the watchdog, whose copy keeps the
+    lock after the launcher died), or None when the file system has no ``flock`` (the claims are
+    then files of their own, ``claim_app``). Raises OSError when the file cannot be made.
     """
     claims = os.path.join(records_dir, CLAIMS_DIR)
     with contextlib.suppress(FileExistsError):
@@ -199,7 +203,24 @@ def make_holder(records_dir: str, name: str) -> tuple[str, int] | None:
     path = os.path.join(claims, HOLDER_PREFIX + name)
     # locked before it has its name: ``drop_dead_holders`` never sees it unlocked
     tmp = os.path.join(claims, _MAKING + name)
-    fd = os.open(tmp, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    if says:
+        # (written through a descriptor of its own: one kept open for writing would keep the file
+        # system from being remounted read-only)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o400)
+        try:
+            with contextlib.suppress(OSError):  # (a full disk: the launcher says nothing)
+                _write_all(fd, says)
+        finally:
+            os.close(fd)
+    else:
+        flags |= os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(tmp, flags, 0o400)
+    except BaseException:
+        if says:
+            _drop(tmp)
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         os.rename(tmp, path)
@@ -286,7 +307,7 @@ def take_stale_claim(
         if not stat.S_ISREG(st.st_mode) or st.st_nlink < 2 or _is_legacy(path, st):
             return UNKNOWN
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_unless_held(fd)
         except BlockingIOError:
             return HELD
         except OSError:  # (no flock here)
@@ -309,6 +330,21 @@ def take_stale_claim(
         return TAKEN
     finally:
         os.close(fd)
+
+
+def _lock_unless_held(fd: int) -> None:
+    """Takes the exclusive lock of the claim open as ``fd`` unless a launcher or watchdog holds its
+    shared one (BlockingIOError then). A process asking whether the app is being submitted
+    (``recordfile.claim_holder``) holds the exclusive lock of a stale claim for microseconds: the
+    lock is tried again a few times, a millisecond apart, before the claim is said held."""
+    for attempt in range(4):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if attempt == 3:
+                raise
+            time.sleep(0.001)
 
 
 def _is_legacy(path: str, st: os.stat_result) -> bool:

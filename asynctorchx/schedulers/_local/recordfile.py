@@ -17,6 +17,10 @@ crash or a full disk) and a complete line that is not JSON (a torn line the next
 skipped, and the version before them wins; blank lines are skipped. A file written before this
 format (one JSON document and no newline) is read whole. A file with no complete version (empty:
 created a moment ago and not yet written) is no record yet.
+
+**Apps being submitted.** A launcher claims an app's id before it ships or starts anything of it,
+and writes its record only once it starts it (``protocol.py``): an app whose claim's lock is held
+but which has no record is being submitted (``claim_holder``, ``held_claims``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ TERMINAL_NAMES = frozenset({"SUCCEEDED", "FAILED", "CANCELLED"})
 #: What a record holds where there is no structured error (``asynctorchx.specs.NONE``).
 NONE = "<NONE>"
 _APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
+#: The longest local app id (``submit_dryrun`` makes ids of at most 40): every file named after an
+#: app must fit in a file name (255 bytes), the longest being the temporary file of a record's
+#: compaction, ``.{app_id}.{pid}.{thread id}.tmp`` (34 bytes more).
+MAX_APP_ID = 200
 _PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
 
 
@@ -67,8 +75,13 @@ def records_dir(root: str | os.PathLike[str]) -> str:
 
 
 def is_app_id(app_id: object) -> bool:
-    """True when ``app_id`` can be the id of a local app (and so names a file in the records dir)."""
-    return isinstance(app_id, str) and _APP_ID_RE.fullmatch(app_id) is not None
+    """True when ``app_id`` can be the id of a local app (and so names files in the records dir:
+    ``[A-Za-z0-9][A-Za-z0-9_.-]*``, at most ``MAX_APP_ID`` characters)."""
+    return (
+        isinstance(app_id, str)
+        and len(app_id) <= MAX_APP_ID
+        and _APP_ID_RE.fullmatch(app_id) is not None
+    )
 
 
 def list_ids(directory: str | os.PathLike[str]) -> list[str]:
@@ -78,6 +91,71 @@ def list_ids(directory: str | os.PathLike[str]) -> list[str]:
     except FileNotFoundError:
         return []
     return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
+
+
+#: The directory of the claims in the records directory (``protocol.CLAIMS_DIR``).
+CLAIMS_DIR = ".claims"
+
+
+def claim_holder(records_dir: str, app_id: str) -> dict[str, Any] | None:
+    """What the launcher holding the claim of ``app_id`` says of itself (the JSON of its holder
+    file, ``{"backend": ..., "session": ...}``; ``{}`` when it says nothing), or None when there
+    is no claim or nobody holds its lock any more (its launcher and watchdog are gone: the claim is
+    stale, and taken over by the next launch of the dry run) or it cannot be told (a claim of a
+    file system without hard links or locks, or of an older version).
+
+    The lock is probed with an exclusive ``flock`` that fails at once while a launcher or a
+    watchdog holds its shared one; one that succeeds is let go at once (``take_stale_claim`` tries
+    again when it meets it).
+    """
+    import fcntl
+    import stat
+
+    if not is_app_id(app_id):  # (it would name another file)
+        return None
+    path = os.path.join(records_dir, CLAIMS_DIR, app_id)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # held: by a launcher that may still start the app, or by its watchdog
+        except OSError:
+            return None
+        else:
+            return None
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        said = json.loads(data) if data.strip() else {}
+    except ValueError:
+        said = {}
+    return said if isinstance(said, dict) else {}
+
+
+def held_claims(records_dir: str, recorded: Container[str]) -> dict[str, dict[str, Any]]:
+    """``claim_holder`` of every app claimed in ``records_dir`` but not in ``recorded`` (the apps
+    being submitted, without a record yet), by app id; one listing of the claims directory."""
+    try:
+        names = os.listdir(os.path.join(records_dir, CLAIMS_DIR))
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        if name in recorded:  # (the holder files, whose names start with a dot, are no app's)
+            continue
+        said = claim_holder(records_dir, name)
+        if said is not None:
+            out[name] = said
+    return out
 
 
 def log_warning(message: str, *args: object) -> None:

@@ -10,13 +10,17 @@ process finishing a cancel) updates the record under a lock file.
 
 A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record
 (it lists the process groups the canceller already sent SIGTERM to), which the launcher notices
-through inotify, or when a replica exits. Both it and the lock file ``.{app_id}.lock`` are removed
+through inotify, or when a replica exits. An app being submitted (claimed, see below, and not
+started: no record yet) gets one too; its launcher looks for it before the app's first replica
+starts, and the app ends CANCELLED with nothing started. Both it and the lock file ``.{app_id}.lock`` are removed
 once the record is terminal (``protocol.py``).
 
 A launcher claims an app's id before it starts anything of it (``RecordStore.claim``, a hard
 link of its holder file that only one launcher makes), so a dry run scheduled twice at once, even
 by two processes, starts once; a claim whose launcher died before its watchdog knew of the app is
-taken over by the next launcher of that dry run (``RecordStore.take_stale_claim``). A write that finds the records directory gone creates it again; one that finds the file system
+taken over by the next launcher of that dry run (``RecordStore.take_stale_claim``). Other
+processes see an app claimed by a launcher (or watchdog) that lives, without a record yet, as
+being submitted (``RecordStore.claim_held``, ``held_claims``). A write that finds the records directory gone creates it again; one that finds the file system
 full rewrites the record in place when it fits in the space the file already holds. A new record's
 first version is written into a spare empty file made in a lull (``.apps/.spare/``, ``spares.py``),
 which is then linked into place.
@@ -31,7 +35,7 @@ import os
 import secrets
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,10 +66,12 @@ def _unlock_in_forked_child() -> None:
     # a fork of the launcher must not keep its claims held after the launcher and its watchdog
     # died (the lock is the open file's: closing the child's copy leaves the parent's)
     for store in list(_stores):
+        store._holder_lock = threading.Lock()  # (another thread may have held it at the fork)
         for fd in store.lock_fds():
             with contextlib.suppress(OSError):
                 os.close(fd)
         store.holder, store.holder_fd, store._old_holder_fds = None, -1, []
+        store._holder_ids.clear()
         store._held = False
 
 
@@ -277,10 +283,13 @@ class RecordStore:
 
     Args:
         root: the state root.
+        launcher: what the launcher says of itself in its holder file (its backend and session:
+            other processes list the apps it is submitting with them).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, launcher: Mapping[str, str] | None = None) -> None:
         self.root = root
+        self._says = json.dumps(dict(launcher)).encode() if launcher else b""
         self.records_dir = Path(recordfile.records_dir(root))
         self._ready = False
         self._lock = threading.Lock()
@@ -293,7 +302,13 @@ class RecordStore:
         self.holder_fd = -1
         #: the locks of the holder files made before (``hold`` again): claims may still link them
         self._old_holder_fds: list[int] = []
+        #: ``(st_dev, st_ino)`` of every holder file ``hold`` made (the claims this store made link
+        #: one of them: ``confirm_claim``)
+        self._holder_ids: set[tuple[int, int]] = set()
         self._held = False
+        #: serialises the changes of the holder: ``hold`` runs on the event loop (``claim``) and
+        #: in worker threads (``prepare``, a take-over's ``claim``) alike
+        self._holder_lock = threading.Lock()
         _stores.add(self)
 
     def ensure(self) -> None:
@@ -368,15 +383,20 @@ class RecordStore:
         """Makes this store's holder file (``protocol.make_holder``), which its claims link and
         whose lock says that its launcher or watchdog lives; ``holder_fd`` holds the lock (pass it
         to the watchdog). A holder made again (its file was removed) keeps the older locks, which
-        the claims made before still name, until ``release_holder``. Raises OSError."""
+        the claims made before still name, until ``release_holder``. Thread-safe (two at once make
+        two holders, and keep each older lock once). Raises OSError."""
         self.ensure()
         pid = os.getpid()
         name = f"{pid}.{proc_start_ticks(pid) or 0}.{secrets.token_hex(4)}"
-        made = protocol.make_holder(str(self.records_dir), name)
-        self._held = True
-        if self.holder_fd >= 0:
-            self._old_holder_fds.append(self.holder_fd)
-        self.holder, self.holder_fd = made if made is not None else (None, -1)
+        with self._holder_lock:
+            made = protocol.make_holder(str(self.records_dir), name, self._says)
+            if made is not None:
+                st = os.fstat(made[1])
+                self._holder_ids.add((st.st_dev, st.st_ino))
+            self._held = True
+            if self.holder_fd >= 0:
+                self._old_holder_fds.append(self.holder_fd)
+            self.holder, self.holder_fd = made if made is not None else (None, -1)
 
     def drop_dead_holders(self) -> None:
         """Removes the holder files of launchers that are gone and left no claim
@@ -385,21 +405,24 @@ class RecordStore:
 
     def lock_fds(self) -> tuple[int, ...]:
         """The descriptors holding the locks of this store's claims (for its watchdog)."""
-        fds = (self.holder_fd, *self._old_holder_fds)
+        with self._holder_lock:
+            fds = (self.holder_fd, *self._old_holder_fds)
         return tuple(fd for fd in fds if fd >= 0)
 
     def release_holder(self) -> None:
         """Lets the holder's locks go (the scheduler closed; its watchdog may keep them a little
         longer) and removes the holder file when no claim links it any more."""
-        if self.holder_fd >= 0 and self.holder is not None:
-            with contextlib.suppress(OSError):
-                if os.fstat(self.holder_fd).st_nlink == 1:
-                    os.unlink(self.holder)
-        for fd in [self.holder_fd, *self._old_holder_fds]:
-            if fd >= 0:
-                os.close(fd)
-        self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
-        self._held = False
+        with self._holder_lock:
+            if self.holder_fd >= 0 and self.holder is not None:
+                with contextlib.suppress(OSError):
+                    if os.fstat(self.holder_fd).st_nlink == 1:
+                        os.unlink(self.holder)
+            for fd in [self.holder_fd, *self._old_holder_fds]:
+                if fd >= 0:
+                    os.close(fd)
+            self.holder, self.holder_fd, self._old_holder_fds = None, -1, []
+            self._holder_ids.clear()
+            self._held = False
 
     def claim(self, app_id: str) -> bool:
         """Claims ``app_id`` for this launcher (``protocol.claim_app``); False when it is claimed
@@ -423,6 +446,38 @@ class RecordStore:
             protocol.drop_claim(records_dir, app_id)
             return False
         return True
+
+    def confirm_claim(self, app_id: str) -> bool:
+        """True when the claim this store made of ``app_id`` is still its own (one ``lstat``),
+        made again (``claim``) if it was removed (its claims directory, say); False when it is now
+        another launcher's, or the app has a record (another launcher claimed it meanwhile, and
+        may have started it): nothing is touched then.
+
+        A claim that is a file of its own (``protocol.claim_app`` without hard links or locks)
+        cannot be told from another launcher's, and is taken for this store's.
+
+        Raises:
+            OSError: the claim cannot be made again.
+        """
+        try:
+            st = os.lstat(protocol.claim_path(str(self.records_dir), app_id))
+        except FileNotFoundError:
+            return self.claim(app_id)
+        return self._is_mine(st)
+
+    def _is_mine(self, claim: os.stat_result) -> bool:
+        return (claim.st_dev, claim.st_ino) in self._holder_ids or claim.st_nlink == 1
+
+    def release_claim(self, app_id: str) -> None:
+        """``remove`` for an app claimed and not started, when its claim is still this store's;
+        nothing when it is not (it was removed meanwhile, and another launcher may have claimed,
+        started or recorded the app since: what is there is that launcher's)."""
+        try:
+            mine = self._is_mine(os.lstat(protocol.claim_path(str(self.records_dir), app_id)))
+        except OSError:
+            mine = False
+        if mine:
+            self.remove(app_id)
 
     def take_stale_claim(self, app_id: str, may_take: Callable[[], bool] = lambda: True) -> str:
         """Takes the claim of ``app_id`` over when it was left by a launcher that died before its
@@ -454,6 +509,16 @@ class RecordStore:
             return outcome
         return outcome
 
+    def claim_held(self, app_id: str) -> bool:
+        """True when ``app_id`` is claimed by a launcher (or its watchdog) that lives
+        (``recordfile.claim_holder``): without a record, it is being submitted."""
+        return recordfile.claim_holder(str(self.records_dir), app_id) is not None
+
+    def held_claims(self, recorded: Container[str]) -> dict[str, dict[str, Any]]:
+        """The apps claimed by a launcher that lives, but those in ``recorded``, with what their
+        launcher says of itself (``recordfile.held_claims``)."""
+        return recordfile.held_claims(str(self.records_dir), recorded)
+
     def _has_side_files(self, app_id: str) -> bool:
         records_dir = str(self.records_dir)
         return os.path.exists(protocol.lock_path(records_dir, app_id)) or os.path.exists(
@@ -484,29 +549,48 @@ class RecordStore:
         return recordfile.list_ids(self.records_dir)
 
     def remove(self, app_id: str) -> None:
-        """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind)."""
+        """Deletes the record of ``app_id`` and its side files (a failed submit leaves none behind).
+
+        A file that cannot be removed (the file system turned read-only) is left, and the others
+        are removed all the same: the undo of a failed submit goes on and its error is the one
+        raised. A claim left so refuses only its dry run, and is taken over once its launcher is
+        gone (``take_stale_claim``). The files go under the record's lock (where it can be
+        taken), so that a cancel from another process either leaves its marker before (removed
+        here) or finds no claim after (and leaves none).
+        """
         if self.path(app_id) is None:
             return
         records_dir = str(self.records_dir)
+        try:
+            with protocol.locked_record(records_dir, app_id):
+                self._remove_files(records_dir, app_id)
+        except OSError:
+            self._remove_files(records_dir, app_id)
+
+    @staticmethod
+    def _remove_files(records_dir: str, app_id: str) -> None:
         for p in (
             protocol.record_path(records_dir, app_id),
             protocol.cancel_path(records_dir, app_id),
             protocol.lock_path(records_dir, app_id),
             protocol.claim_path(records_dir, app_id),  # (last: the id is free once it goes)
         ):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(p)
-            except FileNotFoundError:
-                pass
 
     def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
         """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
-        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is terminal
-        or gone."""
+        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is
+        terminal, or there is none and the app is not being submitted (``claim_held``)."""
         records_dir = str(self.records_dir)
         with protocol.locked_record(records_dir, app_id):
             record = self.read(app_id)
-            if record is None or record.state.name in TERMINAL_NAMES:
+            if record is None and not self.claim_held(app_id):
+                # (a stale claim stays: the next launch of the dry run takes it over)
+                with contextlib.suppress(OSError):
+                    os.unlink(protocol.lock_path(records_dir, app_id))
+                return False
+            if record is not None and record.state.name in TERMINAL_NAMES:
                 protocol.drop_lock_files(records_dir, app_id)
                 return False
             data = "".join(f"{g}\n" for g in groups).encode()
@@ -519,6 +603,10 @@ class RecordStore:
                 os.close(fd)
             os.replace(tmp, protocol.cancel_path(records_dir, app_id))
         return True
+
+    def cancel_marked(self, app_id: str) -> bool:
+        """True when another process left the cancel marker of ``app_id`` (one lookup)."""
+        return os.path.lexists(protocol.cancel_path(str(self.records_dir), app_id))
 
     def cancel_requested(self, app_id: str) -> set[int] | None:
         """None, or the process groups another process sent SIGTERM when it cancelled ``app_id``."""

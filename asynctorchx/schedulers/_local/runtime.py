@@ -5,9 +5,10 @@ notifications it pushes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from asynctorchx._tasks import TaskSupervisor
@@ -19,6 +20,9 @@ from asynctorchx.specs.api import AppState
 
 #: Finished apps kept in memory (older ones are read back from their records).
 FINISHED_CACHE = 4096
+#: The message of an app claimed and not started yet (its workspace being shipped, say), in this
+#: process and in others (``LocalScheduler.describe``).
+BEING_SUBMITTED = "being submitted"
 
 
 class LocalRuntime:
@@ -28,11 +32,18 @@ class LocalRuntime:
         root: the state root.
         name: a label for task names (``{backend}:{session}``).
         notify: tells the scheduler's subscribers that an app changed.
+        launcher: what the launcher says of itself to other processes (``RecordStore``).
     """
 
-    def __init__(self, root: Path, name: str, notify: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        notify: Callable[[str], None],
+        launcher: Mapping[str, str] | None = None,
+    ) -> None:
         self.root = root
-        self.store = RecordStore(root)
+        self.store = RecordStore(root, launcher)
         self.supervisor = TaskSupervisor(name)
         self.writer = RecordWriter(self.store, self.supervisor)
         self.contain = Containment(self.supervisor)
@@ -51,23 +62,26 @@ class LocalRuntime:
     # -- reading ------------------------------------------------------------------------------
 
     def own(self, app_id: str) -> OwnApp | None:
-        """An app this scheduler launched (live or finished recently), or None."""
-        app = self.apps.get(app_id)
+        """An app this scheduler launched (live, being submitted, or finished recently), or
+        None."""
+        app = self.apps.get(app_id) or self.claimed.get(app_id)
         if app is not None:
             return None if app.discard else OwnApp(self.snapshot(app), app.roles)
         return self.finished.get(app_id)
 
     def record_of(self, app_id: str) -> AppRecord | None:
-        """The record of an app this scheduler launched, or None (no copy of its roles)."""
-        app = self.apps.get(app_id)
+        """The record of an app this scheduler launched (or is submitting), or None (no copy of
+        its roles)."""
+        app = self.apps.get(app_id) or self.claimed.get(app_id)
         if app is not None:
             return None if app.discard else self.snapshot(app)
         own = self.finished.get(app_id)
         return None if own is None else own.record
 
     def state_of(self, app_id: str) -> AppState | None:
-        """The state of an app this scheduler launched, or None (in O(1): no record is made)."""
-        app = self.apps.get(app_id)
+        """The state of an app this scheduler launched (or is submitting), or None (in O(1): no
+        record is made)."""
+        app = self.apps.get(app_id) or self.claimed.get(app_id)
         if app is not None:
             return None if app.discard else app.state
         own = self.finished.get(app_id)
@@ -83,8 +97,11 @@ class LocalRuntime:
         )
 
     def snapshot(self, app: LiveApp) -> AppRecord:
-        """The record of a live app as it stands."""
-        return app.snapshot(self.owner())
+        """The record of a live app as it stands (one being submitted says so)."""
+        record = app.snapshot(self.owner())
+        if not record.msg and self.claimed.get(app.app_id) is app:
+            record = dataclasses.replace(record, msg=BEING_SUBMITTED)
+        return record
 
     def registration(self, app: LiveApp) -> bytes:
         """The watchdog's registration of an app about to start."""

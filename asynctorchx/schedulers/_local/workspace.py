@@ -123,6 +123,7 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
     Raises:
         InvalidWorkspaceException: the workspace is gone, or a file changed since the dry run
             read it (nothing is left behind).
+        ValueError: ``workdir`` exists already (it is left as it is).
         WorkspaceCopyError: the snapshot or the app's directory cannot be written (a full disk);
             nothing is left behind.
     """
@@ -147,6 +148,13 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
             os.makedirs(os.path.dirname(workdir), exist_ok=True)
             link_tree(plan.target, workdir)
         except BaseException as e:
+            if isinstance(e, FileExistsError) and e.filename == workdir:
+                # another launcher's, maybe running (the app's claim was removed and made
+                # again by it): left as it is
+                raise ValueError(
+                    f"the workspace directory of the app exists already ({workdir}); was this "
+                    "dry run already scheduled? (if not, remove the directory)"
+                ) from None
             shutil.rmtree(workdir, ignore_errors=True)
             if isinstance(e, OSError):
                 raise copy_error(e, f"link snapshot {plan.target}", workdir) from None
