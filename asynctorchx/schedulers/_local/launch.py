@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from asynctorchx.schedulers._local.supervise import (
     FOREIGN_CANCEL,
     AppSupervision,
 )
+from asynctorchx.schedulers.workspace import remove_tree
 from asynctorchx.specs.api import AppDef, AppState, copy_app, is_terminal
 
 logger = logging.getLogger(__name__)
@@ -302,7 +302,7 @@ class AppLauncher:
                     reserved -= files_fds
             except BaseException:
                 app.close_logs()  # lazy: no file of theirs exists yet
-                await in_thread_shielded(shutil.rmtree, app.request.app_dir, True)
+                await in_thread_shielded(remove_tree, app.request.app_dir)
                 raise
             try:
                 await self._start_app(app)
@@ -504,7 +504,7 @@ class AppLauncher:
     def _remove_app_files(
         self, app_id: str, app_dir: str, cgroup: str | None, error_files: list[str]
     ) -> None:
-        shutil.rmtree(app_dir, ignore_errors=True)
+        remove_tree(app_dir)
         for path in error_files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -744,7 +744,7 @@ class LogDirMaker:
             for d in job.dirs:
                 os.makedirs(d, exist_ok=True)
         except BaseException as e:
-            shutil.rmtree(app_dir, ignore_errors=True)
+            remove_tree(app_dir)
             job.created = False
             if isinstance(e, OSError):
                 what = f"the log directory {app_dir!r}"
@@ -756,5 +756,5 @@ def _discard_jobs(jobs: list[_DirJob]) -> None:
     """Removes what was made for launches that no longer wait for it."""
     for job in jobs:
         if job.created:
-            shutil.rmtree(job.app_dir, ignore_errors=True)
+            remove_tree(job.app_dir)
             job.created = False

@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +37,7 @@ from asynctorchx.schedulers.workspace import (
     copy_error,
     format_bytes,
     link_tree,
+    remove_tree,
     report,
     run_in_thread,
     scan_workspace,
@@ -155,7 +155,7 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
                     f"the workspace directory of the app exists already ({workdir}); was this "
                     "dry run already scheduled? (if not, remove the directory)"
                 ) from None
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)
             if isinstance(e, OSError):
                 raise copy_error(e, f"link snapshot {plan.target}", workdir) from None
             raise
@@ -178,4 +178,4 @@ def snapshots_dir_of(plan: WorkspacePlan) -> str:
 
 def remove_workdir(root: Path, session: str, app_id: str) -> None:
     """Removes the directory a ``local_dir`` app ran in, if any (after a failed start)."""
-    shutil.rmtree(app_workdir(root, session, app_id), ignore_errors=True)
+    remove_tree(app_workdir(root, session, app_id))
