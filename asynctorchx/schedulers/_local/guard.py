@@ -216,8 +216,9 @@ class Watchdog:
 
         A watchdog that still runs (``kill``) is replaced only once its successor has started: if
         none can be (no memory or pids left), it stays and keeps guarding the apps, and the
-        replacement is tried again at the next ``restart`` or stuck write. It is SIGKILLed before
-        its pipe is closed: the end of its input would have it stop every app.
+        OSError is raised (the launch that asked fails; the replacement is tried again at the
+        next ``restart`` or stuck write). It is SIGKILLed before its pipe is closed: the end of
+        its input would have it stop every app.
         """
         if self._closing:
             return
@@ -237,7 +238,7 @@ class Watchdog:
                     e,
                     old.pid,
                 )
-                return
+                raise
         self._detach_pidfd()
         if old is not None:
             if kill:
