@@ -190,6 +190,15 @@ def test_has_exited_tells_a_zombie_from_a_live_child_without_reaping_it() -> Non
         os.close(done_fd)
 
 
+def _cmdline(pid: int) -> bytes:
+    """The command line of ``pid``; empty once it is gone (the subshell that started a daemon
+    exits right after: it was listed, then gone when its command line was read)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 @pytest.mark.timeout(60)
 async def test_one_sweep_puts_each_replicas_early_daemon_in_that_replicas_cgroup(
     sched: LocalScheduler,
@@ -222,7 +231,7 @@ async def test_one_sweep_puts_each_replicas_early_daemon_in_that_replicas_cgroup
             daemons = {
                 pid: contain.marker_of(pid, protocol.MARKER_ENV_BYTES)
                 for pid in token_procs(token)
-                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep\0" + b"1000")
+                if _cmdline(pid).startswith(b"sleep\0" + b"1000")
             }
             await asyncio.sleep(0.01)
         for pid, marker in daemons.items():
