@@ -536,3 +536,69 @@ async def test_a_flush_after_every_queued_record_was_forgotten_returns(tmp_path:
         assert not any((tmp_path / ".apps").glob("app-*"))
     finally:
         await supervisor.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_first_record_made_from_a_spare_is_written_without_a_thread_hop(
+    tmp_path: Path,
+) -> None:
+    """With a spare file at hand, a new app's first record is on disk as soon as its write starts
+    (one step of the writing task, no hop to the writer's thread and back: ~1 ms of a launch on a
+    busy loop), made from the spare; without one it goes through the thread as before."""
+    from asynctorchx._tasks import TaskSupervisor
+
+    store = RecordStore(tmp_path)
+    await anyio.to_thread.run_sync(store.ensure)
+    supervisor = TaskSupervisor("test")
+    writer = guard.RecordWriter(store, supervisor)
+    try:
+        await anyio.to_thread.run_sync(store.spares.fill_some, 2)
+        spares = len(store.spares)
+        assert spares == 2
+        write = asyncio.create_task(writer.write("app-1", {"app_id": "app-1", "state": "RUNNING"}))
+        await asyncio.sleep(0)
+        assert write.done() and write.exception() is None
+        assert json.loads((tmp_path / ".apps" / "app-1.json").read_text())["state"] == "RUNNING"
+        assert len(store.spares) == spares - 1
+        store.spares.take()  # the pool is empty now: the next first record goes to the thread
+        assert len(store.spares) == 0
+        write = asyncio.create_task(writer.write("app-2", {"app_id": "app-2", "state": "RUNNING"}))
+        await asyncio.sleep(0)
+        assert not write.done() and not (tmp_path / ".apps" / "app-2.json").exists()
+        with anyio.fail_after(5):
+            await write
+        assert (tmp_path / ".apps" / "app-2.json").exists()
+    finally:
+        await supervisor.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_first_record_that_cannot_be_written_at_once_goes_through_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first record whose immediate write fails is queued for the writer's thread, which
+    retries it as any record: the write still succeeds, nothing is lost."""
+    from asynctorchx._tasks import TaskSupervisor
+
+    store = RecordStore(tmp_path)
+    await anyio.to_thread.run_sync(store.ensure)
+    await anyio.to_thread.run_sync(store.spares.fill_some, 2)
+    real = store.write_many
+    calls: list[str] = []
+
+    def fail_once(docs: Any) -> dict[str, BaseException]:
+        calls.append(",".join(docs))
+        if len(calls) == 1:
+            return dict.fromkeys(docs, OSError(28, "No space left on device"))
+        return real(docs)
+
+    monkeypatch.setattr(store, "write_many", fail_once)
+    supervisor = TaskSupervisor("test")
+    writer = guard.RecordWriter(store, supervisor)
+    try:
+        with anyio.fail_after(5):
+            await writer.write("app-1", {"app_id": "app-1", "state": "RUNNING"})
+        assert calls == ["app-1", "app-1"]
+        assert json.loads((tmp_path / ".apps" / "app-1.json").read_text())["state"] == "RUNNING"
+    finally:
+        await supervisor.aclose()
