@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timezone
-from typing import Any
 
 import anyio
 import pytest
@@ -15,29 +14,14 @@ from aiohttp import web
 from k8s_fake import FakeKubeApiServer, PodContext, PodScript
 from k8s_fake.cluster import format_ts
 from k8s_fake.testing import fake_k8s, until
+from test_kubernetes_backend import NS, PUSH_ONLY, role
 
 from asynctorchx import AsyncRunner
-from asynctorchx.runner.hub import PollSettings
 from asynctorchx.schedulers._k8s.status import parse_time_ns
 from asynctorchx.schedulers.kubernetes import KubernetesScheduler
-from asynctorchx.specs import AppDef, InvalidAppDefException, Resource, RetryPolicy, Role
+from asynctorchx.specs import AppDef, InvalidAppDefException, Resource, RetryPolicy
 
 __all__ = ["fake_k8s"]
-
-NS = "default"
-# Pushes only: a waiter that finishes was woken by the backend's watch.
-PUSH_ONLY = PollSettings(push_safety_interval=600.0, max_interval=600.0)
-
-
-def role(name: str = "worker", replicas: int = 1, **kw: Any) -> Role:
-    return Role(
-        name,
-        image="registry.example/img:1",
-        entrypoint="python",
-        args=["-m", name],
-        num_replicas=replicas,
-        **kw,
-    )
 
 
 async def test_a_pod_replaced_while_its_follow_was_silent_is_read_to_its_end_first(

@@ -292,21 +292,42 @@ class _BackendBaseError(BaseException):
     """A BaseException a backend's code raises (not KeyboardInterrupt or SystemExit)."""
 
 
-class OddRoundScheduler(FakeScheduler):
-    """A FakeScheduler whose next status round raises ``error`` once it is set (``raised`` is
-    set then)."""
+class BadRoundScheduler(FakeScheduler):
+    """A FakeScheduler whose next status round, once ``bad`` is set, is ``bad(app_ids)``: what it
+    returns is the round's answer, what it raises the round's error."""
 
     def __init__(self, session_name: str, **kw: Any) -> None:
         super().__init__(session_name, **kw)
-        self.error: BaseException | None = None
-        self.raised = asyncio.Event()
+        self.bad: Callable[[Sequence[str]], Any] | None = None
+        self.misbehaved = asyncio.Event()
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
-        error, self.error = self.error, None
-        if error is not None:
-            self.raised.set()
-            raise error
+        bad, self.bad = self.bad, None
+        if bad is not None:
+            self.misbehaved.set()
+            return bad(app_ids)  # type: ignore[no-any-return]
         return await super().describe_many(app_ids)
+
+
+async def _wait_through_a_bad_round(bad: Callable[[Sequence[str]], Any]) -> None:
+    """Runs an app on a BadRoundScheduler whose round during a wait is ``bad``, then ends the
+    app: the wait must see it end."""
+    sched = BadRoundScheduler("t")
+    runner = AsyncRunner(
+        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
+    )
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        app_id = handle.rsplit("/", 1)[1]
+        await sched.wait_described(app_id)
+        sched.bad = bad
+        waiter = asyncio.create_task(runner.wait(handle))
+        with anyio.fail_after(10):
+            await sched.misbehaved.wait()
+        sched.set_state(app_id, AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await waiter
+        assert status is not None and status.state == AppState.SUCCEEDED
 
 
 @pytest.mark.parametrize(
@@ -324,39 +345,12 @@ async def test_a_status_round_raising_a_base_exception_does_not_stop_the_hub(
     """A status round whose backend raises a BaseException other than KeyboardInterrupt or
     SystemExit counts as a failed round (logged): the hub goes on and a wait sees the app end
     (the hub's loop died with it and every wait hung)."""
-    sched = OddRoundScheduler("t")
-    runner = AsyncRunner(
-        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
-    )
-    async with runner:
-        handle = await runner.run(app(), "fake")
-        app_id = handle.rsplit("/", 1)[1]
-        await sched.wait_described(app_id)
-        sched.error = error
-        waiter = asyncio.create_task(runner.wait(handle))
-        with anyio.fail_after(10):
-            await sched.raised.wait()
-        sched.set_state(app_id, AppState.SUCCEEDED)
-        with anyio.fail_after(10):
-            status = await waiter
-        assert status is not None and status.state == AppState.SUCCEEDED
+
+    def raise_it(app_ids: Sequence[str]) -> Any:
+        raise error
+
+    await _wait_through_a_bad_round(raise_it)
     assert any("status round for 1 fake apps failed" in r.getMessage() for r in caplog.records)
-
-
-class MalformedRoundScheduler(FakeScheduler):
-    """A FakeScheduler whose next status round returns ``answer(app_ids)`` once it is set."""
-
-    def __init__(self, session_name: str, **kw: Any) -> None:
-        super().__init__(session_name, **kw)
-        self.answer: Callable[[Sequence[str]], Any] | None = None
-        self.answered = asyncio.Event()
-
-    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
-        answer, self.answer = self.answer, None
-        if answer is not None:
-            self.answered.set()
-            return answer(app_ids)  # type: ignore[no-any-return]
-        return await super().describe_many(app_ids)
 
 
 @pytest.mark.parametrize(
@@ -370,22 +364,7 @@ async def test_a_malformed_status_answer_does_not_stop_the_hub(
     """A status round whose backend returns no mapping of app ids to DescribeAppResponse or
     None counts as a failed round, logged naming the backend: the hub goes on and a wait sees
     the app end (applying it ended the hub's loop and every wait hung)."""
-    sched = MalformedRoundScheduler("t")
-    runner = AsyncRunner(
-        "t", scheduler_factories={"fake": lambda *a, **k: sched}, poll_settings=FAST
-    )
-    async with runner:
-        handle = await runner.run(app(), "fake")
-        app_id = handle.rsplit("/", 1)[1]
-        await sched.wait_described(app_id)
-        sched.answer = answer
-        waiter = asyncio.create_task(runner.wait(handle))
-        with anyio.fail_after(10):
-            await sched.answered.wait()
-        sched.set_state(app_id, AppState.SUCCEEDED)
-        with anyio.fail_after(10):
-            status = await waiter
-        assert status is not None and status.state == AppState.SUCCEEDED
+    await _wait_through_a_bad_round(answer)
     assert any(
         r.exc_info is not None and "fake: describe_many must return a mapping" in str(r.exc_info[1])
         for r in caplog.records
