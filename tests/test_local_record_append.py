@@ -560,7 +560,16 @@ async def test_a_first_record_made_from_a_spare_is_written_without_a_thread_hop(
         assert write.done() and write.exception() is None
         assert json.loads((tmp_path / ".apps" / "app-1.json").read_text())["state"] == "RUNNING"
         assert len(store.spares) == spares - 1
-        store.spares.take()  # the pool is empty now: the next first record goes to the thread
+        many = [{"index": i, "state": "RUNNING"} for i in range(writer.FIRST_INLINE_REPLICAS + 1)]
+        big = {"app_id": "app-big", "state": "RUNNING", "replicas": many}
+        write = asyncio.create_task(writer.write("app-big", big))
+        await asyncio.sleep(0)  # too many replicas to read their start times on the loop
+        assert not write.done() and not (tmp_path / ".apps" / "app-big.json").exists()
+        with anyio.fail_after(5):
+            await write
+        assert (tmp_path / ".apps" / "app-big.json").exists()
+        while len(store.spares):
+            store.spares.take()  # the pool is empty now: the next first record goes to the thread
         assert len(store.spares) == 0
         write = asyncio.create_task(writer.write("app-2", {"app_id": "app-2", "state": "RUNNING"}))
         await asyncio.sleep(0)

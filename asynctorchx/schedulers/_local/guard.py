@@ -860,13 +860,18 @@ class RecordWriter:
         Raises:
             OSError: it could not be written (it stays queued for retries; ``forget`` drops it).
         """
-        if self.write_first(app_id, doc):
+        document = doc() if callable(doc) else doc
+        if self.write_first(app_id, document):
             return
-        errors = await asyncio.shield(self.put(app_id, doc))
+        errors = await asyncio.shield(self.put(app_id, document))
         if app_id in errors:
             raise errors[app_id]
 
-    def write_first(self, app_id: str, doc: _DocSource) -> bool:
+    #: The most replicas an app may have for its first record to be written on the event loop
+    #: (each running replica's start time is read from ``/proc``, 60-90 us a replica here).
+    FIRST_INLINE_REPLICAS = 16
+
+    def write_first(self, app_id: str, document: _Doc) -> bool:
         """Writes the first record of ``app_id`` now, on the event loop, when the store has a spare
         file to make it from; False (nothing done) otherwise, or when it fails (queue it then).
 
@@ -875,13 +880,16 @@ class RecordWriter:
         costs a launch a millisecond or more on a busy loop: the launch a service makes beside
         running apps waits for it (``run()`` returns once other processes see the app). Without a
         spare, creating the file can cost ~0.5 ms of a busy file system's time: it goes to the
-        thread. A version queued for the app is replaced (this one is newer); one being written
-        by the thread must land first, so the app waits for it.
+        thread, as does the record of an app of more than ``FIRST_INLINE_REPLICAS`` replicas. A
+        version queued for the app is replaced (this one is newer); one being written by the
+        thread must land first, so the app waits for it.
         """
         if not len(self._store.spares) or app_id in self._in_flight_ids or app_id in self._failing:
             return False
+        if len(document.get("replicas") or ()) > self.FIRST_INLINE_REPLICAS:
+            return False
         self._pending.pop(app_id, None)
-        errors = self._store.write_many({app_id: doc() if callable(doc) else doc})
+        errors = self._store.write_many({app_id: document})
         if app_id in errors:
             return False
         self._last_put = time.monotonic()
