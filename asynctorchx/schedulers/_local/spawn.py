@@ -274,7 +274,7 @@ class Spawner:
         self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
         writer.attach(spawned.stdout_fd, Stream.STDOUT)
         writer.attach(spawned.stderr_fd, Stream.STDERR)
-        self._started(app, rep)
+        self._started(app, rep, spawned.start_ticks)
         if not later:
             asyncio.get_running_loop().add_reader(pidfd, self._on_exit, app, rep)
         return later
@@ -294,8 +294,9 @@ class Spawner:
         return rep.writer
 
     @staticmethod
-    def _started(app: LiveApp, rep: Replica) -> None:
-        rep.start_ticks = None  # the record writer looks it up, off the event loop
+    def _started(app: LiveApp, rep: Replica, start_ticks: int | None) -> None:
+        # without a start time from the spawn, the record writer reads it from /proc
+        rep.start_ticks = start_ticks
         rep.exit_code = None
         rep.ended_at = None
         rep.started_at = time.time()
