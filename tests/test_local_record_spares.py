@@ -307,6 +307,38 @@ async def test_a_scheduler_that_cannot_make_spares_records_its_apps_as_usual(
         assert doc["state"] == "SUCCEEDED"
 
 
+@pytest.mark.timeout(60)
+async def test_a_service_launching_every_20_ms_keeps_getting_spares(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Launches 20 ms apart never leave the 50 ms lull in which spares are made; a pool down to
+    less than a chunk is refilled after a 10 ms one, so the records of such a service keep coming
+    from spares once its first ones are used up (before: every record after the 16th was created in
+    the writer's thread, a hop each ``run()`` waited for)."""
+    monkeypatch.setattr(spares, "MIN_TARGET", spares.CHUNK)
+    taken: list[bool] = []
+    take = SparePool.take
+
+    def counting(self: SparePool) -> str | None:
+        got = take(self)
+        taken.append(got is not None)
+        return got
+
+    root = tmp_path / "root"
+    s = LocalScheduler("sp", local_root=root)
+    try:
+        await _ended(s, await s.submit(_quick(tmp_path), {}))
+        await poll_until(lambda: len(s._runtime.store.spares) >= spares.CHUNK, "the first spares")
+        monkeypatch.setattr(SparePool, "take", counting)
+        for _ in range(4 * spares.CHUNK):
+            await s.submit(_quick(tmp_path), {})
+            await anyio.sleep(0.02)
+    finally:
+        await s.close()
+    assert len(taken) == 4 * spares.CHUNK
+    assert taken.count(False) <= spares.CHUNK // 2, taken
+
+
 LAUNCHER = """
 import asyncio, sys, time
 from asynctorchx.schedulers.local import LocalScheduler

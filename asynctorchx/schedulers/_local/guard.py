@@ -25,6 +25,7 @@ from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers._local.records import RecordStore
+from asynctorchx.schedulers._local.spares import CHUNK as SPARES_CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -947,6 +948,11 @@ class RecordWriter:
     #: Seconds without a new record (or a change to one) before spares are made: in the lull after a
     #: burst of launches, not during it (they would take the burst's processor time).
     SPARES_LULL = 0.05
+    #: The shorter lull after which a pool with less than a chunk of spares left gets one chunk: a
+    #: service launching an app every few tens of milliseconds never pauses for ``SPARES_LULL``,
+    #: and once its first spares were used every record it launches would be created in the
+    #: writer's thread (a hop the caller of ``run()`` waits for); a burst's records come faster.
+    SPARES_LOW_LULL = 0.01
     #: Seconds before spares are tried again after they could not be made.
     SPARES_RETRY = 30.0
 
@@ -970,8 +976,9 @@ class RecordWriter:
                 await anyio.to_thread.run_sync(self._store.drop_dead_holders)
             while spares.wanted:
                 quiet = time.monotonic() - self._last_put
-                if quiet < self.SPARES_LULL or self._in_flight is not None:
-                    await asyncio.sleep(max(self.SPARES_LULL - quiet, 0.005))
+                lull = self.SPARES_LOW_LULL if len(spares) < SPARES_CHUNK else self.SPARES_LULL
+                if quiet < lull or self._in_flight is not None:
+                    await asyncio.sleep(max(lull - quiet, 0.005))
                     continue
                 # a chunk at a time: a burst that starts meanwhile, or closing, waits for one at most
                 await anyio.to_thread.run_sync(spares.fill_some)
