@@ -49,8 +49,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+
+# (no typing or dataclasses at run time: the watchdog imports this module, and those two cost its
+# start-up ~18 ms of processor time, a share of a core the first launches of its scheduler need)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+else:
+    Protocol = object
 
 MARKER_ENV = "ASYNCTORCHX_REPLICA"
 MARKER_ENV_BYTES = MARKER_ENV.encode()
@@ -112,16 +118,43 @@ def forget_line(app_id: str) -> bytes:
     return b"x %s\n" % app_id.encode()
 
 
-@dataclass(frozen=True)
 class Message:
     """One parsed line: ``op`` is ``A``, ``+``, ``-`` or ``x``."""
 
-    op: str
-    app_id: str
-    pid: int = 0
-    grace: float = 0.0
-    cgroup: str | None = None
-    record: dict[str, Any] | None = None
+    __slots__ = ("app_id", "cgroup", "grace", "op", "pid", "record")
+
+    def __init__(
+        self,
+        op: str,
+        app_id: str,
+        pid: int = 0,
+        grace: float = 0.0,
+        cgroup: str | None = None,
+        record: dict[str, Any] | None = None,
+    ) -> None:
+        self.op = op
+        self.app_id = app_id
+        self.pid = pid
+        self.grace = grace
+        self.cgroup = cgroup
+        self.record = record
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.op, self.app_id, self.pid, self.grace, self.cgroup, self.record)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Message):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # (holds a dict)
+
+    def __repr__(self) -> str:
+        return (
+            "Message(op={!r}, app_id={!r}, pid={!r}, grace={!r}, cgroup={!r}, record={!r})".format(
+                *self._fields()
+            )
+        )
 
 
 def parse_line(raw: bytes) -> Message | None:

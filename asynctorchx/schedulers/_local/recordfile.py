@@ -31,13 +31,14 @@ import os
 import re
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
 
+# (no typing or dataclasses at run time: the watchdog imports this module; see protocol.py)
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pathlib import Path
+    from typing import Any, TypeVar
 
-T = TypeVar("T")
+    T = TypeVar("T")
 
 ROOT_ENV = "ASYNCTORCHX_LOCAL_ROOT"
 #: The states after which nothing changes (``AppState`` names).
@@ -290,14 +291,38 @@ def read_record(
 # -- parsing ---------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class Owner:
     """The process that launched an app (and its watchdog), identified by pid and start time."""
 
-    pid: int
-    start_ticks: int | None
-    watchdog_pid: int | None = None
-    watchdog_start_ticks: int | None = None
+    __slots__ = ("pid", "start_ticks", "watchdog_pid", "watchdog_start_ticks")
+
+    def __init__(
+        self,
+        pid: int,
+        start_ticks: int | None,
+        watchdog_pid: int | None = None,
+        watchdog_start_ticks: int | None = None,
+    ) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.watchdog_pid = watchdog_pid
+        self.watchdog_start_ticks = watchdog_start_ticks
+
+    def _fields(self) -> tuple[int | None, ...]:
+        return (self.pid, self.start_ticks, self.watchdog_pid, self.watchdog_start_ticks)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Owner):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return "Owner(pid={!r}, start_ticks={!r}, watchdog_pid={!r}, watchdog_start_ticks={!r})".format(
+            *self._fields()
+        )
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -32,8 +32,12 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+
+# (no typing or dataclasses: this process's start-up competes for a core with its launcher's first
+# launches; see protocol.py)
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 if __package__:
     from . import contain, protocol, recordfile
@@ -129,14 +133,18 @@ def _finish_locked(
     protocol.drop_lock_files(records_dir, app_id)
 
 
-@dataclass
 class _App:
-    grace: float
-    cgroup: str | None
-    record: dict[str, Any] | None = None
-    pgids: set[int] = field(default_factory=set)
-    prefix: str = ""
-    killed_at: float | None = None
+    __slots__ = ("cgroup", "grace", "killed_at", "pgids", "prefix", "record")
+
+    def __init__(
+        self, grace: float, cgroup: str | None, record: dict[str, Any] | None = None
+    ) -> None:
+        self.grace = grace
+        self.cgroup = cgroup
+        self.record = record
+        self.pgids: set[int] = set()
+        self.prefix = ""
+        self.killed_at: float | None = None
 
 
 def _belongs(app: _App, pgid: int, marker: str | None) -> bool:
