@@ -45,6 +45,7 @@ from asynctorchx.schedulers._local.recordfile import MAX_APP_ID, is_app_id
 from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
 from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
+from asynctorchx.schedulers._local.spares import MIN_TARGET
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
 from asynctorchx.schedulers._local.supervise import (
     CONTAIN_TIMEOUT,
@@ -334,8 +335,17 @@ class AppLauncher:
         rt.writer.make_spares()
 
     def _prepare_blocking(self) -> None:
-        self._rt.store.hold()
+        store = self._rt.store
+        store.hold()
         self._rt.contain.probe()
+        # The first spares, made (or adopted from processes that are gone) before the first
+        # launch rather than in a lull after it: a burst that follows the first app at once (a
+        # service's first requests, a driver's first trials) then writes its records on the event
+        # loop instead of creating them in the writer's thread while it launches. Bounded in time
+        # (a creation costs ~0.3 ms on a churned ext4, more on NFS: the first launch waits for
+        # this); spares are an optimisation, so an error here is left to the lull's fills.
+        with contextlib.suppress(OSError):
+            store.spares.fill_some(MIN_TARGET, until=time.monotonic() + FIRST_SPARES_TIME)
 
     def close(self) -> None:
         """Releases what ``launch`` kept open."""
@@ -550,6 +560,10 @@ def _exists(path: str) -> bool:
     """True when ``path`` exists (one lookup, no creation: a few microseconds on the loop)."""
     return os.path.lexists(path)
 
+
+#: How long the scheduler's preparation (before its first launch) may spend making spare record
+#: files (``spares.py``); up to ``spares.MIN_TARGET`` are made within it.
+FIRST_SPARES_TIME = 0.005
 
 #: Seconds after its start when a replica that is still running and has not written anything yet
 #: gets its log files anyway (in the worker thread). A replica that ends sooner without output never

@@ -28,6 +28,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 
 from asynctorchx.schedulers._local.recordfile import pid_alive, proc_start_ticks
 
@@ -105,10 +106,11 @@ class SparePool:
             with _released_lock:
                 _released.setdefault(self.directory, []).extend(free)
 
-    def fill_some(self, count: int = CHUNK) -> int:
+    def fill_some(self, count: int = CHUNK, until: float | None = None) -> int:
         """Makes up to ``count`` of the spares the pool lacks (first taking those released by closed
         pools of this process; the first call makes the directory and adopts the spares of processes
-        that are gone); returns how many it still lacks.
+        that are gone), stopping early once ``time.monotonic()`` reaches ``until``; returns how many
+        it still lacks.
 
         Raises:
             OSError: a spare cannot be made (full disk, no permission, the records directory
@@ -128,6 +130,8 @@ class SparePool:
             self._scanned = True
         prefix = self._own_prefix()
         for _ in range(min(count, self.wanted)):
+            if until is not None and time.monotonic() >= until:
+                break
             path = f"{prefix}{next(self._counter)}"
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
