@@ -178,8 +178,9 @@ def spawned_ticks(pid: int, before_ns: int, after_ns: int) -> int | None:
     The kernel stamps a child with the boot-time clock while forking it and shows that stamp in
     whole ticks (rounded down), so a fork bracketed inside one tick started in that tick: the
     launch needs no ``/proc`` read (60-90 us on a busy loop) for the pid-reuse guard other processes
-    check. The first derivation in a process is compared with ``/proc``; a mismatch (an exotic
-    kernel) turns the derivation off for good.
+    check. (The stamp has been the boot-time clock, suspended time included, since Linux 3.17; the
+    local backends need pidfds, 5.3+.) The first derivation in a process is compared with
+    ``/proc``; a mismatch (an exotic kernel) turns the derivation off for good.
     """
     global _derived_ticks_ok
     if not _TICK_NS or _derived_ticks_ok is False:
