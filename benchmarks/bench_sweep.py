@@ -11,6 +11,8 @@ line to the moment ``as_completed`` yielded the app).
 
 Prints one JSON object: launches per second over the whole run, wake latency (median/p95/max, ms),
 CPU of the driver process (``getrusage(RUSAGE_SELF)``, seconds and percent of one core over the run),
+the event loop thread's CPU per app (``time.thread_time``: what bounds the launches per second
+once the loop is saturated),
 total wall time, the most apps seen running at once, and the StatusHub's round count.
 """
 
@@ -74,6 +76,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
             started.set()
 
         cpu0, kids0 = cpu()
+        loop_cpu0 = time.thread_time()
         t0 = time.perf_counter()
         async with anyio.create_task_group() as launches:
             while launched < apps or running or launching:
@@ -94,6 +97,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
                         del running[handle]
                         break
         wall = time.perf_counter() - t0
+        loop_cpu = time.thread_time() - loop_cpu0
         cpu1, kids1 = cpu()
         rounds = runner.hub(LOCAL).rounds
 
@@ -119,6 +123,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
         "unreadable_exit_lines": unreadable,
         "driver_cpu_s": cpu1 - cpu0,
         "driver_cpu_percent": 100 * (cpu1 - cpu0) / wall,
+        "loop_cpu_ms_per_app": 1000 * loop_cpu / apps,
         "children_cpu_s": kids1 - kids0,
         "max_running": max_running,
         "status_rounds": rounds,
