@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -118,6 +119,25 @@ def test_make_unique_has_name_prefix_and_random_suffix() -> None:
     assert a != b
     assert re.fullmatch(r"trainer-[a-z0-9]{8}", a)
     assert re.fullmatch(r"my-app-[a-z0-9]{5}", make_unique("My_App", string_length=5))
+
+
+def test_make_unique_differs_in_a_forked_child() -> None:
+    """Ids come from a generator of the process, seeded again in a forked child: a child and its
+    parent drawing next do not get the same id (with the state copied by ``fork``, they would)."""
+    make_unique("warm")  # the generator is in use before the fork
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.write(w, "".join(make_unique("t") for _ in range(4)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    mine = "".join(make_unique("t") for _ in range(4))
+    with os.fdopen(r, "rb") as f:
+        theirs = f.read().decode()
+    os.waitpid(pid, 0)
+    assert len(theirs) == len(mine) and theirs != mine
 
 
 def test_make_unique_rejects_too_small_max_length() -> None:
