@@ -596,8 +596,15 @@ class Containment:
 
     @staticmethod
     def _make_dirs(dirs: list[str]) -> None:
+        # parents come first, so one mkdir each (makedirs would stat every one first)
         for d in dirs:
-            os.makedirs(d, exist_ok=True)
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+            except FileNotFoundError:  # a parent is missing (the base was removed)
+                os.makedirs(d, exist_ok=True)
 
     def _prepare(self, dirs: list[str]) -> None:
         self._make_dirs(dirs)
