@@ -279,3 +279,77 @@ async def test_a_launch_cancelled_by_a_scope_while_writers_are_made_removes_its_
         assert scope.cancelled_caught and made >= 128
         assert not os.path.exists(info.request.app_dir)
         assert await s.list() == []
+
+
+@pytest.fixture
+def held_open(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Holds the making of the files of a directory named ``slow`` until released (a churned file
+    system): (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = LogFiles.open
+
+    def held(directory: str | os.PathLike[str]) -> LogFiles:
+        if os.path.basename(os.fspath(directory)) == "slow":
+            entered.set()
+            if not release.wait(10):
+                raise TimeoutError("the test never released the files")
+        return real(directory)
+
+    monkeypatch.setattr(LogFiles, "open", staticmethod(held))
+    yield entered, release
+    release.set()
+
+
+async def test_what_queues_behind_a_slow_batch_is_made_beside_it(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    held_open: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Files asked for while a batch is slow (past ``SLOW_BATCH``: here at once) get a second
+    worker: they are made while the slow batch is still held, not after it."""
+    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 0.0)
+    dirs, _ = maker
+    entered, release = held_open
+    slow = ReplicaLogWriter(tmp_path / "a" / "slow", opener=dirs.request)
+    slow.make_files_soon()
+    await wait_thread_event(entered)
+    quick = ReplicaLogWriter(tmp_path / "b" / "0", opener=dirs.request)
+    quick.make_files_soon()
+    with anyio.fail_after(10):
+        while not quick.has_files:
+            await asyncio.sleep(0.005)
+    assert not slow.has_files  # still held
+    release.set()
+    with anyio.fail_after(10):
+        while not slow.has_files:
+            await asyncio.sleep(0.005)
+    for writer in (slow, quick):
+        writer.close()
+        assert sorted(os.listdir(writer.directory)) == sorted([*LOG_FILES.values(), INDEX_FILE])
+
+
+async def test_what_queues_behind_a_fast_batch_waits_for_it(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    held_open: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Batches not yet slow keep one worker (more, smaller batches would cost the event loop more
+    hand-overs): what is asked meanwhile is made next, in one more batch."""
+    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 3600.0)
+    dirs, _ = maker
+    entered, release = held_open
+    slow = ReplicaLogWriter(tmp_path / "a" / "slow", opener=dirs.request)
+    slow.make_files_soon()
+    await wait_thread_event(entered)
+    later = [ReplicaLogWriter(tmp_path / f"b{i}" / "0", opener=dirs.request) for i in range(3)]
+    for writer in later:
+        writer.make_files_soon()
+    assert len(dirs._tasks) == 1
+    release.set()
+    with anyio.fail_after(10):
+        while not all(w.has_files for w in (slow, *later)):
+            await asyncio.sleep(0.005)
+    for writer in (slow, *later):
+        writer.close()

@@ -621,7 +621,12 @@ class LogDirMaker:
     In a worker thread, which holds no GIL while in the kernel, they run on another core while the
     event loop goes on. Everything asked while a batch is being made forms the next one, so a
     burst costs a few thread hand-overs, not one per app or replica; each is handed over as soon
-    as it is made.
+    as it is made. When a batch takes more than ``SLOW_BATCH`` seconds (a churned ext4: 4.7 ms a
+    replica here, this thread then the bottleneck of a sweep), a second one is made beside it from
+    what queued meanwhile: a worker thread takes the GIL back from a busy loop slowly after each of
+    its system calls (half of its time there), so two overlap those waits and their kernel time.
+    Fast batches (tmpfs: 0.08 ms a replica) stay one at a time: more, smaller batches would cost
+    the loop more hand-overs.
 
     A launch cancelled while its directories are being made leaves nothing: the batch removes what
     it made for it. When the scheduler closes, the writers still waiting get their files made on
@@ -631,10 +636,16 @@ class LogDirMaker:
         supervisor: owns the task that hands the batches to the thread.
     """
 
+    #: Batches made at once at most (each in a worker thread).
+    WORKERS = 2
+    #: Seconds a batch runs before what queued meanwhile gets a worker of its own.
+    SLOW_BATCH = 0.002
+
     def __init__(self, supervisor: TaskSupervisor) -> None:
         self._supervisor = supervisor
         self._jobs: list[_DirJob | ReplicaLogWriter] = []
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._running: dict[asyncio.Task[None] | None, float] = {}  # batch -> started (monotonic)
         self._session_dirs: set[str] = set()
 
     async def make(self, app_id: str, app_dir: str, dirs: list[str]) -> None:
@@ -649,6 +660,7 @@ class LogDirMaker:
         job = _DirJob(app_id, app_dir, dirs, future)
         self._ensure_task()  # RuntimeError: closed
         self._jobs.append(job)
+        self._more_workers()
         try:
             await future
         except asyncio.CancelledError:
@@ -666,10 +678,24 @@ class LogDirMaker:
             writer.files_made()
             return
         self._jobs.append(writer)
+        self._more_workers()
 
     def _ensure_task(self) -> None:
-        if self._task is None:
-            self._task = self._supervisor.spawn(self._run(), "log-dirs")
+        if not self._tasks:
+            self._add_worker()
+
+    def _add_worker(self) -> None:
+        self._tasks.add(self._supervisor.spawn(self._run(), "log-dirs"))
+
+    def _more_workers(self) -> None:
+        """Adds a worker for the queue when the batches being made are slow."""
+        busy = self._running
+        if (
+            busy
+            and len(busy) == len(self._tasks) < self.WORKERS
+            and time.monotonic() - min(busy.values()) >= self.SLOW_BATCH
+        ):
+            self._add_worker()
 
     def _discard_later(self, job: _DirJob) -> None:
         try:
@@ -679,19 +705,25 @@ class LogDirMaker:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
         batch: list[_DirJob | ReplicaLogWriter] = []
         try:
             await asyncio.sleep(0)  # what is asked in this loop iteration joins the first batch
             while self._jobs:
-                batch, self._jobs = self._jobs, []
+                idle = len(self._tasks) - len(self._running)  # (this one included)
+                take = -(-len(self._jobs) // idle)  # the others idle take the rest
+                batch, self._jobs = self._jobs[:take], self._jobs[take:]
+                self._running[me] = time.monotonic()
                 # waited for even when cancelled (closing): what the thread makes must be known
                 await await_shielded(loop.run_in_executor(None, self._make_batch, batch, loop))
+                del self._running[me]
                 abandoned = [j for j in batch if isinstance(j, _DirJob) and j.abandoned]
                 batch = []
                 if abandoned:
                     await anyio.to_thread.run_sync(_discard_jobs, abandoned)
         finally:
-            self._task = None
+            self._running.pop(me, None)
+            self._tasks.discard(me)
             left = batch + self._jobs
             self._jobs = []
             # closing (the thread has finished): nothing of these launches is left, and every
