@@ -300,6 +300,22 @@ def held_open(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event
     release.set()
 
 
+async def start_slow_writer(
+    dirs: LogDirMaker, tmp_path: Path, entered: threading.Event
+) -> ReplicaLogWriter:
+    """A lazy writer whose files are being made, held (``held_open``)."""
+    slow = ReplicaLogWriter(tmp_path / "a" / "slow", opener=dirs.request)
+    slow.make_files_soon()
+    await wait_thread_event(entered)
+    return slow
+
+
+async def until_files(*writers: ReplicaLogWriter) -> None:
+    with anyio.fail_after(10):
+        while not all(w.has_files for w in writers):
+            await asyncio.sleep(0.005)
+
+
 async def test_what_queues_behind_a_slow_batch_is_made_beside_it(
     tmp_path: Path,
     maker: tuple[LogDirMaker, TaskSupervisor],
@@ -311,19 +327,13 @@ async def test_what_queues_behind_a_slow_batch_is_made_beside_it(
     monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 0.0)
     dirs, _ = maker
     entered, release = held_open
-    slow = ReplicaLogWriter(tmp_path / "a" / "slow", opener=dirs.request)
-    slow.make_files_soon()
-    await wait_thread_event(entered)
+    slow = await start_slow_writer(dirs, tmp_path, entered)
     quick = ReplicaLogWriter(tmp_path / "b" / "0", opener=dirs.request)
     quick.make_files_soon()
-    with anyio.fail_after(10):
-        while not quick.has_files:
-            await asyncio.sleep(0.005)
+    await until_files(quick)
     assert not slow.has_files  # still held
     release.set()
-    with anyio.fail_after(10):
-        while not slow.has_files:
-            await asyncio.sleep(0.005)
+    await until_files(slow)
     for writer in (slow, quick):
         writer.close()
         assert sorted(os.listdir(writer.directory)) == sorted([*LOG_FILES.values(), INDEX_FILE])
@@ -340,16 +350,12 @@ async def test_what_queues_behind_a_fast_batch_waits_for_it(
     monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 3600.0)
     dirs, _ = maker
     entered, release = held_open
-    slow = ReplicaLogWriter(tmp_path / "a" / "slow", opener=dirs.request)
-    slow.make_files_soon()
-    await wait_thread_event(entered)
+    slow = await start_slow_writer(dirs, tmp_path, entered)
     later = [ReplicaLogWriter(tmp_path / f"b{i}" / "0", opener=dirs.request) for i in range(3)]
     for writer in later:
         writer.make_files_soon()
     assert len(dirs._tasks) == 1
     release.set()
-    with anyio.fail_after(10):
-        while not all(w.has_files for w in (slow, *later)):
-            await asyncio.sleep(0.005)
+    await until_files(slow, *later)
     for writer in (slow, *later):
         writer.close()
