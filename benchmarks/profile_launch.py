@@ -3,6 +3,7 @@
     python benchmarks/profile_launch.py run 200             # one fan-out, timed
     python benchmarks/profile_launch.py run 200 --cprofile  # + the event loop's time by kind
     python benchmarks/profile_launch.py syscalls 200        # system calls per app (needs strace)
+    python benchmarks/profile_launch.py spawnwait 300       # how long one spawn blocks its caller
 
 The fan-out is compare_torchx's (``_compare_worker.py fanout``): a fresh interpreter, a fresh state
 root under the temp dir (``--root`` for another parent), one warm-up app, then N apps of
@@ -12,6 +13,12 @@ root under the temp dir (``--root`` for another parent), one warm-up app, then N
 difference divided by the difference in apps: the system calls one more app costs the launching
 process (all its threads; the apps' own processes, the watchdog and the start-up are left out).
 The state root is removed after strace has finished, so its removal is not counted.
+
+``spawnwait`` times N spawns the way the launcher makes them (``os.posix_spawn`` of ``sh -c 'exit
+0'`` in a new session, its output on a pipe) while 0, 1 and 2 CPU-bound processes run, and while 2
+processes start short programs one after the other (the churn of a sweep's replicas): the wall time
+the calling thread is blocked (``posix_spawn`` returns once the child has exec'd, and holds the GIL
+until then) against its CPU time. The difference is the child waiting for a core.
 """
 
 from __future__ import annotations
@@ -146,11 +153,59 @@ def syscalls(n: int, parent: str | None) -> dict[str, Any]:
     return {"n": [small, n], "per_app_total": round(sum(per_app.values()), 1), "per_app": per_app}
 
 
+#: Background loads for ``spawnwait``: name -> (count, shell loop).
+LOADS = {
+    "idle": (0, ""),
+    "1 busy": (1, "while :; do :; done"),
+    "2 busy": (2, "while :; do :; done"),
+    "2 churning": (2, "while :; do /bin/true; done"),
+}
+
+
+def spawn_wait(n: int) -> dict[str, Any]:
+    """Per background load: the median, p90 and mean wall time of one spawn, and its median CPU
+    time."""
+    env = {k.encode(): v.encode() for k, v in os.environ.items()}
+    out: dict[str, Any] = {}
+    for name, (count, loop) in LOADS.items():
+        load = [subprocess.Popen(["sh", "-c", loop]) for _ in range(count)]
+        try:
+            time.sleep(0.2 if load else 0)  # the load running
+            wall, cpu = [], []
+            for _ in range(n):
+                r, w = os.pipe()
+                t, c = time.perf_counter(), time.thread_time()
+                pid = os.posix_spawn(
+                    "/bin/sh",
+                    ["sh", "-c", "exit 0"],
+                    env,
+                    file_actions=[(os.POSIX_SPAWN_DUP2, w, 1)],
+                    setsid=True,
+                )
+                wall.append(time.perf_counter() - t)
+                cpu.append(time.thread_time() - c)
+                os.close(w)
+                os.close(r)
+                os.waitpid(pid, 0)
+        finally:
+            for proc in load:
+                proc.kill()
+                proc.wait()
+        wall.sort()
+        out[name] = {
+            "wall_ms_median": round(1000 * wall[n // 2], 3),
+            "wall_ms_p90": round(1000 * wall[n * 9 // 10], 3),
+            "wall_ms_mean": round(1000 * sum(wall) / n, 3),
+            "cpu_ms_median": round(1000 * sorted(cpu)[n // 2], 3),
+        }
+    return {"spawns": n, "cpus": os.cpu_count(), "spawn_wait": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["run", "syscalls"])
+    parser.add_argument("mode", choices=["run", "syscalls", "spawnwait"])
     parser.add_argument("n", type=int)
     parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
     parser.add_argument("--cprofile", action="store_true", help="profile the event loop's thread")
@@ -160,6 +215,8 @@ def main() -> None:
         parser.error(f"n must be at least 2, not {args.n}")
     if args.mode == "run":
         print(json.dumps(run(args.n, args.root, args.cprofile, args.keep)))
+    elif args.mode == "spawnwait":
+        print(json.dumps(spawn_wait(args.n)))
     else:
         print(json.dumps(syscalls(args.n, args.root)))
 
