@@ -1,6 +1,6 @@
 """A sweep driver's cost: many short apps through ``as_completed``, a bounded number running at once.
 
-    python benchmarks/bench_sweep.py [--apps 1000] [--concurrency 100] [--sleep 0]
+    python benchmarks/bench_sweep.py [--apps 1000] [--concurrency 100] [--sleep 0] [--floor]
 
 The driver keeps at most ``--concurrency`` apps running (launched or being launched): it starts
 launches in the background up to the limit, takes the next finished app from
@@ -14,6 +14,12 @@ CPU of the driver process (``getrusage(RUSAGE_SELF)``, seconds and percent of on
 the event loop thread's CPU per app (``time.thread_time``: what bounds the launches per second
 once the loop is saturated),
 total wall time, the most apps seen running at once, and the StatusHub's round count.
+
+``--floor`` runs the same programs the same way with none of asynctorchx: bare asyncio spawning
+each with ``os.posix_spawn`` (a new session, stdout and stderr on pipes), reading the pipes to EOF
+and reaping the exit through a pidfd, at most ``--concurrency`` at once. No log files, no record,
+no cgroup, no status: what any asyncio launcher pays on this machine. Prints launches per second,
+the loop thread's CPU per app and the apps' own CPU per app.
 """
 
 from __future__ import annotations
@@ -131,6 +137,63 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
     }
 
 
+async def floor(apps: int, concurrency: int, sleep: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    env = {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
+    argv = ["sh", "-c", (f"sleep {sleep}; " if sleep > 0 else "") + "date +%s.%N"]
+    sh = shutil.which("sh") or "/bin/sh"
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with slots:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            actions = [(os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+            pid = os.posix_spawn(sh, argv, env, file_actions=actions, setsid=True)
+            os.close(out_w)
+            os.close(err_w)
+            pidfd = os.pidfd_open(pid)
+            done = loop.create_future()
+            left = [out_r, err_r, pidfd]
+
+            def ended(fd: int) -> None:
+                loop.remove_reader(fd)
+                os.close(fd)
+                left.remove(fd)
+                if not left:
+                    done.set_result(None)
+
+            def readable(fd: int) -> None:
+                if not os.read(fd, 1 << 16):
+                    ended(fd)
+
+            def exited() -> None:
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+                ended(pidfd)
+
+            loop.add_reader(out_r, readable, out_r)
+            loop.add_reader(err_r, readable, err_r)
+            loop.add_reader(pidfd, exited)
+            await done
+
+    _, kids0 = cpu()
+    loop_cpu0 = time.thread_time()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(apps)))
+    wall = time.perf_counter() - t0
+    _, kids1 = cpu()
+    return {
+        "floor": True,
+        "apps": apps,
+        "concurrency": concurrency,
+        "app_sleep_s": sleep,
+        "wall_s": wall,
+        "launches_per_s": apps / wall,
+        "loop_cpu_ms_per_app": 1000 * (time.thread_time() - loop_cpu0) / apps,
+        "children_cpu_ms_per_app": 1000 * (kids1 - kids0) / apps,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,7 +207,16 @@ def main() -> int:
         help="seconds each app sleeps before it prints and exits",
     )
     parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
+    parser.add_argument(
+        "--floor", action="store_true", help="the same apps on bare asyncio (no asynctorchx)"
+    )
     args = parser.parse_args()
+    if args.floor:
+        result = asyncio.run(floor(args.apps, args.concurrency, args.sleep))
+        result["python"] = sys.version.split()[0]
+        result["cpus"] = os.cpu_count()
+        print(json.dumps(result, indent=2))
+        return 0
     root = tempfile.mkdtemp(prefix="bench-sweep-", dir=args.root)
     try:
         result = asyncio.run(sweep(args.apps, args.concurrency, args.sleep, root))
