@@ -4,6 +4,7 @@
     python benchmarks/profile_launch.py run 200 --cprofile  # + the event loop's time by kind
     python benchmarks/profile_launch.py syscalls 200        # system calls per app (needs strace)
     python benchmarks/profile_launch.py spawnwait 300       # how long one spawn blocks its caller
+    python benchmarks/profile_launch.py readers 300         # a loop reader against an epoll set's
 
 The fan-out is compare_torchx's (``_compare_worker.py fanout``): a fresh interpreter, a fresh state
 root under the temp dir (``--root`` for another parent), one warm-up app, then N apps of
@@ -19,6 +20,11 @@ The state root is removed after strace has finished, so its removal is not count
 processes start short programs one after the other (the churn of a sweep's replicas): the wall time
 the calling thread is blocked (``posix_spawn`` returns once the child has exec'd, and holds the GIL
 until then) against its CPU time. The difference is the child waiting for a core.
+
+``readers`` times what watching a descriptor costs the event loop's thread (CPU): adding and
+removing an asyncio reader (``loop.add_reader``/``remove_reader``, what a replica's two pipes and
+pidfd cost today) against registering and unregistering it in an epoll set of one's own (one
+``epoll_ctl`` each, plus the callback kept in a dict), over N pipes ten times.
 """
 
 from __future__ import annotations
@@ -201,11 +207,52 @@ def spawn_wait(n: int) -> dict[str, Any]:
     return {"spawns": n, "cpus": os.cpu_count(), "spawn_wait": out}
 
 
+async def readers(n: int) -> dict[str, Any]:
+    import select
+
+    loop = asyncio.get_running_loop()
+    pipes = [os.pipe() for _ in range(n)]
+    try:
+        rounds = 10
+
+        def callback(fd: int, stream: int) -> None:
+            pass
+
+        t = time.thread_time()
+        for _ in range(rounds):
+            for r, _ in pipes:
+                loop.add_reader(r, callback, r, 1)
+            for r, _ in pipes:
+                loop.remove_reader(r)
+        asyncio_us = (time.thread_time() - t) / (rounds * n) * 1e6
+        epoll = select.epoll()
+        callbacks: dict[int, tuple[Any, ...]] = {}
+        t = time.thread_time()
+        for _ in range(rounds):
+            for r, _ in pipes:
+                epoll.register(r, select.EPOLLIN)
+                callbacks[r] = (callback, r, 1)
+            for r, _ in pipes:
+                del callbacks[r]
+                epoll.unregister(r)
+        own_us = (time.thread_time() - t) / (rounds * n) * 1e6
+        epoll.close()
+    finally:
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+    return {
+        "descriptors": n,
+        "add_and_remove_reader_us": round(asyncio_us, 2),
+        "epoll_register_and_unregister_us": round(own_us, 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["run", "syscalls", "spawnwait"])
+    parser.add_argument("mode", choices=["run", "syscalls", "spawnwait", "readers"])
     parser.add_argument("n", type=int)
     parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
     parser.add_argument("--cprofile", action="store_true", help="profile the event loop's thread")
@@ -215,6 +262,8 @@ def main() -> None:
         parser.error(f"n must be at least 2, not {args.n}")
     if args.mode == "run":
         print(json.dumps(run(args.n, args.root, args.cprofile, args.keep)))
+    elif args.mode == "readers":
+        print(json.dumps(asyncio.run(readers(args.n))))
     elif args.mode == "spawnwait":
         print(json.dumps(spawn_wait(args.n)))
     else:
