@@ -12,7 +12,9 @@ line to the moment ``as_completed`` yielded the app).
 Prints one JSON object: launches per second over the whole run, wake latency (median/p95/max, ms),
 CPU of the driver process (``getrusage(RUSAGE_SELF)``, seconds and percent of one core over the run),
 the event loop thread's CPU per app (``time.thread_time``: what bounds the launches per second
-once the loop is saturated),
+once the loop is saturated) and where the rest of its wall time per app went (``loop_off_cpu``,
+from the thread's ``schedstat``: ready but waiting for a core, or blocked: in ``epoll``, in a
+spawn waiting for the child's ``exec``, or waiting for the GIL),
 total wall time, the most apps seen running at once, and the StatusHub's round count.
 
 ``--floor`` runs the same programs the same way with none of asynctorchx: bare asyncio spawning
@@ -52,6 +54,37 @@ def cpu() -> tuple[float, float]:
     return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
+def loop_sched() -> tuple[float, float, int, int]:
+    """This thread's (seconds on a CPU, seconds ready but waiting for one, voluntary and involuntary
+    context switches), from ``/proc``; zeros where that cannot be read."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, waiting, _ = (int(x) for x in f.read().split())
+        with open("/proc/thread-self/status") as f:
+            switches = dict(line.split(":") for line in f if "ctxt_switches" in line)
+    except (OSError, ValueError):
+        return 0.0, 0.0, 0, 0
+    return (
+        on_cpu / 1e9,
+        waiting / 1e9,
+        int(switches["voluntary_ctxt_switches"]),
+        int(switches["nonvoluntary_ctxt_switches"]),
+    )
+
+
+def off_cpu(
+    before: tuple[float, float, int, int], after: tuple[float, float, int, int], wall: float, n: int
+) -> dict[str, float]:
+    """Per app: the loop thread's wall time off the CPU, split into ready and blocked."""
+    on_cpu, waiting = after[0] - before[0], after[1] - before[1]
+    return {
+        "ready_ms_per_app": 1000 * waiting / n,
+        "blocked_ms_per_app": 1000 * (wall - on_cpu - waiting) / n,
+        "voluntary_switches_per_app": (after[2] - before[2]) / n,
+        "involuntary_switches_per_app": (after[3] - before[3]) / n,
+    }
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     return {
@@ -83,6 +116,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
 
         cpu0, kids0 = cpu()
         loop_cpu0 = time.thread_time()
+        sched0 = loop_sched()
         t0 = time.perf_counter()
         async with anyio.create_task_group() as launches:
             while launched < apps or running or launching:
@@ -104,6 +138,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
                         break
         wall = time.perf_counter() - t0
         loop_cpu = time.thread_time() - loop_cpu0
+        sched1 = loop_sched()
         cpu1, kids1 = cpu()
         rounds = runner.hub(LOCAL).rounds
 
@@ -130,6 +165,7 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
         "driver_cpu_s": cpu1 - cpu0,
         "driver_cpu_percent": 100 * (cpu1 - cpu0) / wall,
         "loop_cpu_ms_per_app": 1000 * loop_cpu / apps,
+        "loop_off_cpu": off_cpu(sched0, sched1, wall, apps),
         "children_cpu_s": kids1 - kids0,
         "max_running": max_running,
         "status_rounds": rounds,
@@ -178,9 +214,11 @@ async def floor(apps: int, concurrency: int, sleep: float) -> dict[str, Any]:
 
     _, kids0 = cpu()
     loop_cpu0 = time.thread_time()
+    sched0 = loop_sched()
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(apps)))
     wall = time.perf_counter() - t0
+    sched1 = loop_sched()
     _, kids1 = cpu()
     return {
         "floor": True,
@@ -190,6 +228,7 @@ async def floor(apps: int, concurrency: int, sleep: float) -> dict[str, Any]:
         "wall_s": wall,
         "launches_per_s": apps / wall,
         "loop_cpu_ms_per_app": 1000 * (time.thread_time() - loop_cpu0) / apps,
+        "loop_off_cpu": off_cpu(sched0, sched1, wall, apps),
         "children_cpu_ms_per_app": 1000 * (kids1 - kids0) / apps,
     }
 
