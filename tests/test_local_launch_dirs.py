@@ -18,7 +18,7 @@ from asynctorchx.schedulers._local import launch as launch_module
 from asynctorchx.schedulers._local.launch import LogDirMaker
 from asynctorchx.schedulers._local.procs import LaunchError
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, AppState, Role, macros
+from asynctorchx.specs import AppDef, AppState, Role, is_terminal, macros
 
 
 def open_fds() -> set[str]:
@@ -173,18 +173,70 @@ async def test_a_launch_cancelled_while_its_directories_are_made_leaves_nothing(
 ) -> None:
     """Cancelling a launch while the worker thread makes its directories: once the thread is done,
     the app's directory is removed."""
-    dirs, supervisor = maker
+    dirs, _ = maker
     entered, release = gate
     before = open_fds()
     app_dir, task = await start_held(dirs, tmp_path, entered)
     task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    await asyncio.sleep(0)  # (the launch has taken its cancellation: it waits for the removal)
+    assert not task.done()
     release.set()
-    with anyio.fail_after(10):
-        while app_dir.exists() or len(supervisor):
-            await asyncio.sleep(0.01)
+    with anyio.fail_after(10), pytest.raises(asyncio.CancelledError):
+        await task
+    assert not app_dir.exists()  # gone when the cancellation arrives
     assert open_fds() <= before
+
+
+async def test_a_launch_cancelled_once_its_directories_are_made_removes_them_first(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch cancelled after its directories were handed over but before it resumed: they are
+    removed before its cancellation goes on, so the same launch can be asked for again at once."""
+    dirs, _ = maker
+    waiting: list[asyncio.Task[None]] = []
+    real = LogDirMaker._deliver
+
+    def deliver(self: LogDirMaker, job: object) -> None:
+        real(self, job)  # type: ignore[arg-type]
+        if waiting:
+            waiting.pop().cancel()  # made and handed over; cancelled before it resumes
+
+    monkeypatch.setattr(LogDirMaker, "_deliver", deliver)
+    app_dir = tmp_path / "s" / "app"
+    asked = [str(app_dir / "main" / str(i)) for i in range(4)]
+    for _ in range(5):
+        task = asyncio.create_task(dirs.make("app", str(app_dir), asked))
+        waiting.append(task)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not app_dir.exists()
+    await dirs.make("app", str(app_dir), asked)  # asked again: not "already exists"
+    assert all(os.path.isdir(d) for d in asked)
+
+
+async def test_a_worker_cancelled_before_it_ran_fails_the_launch_and_serves_the_writers(
+    tmp_path: Path, maker: tuple[LogDirMaker, TaskSupervisor]
+) -> None:
+    """The scheduler closing in the loop iteration that started a worker (cancelled before its
+    first step, so its clean-up never ran): the waiting launch fails, the waiting writer gets its
+    files, and a writer asking afterwards gets them at once (no queue behind a dead worker)."""
+    dirs, supervisor = maker
+    app_dir = tmp_path / "s" / "app"
+    launch = asyncio.create_task(dirs.make("app", str(app_dir), [str(app_dir / "main" / "0")]))
+    await asyncio.sleep(0)  # the launch has started the worker and waits for it
+    writer = ReplicaLogWriter(tmp_path / "w" / "0", opener=dirs.request)
+    writer.make_files_soon()  # queued behind the same worker
+    await supervisor.aclose()  # cancels the worker before its first step
+    with anyio.fail_after(10), pytest.raises(RuntimeError, match="closing"):
+        await launch
+    assert not app_dir.exists()
+    await until_files(writer)
+    later = ReplicaLogWriter(tmp_path / "w" / "1", opener=dirs.request)
+    later.make_files_soon()
+    assert later.has_files
+    assert not dirs._tasks
+    for w in (writer, later):
+        w.close()
 
 
 async def test_closing_while_directories_are_made_fails_the_launch_and_leaves_nothing(
@@ -226,12 +278,10 @@ async def test_a_submit_cancelled_while_its_directories_are_made_leaves_no_app(
         task = asyncio.create_task(s.schedule(info))
         await wait_thread_event(entered)
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
         release.set()
-        with anyio.fail_after(10):
-            while os.path.exists(info.request.app_dir):
-                await asyncio.sleep(0.01)
+        with anyio.fail_after(10), pytest.raises(asyncio.CancelledError):
+            await task
+        assert not os.path.exists(info.request.app_dir)
         assert await s.list() == []
         assert not any(n.endswith(".json") for n in os.listdir(root / ".apps"))
         ok = await s.submit(AppDef("b", [Role("main", image=".", entrypoint="true")]), {})
@@ -359,3 +409,65 @@ async def test_what_queues_behind_a_fast_batch_waits_for_it(
     await until_files(slow, *later)
     for writer in (slow, *later):
         writer.close()
+
+
+async def test_what_queued_while_a_batch_was_young_is_made_beside_it_once_it_is_slow(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    held_open: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Files asked for while the batch was not yet slow, and nothing asked after: once the batch
+    has run ``SLOW_BATCH``, a second worker makes them beside it (not after the slow batch)."""
+    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 0.05)
+    dirs, _ = maker
+    entered, release = held_open
+    slow = await start_slow_writer(dirs, tmp_path, entered)
+    quick = ReplicaLogWriter(tmp_path / "b" / "0", opener=dirs.request)
+    quick.make_files_soon()  # (the batch is younger than SLOW_BATCH: no second worker yet)
+    await until_files(quick)
+    assert not slow.has_files  # still held
+    release.set()
+    await until_files(slow)
+    for writer in (slow, quick):
+        writer.close()
+
+
+async def test_closing_a_quiet_writer_does_not_wait_for_its_files_being_made(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    held_open: tuple[threading.Event, threading.Event],
+) -> None:
+    """A replica that ended without output while a worker thread makes its files (a slow file
+    system): its writer's close returns at once, on the event loop, without waiting for the
+    thread; the files the thread makes afterwards are closed, not leaked."""
+    dirs, _ = maker
+    entered, release = held_open
+    before = open_fds()
+    slow = await start_slow_writer(dirs, tmp_path, entered)
+    slow.close()  # nothing to write: returns while the thread is still held
+    assert not release.is_set() and not slow.has_files
+    release.set()
+    with anyio.fail_after(10):
+        while dirs._tasks:
+            await asyncio.sleep(0.005)
+    assert open_fds() <= before
+
+
+async def test_an_app_with_an_own_error_file_and_a_default_one_gets_both_directories(
+    tmp_path: Path,
+) -> None:
+    """One role's error file under the app's directory, another's the default one (in the
+    session's ``.errors``): both directories exist when the replicas start, in a new session."""
+    check = 'test -d "${TORCHELASTIC_ERROR_FILE%/*}"'
+    async with LocalScheduler("mixed", local_root=tmp_path / "root") as s:
+        probe = AppDef("p", [Role("x", image=".", entrypoint="true")])
+        session_dir = os.path.dirname(s.submit_dryrun(probe, {}).request.app_dir)
+        env = {"TORCHELASTIC_ERROR_FILE": f"{session_dir}/{macros.app_id}/own/error.json"}
+        own = Role("own", image=".", entrypoint="sh", args=["-c", check], env=env)
+        default = Role("default", image=".", entrypoint="sh", args=["-c", check])
+        app_id = await s.submit(AppDef("a", [own, default]), {})
+        with anyio.fail_after(20):
+            while (desc := await s.describe(app_id)) is None or not is_terminal(desc.state):
+                await asyncio.sleep(0.02)
+        assert desc.state == AppState.SUCCEEDED, desc.msg

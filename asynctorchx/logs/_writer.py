@@ -224,7 +224,8 @@ class ReplicaLogWriter:
         self._held: list[tuple[int, Stream, bytes]] = []
         self._opening = False  # the opener was asked; reading is paused until ``files_made``
         self._open_failed = False
-        self._open_lock = threading.Lock()
+        self._open_lock = threading.Lock()  # guards _made and _taken (held briefly)
+        self._make_lock = threading.Lock()  # held while a worker thread makes the files
         self._made: LogFiles | BaseException | None = None
         self._taken = False  # what ``make_files`` made (or would make) was taken on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -257,13 +258,23 @@ class ReplicaLogWriter:
         """Creates and opens the log directory and files of a lazy writer. Blocks: call it in a
         worker thread (then ``files_made`` on the event loop). Does nothing once ``close`` took
         over; a failure is kept for ``files_made``."""
-        with self._open_lock:
-            if self._taken or self._made is not None:
-                return
+        with self._make_lock:
+            with self._open_lock:
+                if self._taken or self._made is not None:
+                    return
+            # made without ``_open_lock`` held: a ``close`` with nothing to write meanwhile does
+            # not wait for the file system (it takes over; what is made here is closed below)
+            made: LogFiles | BaseException
             try:
-                self._made = LogFiles.open(self._path)
+                made = LogFiles.open(self._path)
             except Exception as e:
-                self._made = e
+                made = e
+            with self._open_lock:
+                if not self._taken:
+                    self._made = made
+                    return
+            if isinstance(made, LogFiles):
+                made.close()
 
     def files_made(self) -> None:
         """On the event loop, after ``make_files``: writes what was read meanwhile and resumes
@@ -280,8 +291,9 @@ class ReplicaLogWriter:
             self._resume()
 
     def _take_files_now(self) -> None:
-        """Makes the files on this thread (``close``), or takes what a worker thread made."""
-        with self._open_lock:
+        """Makes the files on this thread (``close`` with output to write), or takes what a
+        worker thread made (waiting for it if it is making them: never two makers at once)."""
+        with self._make_lock, self._open_lock:
             if self._taken:
                 return
             self._taken = True

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
+from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded, wait_held
 from asynctorchx.logs import ReplicaLogWriter
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local import workspace as local_workspace
@@ -390,7 +390,8 @@ class AppLauncher:
         the app's directory is looked up (its record by ``claim``). A role whose error file is
         set under the app's directory gets that directory made now, in a worker thread with the
         other launches of the moment (``LogDirMaker.make``; creating the app's directory is then
-        the check).
+        the check); the session's directories are still made first for the app's other roles,
+        whose error files are there.
 
         Raises:
             LaunchSpecError, LaunchError: a directory cannot be made.
@@ -399,6 +400,7 @@ class AppLauncher:
         """
         app_dir = app.request.app_dir
         inside = app_dir + os.sep
+        errors_dir = errors_dir_of(app_dir)
         dirs = list(
             dict.fromkeys(
                 os.path.dirname(r.req.error_file)
@@ -406,18 +408,19 @@ class AppLauncher:
                 if r.req.error_file.startswith(inside)
             )
         )
-        if dirs:
+        if not dirs or any(os.path.dirname(r.req.error_file) == errors_dir for r in app.replicas):
+            session_dir = os.path.dirname(app_dir)
+            # (a lookup in a directory just used is a few microseconds: done here, not in a thread)
+            if session_dir not in self._session_dirs or _missing(errors_dir):
+                try:
+                    await anyio.to_thread.run_sync(_make_session_dir, session_dir, errors_dir)
+                except OSError as e:
+                    what = f"the log directory {app_dir!r}"
+                    raise launch_error(app.app_id, e, what, "") from None
+                self._session_dirs.add(session_dir)
+        if dirs:  # (a role's error file under the app's directory)
             await self._dirs.make(app.app_id, app_dir, dirs)
             return
-        session_dir = os.path.dirname(app_dir)
-        errors_dir = errors_dir_of(app_dir)
-        # (a lookup in a directory just used is a few microseconds: done here, not in a thread)
-        if session_dir not in self._session_dirs or _missing(errors_dir):
-            try:
-                await anyio.to_thread.run_sync(_make_session_dir, session_dir, errors_dir)
-            except OSError as e:
-                raise launch_error(app.app_id, e, f"the log directory {app_dir!r}", "") from None
-            self._session_dirs.add(session_dir)
         if _exists(app_dir):
             raise ValueError(
                 f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
@@ -609,6 +612,8 @@ class _DirJob:
     #: the result was handed over (``abandoned``: to nobody, the launch no longer waited)
     delivered: bool = False
     abandoned: bool = False
+    #: set once an abandoned job's directories are removed (a cancelled launch waits for it)
+    settled: asyncio.Future[None] | None = None
 
 
 class LogDirMaker:
@@ -628,9 +633,11 @@ class LogDirMaker:
     Fast batches (tmpfs: 0.08 ms a replica) stay one at a time: more, smaller batches would cost
     the loop more hand-overs.
 
-    A launch cancelled while its directories are being made leaves nothing: the batch removes what
-    it made for it. When the scheduler closes, the writers still waiting get their files made on
-    the event loop (their ``close`` would make them anyway): no writer is left paused.
+    A launch cancelled while its directories are being made leaves nothing, and its cancellation
+    goes on only once they are removed (so the same dry run can be scheduled again at once). When
+    the scheduler closes, the writers still waiting get their files made on the event loop (their
+    ``close`` would make them anyway), and the launches still waiting fail: no writer is left
+    paused, no launch left waiting, even if a worker was cancelled before it ran.
 
     Args:
         supervisor: owns the task that hands the batches to the thread.
@@ -646,6 +653,7 @@ class LogDirMaker:
         self._jobs: list[_DirJob | ReplicaLogWriter] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._running: dict[asyncio.Task[None] | None, float] = {}  # batch -> started (monotonic)
+        self._timer: asyncio.TimerHandle | None = None  # when the running batch turns slow
         self._session_dirs: set[str] = set()
 
     async def make(self, app_id: str, app_dir: str, dirs: list[str]) -> None:
@@ -665,7 +673,12 @@ class LogDirMaker:
             await future
         except asyncio.CancelledError:
             if future.done() and not future.cancelled() and future.exception() is None:
-                self._discard_later(job)  # made, but this launch was cancelled before it resumed
+                # made, but this launch was cancelled before it resumed
+                await in_thread_shielded(_discard_jobs, [job])
+            elif not job.delivered:
+                # being made or queued: the batch removes what it made, then settles the job
+                job.settled = future.get_loop().create_future()
+                await wait_held(job.settled)
             raise
 
     def request(self, writer: ReplicaLogWriter) -> None:
@@ -685,23 +698,39 @@ class LogDirMaker:
             self._add_worker()
 
     def _add_worker(self) -> None:
-        self._tasks.add(self._supervisor.spawn(self._run(), "log-dirs"))
+        task = self._supervisor.spawn(self._run(), "log-dirs")
+        self._tasks.add(task)
+        task.add_done_callback(self._worker_done)
+
+    def _worker_done(self, task: asyncio.Task[None]) -> None:
+        """A worker ended. One cancelled before it ran (the scheduler closing in the iteration
+        that started it) never ran its ``finally``: what queued is given up here, unless another
+        worker is left to do it."""
+        if task not in self._tasks:
+            return  # its ``finally`` ran
+        self._tasks.discard(task)
+        self._running.pop(task, None)
+        if not self._tasks:
+            left, self._jobs = self._jobs, []
+            _give_up(left)
 
     def _more_workers(self) -> None:
-        """Adds a worker for the queue when the batches being made are slow."""
+        """Adds a worker for the queue when the batches being made are slow; if they are not slow
+        yet, looks again when the oldest turns slow (nothing else may be asked meanwhile)."""
         busy = self._running
-        if (
-            busy
-            and len(busy) == len(self._tasks) < self.WORKERS
-            and time.monotonic() - min(busy.values()) >= self.SLOW_BATCH
-        ):
+        if not busy or len(busy) != len(self._tasks) or len(busy) >= self.WORKERS:
+            return
+        slow_at = min(busy.values()) + self.SLOW_BATCH
+        now = time.monotonic()
+        if now >= slow_at:
             self._add_worker()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(slow_at - now, self._look_again)
 
-    def _discard_later(self, job: _DirJob) -> None:
-        try:
-            self._supervisor.spawn(anyio.to_thread.run_sync(_discard_jobs, [job]), "log-dirs-undo")
-        except RuntimeError:  # closing
-            _discard_jobs([job])
+    def _look_again(self) -> None:
+        self._timer = None
+        if self._jobs and not self._supervisor.closed:
+            self._more_workers()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -718,9 +747,13 @@ class LogDirMaker:
                 await await_shielded(loop.run_in_executor(None, self._make_batch, batch, loop))
                 del self._running[me]
                 abandoned = [j for j in batch if isinstance(j, _DirJob) and j.abandoned]
-                batch = []
+                # (kept in ``batch`` until settled, for the ``finally`` if this is cancelled)
+                batch = list(abandoned)
                 if abandoned:
-                    await anyio.to_thread.run_sync(_discard_jobs, abandoned)
+                    # removed even if the scheduler closes meanwhile
+                    await in_thread_shielded(_discard_jobs, abandoned)
+                    _settle(abandoned)
+                batch = []
         finally:
             self._running.pop(me, None)
             self._tasks.discard(me)
@@ -728,16 +761,7 @@ class LogDirMaker:
             self._jobs = []
             # closing (the thread has finished): nothing of these launches is left, and every
             # waiting writer gets its files (one whose files were handed over ignores this)
-            jobs = [j for j in left if isinstance(j, _DirJob) and (j.abandoned or not j.delivered)]
-            if jobs:
-                _discard_jobs(jobs)
-                for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(RuntimeError("the local scheduler is closing"))
-            for writer in left:
-                if isinstance(writer, ReplicaLogWriter):
-                    writer.make_files()
-                    writer.files_made()
+            _give_up(left)
 
     def _deliver(self, job: _DirJob) -> None:
         """Hands what was made to the launch (on the event loop), or marks it to be removed when
@@ -804,3 +828,26 @@ def _discard_jobs(jobs: list[_DirJob]) -> None:
         if job.created:
             remove_tree(job.app_dir)
             job.created = False
+
+
+def _settle(jobs: list[_DirJob]) -> None:
+    """Tells the cancelled launches waiting for these jobs' removal that it is done."""
+    for job in jobs:
+        if job.settled is not None and not job.settled.done():
+            job.settled.set_result(None)
+
+
+def _give_up(left: list[_DirJob | ReplicaLogWriter]) -> None:
+    """What was asked of workers that are gone (the scheduler is closing): launches fail and leave
+    nothing, writers get their files made here, on the event loop."""
+    jobs = [j for j in left if isinstance(j, _DirJob) and (j.abandoned or not j.delivered)]
+    if jobs:
+        _discard_jobs(jobs)
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(RuntimeError("the local scheduler is closing"))
+        _settle(jobs)
+    for writer in left:
+        if isinstance(writer, ReplicaLogWriter):
+            writer.make_files()
+            writer.files_made()
