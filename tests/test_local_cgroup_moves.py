@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -245,3 +246,117 @@ async def test_one_sweep_puts_each_replicas_early_daemon_in_that_replicas_cgroup
         await wait_for(sched, app_id)
         while token_procs(token):
             await asyncio.sleep(0.02)
+
+
+def proc_state(pid: int) -> bytes | None:
+    """The one-letter state of process ``pid`` (``b"Z"``: a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_killed_during_its_move_is_reaped_only_after_the_move(
+    sched: LocalScheduler, token: str, cold: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kill_now`` (an app's task that cannot go on) while the worker thread is inside a
+    replica's move (past the check for cancelled moves): the replica is killed but stays a zombie,
+    so that its pid cannot be freed and taken by another process before the thread writes it into
+    the cgroup; once the thread is done it is reaped."""
+    entered, release = threading.Event(), threading.Event()
+    real = Containment.adopt_jobs
+
+    def adopt_jobs(self: Containment, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Containment, "adopt_jobs", adopt_jobs)
+    try:
+        with anyio.fail_after(20):
+            app_id = await sched.submit(app_of("exec sleep 100", token), {})
+            await anyio.to_thread.run_sync(entered.wait)
+        app = sched._runtime.apps[app_id]
+        rep = app.replicas[0]
+        assert rep.pid is not None
+        sched._supervision.kill_now(app, "test: as abandon() does")
+        with anyio.fail_after(10):
+            while proc_state(rep.pid) != b"Z":
+                await asyncio.sleep(0.01)
+        assert rep.pidfd >= 0  # killed, not reaped: its pid is still taken
+    finally:
+        release.set()
+    with anyio.fail_after(10):
+        while rep.pidfd >= 0:
+            await asyncio.sleep(0.01)
+    assert proc_state(rep.pid) is None
+    assert token_procs(token) == []
+
+
+@pytest.mark.timeout(90)
+async def test_an_undone_launch_waits_for_the_exits_the_reaper_thread_is_reaping(
+    sched: LocalScheduler, cold: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A launch undone (its last replica cannot start) while its first replicas' exits, heard once
+    their moves were done, are reaped by the exit reaper's thread: the undo waits for them (it
+    does not close pidfds the thread is reaping), the reaper survives, and the next app whose
+    replicas exit together ends."""
+    from asynctorchx.schedulers._local import spawn as spawn_module
+    from asynctorchx.schedulers._local.procs import LaunchError
+
+    n = 40
+    move_gates = [threading.Event(), threading.Event()]
+    moves = 0
+    real_move = CgroupMover._move
+
+    def move(self: CgroupMover, jobs: list[MoveJob]) -> None:
+        nonlocal moves
+        if threading.current_thread() is not threading.main_thread():
+            moves += 1
+            move_gates[min(moves, 2) - 1].wait(30)
+        real_move(self, jobs)
+
+    reap_entered, reap_release = threading.Event(), threading.Event()
+    real_reap = spawn_module.reap_batch
+
+    def reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None, bool]]:
+        if threading.current_thread() is not threading.main_thread():
+            reap_entered.set()
+            reap_release.wait(30)
+        return real_reap(jobs)
+
+    spawned = 0
+    real_spawn = spawn_module.spawn
+
+    def spawn(*args: Any) -> Any:
+        nonlocal spawned
+        spawned += 1
+        if spawned == n:
+            raise OSError(11, "Resource temporarily unavailable")
+        return real_spawn(*args)
+
+    monkeypatch.setattr(CgroupMover, "_move", move)
+    monkeypatch.setattr(spawn_module, "reap_batch", reap_batch)
+    monkeypatch.setattr(spawn_module, "spawn", spawn)
+    try:
+        app = AppDef("undo", [Role("r", image=".", entrypoint="true", num_replicas=n)])
+        submit = asyncio.create_task(sched.submit(app, {}))
+        with anyio.fail_after(20):
+            while spawned < n:
+                await asyncio.sleep(0.01)
+        move_gates[0].set()  # the first chunk's moves: their exits are heard, most go to the thread
+        await anyio.to_thread.run_sync(reap_entered.wait, 20)
+        move_gates[1].set()  # the other moves: the undo goes on to kill and reap what is left
+        await asyncio.sleep(0.1)
+        reap_release.set()
+        with anyio.fail_after(20), pytest.raises(LaunchError):
+            await submit
+    finally:
+        for gate in (*move_gates, reap_release):
+            gate.set()
+    monkeypatch.undo()
+    together = AppDef("next", [Role("r", image=".", entrypoint="true", num_replicas=8)])
+    app_id = await sched.submit(together, {})
+    assert (await wait_for(sched, app_id)).state == AppState.SUCCEEDED

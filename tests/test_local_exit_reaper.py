@@ -73,3 +73,66 @@ async def test_an_exit_while_the_thread_reaps_a_batch_is_reaped_inline(
     release.set()
     await reaper.idle()
     assert reaped == ["r0"]
+
+
+async def test_exits_queued_for_a_reaper_cancelled_before_it_ran_are_reaped(
+    supervisor: TaskSupervisor,
+) -> None:
+    """The scheduler closing in the iteration that started the worker (cancelled before its first
+    step): the exits queued for it are reaped all the same, none is left reaping forever, and a
+    later exit (closing) is reaped at once."""
+    reaped: list[str] = []
+    reaper = ExitReaper(supervisor, lambda app, rep, *a: reaped.append(rep.name))
+    reaper.add(None, replica(1))  # type: ignore[arg-type]
+    reaper.add(None, replica(2))  # type: ignore[arg-type]
+    await supervisor.aclose()
+    await asyncio.sleep(0)  # (the task's end is handed over in the next iteration)
+    assert reaped == ["r1", "r2"]
+    await reaper.idle()
+    reaper.add(None, replica(3))  # type: ignore[arg-type]
+    assert reaped == ["r1", "r2", "r3"]
+
+
+async def test_a_batch_in_the_thread_when_the_reaper_is_cancelled_is_handed_over(
+    supervisor: TaskSupervisor, held_thread: tuple[threading.Event, threading.Event]
+) -> None:
+    """Closing while the thread reaps a batch: the close waits for the thread and hands over
+    what it reaped (a replica reaped by the thread but never handed over would stay reaping)."""
+    entered, release = held_thread
+    reaped: list[str] = []
+    reaper = ExitReaper(supervisor, lambda app, rep, *a: reaped.append(rep.name))
+    reaper.add(None, replica(1))  # type: ignore[arg-type]
+    await asyncio.to_thread(entered.wait, 10)
+    closing = asyncio.create_task(supervisor.aclose())
+    await asyncio.sleep(0)
+    assert not closing.done()  # (it waits for the thread)
+    release.set()
+    await closing
+    assert reaped == ["r1"]
+
+
+def test_a_pidfd_that_cannot_be_waited_on_loses_its_exit_code_not_the_batch() -> None:
+    """``reap_batch`` with a closed pidfd in the middle: that one is lost (-255), the others are
+    reaped."""
+    import os
+    import subprocess
+
+    procs = [subprocess.Popen(["true"]) for _ in range(2)]
+    fds = [os.pidfd_open(p.pid) for p in procs]
+    for p in procs:
+        os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+    closed_r, closed_w = os.pipe()
+    os.close(closed_r)
+    os.close(closed_w)
+    try:
+        jobs = [
+            (procs[0].pid, fds[0], None),
+            (99999999, closed_r, None),
+            (procs[1].pid, fds[1], None),
+        ]
+        assert spawn.reap_batch(jobs) == [(0, False), (-255, False), (0, False)]
+    finally:
+        for fd in fds:
+            os.close(fd)
+        for p in procs:
+            p.returncode = 0

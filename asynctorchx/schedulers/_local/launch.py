@@ -487,12 +487,13 @@ class AppLauncher:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
-        while any(r.reaping for r in app.replicas):
-            await self._spawner.exits.idle()
         moving = {r.moved for r in app.replicas if r.moved is not None}
         if moving:  # (their moves are short; the thread never waits for the loop)
-            await asyncio.wait(moving)
-        started = app.running()
+            await asyncio.wait(moving)  # (their exits are watched from then on)
+        # exits heard before, or while the moves finished, are the exit reaper's to finish
+        while any(r.reaping for r in app.replicas):
+            await self._spawner.exits.idle()
+        started = app.running()  # (no await since: none of these is being reaped)
         loop = asyncio.get_running_loop()
         for rep in started:
             loop.remove_reader(rep.pidfd)

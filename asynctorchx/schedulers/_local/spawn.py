@@ -13,14 +13,13 @@ thread. The exit is then queued on its app (``LiveApp.exited``) for the app's ta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import time
 from collections.abc import Callable, Iterable
 
-import anyio.to_thread
-
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, wait_held
 from asynctorchx.logs import ReplicaLogWriter, Stream
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.guard import MoveJob
@@ -65,7 +64,11 @@ def reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None
     """
     out: list[tuple[int | None, bool]] = []
     for pid, pidfd, cgroup in jobs:
-        code = reap(pid, pidfd)  # SIGKILLs what is left of its process group first
+        try:
+            code = reap(pid, pidfd)  # SIGKILLs what is left of its process group first
+        except OSError:  # (a pidfd closed under the reaping: one exit lost, not the others)
+            out.append((-255, False))
+            continue
         leftovers = False
         if code is not None and cgroup is not None and contain.populated(cgroup):
             contain.kill(cgroup)
@@ -113,23 +116,44 @@ class ExitReaper:
         self._inline = 0
 
     def add(self, app: LiveApp, rep: Replica) -> None:
-        self._queue.append((app, rep))
-        if self._wake is None:
+        if self._task is None:
+            try:
+                self._task = self._supervisor.spawn(self._run(), "exit-reaper")
+            except RuntimeError:  # closing: reaped here
+                self._reap_now([(app, rep)])
+                return
+            self._task.add_done_callback(self._ended)
+        if self._wake is None or self._idle is None:
             self._wake = asyncio.Event()
             self._idle = asyncio.Event()
-        assert self._idle is not None
+        self._queue.append((app, rep))
         self._idle.clear()
         self._wake.set()
-        if self._task is None:
-            self._task = self._supervisor.spawn(self._run(), "exit-reaper")
 
     async def idle(self) -> None:
         """Waits until every exit queued so far was handed over."""
         if self._idle is not None and self._task is not None and not self._task.done():
             await self._idle.wait()
 
+    def _reap_now(self, batch: list[tuple[LiveApp, Replica]]) -> None:
+        jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
+        for (app, rep), (code, leftovers) in zip(batch, reap_batch(jobs), strict=True):
+            self._on_reaped(app, rep, code, leftovers)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The worker's task ended (cancelled when the scheduler closes, maybe before it ran):
+        what is still queued is reaped here, so that no replica is left reaping forever."""
+        if self._task is task:
+            self._task = None
+        left, self._queue = self._queue, []
+        if left:
+            self._reap_now(left)
+        if self._idle is not None:
+            self._idle.set()
+
     async def _run(self) -> None:
         assert self._wake is not None and self._idle is not None
+        loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._idle.set()
@@ -139,9 +163,13 @@ class ExitReaper:
             batch = self._queue[: self.MAX_BATCH]
             del self._queue[: self.MAX_BATCH]
             jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
-            results = await anyio.to_thread.run_sync(reap_batch, jobs)
-            for (app, rep), (code, leftovers) in zip(batch, results, strict=True):
+            reaped = loop.run_in_executor(None, reap_batch, jobs)
+            # waited for even when cancelled (closing): what the thread reaped is handed over
+            cancelled = await wait_held(reaped)
+            for (app, rep), (code, leftovers) in zip(batch, reaped.result(), strict=True):
                 self._on_reaped(app, rep, code, leftovers)
+            if cancelled is not None:
+                raise cancelled
 
 
 class Spawner:
@@ -225,7 +253,14 @@ class Spawner:
         loop = asyncio.get_running_loop()
         for rep in reps:
             job, rep.moving, rep.moved = rep.moving, None, None
-            if job is None or job.cancelled:
+            if job is None:
+                continue
+            if job.cancelled:
+                if rep.pidfd >= 0:  # killed during its move (``kill_now``): reaped now
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitid(os.P_PIDFD, rep.pidfd, os.WEXITED)
+                    os.close(rep.pidfd)
+                    rep.pidfd = -1
                 continue
             rep.cgroup = job.result
             if rep.pidfd >= 0:
@@ -265,6 +300,13 @@ class Spawner:
             if e.errno in FD_ERRNOS:
                 raise launch_error(app.app_id, e, f"the pidfd of {rep.label}", "") from None
             raise LaunchError(f"cannot watch {rep.label} (pid {spawned.pid}): {e}") from None
+        try:
+            self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
+        except OSError as e:  # no watchdog can be started (no process can be forked): stopped
+            kill_and_reap_now(spawned.pid)
+            for fd in (pidfd, spawned.stdout_fd, spawned.stderr_fd):
+                os.close(fd)
+            raise launch_error(app.app_id, e, "the watchdog", "") from None
         rep.pid = spawned.pid
         rep.pidfd = pidfd
         contain = self._rt.contain
@@ -275,7 +317,6 @@ class Spawner:
             rep.moving = MoveJob(cgroup, spawned.pid, rep.marker, pidfd)
         else:
             rep.cgroup = contain.adopt(cgroup, spawned.pid, rep.marker)
-        self._rt.watchdog.send_now(protocol.start_line(app.app_id, spawned.pid))
         writer.attach(spawned.stdout_fd, Stream.STDOUT)
         writer.attach(spawned.stderr_fd, Stream.STDERR)
         self._started(app, rep, spawned.start_ticks)

@@ -296,14 +296,21 @@ class AppSupervision:
 
     def kill_now(self, app: LiveApp, reason: str) -> None:
         """SIGKILLs and reaps every replica at once (when the app's task cannot go on); they end
-        CANCELLED."""
+        CANCELLED. One whose move into its cgroup may be under way in the worker thread is reaped
+        when the thread hands it back (its pid must not be freed, and maybe reused, before)."""
         loop = asyncio.get_running_loop()
         for rep in app.replicas:
             if rep.running:
-                if rep.moving is not None:  # reaped below: its pid must not be moved any more
-                    rep.moving.cancelled = True
+                moving = rep.moving
+                if moving is not None:  # not to be moved any more (if the thread has not begun)
+                    moving.cancelled = True
                 self._rt.contain.kill(rep.cgroup, rep.pid or 0)
-                if not rep.reaping:  # otherwise the exit reaper has it and closes its pidfd
+                if moving is not None and not moving.done:
+                    # its move may be under way in the worker thread: it is reaped once the
+                    # thread hands it back (``Spawner._moved``), so that its pid is not freed
+                    # (and maybe reused by another process, which the move would take) before
+                    app.n_running -= 1
+                elif not rep.reaping:  # otherwise the exit reaper has it and closes its pidfd
                     loop.remove_reader(rep.pidfd)
                     with contextlib.suppress(ChildProcessError):
                         os.waitid(os.P_PIDFD, rep.pidfd, os.WEXITED)
