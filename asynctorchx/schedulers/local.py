@@ -310,7 +310,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         rt = self._runtime
         if app_id in rt.apps or app_id in rt.finished or app_id in rt.starting:
             raise ValueError(f"dry run of app {app_id!r} was already scheduled")
-        rt.starting.add(app_id)
+        rt.starting[app_id] = asyncio.get_running_loop().create_future()
         shipped = False
         app = None
         try:
@@ -332,7 +332,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 await self._launcher.release(app)
             raise
         finally:
-            rt.starting.discard(app_id)
+            rt.starting.pop(app_id).set_result(None)
         self._notify(app_id)
         return app_id
 
@@ -573,9 +573,12 @@ class LocalScheduler(Scheduler[LocalRequest]):
             self._records_watch = None
         for app in list(rt.apps.values()):
             self._supervision.request_stop(app, reason, grace=CLOSE_MAX_GRACE)
-        tasks = [a.task for a in rt.apps.values() if a.task is not None]
+        # launches under way fail at their next step (the scheduler is closed) and undo what
+        # they started: waited for too, so that their undoing is over before the watchdog goes
+        tasks: list[asyncio.Future[None]] = [a.task for a in rt.apps.values() if a.task is not None]
+        tasks += rt.starting.values()
         if tasks:
-            grace = max(a.stop_grace for a in rt.apps.values())
+            grace = max((a.stop_grace for a in rt.apps.values()), default=0.0)
             await asyncio.wait(tasks, timeout=grace + CONTAIN_TIMEOUT + DRAIN_TIMEOUT + 5.0)
         for app in list(rt.apps.values()):
             if not app.discard:  # its task is stuck (it had the grace period and more)

@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor, await_shielded
+from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
 from asynctorchx.schedulers._local import contain, protocol
 from asynctorchx.schedulers._local.procs import proc_start_ticks
 from asynctorchx.schedulers._local.records import RecordStore
@@ -980,7 +980,7 @@ class RecordWriter:
         try:
             if not self._holders_dropped:  # (the other lull work of the state root: once)
                 self._holders_dropped = True
-                await anyio.to_thread.run_sync(self._store.drop_dead_holders)
+                await in_thread_shielded(self._store.drop_dead_holders)
             while spares.wanted:
                 quiet = time.monotonic() - self._last_put
                 lull = self.SPARES_LOW_LULL if len(spares) < SPARES_CHUNK else self.SPARES_LULL
@@ -988,7 +988,8 @@ class RecordWriter:
                     await asyncio.sleep(max(lull - quiet, 0.005))
                     continue
                 # a chunk at a time: a burst that starts meanwhile, or closing, waits for one at most
-                await anyio.to_thread.run_sync(spares.fill_some)
+                # (waited for when cancelled: the pool is released on closing, after this)
+                await in_thread_shielded(spares.fill_some)
         except OSError as e:
             logger.debug("cannot make spare record files (%s); records are created as usual", e)
             self._spares_retry_at = time.monotonic() + self.SPARES_RETRY

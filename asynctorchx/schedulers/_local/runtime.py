@@ -50,7 +50,8 @@ class LocalRuntime:
         self.watchdog = Watchdog(self.store.records_dir, self._registrations, self._resend_records)
         self.reaper = Reaper()
         self.apps: dict[str, LiveApp] = {}
-        self.starting: set[str] = set()
+        #: apps being scheduled, each with what resolves once its ``schedule`` has returned
+        self.starting: dict[str, asyncio.Future[None]] = {}
         #: apps claimed and registered with the watchdog, not yet started (``apps`` then)
         self.claimed: dict[str, LiveApp] = {}
         self.finished: OrderedDict[str, OwnApp] = OrderedDict()
