@@ -611,3 +611,114 @@ async def test_a_first_record_that_cannot_be_written_at_once_goes_through_the_th
         assert json.loads((tmp_path / ".apps" / "app-1.json").read_text())["state"] == "RUNNING"
     finally:
         await supervisor.aclose()
+
+
+@pytest.fixture
+async def gated_writer(
+    tmp_path: Path,
+) -> Any:
+    """A RecordWriter over a store whose first ``write_many`` waits in the thread until released,
+    and whose calls numbered in ``fail`` (1 for the first) fail with ENOSPC: (writer, store,
+    entered, release, fail)."""
+    from asynctorchx._tasks import TaskSupervisor
+
+    store = RecordStore(tmp_path)
+    await anyio.to_thread.run_sync(store.ensure)
+    real = store.write_many
+    entered, release = threading.Event(), threading.Event()
+    fail: set[int] = set()
+    calls = 0
+
+    def write_many(docs: dict[str, Any]) -> dict[str, BaseException]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            release.wait(10)
+        if calls in fail:
+            return dict.fromkeys(docs, OSError(28, "No space left on device"))
+        return real(docs)
+
+    store.write_many = write_many  # type: ignore[method-assign]
+    supervisor = TaskSupervisor("test")
+    yield guard.RecordWriter(store, supervisor), store, entered, release, fail
+    release.set()
+    await supervisor.aclose()
+
+
+async def test_a_version_forgotten_while_its_write_fails_in_the_thread_is_not_retried(
+    gated_writer: Any,
+) -> None:
+    """An undone submit (``forget``, ``flush``, then the record removed) while its version is in
+    the writer's thread and that write fails: the write is not retried, so no record of the app
+    appears after its removal."""
+    writer, store, entered, release, fail = gated_writer
+    fail.add(1)
+    writer.put("app-1", _doc("app-1"))
+    await anyio.to_thread.run_sync(entered.wait, 10)
+    writer.forget("app-1")
+    release.set()
+    await writer.flush()
+    await anyio.to_thread.run_sync(store.remove, "app-1")
+    assert writer.failing == []
+    writer.put("other", _doc("other"))  # (a later batch: a retry would go with it)
+    await writer.flush()
+    assert store.read("other") is not None
+    assert not (store.records_dir / "app-1.json").exists()
+
+
+async def test_a_callback_runs_once_its_own_version_is_written_not_an_older_one(
+    gated_writer: Any,
+) -> None:
+    """A version queued (with ``on_written``) while an older one of the app is in the thread: the
+    callback waits for its own version (the watchdog is told to forget an app only once its end is
+    on disk); if that write fails, it is not called, and it is once a retry succeeds."""
+    writer, store, entered, release, fail = gated_writer
+    fail.add(2)  # the end's first attempt
+    called: list[str] = []
+    writer.put("app-1", _doc("app-1", "RUNNING"), on_written=lambda: called.append("running"))
+    await anyio.to_thread.run_sync(entered.wait, 10)
+    writer.put("app-1", _doc("app-1", "SUCCEEDED"), on_written=lambda: called.append("end"))
+    release.set()
+    await writer.flush()
+    assert called == ["running"]
+    record = store.read("app-1")
+    assert record is not None and record.state == AppState.RUNNING
+    assert writer.failing == ["app-1"]
+    assert await writer.flush(retry_for=10) is True
+    assert called == ["running", "end"]
+    record = store.read("app-1")
+    assert record is not None and record.state == AppState.SUCCEEDED
+
+
+@pytest.mark.parametrize("with_spares", [False, True], ids=["created", "from-a-spare"])
+def test_a_record_removed_while_a_writer_compacts_it_stays_removed(
+    store: RecordStore, monkeypatch: pytest.MonkeyPatch, with_spares: bool
+) -> None:
+    """The record is removed (an undone submit) after a writer found it due for compaction and
+    before the compaction took its lock: the writer stops, as it does when the removal comes
+    before an append; it does not make the record again."""
+    from asynctorchx.schedulers._local.spares import SparePool
+
+    records = str(store.records_dir)
+    path = store.records_dir / "r-1.json"
+    i = 0
+    while path.stat().st_size + 1100 <= protocol.COMPACT_SIZE if path.exists() else True:
+        protocol.write_record_file(records, "r-1", _dumps(_doc("r-1", msg=f"{i}", pad="x" * 1000)))
+        i += 1
+    spares = SparePool(records) if with_spares else None
+    if spares is not None:
+        spares.fill_some()
+    real = protocol._compact
+    compacted: list[bool] = []
+
+    def removed_first(*args: Any) -> bool:
+        os.unlink(path)  # the undo's removal lands here
+        compacted.append(real(*args))
+        return compacted[-1]
+
+    monkeypatch.setattr(protocol, "_compact", removed_first)
+    data = _dumps(_doc("r-1", "FAILED", pad="x" * 1000))
+    protocol.write_record_file(records, "r-1", data, spares)
+    assert compacted == [False]
+    assert not path.exists()

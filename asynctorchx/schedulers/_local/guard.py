@@ -809,6 +809,8 @@ class RecordWriter:
         self._batch: asyncio.Future[dict[str, BaseException]] | None = None
         self._in_flight: asyncio.Future[dict[str, BaseException]] | None = None
         self._in_flight_ids: Collection[str] = ()
+        #: apps forgotten while their version was in the thread: not retried if it failed
+        self._forgotten: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._filler: asyncio.Task[None] | None = None
@@ -849,10 +851,13 @@ class RecordWriter:
         return self._batch
 
     def forget(self, app_id: str) -> None:
-        """Drops what is queued or being retried for ``app_id`` (an undone submit)."""
+        """Drops what is queued or being retried for ``app_id`` (an undone submit); a version
+        being written by the thread is not retried if it fails (``flush`` waits for it)."""
         self._pending.pop(app_id, None)
         self._failing.pop(app_id, None)
         self._written.pop(app_id, None)
+        if app_id in self._in_flight_ids:
+            self._forgotten.add(app_id)
 
     def _ensure_task(self) -> None:
         if self._wake is None:
@@ -938,6 +943,9 @@ class RecordWriter:
             for app_id, source in self._pending.items():
                 batch[app_id] = source() if callable(source) else source
             self._pending = {}
+            # the callbacks of these versions (and older ones): those of versions queued while
+            # this batch is in the thread wait for them
+            callbacks = {a: self._written.pop(a) for a in batch if a in self._written}
             done, self._batch = self._batch, None
             self._in_flight, self._in_flight_ids = done, batch.keys()
             try:
@@ -947,7 +955,7 @@ class RecordWriter:
                 errors = dict.fromkeys(batch, e)
             finally:
                 self._in_flight, self._in_flight_ids = None, ()
-            self._after_batch(batch, errors, loop.time())
+            self._after_batch(batch, errors, loop.time(), callbacks)
             if done is not None and not done.done():
                 done.set_result(errors)
             self.make_spares()
@@ -996,21 +1004,33 @@ class RecordWriter:
         finally:
             self._filler = None
 
-    def _after_batch(self, batch: dict[str, _Doc], errors: dict[str, Any], now: float) -> None:
+    def _after_batch(
+        self,
+        batch: dict[str, _Doc],
+        errors: dict[str, Any],
+        now: float,
+        callbacks: dict[str, list[Callable[[], None]]],
+    ) -> None:
         if errors:
             retry_at = now + self._backoff
             self._backoff = min(self._backoff * 2, 5.0)
         else:
             self._backoff = 0.1
+        forgotten, self._forgotten = self._forgotten, set()
         for app_id, doc in batch.items():
+            if app_id in forgotten:
+                continue  # (undone meanwhile: neither called back nor retried)
             err = errors.get(app_id)
             if err is None:
-                for callback in self._written.pop(app_id, ()):
+                for callback in callbacks.get(app_id, ()):
                     try:
                         callback()
                     except Exception:
                         logger.exception("record-written callback of app %s failed", app_id)
-            elif app_id not in self._pending:
+                continue
+            if app_id in callbacks:  # (called once this version or a later one is written)
+                self._written[app_id] = callbacks[app_id] + self._written.get(app_id, [])
+            if app_id not in self._pending:
                 if app_id not in self._failing:
                     logger.warning(
                         "cannot write the record of app %s (will retry): %s", app_id, err
@@ -1027,8 +1047,9 @@ class RecordWriter:
                 await asyncio.shield(fut)
         if retry_for is not None and self._failing:
             with anyio.move_on_after(retry_for):
-                while self._failing or self._pending:
+                # (a retry being written is no longer failing, and not written yet either)
+                while self._failing or self._pending or self._in_flight_ids:
                     if self._wake is not None:
                         self._wake.set()
                     await asyncio.sleep(0.05)
-        return not self._failing and not self._pending
+        return not self._failing and not self._pending and not self._in_flight_ids

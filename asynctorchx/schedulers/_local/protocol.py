@@ -536,7 +536,10 @@ def write_record_file(
                 fcntl.flock(fd, fcntl.LOCK_UN)  # (the compaction's lock would wait for this one)
                 if _compact(records_dir, app_id, final, data):
                     return
+                # appended instead; the file was there, so if it is gone now it was removed (the
+                # submit was undone): the removal wins, as for any reopening
                 compact = False
+                reopened = True
                 continue
             try:
                 _write_all(fd, line if st.st_size else line[1:])
