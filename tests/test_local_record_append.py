@@ -722,3 +722,24 @@ def test_a_record_removed_while_a_writer_compacts_it_stays_removed(
     protocol.write_record_file(records, "r-1", data, spares)
     assert compacted == [False]
     assert not path.exists()
+
+
+def test_what_a_writer_killed_during_a_compaction_left_is_removed_later(
+    store: RecordStore,
+) -> None:
+    """A compaction's temporary file left by a writer killed before its rename is removed by the
+    store's lull work once it is over a minute old; a fresh one (a compaction under way), a
+    record and other dot-files are left alone."""
+    records = store.records_dir
+    protocol.write_record_file(str(records), "a-1", _dumps(_doc("a-1")))
+    old = records / f".a-1.{dead_pid()}.140000000000.tmp"
+    fresh = records / ".a-1.1.140000000001.tmp"
+    other = records / ".not-a-compaction.tmp"
+    for path in (old, fresh, other):
+        path.write_bytes(b'{"partial":')
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    store.drop_dead_holders()
+    assert not old.exists()
+    assert fresh.exists() and other.exists()
+    assert store.read("a-1") is not None

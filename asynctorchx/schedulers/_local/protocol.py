@@ -427,6 +427,36 @@ def drop_dead_holders(records_dir: str, keep: str | None) -> int:
     return dropped
 
 
+def _is_compaction_tmp(name: str) -> bool:
+    """True for the name of a compaction's temporary file: ``.{app_id}.{pid}.{thread}.tmp``."""
+    if not (name.startswith(".") and name.endswith(".tmp")):
+        return False
+    parts = name[1:-4].rsplit(".", 2)
+    return (
+        len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts[1:]) and bool(parts[0])
+    )
+
+
+def drop_compaction_leftovers(records_dir: str, older_than: float = 60.0) -> int:
+    """Removes the temporary files of record compactions whose writer was killed before it
+    renamed or removed them (a compaction takes milliseconds: one older than ``older_than``
+    seconds is a leftover); returns how many."""
+    dropped = 0
+    now = time.time()
+    try:
+        entries = list(os.scandir(records_dir))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if not _is_compaction_tmp(entry.name):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_file(follow_symlinks=False) and now - entry.stat().st_mtime > older_than:
+                os.unlink(entry.path)
+                dropped += 1
+    return dropped
+
+
 def drop_claim(records_dir: str, app_id: str) -> None:
     """Removes the claim of ``app_id`` (its record is terminal, or its submit was undone). One that
     cannot be removed is left: it only refuses its dry run, which its record refuses anyway."""

@@ -400,8 +400,10 @@ class RecordStore:
 
     def drop_dead_holders(self) -> None:
         """Removes the holder files of launchers that are gone and left no claim
-        (``protocol.drop_dead_holders``); a SIGKILLed launcher leaves its own."""
+        (``protocol.drop_dead_holders``; a SIGKILLed launcher leaves its own), and what a writer
+        killed during a record's compaction left (``protocol.drop_compaction_leftovers``)."""
         protocol.drop_dead_holders(str(self.records_dir), self.holder)
+        protocol.drop_compaction_leftovers(str(self.records_dir))
 
     def lock_fds(self) -> tuple[int, ...]:
         """The descriptors holding the locks of this store's claims (for its watchdog)."""
