@@ -538,3 +538,68 @@ async def test_a_stray_cancelled_error_from_the_backend_does_not_stop_the_hub() 
         with anyio.fail_after(10):
             status = await waiter
         assert status is not None and status.state == AppState.SUCCEEDED
+
+
+async def test_watch_ends_when_its_app_vanishes_from_the_backend() -> None:
+    """An app the backend stops knowing (purged, lost) while watched: the watch yields its last
+    event (UNKNOWN, terminal) and ends, as ``wait`` does, instead of waiting forever."""
+    runner, made = make_runner(poll_settings=replace(FAST, unknown_grace=0.0))
+    async with runner:
+        handle = await runner.run(app(), "fake")
+        events = []
+        with anyio.fail_after(10):
+            async for event in runner.watch([handle]):
+                events.append(event)
+                if len(events) == 1:
+                    del made[0].apps["fake-0"]  # the backend forgets it
+        assert events[-1].state == AppState.UNKNOWN and events[-1].is_terminal
+        assert [e.is_terminal for e in events].count(True) == 1
+
+
+async def test_a_final_entry_dropped_while_listened_to_is_forgotten_once_nobody_listens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Final entries over the hub's bound while an ``as_completed`` listens to them are kept
+    until it ends, then forgotten: a long sweep's hub stays within its bound."""
+    from asynctorchx.runner import hub as hub_module
+
+    monkeypatch.setattr(hub_module, "_MAX_FINAL_ENTRIES", 2)
+    runner, made = make_runner()
+    async with runner:
+        handles = [await runner.run(app(), "fake") for _ in range(5)]
+        for app_id in list(made[0].apps):
+            made[0].set_state(app_id, AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            done = [h async for h, _ in runner.as_completed(handles)]
+        assert sorted(done) == sorted(handles)
+        assert len(runner.hub("fake")._entries) == 2
+
+
+async def test_a_waiter_without_hint_wakes_the_hub_sleeping_for_a_long_hint() -> None:
+    """A polled hub sleeping for another wait's long ``wait_interval`` (30 s): a wait without a
+    hint, or an ``as_completed``, that comes meanwhile gets the default cap at once: its app's
+    end is seen within ``max_interval``, not after the long sleep."""
+    settings = PollSettings(min_interval=0.01, max_interval=0.05, backoff=100)
+    runner, made = make_runner(poll_settings=settings)
+    async with runner:
+        slow_app, plain_app, listened_app = [await runner.run(app(), "fake") for _ in range(3)]
+        slow = asyncio.create_task(runner.wait(slow_app, wait_interval=30))
+        hub = runner.hub("fake")
+        with anyio.fail_after(10):
+            while hub._interval < 30:  # the loop now sleeps 30 s between rounds
+                await asyncio.sleep(0.01)
+        plain = asyncio.create_task(runner.wait(plain_app))
+
+        async def first_completed() -> None:
+            async for _ in runner.as_completed([listened_app]):
+                return
+
+        listened = asyncio.create_task(first_completed())
+        await asyncio.sleep(0)
+        made[0].set_state("fake-1", AppState.SUCCEEDED)
+        made[0].set_state("fake-2", AppState.SUCCEEDED)
+        with anyio.fail_after(5):
+            status = await plain
+            await listened
+        assert status is not None and status.state == AppState.SUCCEEDED
+        slow.cancel()

@@ -103,6 +103,8 @@ class AppEvent:
         previous_state: the state before this change (None for the first event of an app).
         num_restarts: the restart count at this change.
         timestamp: when the runner saw the change (``time.time()``).
+        final: the runner follows the app no further (it ended, or its scheduler no longer
+            knows it: state UNKNOWN): this is its last event.
     """
 
     handle: AppHandle
@@ -111,11 +113,12 @@ class AppEvent:
     previous_state: AppState | None
     num_restarts: int
     timestamp: float
+    final: bool = False
 
     @property
     def is_terminal(self) -> bool:
         """True when this is the app's last event."""
-        return self.status is None or self.status.is_terminal()
+        return self.final or self.status is None or self.status.is_terminal()
 
 
 class _Lifecycle(Enum):
@@ -1056,12 +1059,17 @@ class AsyncRunner:
         live: dict[AppHandle, AppEntry] = {}
         stop_listening: list[Callable[[], None]] = []
         last: dict[AppHandle, tuple[AppState, int] | None] = {}
+        ended: set[AppHandle] = set()
 
         def emit(handle: AppHandle, entry: AppEntry) -> None:
+            if handle in ended:
+                return
             resp = entry.response
             key = None if resp is None else (resp.state, resp.num_restarts)
-            if handle in last and last[handle] == key and not (entry.final and resp is None):
+            if handle in last and last[handle] == key and not entry.final:
                 return
+            if entry.final:  # (its last event, even when its state did not change)
+                ended.add(handle)
             previous = last.get(handle)
             last[handle] = key
             status = None if resp is None else resp.to_status()
@@ -1073,6 +1081,7 @@ class AsyncRunner:
                     previous_state=None if previous is None else previous[0],
                     num_restarts=0 if resp is None else max(resp.num_restarts, 0),
                     timestamp=time.time(),
+                    final=entry.final,
                 )
             )
 

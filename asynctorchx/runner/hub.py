@@ -248,12 +248,27 @@ class StatusHub:
         key = object()
         entry._listeners[key] = callback
         self._listening += 1
+        self._wake_if_sleeping_long()
 
         def stop() -> None:
             if entry._listeners.pop(key, None) is not None:
                 self._listening -= 1
+                if (
+                    entry.final
+                    and not entry._listeners
+                    and entry.app_id not in self._finals
+                    and self._entries.get(entry.app_id) is entry
+                ):
+                    # dropped from the final entries while listened to: forgotten now
+                    del self._entries[entry.app_id]
 
         return stop
+
+    def _wake_if_sleeping_long(self) -> None:
+        """Wakes the loop if it may be sleeping longer than ``PollSettings.max_interval`` (for
+        the ``poll_hint`` of other waits), for a waiter that relies on that bound."""
+        if self._interval > self.settings.max_interval or self._hints:
+            self._wake.set()
 
     def awaited(self) -> bool:
         """True while someone waits for a change of an app here (a wait, a listener)."""
@@ -347,6 +362,7 @@ class StatusHub:
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         if poll_hint is None:
             self._unhinted_waits += 1
+            self._wake_if_sleeping_long()
         else:
             self._hints.append(poll_hint)
             if poll_hint < self._interval:
