@@ -775,3 +775,72 @@ def test_wake_readers_takes_a_reason_by_value_and_names_a_bad_one(tmp_path: path
     wake_readers(tmp_path, "eof")
     with pytest.raises(ValueError, match="got 'bogus'"):
         wake_readers(tmp_path, "bogus")
+
+
+@pytest.mark.parametrize("kind", ["dangling-link", "file"])
+async def test_a_follower_whose_log_path_is_not_a_directory_waits_quietly(
+    tmp_path: pathlib.Path, kind: str
+) -> None:
+    """The log directory's path is a dangling symbolic link or a regular file: a follower waits
+    for the app to finish, asking a few times a second at most (it spun, asking thousands of
+    times a second, on a core), and ends when it has."""
+    directory = tmp_path / "app" / "replica0"
+    directory.parent.mkdir()
+    if kind == "file":
+        directory.write_text("x")
+    else:
+        directory.symlink_to(tmp_path / "gone")
+    asked = 0
+    finished = asyncio.Event()
+
+    async def is_finished() -> bool:
+        nonlocal asked
+        asked += 1
+        return finished.is_set()
+
+    follower = asyncio.create_task(read_all(directory, follow=True, is_finished=is_finished))
+    await asyncio.sleep(1.0)  # (a stretch of the follower's idle life, counted)
+    asked_in_a_second = asked
+    finished.set()
+    with anyio.fail_after(10):
+        assert await follower == []
+    assert asked_in_a_second < 50
+
+
+async def test_a_follower_with_until_in_the_past_ends_although_the_last_line_is_open(
+    tmp_path: pathlib.Path,
+) -> None:
+    """The last line of the window is still open (a progress bar's ``\\r`` updates, no newline)
+    and ``until`` passed long ago while the app runs on: the follower yields what a plain read
+    of the window yields and ends, instead of waiting for the app."""
+    t0 = time.time_ns() - 3600 * 10**9
+    done, step1, step2 = b"epoch 1 done\n", b"\rstep 1/100", b"\rstep 2/100"
+    index = (
+        INDEX_MAGIC
+        + RECORD.pack(t0, 0, 0, len(done), 0)
+        + RECORD.pack(t0 + 10**9, len(done), len(done), len(step1), 0)
+        + RECORD.pack(time.time_ns(), len(done + step1), len(done + step1), len(step2), 0)
+    )
+    (tmp_path / INDEX_FILE).write_bytes(index)
+    for name in ("stdout.log", "combined.log"):
+        (tmp_path / name).write_bytes(done + step1 + step2)
+    until = (t0 + 2 * 10**9) / 1e9
+    plain = await read_all(tmp_path, until=until)
+    assert plain[0] == "epoch 1 done\n" and plain[-1].startswith("\rstep 1/100")
+
+    async def running() -> bool:
+        return False
+
+    with anyio.fail_after(10):
+        followed = await read_all(tmp_path, until=until, follow=True, is_finished=running)
+    assert followed == plain
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_since_or_until_that_is_not_a_finite_time_is_a_value_error(
+    tmp_path: pathlib.Path, bad: float
+) -> None:
+    with pytest.raises(ValueError, match="since must be a finite POSIX timestamp"):
+        iter_log_lines(tmp_path, since=bad)
+    with pytest.raises(ValueError, match="until must be a finite POSIX timestamp"):
+        iter_log_lines(tmp_path, until=bad)

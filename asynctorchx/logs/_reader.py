@@ -395,7 +395,10 @@ def _to_ns(value: float | None, name: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a POSIX timestamp (float), got {value!r}")
-    return int(value * 1_000_000_000)
+    try:
+        return int(value * 1_000_000_000)
+    except (OverflowError, ValueError):  # inf, nan, or an int too large for a float
+        raise ValueError(f"{name} must be a finite POSIX timestamp, got {value!r}") from None
 
 
 #: A replica's log directory, or an async function that finds it (a backend's lookup, whose errors
@@ -701,9 +704,11 @@ class _DirectoryWatch:
         self._watch = w
         if w is not None and path != self._directory:
             # the missing child may have been made between its lookup and the watch (a log
-            # directory made on a replica's first output): its event was then missed
+            # directory made on a replica's first output): its event was then missed. Only a
+            # directory counts: a file or a dangling link in its place cannot be watched, and
+            # waking for it would only come back here, at once, for ever
             child = os.path.relpath(self._directory, path).split(os.sep, 1)[0]
-            if os.path.lexists(os.path.join(path, child)):
+            if os.path.isdir(os.path.join(path, child)):
                 self._waker.set(Wake.INOTIFY)
 
     def _on_event(self, name: str, mask: int) -> None:
@@ -832,8 +837,14 @@ async def _follow(
                 continue
             if finishing:
                 return
-            if until_ns is not None and _past_until(log, hi, until_ns):
-                return
+            if until_ns is not None:
+                if _past_until(log, hi, until_ns):
+                    return
+                if log.pending_len > 0 and time.time_ns() > until_ns + _UNTIL_SLACK_NS:
+                    # the window is over and its last line still open (a progress bar's \r
+                    # updates): taken as it is now, as a plain read takes it, then done
+                    finishing = True
+                    continue
             got = bool(data)
             if is_finished is not None and checks.due(got, reason):
                 if await is_finished():
