@@ -366,15 +366,18 @@ async def until_files(*writers: ReplicaLogWriter) -> None:
             await asyncio.sleep(0.005)
 
 
+@pytest.mark.parametrize("slow_batch", [0.0, 0.05], ids=["slow-when-asked", "slow-later"])
 async def test_what_queues_behind_a_slow_batch_is_made_beside_it(
     tmp_path: Path,
     maker: tuple[LogDirMaker, TaskSupervisor],
     held_open: tuple[threading.Event, threading.Event],
     monkeypatch: pytest.MonkeyPatch,
+    slow_batch: float,
 ) -> None:
-    """Files asked for while a batch is slow (past ``SLOW_BATCH``: here at once) get a second
-    worker: they are made while the slow batch is still held, not after it."""
-    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 0.0)
+    """Files asked for while a batch is slow (past ``SLOW_BATCH``: at once), or asked for while
+    it was young with nothing asked after (it turns slow 50 ms later), get a second worker: they
+    are made while the slow batch is still held, not after it."""
+    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", slow_batch)
     dirs, _ = maker
     entered, release = held_open
     slow = await start_slow_writer(dirs, tmp_path, entered)
@@ -408,28 +411,6 @@ async def test_what_queues_behind_a_fast_batch_waits_for_it(
     release.set()
     await until_files(slow, *later)
     for writer in (slow, *later):
-        writer.close()
-
-
-async def test_what_queued_while_a_batch_was_young_is_made_beside_it_once_it_is_slow(
-    tmp_path: Path,
-    maker: tuple[LogDirMaker, TaskSupervisor],
-    held_open: tuple[threading.Event, threading.Event],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Files asked for while the batch was not yet slow, and nothing asked after: once the batch
-    has run ``SLOW_BATCH``, a second worker makes them beside it (not after the slow batch)."""
-    monkeypatch.setattr(LogDirMaker, "SLOW_BATCH", 0.05)
-    dirs, _ = maker
-    entered, release = held_open
-    slow = await start_slow_writer(dirs, tmp_path, entered)
-    quick = ReplicaLogWriter(tmp_path / "b" / "0", opener=dirs.request)
-    quick.make_files_soon()  # (the batch is younger than SLOW_BATCH: no second worker yet)
-    await until_files(quick)
-    assert not slow.has_files  # still held
-    release.set()
-    await until_files(slow)
-    for writer in (slow, quick):
         writer.close()
 
 
