@@ -8,6 +8,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -185,6 +186,34 @@ async def test_a_launch_cancelled_while_its_directories_are_made_leaves_nothing(
         await task
     assert not app_dir.exists()  # gone when the cancellation arrives
     assert open_fds() <= before
+
+
+async def test_a_launch_cancelled_just_after_the_thread_made_its_directories_waits_for_removal(
+    tmp_path: Path,
+    maker: tuple[LogDirMaker, TaskSupervisor],
+    gate: tuple[threading.Event, threading.Event],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread has made the directories and queued their hand-over when the launch is
+    cancelled: the hand-over (first in line) finds the launch gone and has them removed, and the
+    launch's cancellation goes on only once they are."""
+    dirs, _ = maker
+    entered, release = gate
+    handed = threading.Event()
+    real = LogDirMaker._make_batch
+
+    def make_batch(self: LogDirMaker, *args: Any) -> None:
+        real(self, *args)
+        handed.set()
+
+    monkeypatch.setattr(LogDirMaker, "_make_batch", make_batch)
+    app_dir, task = await start_held(dirs, tmp_path, entered)
+    release.set()
+    assert handed.wait(10)  # (the loop is held here: the hand-over is queued, not run)
+    task.cancel()
+    with anyio.fail_after(10), pytest.raises(asyncio.CancelledError):
+        await task
+    assert not app_dir.exists()
 
 
 async def test_a_launch_cancelled_once_its_directories_are_made_removes_them_first(

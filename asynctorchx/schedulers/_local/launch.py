@@ -613,7 +613,9 @@ class _DirJob:
     #: the result was handed over (``abandoned``: to nobody, the launch no longer waited)
     delivered: bool = False
     abandoned: bool = False
-    #: set once an abandoned job's directories are removed (a cancelled launch waits for it)
+    #: an abandoned job's directories are removed (``settled``: what its cancelled launch waits
+    #: on for that, if it came first)
+    removed: bool = False
     settled: asyncio.Future[None] | None = None
 
 
@@ -673,13 +675,15 @@ class LogDirMaker:
         try:
             await future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if future.cancelled():
+                # cancelled while queued or being made: the job is abandoned when the batch hands
+                # it over, and what it made removed; that is waited for
+                if not job.removed:
+                    job.settled = future.get_loop().create_future()
+                    await wait_held(job.settled)
+            elif future.done() and future.exception() is None:
                 # made, but this launch was cancelled before it resumed
                 await in_thread_shielded(_discard_jobs, [job])
-            elif not job.delivered:
-                # being made or queued: the batch removes what it made, then settles the job
-                job.settled = future.get_loop().create_future()
-                await wait_held(job.settled)
             raise
 
     def request(self, writer: ReplicaLogWriter) -> None:
@@ -834,6 +838,7 @@ def _discard_jobs(jobs: list[_DirJob]) -> None:
 def _settle(jobs: list[_DirJob]) -> None:
     """Tells the cancelled launches waiting for these jobs' removal that it is done."""
     for job in jobs:
+        job.removed = True
         if job.settled is not None and not job.settled.done():
             job.settled.set_result(None)
 
