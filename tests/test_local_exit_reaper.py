@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import pytest
 
 from asynctorchx._tasks import TaskSupervisor
@@ -136,3 +137,30 @@ def test_a_pidfd_that_cannot_be_waited_on_loses_its_exit_code_not_the_batch() ->
             os.close(fd)
         for p in procs:
             p.returncode = 0
+
+
+async def test_waiting_for_idle_lets_a_reaper_that_just_ended_hand_its_queue_over(
+    supervisor: TaskSupervisor,
+) -> None:
+    """A caller polling a replica's ``reaping`` around ``idle()`` while the reaper's task has
+    just been cancelled (its queue is handed over in a callback): it sees the replica reaped
+    instead of spinning without yielding."""
+    reaped: list[str] = []
+    rep = replica(1)
+    rep.reaping = True
+
+    def on_reaped(app: Any, r: Any, *args: Any) -> None:
+        r.reaping = False
+        reaped.append(r.name)
+
+    reaper = ExitReaper(supervisor, on_reaped)
+    reaper.add(None, rep)  # type: ignore[arg-type]
+    task = reaper._task
+    assert task is not None
+    task.cancel()  # (cancelled before its first step; its queue is handed over when it ends)
+    await asyncio.sleep(0)
+    assert task.done() and reaped == []  # ended; the hand-over is queued for the next iteration
+    with anyio.fail_after(5):
+        while rep.reaping:
+            await reaper.idle()
+    assert reaped == ["r1"]

@@ -131,9 +131,12 @@ class ExitReaper:
         self._wake.set()
 
     async def idle(self) -> None:
-        """Waits until every exit queued so far was handed over."""
+        """Waits until every exit queued so far was handed over (at least one loop iteration, so
+        that a caller polling ``reaping`` lets a worker that just ended hand its queue over)."""
         if self._idle is not None and self._task is not None and not self._task.done():
             await self._idle.wait()
+        else:
+            await asyncio.sleep(0)
 
     def _reap_now(self, batch: list[tuple[LiveApp, Replica]]) -> None:
         jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
