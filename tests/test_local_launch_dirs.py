@@ -363,14 +363,16 @@ async def test_a_launch_cancelled_by_a_scope_while_writers_are_made_removes_its_
 @pytest.fixture
 def held_open(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
     """Holds the making of the files of a directory named ``slow`` until released (a churned file
-    system): (entered, release)."""
+    system): (entered, release); ``entered`` is set while the thread is held."""
     entered, release = threading.Event(), threading.Event()
     real = LogFiles.open
 
     def held(directory: str | os.PathLike[str]) -> LogFiles:
         if os.path.basename(os.fspath(directory)) == "slow":
             entered.set()
-            if not release.wait(10):
+            released = release.wait(10)
+            entered.clear()
+            if not released:
                 raise TimeoutError("the test never released the files")
         return real(directory)
 
@@ -456,7 +458,7 @@ async def test_closing_a_quiet_writer_does_not_wait_for_its_files_being_made(
     before = open_fds()
     slow = await start_slow_writer(dirs, tmp_path, entered)
     slow.close()  # nothing to write: returns while the thread is still held
-    assert not release.is_set() and not slow.has_files
+    assert entered.is_set() and not slow.has_files
     release.set()
     with anyio.fail_after(10):
         while dirs._tasks:
