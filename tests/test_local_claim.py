@@ -605,3 +605,37 @@ def test_temporary_claim_names_left_by_a_killed_process_are_removed_after_a_minu
     monkeypatch.setattr(protocol.time, "time", lambda: now + 61)  # fake clock: a minute later
     protocol.drop_dead_holders(records, holder)
     assert os.listdir(claims) == [os.path.basename(holder)]
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancel_asked_of_a_launcher_that_died_does_not_cancel_the_retried_dry_run(
+    tmp_path: Path,
+) -> None:
+    """Another process cancels an app while it is being submitted (a marker is left), and its
+    launcher dies before its watchdog knew of it (a stale claim, no record): scheduling the dry
+    run again takes the claim over without the old cancel, and the app runs to its end."""
+    from asynctorchx.schedulers._local.records import RecordStore
+
+    root, go = tmp_path / "root", tmp_path / "go"
+    script = f"while [ ! -e {go} ]; do sleep 0.01; done"
+    app = AppDef("twice", [Role("main", image="x", entrypoint="sh", args=["-c", script])])
+    info = LocalScheduler("doomed", local_root=root).submit_dryrun(app, {})
+    app_id = info.request.app_id
+    launcher = RecordStore(root, {"backend": "local_cwd", "session": "doomed"})
+    launcher.hold()
+    assert launcher.claim(app_id)  # being submitted (a long local_dir ship, say)
+    async with LocalScheduler("other", local_root=root) as other:
+        desc = await other.describe(app_id)
+        assert desc is not None and desc.state == AppState.PENDING
+        await other.cancel(app_id)
+    assert (root / ".apps" / f"{app_id}.cancel").exists()
+    for fd in launcher.lock_fds():  # the launcher dies: its locks go with its descriptors
+        os.close(fd)
+    launcher.holder_fd, launcher._old_holder_fds = -1, []
+    async with LocalScheduler("retry", local_root=root) as s:
+        assert await s.describe(app_id) is None
+        with anyio.fail_after(20):
+            assert await s.schedule(info) == app_id
+        go.touch()
+        final = await wait_for(s, app_id)
+        assert final.state == AppState.SUCCEEDED, final.msg

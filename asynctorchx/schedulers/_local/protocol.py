@@ -355,6 +355,9 @@ def take_stale_claim(
         taking = f"{_TAKING}{os.getpid()}.{threading.get_ident()}"
         tmp = os.path.join(os.path.dirname(path), taking)
         os.link(holder, tmp)
+        # a cancel asked of the dead launcher's attempt is not this one's (one asked from now on,
+        # of the app being submitted, is: the marker is dropped before the claim changes hands)
+        _drop(cancel_path(records_dir, app_id))
         try:
             os.replace(tmp, path)
         except BaseException:
