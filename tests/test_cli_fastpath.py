@@ -187,6 +187,12 @@ def _add_hand_written_records(apps: Apps) -> None:
     apps.handles["badstate"] = apps.write("badstate-1", badstate)
     badowner = {**apps.doc("succeeded"), "app_id": "badowner-1", "owner": [1]}
     apps.handles["badowner"] = apps.write("badowner-1", badowner)
+    # not regular files: a FIFO (opening it for reading blocked status, describe and every list
+    # for ever) and a symbolic link to a record (not followed)
+    os.mkfifo(apps.records / "fifo-1.json")
+    apps.handles["fifo"] = "local_cwd://asynctorchx/fifo-1"
+    (apps.records / "link-1.json").symlink_to(apps.records / f"{apps.app_id('succeeded')}.json")
+    apps.handles["link"] = "local_cwd://asynctorchx/link-1"
 
 
 def _same(apps: Apps, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -257,6 +263,8 @@ def test_unknown_corrupt_and_foreign_handles_match_the_runner_path(apps: Apps) -
         ("badstate", apps.handles["badstate"]),
         ("badowner", apps.handles["badowner"]),
         ("badapp", apps.handles["badapp"]),
+        ("fifo", apps.handles["fifo"]),
+        ("link", apps.handles["link"]),
         ("session", f"local_cwd://someone-else/{app_id}"),
         ("backend", f"local_dir://asynctorchx/{app_id}"),
         ("empty session", f"local_cwd:///{apps.app_id('succeeded')}"),
@@ -268,6 +276,7 @@ def test_unknown_corrupt_and_foreign_handles_match_the_runner_path(apps: Apps) -
     assert codes["unknown", "status"] == codes["corrupt", "describe"] == 4
     assert codes["weird", "status"] == codes["badstate", "status"] == 4
     assert codes["badowner", "describe"] == 4
+    assert codes["fifo", "status"] == codes["fifo", "describe"] == codes["link", "status"] == 4
     assert codes["session", "status"] == codes["backend", "describe"] == 0
     assert codes["malformed", "status"] == 2
     assert codes["badapp", "status"] != 0
@@ -288,6 +297,7 @@ def test_list_matches_the_runner_path(apps: Apps) -> None:
     ids = [row["app_id"] for row in listed]
     assert ids[:2] == ["lost-1", "orphan-1"] and apps.app_id("running") in ids
     assert "corrupt-1" not in ids and apps.app_id("dir") not in ids
+    assert "fifo-1" not in ids and "link-1" not in ids
     warned = apps.run("list").stderr
     assert "ignoring corrupt app record" in warned and "badowner-1.json" in warned
 

@@ -26,11 +26,13 @@ but which has no record is being submitted (``claim_holder``, ``held_claims``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from stat import S_ISREG
 
 # (no typing or dataclasses at run time: the watchdog imports this module; see protocol.py)
 TYPE_CHECKING = False
@@ -188,11 +190,15 @@ def read_document(path: str | os.PathLike[str]) -> Any:
         NoDocument: the file holds no complete version (its first one is being written, or its
             writer died writing it); ``EmptyRecord`` when it is empty.
         ValueError: the file holds complete lines but none is a JSON document.
-        OSError: it cannot be read.
+        OSError: it cannot be read, or is not a regular file (a FIFO there would block the
+            open, or the read, for ever; a symbolic link is not followed).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", os.fspath(path))
+        size = st.st_size
         if size == 0:
             raise EmptyRecord("the record file is empty")
         return _last_document(fd, size)
