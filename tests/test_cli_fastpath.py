@@ -417,9 +417,19 @@ def test_the_lost_check_agrees_with_the_scheduler(apps: Apps) -> None:
 
 
 def test_non_mapping_parts_of_a_record_make_it_corrupt_not_a_crash() -> None:
-    """A record whose owner or replicas are not objects is rejected as corrupt (ValueError)."""
+    """A record whose owner, replicas or app are not objects, or a replica's role not a string,
+    is rejected as corrupt (ValueError): the CLI then says the app is unknown (exit 4), not an
+    internal error."""
     base = {"app_id": "a", "state": "RUNNING"}
-    for doc in ({**base, "owner": [1]}, {**base, "replicas": [[1]]}, {**base, "replicas": ["x"]}):
+    replica = {"id": 0, "state": "RUNNING"}
+    for doc in (
+        {**base, "owner": [1]},
+        {**base, "replicas": [[1]]},
+        {**base, "replicas": ["x"]},
+        {**base, "app": "x"},
+        {**base, "app": ["x"]},
+        {**base, "replicas": [{**replica, "role": ["x"]}]},
+    ):
         with pytest.raises(ValueError, match="not an app record"):
             AppRecord.from_json(doc)
 

@@ -360,6 +360,13 @@ def _str_or_none(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _checked(value: Any, kind: type, what: str) -> Any:
+    """``value`` if it is a ``kind``; TypeError naming ``what`` otherwise (a corrupt record)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
 def parse_replica(d: Mapping[str, Any], states: Container[str]) -> dict[str, Any]:
     """The fields of ``ReplicaRecord`` from its JSON; the state is a name, one of ``states``.
 
@@ -367,7 +374,7 @@ def parse_replica(d: Mapping[str, Any], states: Container[str]) -> dict[str, Any
         KeyError, TypeError, ValueError, AttributeError: not a replica record.
     """
     return {
-        "role": d["role"],
+        "role": _checked(d["role"], str, "a replica's role"),
         "id": int(d["id"]),
         "state": _state(d.get("state", "UNKNOWN"), states),
         "pid": d.get("pid"),
@@ -405,7 +412,7 @@ def parse_app(d: Any, states: Container[str]) -> dict[str, Any]:
             "grace_period": float(d.get("grace_period", 5.0)),
             "owner": Owner.from_json(d.get("owner") or {}),
             "replicas": [parse_replica(r, states) for r in d.get("replicas", [])],
-            "app": d.get("app") or {},
+            "app": _checked(d.get("app") or {}, dict, "the app"),
             "cgroup": _str_or_none(d.get("cgroup")),
         }
     except _PARSE_ERRORS as e:
