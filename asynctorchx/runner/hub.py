@@ -266,8 +266,9 @@ class StatusHub:
 
     def _wake_if_sleeping_long(self) -> None:
         """Wakes the loop if it may be sleeping longer than ``PollSettings.max_interval`` (for
-        the ``poll_hint`` of other waits), for a waiter that relies on that bound."""
-        if self._interval > self.settings.max_interval or self._hints:
+        the ``poll_hint`` of other waits), for a waiter that relies on that bound. (The loop's
+        sleep is never longer than ``_interval``: no wake-up, so no extra round, otherwise.)"""
+        if self._interval > self.settings.max_interval:
             self._wake.set()
 
     def awaited(self) -> bool:
