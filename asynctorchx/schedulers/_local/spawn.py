@@ -77,6 +77,11 @@ def reap_batch(jobs: list[tuple[int, int, str | None]]) -> list[tuple[int | None
     return out
 
 
+def _jobs(batch: list[tuple[LiveApp, Replica]]) -> list[tuple[int, int, str | None]]:
+    """What ``reap_batch`` takes for these replicas."""
+    return [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
+
+
 class ExitReaper:
     """Reaps replicas whose main process exited, in batches in a worker thread, and hands each
     result to ``on_reaped`` on the event loop."""
@@ -139,8 +144,12 @@ class ExitReaper:
             await asyncio.sleep(0)
 
     def _reap_now(self, batch: list[tuple[LiveApp, Replica]]) -> None:
-        jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
-        for (app, rep), (code, leftovers) in zip(batch, reap_batch(jobs), strict=True):
+        self._hand_over(batch, reap_batch(_jobs(batch)))
+
+    def _hand_over(
+        self, batch: list[tuple[LiveApp, Replica]], results: list[tuple[int | None, bool]]
+    ) -> None:
+        for (app, rep), (code, leftovers) in zip(batch, results, strict=True):
             self._on_reaped(app, rep, code, leftovers)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
@@ -165,12 +174,10 @@ class ExitReaper:
                 continue
             batch = self._queue[: self.MAX_BATCH]
             del self._queue[: self.MAX_BATCH]
-            jobs = [(rep.pid or 0, rep.pidfd, rep.cgroup) for _, rep in batch]
-            reaped = loop.run_in_executor(None, reap_batch, jobs)
+            reaped = loop.run_in_executor(None, reap_batch, _jobs(batch))
             # waited for even when cancelled (closing): what the thread reaped is handed over
             cancelled = await wait_held(reaped)
-            for (app, rep), (code, leftovers) in zip(batch, reaped.result(), strict=True):
-                self._on_reaped(app, rep, code, leftovers)
+            self._hand_over(batch, reaped.result())
             if cancelled is not None:
                 raise cancelled
 
