@@ -155,3 +155,21 @@ async def test_failed_replica_stops_its_siblings(sched: LocalScheduler, tmp_path
     with anyio.fail_after(2):  # SIGKILLed members may take a moment to finish exiting
         while group_members(pgid):
             await asyncio.sleep(0.02)
+
+
+async def test_a_replica_whose_restart_cannot_start_ends_failed(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """A replica exits 1 and its restart cannot start (its program removed itself): the app fails
+    naming the restart, and the replica ends FAILED with its exit code, not CANCELLED (nothing
+    cancelled it: its own failure is its end)."""
+    program = tmp_path / "once.sh"
+    program.write_text('#!/bin/sh\nrm -f "$0"\nexit 1\n')
+    program.chmod(0o755)
+    app = AppDef("once", [Role("a", image="x", entrypoint=str(program), max_retries=1)])
+    app_id = await sched.submit(app, {})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    assert desc.msg.startswith("restart failed"), desc.msg
+    replica = desc.roles_statuses[0].replicas[0]
+    assert (replica.state, replica.exit_code) == (AppState.FAILED, 1)

@@ -184,6 +184,8 @@ class AppSupervision:
         try:
             await self._start_again(app, targets)
         except LaunchError as e:
+            if not failed.running:  # its new attempt never started: its own failure is its end
+                app.set_state(failed, AppState.FAILED)
             return await self._apply(app, failed, state.judge_restart_failure(str(e)))
         self._rt.changed(app)
         return False
