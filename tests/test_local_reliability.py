@@ -669,6 +669,93 @@ async def test_cancel_sends_exactly_one_sigterm(sched: LocalScheduler, tmp_path:
     assert out.read_bytes() == bytes([signal.SIGTERM])
 
 
+def cli_cancel(root: Path, handle: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "asynctorchx", "cancel", handle],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["another CLI", "the launcher"])
+async def test_two_cancels_at_once_send_one_sigterm(
+    sched: LocalScheduler, root: Path, tmp_path: Path, first: str
+) -> None:
+    """Two cancels of one app, from two CLI processes at once or from its launcher and then a CLI
+    process: each replica gets one SIGTERM (the second canceller finds the first one's marker and
+    sends none), and the app ends CANCELLED."""
+    out, ready = tmp_path / "terms", tmp_path / "ready"
+    app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
+    app_id = await sched.submit(app, {"cancel_grace_period": 2.0})
+    await until(ready.exists, 20, "the handler to be installed")
+    handle = f"local_cwd://rel/{app_id}"
+    if first == "the launcher":
+        await sched.cancel(app_id)
+        procs = [cli_cancel(root, handle)]
+    else:
+        procs = [cli_cancel(root, handle), cli_cancel(root, handle)]
+    outs = [await anyio.to_thread.run_sync(p.communicate) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), outs
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.CANCELLED
+    assert out.read_bytes() == bytes([signal.SIGTERM])
+
+
+# exits at its second SIGTERM: the watchdog's (its launcher died), then a canceller's
+EXITS_AT_SECOND_TERM = textwrap.dedent(
+    """
+    import os, signal, time
+    terms = 0
+    def on_term(*_):
+        global terms
+        terms += 1
+        with open(os.environ["OUT"], "a") as f:
+            f.write("TERM\\n")
+        if terms >= 2:
+            os._exit(143)
+    signal.signal(signal.SIGTERM, on_term)
+    open(os.environ["READY"], "w").close()
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.timeout(90)
+async def test_a_cancel_accepted_after_the_launcher_died_ends_cancelled(
+    root: Path, tmp_path: Path, token: str
+) -> None:
+    """The launcher is SIGKILLed and its watchdog is stopping the app (SIGTERM sent) when another
+    process cancels it: the cancel is accepted (its SIGTERM ends the replica), so the watchdog,
+    finding the cancel's marker, records the app CANCELLED, not FAILED."""
+    out, ready = tmp_path / "terms", tmp_path / "ready"
+    env = {"OUT": str(out), "READY": str(ready), "ATX_TOKEN": token}
+    spec = {"entrypoint": sys.executable, "args": ["-c", EXITS_AT_SECOND_TERM], "env": env}
+    proc = subprocess.Popen(
+        launcher_argv(root, {**spec, "grace": 30.0}), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        info = await read_json_line(proc)
+        await until(ready.exists, 20, "the handler to be installed")
+    finally:
+        sigkill(proc)
+    await until(lambda: out.exists() and out.read_text().count("TERM") == 1, 20, "its SIGTERM")
+    assert (read_record(root, info["app_id"]) or {}).get("state") == "RUNNING"
+    other = LocalScheduler("other", local_root=root)
+    try:
+        await other.cancel(info["app_id"])
+        assert out.read_text().count("TERM") == 2, "the cancel sent no SIGTERM"
+        doc = await terminal_record(root, info["app_id"], 30)
+    finally:
+        await other.close()
+    assert doc["state"] == "CANCELLED", doc["msg"]
+    assert doc["msg"].startswith("cancelled"), doc["msg"]
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 1e9, 3601.0])
 def test_absurd_grace_periods_are_rejected_at_dry_run(root: Path, value: float) -> None:
     """A cancel_grace_period that is not a number of seconds in [0, 3600] fails the dry run,

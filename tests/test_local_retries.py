@@ -173,3 +173,42 @@ async def test_a_replica_whose_restart_cannot_start_ends_failed(
     assert desc.msg.startswith("restart failed"), desc.msg
     replica = desc.roles_statuses[0].replicas[0]
     assert (replica.state, replica.exit_code) == (AppState.FAILED, 1)
+
+
+@pytest.mark.timeout(60)
+async def test_another_process_sees_a_restart_while_its_scope_stops(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """Replica 0 fails and the application restarts, its other replicas ignoring SIGTERM for the
+    whole grace period: another process reading the record meanwhile sees the restart (replica 0
+    FAILED with its exit code, one restart), not replica 0 still RUNNING once its pid is gone."""
+    script = (
+        f'if [ "{macros.replica_id}" = 0 ] && [ ! -e "$MARK" ]; then touch "$MARK"; exit 3; fi; '
+        "trap '' TERM; while :; do sleep 0.05; done"
+    )
+    role = Role(
+        "main",
+        image="x",
+        entrypoint="sh",
+        args=["-c", script],
+        env={"MARK": str(tmp_path / "mark")},
+        num_replicas=3,
+        max_retries=1,
+        retry_policy=RetryPolicy.APPLICATION,
+    )
+    app_id = await sched.submit(AppDef("restarts", [role]), {"cancel_grace_period": 6.0})
+    other = LocalScheduler("other", local_root=tmp_path / "root")
+    try:
+        seen = None
+        with anyio.move_on_after(4):  # well within the 6 s the others take to stop
+            while True:
+                seen = await other.describe(app_id)
+                if seen is not None and seen.num_restarts == 1:
+                    break
+                await anyio.sleep(0.02)
+        assert seen is not None and seen.num_restarts == 1, seen
+        replica = seen.roles_statuses[0].replicas[0]
+        assert (replica.state, replica.exit_code) == (AppState.FAILED, 3)
+    finally:
+        await other.close()
+        await sched.cancel(app_id)

@@ -60,6 +60,7 @@ watchdog's ``guard.py``/``watchdog.py``/``protocol.py``); ``logsource.py`` reads
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -502,6 +503,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
                 self._supervision.request_stop(app, "cancelled")
                 app.msg = "cancelling"
                 rt.changed(app)
+                # the marker says so to other processes: a cancel from one of them then sends no
+                # second SIGTERM, and a watchdog finishing the app (this process killed while
+                # it stops) records it CANCELLED
+                groups = [
+                    protocol.group_spec(rep.pid, rep.start_ticks)
+                    for rep in app.replicas
+                    if rep.term_sent and rep.pid
+                ]
+                with contextlib.suppress(OSError):  # (the stop is under way regardless)
+                    await anyio.to_thread.run_sync(rt.store.mark_cancel, app_id, groups)
             return
         if app_id in rt.finished:
             return

@@ -10,7 +10,9 @@ process finishing a cancel) updates the record under a lock file.
 
 A cancel requested by another process is a marker file ``{app_id}.cancel`` next to the record
 (it lists the process groups the canceller already sent SIGTERM to), which the launcher notices
-through inotify, or when a replica exits. An app being submitted (claimed, see below, and not
+through inotify, or when a replica exits; a launcher cancelling its own app leaves one too, so
+that a cancel from another process meanwhile sends no second SIGTERM and a watchdog finishing the
+app records it CANCELLED. An app being submitted (claimed, see below, and not
 started: no record yet) gets one too; its launcher looks for it before the app's first replica
 starts, and the app ends CANCELLED with nothing started. Both it and the lock file ``.{app_id}.lock`` are removed
 once the record is terminal (``protocol.py``).
@@ -582,10 +584,14 @@ class RecordStore:
 
     def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
         """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
-        (``pid:start_ticks``) already sent SIGTERM; False (and no marker) when the record is
-        terminal, or there is none and the app is not being submitted (``claim_held``)."""
+        (``pid:start_ticks``) already sent SIGTERM; False (and no new marker) when the record is
+        terminal, there is none and the app is not being submitted (``claim_held``), or a marker
+        is there already: a cancel is under way (another process's, or its launcher's own), whose
+        canceller sent the SIGTERMs: the caller sends none, so each group gets one."""
         records_dir = str(self.records_dir)
         with protocol.locked_record(records_dir, app_id):
+            if os.path.lexists(protocol.cancel_path(records_dir, app_id)):
+                return False
             record = self.read(app_id)
             if record is None and not self.claim_held(app_id):
                 # (a stale claim stays: the next launch of the dry run takes it over)

@@ -173,14 +173,16 @@ class AppSupervision:
         assert verdict.restart is not None
         app.retries_left[failed.req.role] -= 1
         app.num_restarts += 1
+        app.msg = verdict.msg or app.msg
         roles = [r.req.role for r in app.replicas]
         targets = [
             app.replicas[i] for i in state.restart_scope(verdict.restart, failed.index, roles)
         ]
+        # recorded now: stopping the scope's others can take their whole grace period
+        self._rt.changed(app)
         await self.stop(app, [r for r in targets if r.running], AppState.PENDING)
         if app.cancel_reason is not None:
             return False
-        app.msg = verdict.msg or app.msg
         try:
             await self._start_again(app, targets)
         except LaunchError as e:

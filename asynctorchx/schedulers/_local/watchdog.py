@@ -120,6 +120,10 @@ def _finish_locked(
         pid, ticks = owner.get("pid"), owner.get("start_ticks")
         if isinstance(pid, int) and start_ticks(pid) == ticks:
             return
+    if state == "FAILED" and os.path.lexists(protocol.cancel_path(records_dir, app_id)):
+        # a cancel was accepted before this end (its marker is only left for a record that is
+        # not terminal, under this lock): the app ends as cancelled, not as failed
+        state, msg = "CANCELLED", f"cancelled; {msg}"
     now = time.time()
     doc["state"] = state
     doc["msg"] = msg
