@@ -134,6 +134,7 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "'asynctorchx runopts {scheduler}' lists the scheduler's options (pass them as -cfg k=v,...)",
     ),
+    "LaunchError": (1, ""),  # (its message says what could not be started, and why)
     "LaunchSpecError": (
         ExitCode.USAGE,
         "'asynctorchx run --dryrun ...' shows each replica's command, working directory and log_dir",

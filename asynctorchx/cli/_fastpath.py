@@ -138,8 +138,11 @@ def usable(scheduler: str, session: str | None = None) -> bool:
         return False
     if os.environ.get(SWITCH_ENV) == "0":
         return False
-    if session is not None and (not session or ":" in session):
-        return False  # the runner path maps an empty session, or rejects the name
+    if session is not None:
+        from asynctorchx.specs.api import is_session_name
+
+        if not session or not is_session_name(session):
+            return False  # the runner path maps an empty session, or rejects the name
     return _no_config()
 
 

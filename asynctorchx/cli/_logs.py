@@ -7,6 +7,7 @@ concurrently followed replicas never mix inside a line.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 #: Lines longer than this (in characters) are printed slice by slice rather than copied whole.
 _WRITE_SLICE = 1 << 20
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 STDOUT_MARK = "|"
 STDERR_MARK = "!"
@@ -76,6 +78,9 @@ class LogPrinter:
         self.style = Styler(out)
         self.width = max((len(r.label) for r in replicas), default=0)
         self.lines = 0
+        # JSON escapes what the output cannot encode as itself (an output that is not UTF-8)
+        encoding = (getattr(out, "encoding", None) or "utf-8").lower().replace("_", "-")
+        self.ascii_only = encoding not in ("utf-8", "utf8") or bool(_SURROGATE.search(handle))
 
     def prefix(self, replica: Replica, stream: str | None) -> str:
         """The text before a line of ``replica``: ``role/k`` padded, then the stream marker."""
@@ -103,15 +108,17 @@ class LogPrinter:
                 "stream": stream,
                 "line": line[:end] if end <= _WRITE_SLICE else "",
             }
+            # (a lone surrogate, which no encoding writes, is escaped too)
+            escape = self.ascii_only or _SURROGATE.search(line) is not None
             if end <= _WRITE_SLICE:
-                self.out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                self.out.write(json.dumps(record, ensure_ascii=escape) + "\n")
             else:
                 # the same text as json.dumps(record): "line" is the last key, its value is escaped
                 # slice by slice (JSON escapes each character on its own)
-                self.out.write(json.dumps(record, ensure_ascii=False)[:-2])
+                self.out.write(json.dumps(record, ensure_ascii=escape)[:-2])
                 for i in range(0, end, _WRITE_SLICE):
                     piece = line[i : min(i + _WRITE_SLICE, end)]
-                    self.out.write(json.dumps(piece, ensure_ascii=False)[1:-1])
+                    self.out.write(json.dumps(piece, ensure_ascii=escape)[1:-1])
                 self.out.write('"}\n')
         else:
             prefix = self.prefix(replica, stream)

@@ -7,10 +7,12 @@ whose ``TERM`` is not ``dumb``. Plain ANSI escapes are used (no rich): the CLI s
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 RESET = "\x1b[0m"
 BOLD = "1"
@@ -128,3 +130,56 @@ def format_table(
         return "  ".join(parts).rstrip()
 
     return "\n".join([line(headers, True), *(line(r, False) for r in rows)])
+
+
+def json_text(value: object, *, indent: int | None = 2, default: Any = None) -> str:
+    """``value`` as strict JSON (what any parser reads): a NaN or infinite float is written as the
+    string ``"NaN"``, ``"Infinity"`` or ``"-Infinity"``, not as a bare token."""
+    import json
+
+    return json.dumps(_finite(value), indent=indent, default=default, allow_nan=False)
+
+
+def _finite(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def tolerant_output() -> None:
+    """Makes stdout and stderr write what their encoding cannot hold rather than fail the command:
+    a surrogate standing for a byte that was not UTF-8 (a file name's, an argument's, as Python
+    decodes them) as that byte, any other character as a backslash escape (``\\ud800``)."""
+    import codecs
+
+    try:
+        codecs.lookup_error(_ERRORS)
+    except LookupError:
+        codecs.register_error(_ERRORS, _escape_unencodable)
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None and getattr(stream, "errors", None) in _FAILING:
+            with contextlib.suppress(Exception):  # (a stream that cannot change: left alone)
+                reconfigure(errors=_ERRORS)
+
+
+_ERRORS = "asynctorchx.escape"
+#: the error handlers that fail on some characters (surrogateescape: the C locale's default)
+_FAILING = ("strict", "surrogateescape")
+
+
+def _escape_unencodable(error: UnicodeError) -> tuple[bytes, int]:
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    out = bytearray()
+    for char in error.object[error.start : error.end]:
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(code - 0xDC00)
+        else:
+            out += char.encode("ascii", "backslashreplace")
+    return bytes(out), error.end

@@ -42,6 +42,13 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     from asynctorchx.cli._errors import CliError, ExitCode
     from asynctorchx.cli._output import err_styler, info
 
+    if args.timeout is not None:  # checked before anything is cancelled
+        if not args.wait:
+            raise CliError(f"--timeout {args.timeout:g} is given without --wait", "add --wait")
+        if not args.timeout >= 0:  # also rejects nan
+            raise CliError(
+                f"--timeout {args.timeout:g} is not >= 0", "give a number of seconds >= 0"
+            )
     runner, handle = runner_for_handle(args.handle)
     args.scheduler = handle.split("://", 1)[0]
     style = err_styler()

@@ -47,14 +47,13 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
 
 
 def _print(args: argparse.Namespace, handle: str, app: AppDef | None, state: str) -> int:
-    import json
-
     from asynctorchx.cli._common import unknown_app
+    from asynctorchx.cli._output import json_text
 
     if app is None:
         raise unknown_app(handle)
     if args.json:
-        print(json.dumps(app_to_json(handle, app, state), indent=2, default=_json_default))
+        print(json_text(app_to_json(handle, app, state), default=_json_default))
     else:
         print(format_app(handle, app, state))
     return 0

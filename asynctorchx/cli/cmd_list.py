@@ -61,16 +61,15 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
 
 def _print(args: argparse.Namespace, apps: list[tuple[str, str, str, str]]) -> int:
     """Prints ``(handle, app_id, state, name)`` rows as a table or a JSON array."""
-    import json
 
-    from asynctorchx.cli._output import format_table, out_styler
+    from asynctorchx.cli._output import format_table, json_text, out_styler
 
     if args.json:
         rows = [
             {"handle": handle, "app_id": app_id, "state": state, "name": name}
             for handle, app_id, state, name in apps
         ]
-        print(json.dumps(rows, indent=2))
+        print(json_text(rows))
         return 0
     if not apps:
         from asynctorchx.cli._output import info

@@ -52,10 +52,9 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
 
 
 def _print(args: argparse.Namespace, handle: str, status: AppStatus | None) -> int:
-    import json
 
     from asynctorchx.cli._common import unknown_app
-    from asynctorchx.cli._output import out_styler
+    from asynctorchx.cli._output import json_text, out_styler
 
     if status is None:
         raise unknown_app(handle)
@@ -64,7 +63,7 @@ def _print(args: argparse.Namespace, handle: str, status: AppStatus | None) -> i
         out = {"handle": handle, **status.to_json()}
         if roles is not None:
             out["roles"] = [r for r in out["roles"] if r["role"] in roles]
-        print(json.dumps(out, indent=2))
+        print(json_text(out))
         return 0
     style = out_styler()
     lines = [handle]

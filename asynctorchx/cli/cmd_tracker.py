@@ -132,7 +132,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints the runs, metadata or artifacts asked for."""
     import json
 
-    from asynctorchx.cli._output import format_table, info, out_styler
+    from asynctorchx.cli._output import format_table, info, json_text, out_styler
 
     async with open_reader(args.tracker) as reader:
         if args.what in ("runs", "jobs"):
@@ -148,7 +148,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         if args.what == "metadata":
             metadata = await reader.metadata(args.run_id)
             if args.json:
-                print(_json(metadata))
+                print(json_text(metadata))
             elif not metadata:
                 info(f"no metadata for {args.run_id}")
             else:
@@ -162,7 +162,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             rows_json = [
                 {"name": a.name, "path": a.path, "metadata": a.metadata} for a in artifacts
             ]
-            print(_json(rows_json))
+            print(json_text(rows_json))
         elif not artifacts:
             info(
                 f"no artifact {args.artifact!r} for {args.run_id}"
@@ -173,27 +173,6 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             table = [(a.name, a.path, _text(a.metadata)) for a in artifacts]
             print(format_table(("ARTIFACT", "PATH", "METADATA"), table, out_styler()))
         return 0
-
-
-def _json(value: object) -> str:
-    """``value`` as strict JSON: a NaN or infinite float (which Python's json would write as the
-    non-standard tokens ``NaN``, ``Infinity``) becomes the string ``"NaN"``, ``"Infinity"`` or
-    ``"-Infinity"``, as in protobuf's JSON mapping."""
-    import json
-
-    return json.dumps(_finite(value), indent=2, allow_nan=False)
-
-
-def _finite(value: object) -> object:
-    import math
-
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def _text(value: object) -> str:

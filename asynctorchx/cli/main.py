@@ -250,7 +250,7 @@ def parse_log_level(value: str) -> int:
     from asynctorchx.cli._errors import CliError
 
     text = value.strip()
-    if text.isdigit():
+    if text.isdigit() and len(text) <= 18:
         return int(text)
     if text.upper() == "WARNING":
         return WARNING
@@ -340,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
+    from asynctorchx.cli._output import tolerant_output
+
+    tolerant_output()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(())
     at = first_positional(parser, argv)

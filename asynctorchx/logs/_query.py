@@ -42,8 +42,10 @@ def compile_log_regex(regex: str | None) -> re.Pattern[str] | None:
         raise TypeError(f"regex must be a string, got {regex!r}")
     try:
         return re.compile(regex)
-    except re.error as e:
-        raise ValueError(f"invalid log regex {regex!r}: {e}") from None
+    except (re.error, OverflowError, RecursionError) as e:
+        # (a repetition count too large, or groups nested too deep, are not re.error)
+        shown = repr(regex) if len(regex) <= 200 else f"{regex[:200]!r}... ({len(regex)} chars)"
+        raise ValueError(f"invalid log regex {shown}: {e}") from None
 
 
 def to_timestamp(value: datetime | None, name: str) -> float | None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import pathlib
 import re
+import stat
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
@@ -230,7 +232,7 @@ class _LogFile:
             return False
         if self.fd < 0:
             try:
-                self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                self.fd = open_regular(self.path)
             except (FileNotFoundError, NotADirectoryError):
                 return False
         if self.index_dir is not None and self.index_fd < 0:
@@ -241,7 +243,7 @@ class _LogFile:
         """Opens the timing index: ``index.bin`` (our writer's), else ``index.txt`` (samples)."""
         for name in (INDEX_FILE, SAMPLED_INDEX_FILE):
             try:
-                self.index_fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+                self.index_fd = open_regular(os.path.join(directory, name))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if name == SAMPLED_INDEX_FILE:
@@ -882,3 +884,20 @@ def _past_until(log: _LogFile, hi: int, until_ns: int) -> bool:
     if hi < log.size:
         return True
     return time.time_ns() > until_ns + _UNTIL_SLACK_NS
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: a FIFO put in a log's
+    place would block the open (then every read) for ever, and a directory cannot be read.
+
+    Raises:
+        OSError: it cannot be opened, or is not a regular file (names it).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file: cannot read it as a log", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -60,6 +60,7 @@ from asynctorchx.specs.api import (
     CfgVal,
     UnknownAppException,
     UnknownSchedulerException,
+    is_session_name,
     make_app_handle,
     parse_app_handle,
     runopts,
@@ -169,14 +170,7 @@ class AsyncRunner:
         **scheduler_params: Any,
     ) -> None:
         # the name is a directory of the local backends' state root: '..' would escape it
-        if (
-            not isinstance(name, str)
-            or "/" in name
-            or ":" in name
-            or "\0" in name
-            or name in (".", "..")
-            or any(c.isspace() for c in name)
-        ):
+        if not is_session_name(name):
             raise ValueError(
                 "runner name must be a string without '/', ':', spaces or NUL, and not '.' or "
                 f"'..', got {name!r}"

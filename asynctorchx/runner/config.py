@@ -118,7 +118,10 @@ def find_configs(dirs: Iterable[str | os.PathLike[str]] | None = None) -> list[P
     seen: set[Path] = set()
     for d in default_config_dirs() if dirs is None else [Path(d) for d in dirs]:
         path = Path(d).expanduser() / CONFIG_FILE
-        key = path.resolve()
+        try:
+            key = path.resolve()
+        except (OSError, RuntimeError):  # a symbolic link loop: not a file, skipped below
+            key = path
         if key in seen:
             continue
         seen.add(key)

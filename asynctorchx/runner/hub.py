@@ -202,6 +202,7 @@ class StatusHub:
         self._unsubscribe = scheduler.subscribe(self._on_push) if scheduler.pushes_changes else None
         self.rounds = 0
         self._closed = False
+        self._last_failure: str | None = None  # the error of the last round, if it failed
         # the wait_interval hints of the waits in progress, and how many waits gave none
         self._hints: list[float] = []
         self._unhinted_waits = 0
@@ -496,9 +497,12 @@ class StatusHub:
             # the loop would leave every waiter waiting
             if not isinstance(e, Exception) and self._stopping():
                 raise
-            logger.exception("status round for %d %s apps failed", len(ids), self.scheduler.backend)
+            self._round_failed(e, len(ids))
             self._answered(ids, number)
             return False
+        if self._last_failure is not None:
+            logger.info("status rounds for %s apps work again", self.scheduler.backend)
+            self._last_failure = None
         changed = False
         for app_id in ids:
             entry = self._entries.get(app_id)
@@ -506,6 +510,22 @@ class StatusHub:
                 changed |= self._apply(entry, responses.get(app_id))
         self._answered(ids, number)
         return changed
+
+    def _round_failed(self, error: BaseException, n: int) -> None:
+        """Logs a failed round in one line (the traceback at DEBUG): at WARNING when its error
+        differs from the last round's, else at DEBUG (a backend that stays down, such as an
+        unreachable engine, fails every round the same way)."""
+        what = f"{type(error).__name__}: {error}".strip()
+        level = logging.DEBUG if what == self._last_failure else logging.WARNING
+        self._last_failure = what
+        logger.log(
+            level,
+            "status round for %d %s apps failed: %s",
+            n,
+            self.scheduler.backend,
+            what,
+            exc_info=error if logger.isEnabledFor(logging.DEBUG) else None,
+        )
 
     def _stray_cancellation(self) -> bool:
         """True when a CancelledError from the backend did not come from cancelling this loop

@@ -99,8 +99,8 @@ class Resource:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise _bad(f"resource.{name}", value, "a number", role)
-            if value < 0:
-                raise _bad(f"resource.{name}", value, ">= 0", role)
+            if not 0 <= value < float("inf"):  # (NaN too)
+                raise _bad(f"resource.{name}", value, "a finite number >= 0", role)
         for dev, count in self.devices.items():
             if not isinstance(count, int) or count < 0:
                 raise _bad(f"resource.devices[{dev!r}]", count, "a non-negative int", role)
@@ -1057,6 +1057,19 @@ class ParsedAppHandle(NamedTuple):
 
 
 _HANDLE_RE = re.compile(r"(?P<backend>[^:/\s]+)://(?P<session>[^/\s]*)/(?P<app_id>[^\s]+)")
+
+
+def is_session_name(name: object) -> bool:
+    """Whether ``name`` can name a runner's session: a string without '/', ':', whitespace or NUL,
+    and not '.' or '..' (the local backends' state root has a directory of that name)."""
+    return (
+        isinstance(name, str)
+        and "/" not in name
+        and ":" not in name
+        and "\0" not in name
+        and name not in (".", "..")
+        and not any(c.isspace() for c in name)
+    )
 
 
 def parse_app_handle(app_handle: AppHandle) -> ParsedAppHandle:

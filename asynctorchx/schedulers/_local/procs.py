@@ -52,6 +52,8 @@ SPEC_ERRNOS = frozenset(
         errno.ENOENT,
         errno.EEXIST,
         errno.ENOEXEC,
+        errno.ELOOP,  # (a symbolic link loop in the path)
+        errno.ENAMETOOLONG,
     }
 )
 #: errno values that say this process (or the system) ran out of file descriptors
