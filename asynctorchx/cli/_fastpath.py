@@ -171,27 +171,46 @@ def _read(rf: ModuleType, app_id: str, log: bool = True) -> dict[str, Any] | Non
     path = os.path.join(rf.records_dir(rf.root_dir()), f"{app_id}.json")
     if log:
         _debug("reading the app record %s (no runner, no event loop)", path)
-    fields: dict[str, Any] | None = rf.read_record(
-        path, lambda d: rf.parse_app(d, AppState.__members__), _warn
-    )
+    def read() -> dict[str, Any] | None:
+        parsed: dict[str, Any] | None = rf.read_record(
+            path, lambda d: rf.parse_app(d, AppState.__members__), _warn
+        )
+        return parsed
+
+    fields = read()
     if fields is None:
         return None
     lost = rf.lost_message(
         fields["state"], fields["owner"], ((r["pid"], r["start_ticks"]) for r in fields["replicas"])
     )
     if lost is not None:
+        # all gone: was the end recorded after the read? Nobody is left to write, so a second
+        # read is final (``RecordStore.read_checked``)
+        again = read()
+        if again is not None and again["state"] in rf.TERMINAL_NAMES:
+            return again
         fields = {**fields, "state": "FAILED", "msg": lost}
     return fields
 
 
 def _being_submitted(rf: ModuleType, app_id: str) -> bool:
-    """True when ``app_id`` (which has no record) is claimed by a launcher that lives."""
+    """True when ``app_id`` (which had no record) is claimed by a launcher that lives."""
     return rf.claim_holder(rf.records_dir(rf.root_dir()), app_id) is not None
 
 
-def _view(fields: dict[str, Any]) -> tuple[AppStatus, AppDef | None]:
+def _recorded_or_gone(rf: ModuleType, app_id: str) -> dict[str, Any] | bool:
+    """For an app that had no record when read: True while it is being submitted, else its record
+    read again (recorded, perhaps ended and its claim dropped, since), else False
+    (``RecordStore.recorded_or_gone``)."""
+    if _being_submitted(rf, app_id):
+        return True
+    return _read(rf, app_id, log=False) or False
+
+
+def _view(rf: ModuleType, fields: dict[str, Any]) -> tuple[AppStatus, AppDef | None] | None:
     """What the runner makes of a record: its status (``AppRecord.to_response().to_status()``) and,
-    when the record holds one, its ``AppDef`` (parsed in that order, so a bad record fails alike)."""
+    when the record holds one, its ``AppDef``; None (with the runner's warning) when that AppDef
+    cannot be read back (a corrupt record)."""
     from asynctorchx.specs.api import NONE, AppState, AppStatus, ReplicaStatus, RoleStatus
 
     statuses: dict[str, list[ReplicaStatus]] = {}
@@ -211,7 +230,12 @@ def _view(fields: dict[str, Any]) -> tuple[AppStatus, AppDef | None]:
     if fields["app"]:
         from asynctorchx.specs.serialize import appdef_from_dict
 
-        app = appdef_from_dict(fields["app"])
+        try:
+            app = appdef_from_dict(fields["app"])
+        except rf.PARSE_ERRORS as e:
+            path = os.path.join(rf.records_dir(rf.root_dir()), f"{fields['app_id']}.json")
+            _warn("ignoring corrupt app record %s: %r", path, e)
+            return None
     msg = fields["msg"] or NONE
     status = AppStatus(
         state=AppState[fields["state"]],
@@ -235,9 +259,13 @@ def status(handle: str) -> tuple[AppStatus | None] | None:
         return None
     rf = _recordfile()
     fields = _read(rf, split[2])
-    if fields is None and _being_submitted(rf, split[2]):
-        return None
-    return (None if fields is None else _view(fields)[0],)
+    if fields is None:
+        found = _recorded_or_gone(rf, split[2])
+        if found is True:
+            return None
+        fields = found or None
+    view = None if fields is None else _view(rf, fields)
+    return (None if view is None else view[0],)
 
 
 def describe(handle: str) -> tuple[AppDef | None, str] | None:
@@ -256,8 +284,14 @@ def describe(handle: str) -> tuple[AppDef | None, str] | None:
     rf = _recordfile()
     fields = _read(rf, app_id)
     if fields is None:
-        return None if _being_submitted(rf, app_id) else (None, "UNKNOWN")
-    status, app = _view(fields)
+        found = _recorded_or_gone(rf, app_id)
+        if found is True:
+            return None
+        fields = found or None
+    view = None if fields is None else _view(rf, fields)
+    if fields is None or view is None:
+        return (None, "UNKNOWN")
+    status, app = view
     roles = [] if app is None else app.roles
     return AppDef(name=fields["name"] or app_id, roles=list(roles)), status.state.name
 
@@ -277,8 +311,13 @@ def list_apps(scheduler: str) -> list[tuple[str, str, str, str]] | None:
     _debug("listing the app records of %s (no runner, no event loop)", rf.root_dir())
     records_dir = rf.records_dir(rf.root_dir())
     read = {app_id: _read(rf, app_id, log=False) for app_id in rf.list_ids(records_dir)}
-    if rf.held_claims(records_dir, read):  # (apps being submitted: the runner lists them)
-        return None
+    if rf.held_claims(records_dir, {i for i, r in read.items() if r is not None}):
+        return None  # (apps being submitted: the runner lists them)
+    # an app claimed when the records were listed may have been recorded (and its claim dropped)
+    # since: listed again, its record is read
+    for app_id in rf.list_ids(records_dir):
+        if app_id not in read:
+            read[app_id] = _read(rf, app_id, log=False)
     records = {r["app_id"]: r for r in read.values() if r is not None}
     ordered = sorted(records.values(), key=lambda r: (r["submitted_at"], r["app_id"]))
     rows = [

@@ -85,7 +85,7 @@ from asynctorchx.logs._inotify import (
     Watch,
 )
 from asynctorchx.logs._inotify import watch as watch_directory
-from asynctorchx.schedulers._local import protocol
+from asynctorchx.schedulers._local import protocol, recordfile
 from asynctorchx.schedulers._local import watchdog as watchdog_script
 from asynctorchx.schedulers._local import workspace as local_workspace
 from asynctorchx.schedulers._local.guard import start_escalator
@@ -97,7 +97,7 @@ from asynctorchx.schedulers._local.procs import (
     kill_group,
     pid_alive,
 )
-from asynctorchx.schedulers._local.records import AppRecord, default_root
+from asynctorchx.schedulers._local.records import AppRecord, RecordStore, default_root
 from asynctorchx.schedulers._local.request import (
     DEFAULT_GRACE_PERIOD,
     MAX_GRACE_PERIOD,
@@ -373,13 +373,13 @@ class LocalScheduler(Scheduler[LocalRequest]):
         def read() -> dict[str, AppRecord | bool | None]:
             found: dict[str, AppRecord | bool | None] = {}
             for app_id, record in store.read_checked_many(app_ids).items():
-                found[app_id] = store.claim_held(app_id) if record is None else record
+                found[app_id] = store.recorded_or_gone(app_id) if record is None else record
             return found
 
         out: dict[str, DescribeAppResponse | None] = {}
         for app_id, found in (await anyio.to_thread.run_sync(read)).items():
             if isinstance(found, AppRecord):
-                out[app_id] = found.to_response()
+                out[app_id] = _response(store, found)
             else:
                 out[app_id] = _being_submitted(app_id) if found else None
         return out
@@ -390,9 +390,14 @@ class LocalScheduler(Scheduler[LocalRequest]):
         rt = self._runtime
 
         def read_all() -> tuple[list[AppRecord], dict[str, dict[str, Any]]]:
-            ids = rt.store.list_ids()
-            records = rt.store.read_checked_many(ids)
-            return [r for r in records.values() if r is not None], rt.store.held_claims(set(ids))
+            store = rt.store
+            records = store.read_checked_many(store.list_ids())
+            claims = store.held_claims({i for i, r in records.items() if r is not None})
+            # an app claimed when the records were listed may have been recorded (and its claim
+            # dropped) since: listed again, its record is read
+            late = [i for i in store.list_ids() if i not in records]
+            records.update(store.read_checked_many(late))
+            return [r for r in records.values() if r is not None], claims
 
         found, claims = await anyio.to_thread.run_sync(read_all)
         records = {r.app_id: r for r in found}
@@ -617,6 +622,16 @@ class LocalScheduler(Scheduler[LocalRequest]):
         rt.store.spares.release()  # (no record is written, and no spare made, from now on)
         await rt.reaper.aclose()
         self._launcher.close()
+
+
+def _response(store: RecordStore, record: AppRecord) -> DescribeAppResponse | None:
+    """The response of another process's app, or None (with a warning naming the file) when the
+    app its record holds cannot be read back (a corrupt record)."""
+    try:
+        return record.to_response()
+    except recordfile.PARSE_ERRORS as e:
+        recordfile.log_warning("ignoring corrupt app record %s: %r", store.path(record.app_id), e)
+        return None
 
 
 def _being_submitted(app_id: str) -> DescribeAppResponse:

@@ -52,7 +52,11 @@ _APP_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*")
 #: app must fit in a file name (255 bytes), the longest being the temporary file of a record's
 #: compaction, ``.{app_id}.{pid}.{thread id}.tmp`` (34 bytes more).
 MAX_APP_ID = 200
-_PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError)
+#: What parsing a corrupt record's fields (or the AppDef it holds) may raise.
+PARSE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError)
+#: A record file's complete lines that are not JSON read back from its end before it is called
+#: corrupt (a record holds a few versions: compaction keeps it within about four of them).
+MAX_CORRUPT_LINES = 16
 
 
 def root_dir() -> str:
@@ -207,18 +211,21 @@ def read_document(path: str | os.PathLike[str]) -> Any:
 
 
 def _last_document(fd: int, size: int) -> Any:
-    corrupt = False
+    corrupt = 0
     lines = _LinesBackwards(fd, size)
     for line in lines:
         if line.strip():
             try:
                 return json.loads(line)
-            except ValueError:
-                corrupt = True
+            except (ValueError, RecursionError):  # (JSON nested too deep: RecursionError)
+                corrupt += 1
+                if corrupt >= MAX_CORRUPT_LINES:
+                    break
     if corrupt:
-        raise ValueError("no complete line of the record file is a JSON document")
+        some = "no complete line" if corrupt < MAX_CORRUPT_LINES else f"none of the last {corrupt}"
+        raise ValueError(f"{some} of the record file is a JSON document")
     if lines.unended is not None:  # a file written before the format: one document, whole
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             return json.loads(lines.unended)
     raise NoDocument("the first version of the record is not written (yet)")
 
@@ -398,13 +405,15 @@ def parse_app(d: Any, states: Container[str]) -> dict[str, Any]:
     """
     try:
         return {
-            "app_id": d["app_id"],
-            "name": d.get("name", ""),
-            "backend": d.get("backend", "local_cwd"),
-            "session": d.get("session", ""),
+            "app_id": _checked(d["app_id"], str, "the app id"),
+            "name": _checked(d.get("name", ""), str, "the name"),
+            "backend": _checked(d.get("backend", "local_cwd"), str, "the backend"),
+            "session": _checked(d.get("session", ""), str, "the session"),
             "state": _state(d["state"], states),
-            "msg": d.get("msg", ""),
-            "structured_error_msg": d.get("structured_error_msg", NONE),
+            "msg": _checked(d.get("msg", ""), str, "the message"),
+            "structured_error_msg": _checked(
+                d.get("structured_error_msg", NONE), str, "the structured error"
+            ),
             "num_restarts": int(d.get("num_restarts", 0)),
             "submitted_at": float(d.get("submitted_at", 0.0)),
             "ended_at": d.get("ended_at"),
@@ -415,7 +424,7 @@ def parse_app(d: Any, states: Container[str]) -> dict[str, Any]:
             "app": _checked(d.get("app") or {}, dict, "the app"),
             "cgroup": _str_or_none(d.get("cgroup")),
         }
-    except _PARSE_ERRORS as e:
+    except PARSE_ERRORS as e:
         raise ValueError(f"not an app record: {e!r}") from None
 
 

@@ -540,9 +540,28 @@ class RecordStore:
 
     def read_checked(self, app_id: str) -> AppRecord | None:
         """``read``, with an app whose launcher, watchdog and replicas are all gone reported
-        FAILED (``check_lost``)."""
+        FAILED (``check_lost``), and one with no record whose claim is no longer held read again
+        (its launcher may have recorded it, ended it and dropped the claim since the first read:
+        ``recorded_or_gone``)."""
         record = self.read(app_id)
-        return None if record is None else check_lost(record)
+        if record is None:
+            return None
+        lost = check_lost(record)
+        if lost is record:
+            return record
+        # all gone: was the end recorded after the read? Nobody is left to write, so a second
+        # read is final
+        again = self.read(app_id)
+        return again if again is not None and again.state.name in TERMINAL_NAMES else lost
+
+    def recorded_or_gone(self, app_id: str) -> AppRecord | bool:
+        """For an app that had no record when read: True while it is being submitted (its claim is
+        held), else its record read again (the app was recorded, and perhaps ended and its claim
+        dropped, since the first read), else False (there is no such app)."""
+        if self.claim_held(app_id):
+            return True
+        record = self.read_checked(app_id)
+        return False if record is None else record
 
     def read_checked_many(self, app_ids: Iterable[str]) -> dict[str, AppRecord | None]:
         """``read_checked`` for each id."""
