@@ -171,6 +171,7 @@ def _read(rf: ModuleType, app_id: str, log: bool = True) -> dict[str, Any] | Non
     path = os.path.join(rf.records_dir(rf.root_dir()), f"{app_id}.json")
     if log:
         _debug("reading the app record %s (no runner, no event loop)", path)
+
     def read() -> dict[str, Any] | None:
         parsed: dict[str, Any] | None = rf.read_record(
             path, lambda d: rf.parse_app(d, AppState.__members__), _warn
