@@ -540,9 +540,8 @@ class RecordStore:
 
     def read_checked(self, app_id: str) -> AppRecord | None:
         """``read``, with an app whose launcher, watchdog and replicas are all gone reported
-        FAILED (``check_lost``), and one with no record whose claim is no longer held read again
-        (its launcher may have recorded it, ended it and dropped the claim since the first read:
-        ``recorded_or_gone``)."""
+        FAILED (``check_lost``) unless a second read finds it ended: its launcher may have
+        recorded its end and exited since the first read."""
         record = self.read(app_id)
         if record is None:
             return None
