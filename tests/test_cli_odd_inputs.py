@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(90)
 
 def env_for(root: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASYNCTORCHX_", "TORCHX"))}
-    env.update(ASYNCTORCHX_LOCAL_ROOT=str(root), TORCHXCONFIG="", **extra)
+    env.update({"ASYNCTORCHX_LOCAL_ROOT": str(root), "TORCHXCONFIG": "", **extra})
     return env
 
 
@@ -285,3 +285,11 @@ def test_a_huge_numeric_log_level_names_the_option(tmp_path: Path) -> None:
     p = cli(tmp_path / "root", "--log_level", "9" * 5000, "list")
     assert p.returncode == 2, p.stderr
     assert b"--log_level" in p.stderr, p.stderr
+
+
+def test_a_torchxconfig_naming_no_file_is_a_usage_error(tmp_path: Path) -> None:
+    """TORCHXCONFIG naming a file that does not exist is a configuration mistake: exit 2 with a
+    hint, as for a config that does not parse (exit 1 and FileNotFoundError)."""
+    p = cli(tmp_path / "root", "list", TORCHXCONFIG=str(tmp_path / "missing.ini"))
+    assert p.returncode == 2, p.stderr
+    assert b"TORCHXCONFIG=" in p.stderr and b"FileNotFoundError" not in p.stderr, p.stderr

@@ -134,6 +134,10 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "'asynctorchx runopts {scheduler}' lists the scheduler's options (pass them as -cfg k=v,...)",
     ),
+    "MissingConfigFile": (
+        ExitCode.USAGE,
+        "set TORCHXCONFIG to the config file to read, or to '' to read none",
+    ),
     "LaunchError": (1, ""),  # (its message says what could not be started, and why)
     "LaunchSpecError": (
         ExitCode.USAGE,

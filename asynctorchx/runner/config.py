@@ -83,6 +83,10 @@ class ConfigFileError(ValueError):
     """Raised when a config file is not valid INI (a duplicate key, a line outside a section...)."""
 
 
+class MissingConfigFile(FileNotFoundError):
+    """Raised when ``TORCHXCONFIG`` names a file that does not exist (or is not a file)."""
+
+
 def _parser() -> configparser.ConfigParser:
     parser = configparser.ConfigParser(interpolation=None, default_section="\0no-default\0")
     parser.optionxform = str  # type: ignore[assignment,method-assign]
@@ -110,7 +114,7 @@ def find_configs(dirs: Iterable[str | os.PathLike[str]] | None = None) -> list[P
             return []
         path = Path(env_value).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingConfigFile(
                 f"{ENV_TORCHXCONFIG}={env_value!r} does not exist or is not a file"
             )
         return [path]
