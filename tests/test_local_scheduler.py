@@ -506,6 +506,27 @@ async def test_structured_error_from_error_file(sched: LocalScheduler) -> None:
     assert "boom" in desc.to_status().format()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        ('mkfifo "$TORCHELASTIC_ERROR_FILE"', "is not a regular file"),
+        ('head -c 2000000 /dev/zero > "$TORCHELASTIC_ERROR_FILE"', "holds more than 1048576 bytes"),
+    ],
+    ids=["fifo", "2MB"],
+)
+async def test_an_error_file_that_cannot_be_kept_is_said_not_read(
+    sched: LocalScheduler, script: str, said: str
+) -> None:
+    """A replica that makes its error file a FIFO, or writes megabytes into it, fails as usual:
+    the structured error says why the file was not read (a FIFO blocked the app's end, and the
+    scheduler's close, for ever; a huge file went whole into every version of the record)."""
+    app_id = await sched.submit(app(sh(f"{script}; exit 1")), {})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    assert said in desc.structured_error_msg, desc.structured_error_msg
+
+
 def _alive(pid: int) -> bool:
     try:
         data = Path(f"/proc/{pid}/stat").read_text()

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable, Iterable
 
@@ -403,12 +404,28 @@ async def _wait_exited(replicas: list[Replica], deadline: float | None) -> None:
                 rep.stop_waiter = None
 
 
+#: The largest error file a replica's record keeps (bytes): a record is rewritten whole.
+MAX_ERROR_FILE = 1 << 20
+
+
 def _read_text(path: str) -> str:
+    """A replica's error file, or "" when there is none. One that is not a regular file (a FIFO
+    would block the read, and the app's end, for ever; a device may never end) or that is larger
+    than ``MAX_ERROR_FILE`` is not read: the text says why."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return ""
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return f"(the error file {path} is not a regular file: not read)"
+            data = f.read(MAX_ERROR_FILE + 1)
+        except OSError:
+            return ""
+    if len(data) > MAX_ERROR_FILE:
+        return f"(the error file {path} holds more than {MAX_ERROR_FILE} bytes: not read)"
+    return data.decode("utf-8", errors="replace")
 
 
 def _remove_files(paths: list[str]) -> None:
