@@ -25,7 +25,7 @@ from test_local_claim import STALE, _counting_app, _leave_stale_claim, _stale_dr
 from asynctorchx.schedulers._local import contain, protocol, recordfile
 from asynctorchx.schedulers._local.launch import AppLauncher
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppState
+from asynctorchx.specs import AppDef, AppState, Role
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -261,3 +261,51 @@ def test_a_claim_reads_as_being_submitted_only_while_its_holder_is_locked(tmp_pa
     assert recordfile.claim_holder(records, "app-1") is None
     assert protocol.take_stale_claim(records, "app-1", holder) == protocol.TAKEN
     assert recordfile.CLAIMS_DIR == protocol.CLAIMS_DIR
+
+
+OTHER_CANCEL = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.local import LocalScheduler
+    async def main():
+        async with LocalScheduler("other", local_root=sys.argv[1]) as s:
+            await s.cancel(sys.argv[2])
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(60)
+async def test_without_inotify_a_cancel_during_the_spawn_is_heard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no inotify (ASYNCTORCHX_DISABLE_INOTIFY=1, as when its limits are hit), another process
+    cancels the app while its replicas are being spawned (claimed, no record yet: the cancel only
+    leaves its marker): the launcher finds the marker within MARKER_POLL and the app ends
+    CANCELLED (it ran on: the marker was looked for only when a replica exited)."""
+    from asynctorchx.schedulers._local.spawn import Spawner
+
+    monkeypatch.setenv("ASYNCTORCHX_DISABLE_INOTIFY", "1")
+    root = tmp_path / "root"
+    real_start = Spawner.start
+    cancels: list[int] = []
+
+    async def start(self: Spawner, app: Any, replicas: Any) -> None:
+        if not cancels:  # the other process cancels at this very point
+            proc = await anyio.run_process(
+                [sys.executable, "-c", OTHER_CANCEL, str(root), app.app_id], check=False
+            )
+            cancels.append(proc.returncode)
+        await real_start(self, app, replicas)
+
+    monkeypatch.setattr(Spawner, "start", start)
+    s = LocalScheduler("s", local_root=root)
+    try:
+        role = Role("main", image=".", entrypoint="sleep", args=["1000"], num_replicas=2)
+        app = AppDef("a", [role])
+        app_id = await s.submit(app, {})
+        assert cancels == [0]
+        desc = await wait_for(s, app_id, timeout=10)
+        assert desc.state == AppState.CANCELLED
+    finally:
+        await s.close()

@@ -146,6 +146,9 @@ logger = logging.getLogger(__name__)
 
 #: The longest grace period ``close()`` gives an app between SIGTERM and SIGKILL.
 CLOSE_MAX_GRACE = 30.0
+#: Without inotify on the records directory, how often (seconds) the live apps' cancel markers
+#: are looked for (a cancel from another process is otherwise heard only at a replica's exit).
+MARKER_POLL = 1.0
 _RECORD_EVENTS = (
     IN_CREATE | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
 )
@@ -205,6 +208,7 @@ class LocalScheduler(Scheduler[LocalRequest]):
         self._logs = LocalLogSource(rt, backend, session_name)
         self._opts: runopts | None = None
         self._records_watch: Watch | None = None
+        self._marker_poll: asyncio.Task[None] | None = None
         self._closer = TaskSupervisor(f"{backend}:{session_name}:close")
         self._closing: asyncio.Task[None] | None = None
 
@@ -457,6 +461,27 @@ class LocalScheduler(Scheduler[LocalRequest]):
             )
         except FileNotFoundError:
             self._records_watch = None
+        if not self._records_watched() and self._marker_poll is None:
+            with contextlib.suppress(RuntimeError):  # (closing)
+                self._marker_poll = self._runtime.supervisor.spawn(
+                    self._poll_markers(), "cancel-markers"
+                )
+
+    async def _poll_markers(self) -> None:
+        """Looks for the cancel markers of the apps this object launches and runs, every
+        ``MARKER_POLL`` seconds while it has some and the records directory is not watched."""
+        rt = self._runtime
+        try:
+            while (rt.apps or rt.claimed) and not self._records_watched():
+                await anyio.sleep(MARKER_POLL)
+                live = [*rt.apps.values(), *rt.claimed.values()]
+                ids = [a.app_id for a in live if not a.discard and a.cancel_reason is None]
+                marked = await anyio.to_thread.run_sync(_marked, rt.store, ids)
+                for app_id in marked:
+                    self._on_records_event(f"{app_id}.cancel", 0)
+                self._ensure_records_watch()  # (inotify may be usable again)
+        finally:
+            self._marker_poll = None
 
     def _on_records_event(self, name: str, mask: int) -> None:
         rt = self._runtime
@@ -540,19 +565,23 @@ class LocalScheduler(Scheduler[LocalRequest]):
             for rep in record.replicas
             if rep.pid and not is_terminal(rep.state) and pid_alive(rep.pid, rep.start_ticks)
         ]
-        groups = [protocol.group_spec(pid, ticks) for pid, ticks in live]
-        # the marker lists the groups first, so the launcher does not send them a second SIGTERM
-        if not store.mark_cancel(app_id, groups):
+        groups = {protocol.group_spec(pid, ticks): pid for pid, ticks in live}
+        # the marker lists the groups first, so the launcher does not send them a second SIGTERM;
+        # a cancel already under way signalled those it lists
+        marked = store.mark_cancel(app_id, groups)
+        if marked is None:
             return None
-        for pid, _ in live:
-            kill_group(pid, signal.SIGTERM)
-        if groups or record.cgroup:
+        fresh, first = marked
+        for spec in fresh:
+            kill_group(groups[spec], signal.SIGTERM)
+        if fresh or (first and record.cgroup):
             return start_escalator(
-                store.records_dir, app_id, record.grace_period, record.cgroup, groups
+                store.records_dir, app_id, record.grace_period, record.cgroup, fresh
             )
-        watchdog_script.finish_record(
-            str(store.records_dir), app_id, FOREIGN_CANCEL, only_if_owner_gone=True
-        )
+        if first:
+            watchdog_script.finish_record(
+                str(store.records_dir), app_id, FOREIGN_CANCEL, only_if_owner_gone=True
+            )
         return None
 
     # -- logs -------------------------------------------------------------------------------------
@@ -622,6 +651,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
         rt.store.spares.release()  # (no record is written, and no spare made, from now on)
         await rt.reaper.aclose()
         self._launcher.close()
+
+
+def _marked(store: RecordStore, app_ids: list[str]) -> list[str]:
+    return [app_id for app_id in app_ids if store.cancel_marked(app_id)]
 
 
 def _response(store: RecordStore, record: AppRecord) -> DescribeAppResponse | None:

@@ -600,26 +600,35 @@ class RecordStore:
             with contextlib.suppress(OSError):
                 os.unlink(p)
 
-    def mark_cancel(self, app_id: str, groups: Iterable[str]) -> bool:
+    def mark_cancel(self, app_id: str, groups: Iterable[str]) -> tuple[list[str], bool] | None:
         """Leaves the cancel marker of ``app_id`` for its launcher, listing the process groups
-        (``pid:start_ticks``) already sent SIGTERM; False (and no new marker) when the record is
-        terminal, there is none and the app is not being submitted (``claim_held``), or a marker
-        is there already: a cancel is under way (another process's, or its launcher's own), whose
-        canceller sent the SIGTERMs: the caller sends none, so each group gets one."""
+        (``pid:start_ticks``) sent SIGTERM. Returns those of ``groups`` the caller is to signal
+        (all of them, but those a marker already there lists: a cancel under way, another
+        process's or its launcher's own, signalled them, and each group gets one SIGTERM; the
+        others are added to it), and whether this call made the marker. None (and no marker)
+        when the record is terminal, or there is none and the app is not being submitted
+        (``claim_held``)."""
         records_dir = str(self.records_dir)
+        marker = protocol.cancel_path(records_dir, app_id)
         with protocol.locked_record(records_dir, app_id):
-            if os.path.lexists(protocol.cancel_path(records_dir, app_id)):
-                return False
             record = self.read(app_id)
             if record is None and not self.claim_held(app_id):
                 # (a stale claim stays: the next launch of the dry run takes it over)
                 with contextlib.suppress(OSError):
                     os.unlink(protocol.lock_path(records_dir, app_id))
-                return False
+                return None
             if record is not None and record.state.name in TERMINAL_NAMES:
                 protocol.drop_lock_files(records_dir, app_id)
-                return False
-            data = "".join(f"{g}\n" for g in groups).encode()
+                return None
+            try:
+                with open(marker, "rb") as f:
+                    listed = f.read().decode(errors="replace").split()
+            except FileNotFoundError:
+                listed = None
+            fresh = [g for g in dict.fromkeys(groups) if listed is None or not _listed(g, listed)]
+            if listed is not None and not fresh:
+                return [], False
+            data = "".join(f"{g}\n" for g in [*(listed or ()), *fresh]).encode()
             # complete when it appears (the launcher may read it the moment it does)
             tmp = os.path.join(records_dir, f".{app_id}.cancel.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -627,8 +636,8 @@ class RecordStore:
                 os.write(fd, data)
             finally:
                 os.close(fd)
-            os.replace(tmp, protocol.cancel_path(records_dir, app_id))
-        return True
+            os.replace(tmp, marker)
+        return fresh, listed is None
 
     def cancel_marked(self, app_id: str) -> bool:
         """True when another process left the cancel marker of ``app_id`` (one lookup)."""
@@ -645,6 +654,19 @@ class RecordStore:
             return set()
         specs = (protocol.parse_group_spec(word) for word in data.split())
         return {spec[0] for spec in specs if spec is not None}
+
+
+def _listed(group: str, listed: list[str]) -> bool:
+    """Whether a cancel marker's ``listed`` groups hold ``group`` (``pid:start_ticks``; ticks of
+    0 are unknown: its launcher may list a group before it knows when the leader started)."""
+    spec = protocol.parse_group_spec(group)
+    if spec is None:
+        return group in listed
+    pid, ticks = spec
+    for other in map(protocol.parse_group_spec, listed):
+        if other is not None and other[0] == pid and (ticks == other[1] or 0 in (ticks, other[1])):
+            return True
+    return False
 
 
 def check_lost(record: AppRecord) -> AppRecord:
