@@ -468,3 +468,74 @@ async def test_a_launch_blocks_submit_in_flight_as_the_runner_closes_returns_its
         handles = await asyncio.gather(*tasks)
     assert sorted(handles) == [f"sb://t/{a}" for a in sorted(backend.apps)]
     assert len(backend.apps) == 4
+
+
+def _sleeper(seconds: str) -> AppDef:
+    return AppDef("s", [Role("main", image=".", entrypoint="sleep", args=[seconds])])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["wait", "cancel"])
+async def test_a_handle_asked_about_before_its_schedule_is_followed_once_scheduled(
+    tmp_path: Any, first: str
+) -> None:
+    """A dry run's handle waited on (timeout 0) or cancelled before the dry run is scheduled is
+    unknown then; once scheduled, the runner follows the app: a wait times out while it runs and a
+    watch sees it RUNNING (the hub kept its "unknown" verdict for good: wait returned None at once,
+    watch yielded a final UNKNOWN event, status said RUNNING)."""
+    async with AsyncRunner(name="early", local_root=str(tmp_path)) as r:
+        info = r.dryrun(_sleeper("30"), "local_cwd")
+        handle = f"local_cwd://early/{info.request.app_id}"
+        if first == "wait":
+            assert await r.wait(handle, timeout=0) is None
+        else:
+            await r.cancel(handle)  # nothing of that id exists yet
+            hub = r.hub("local_cwd")
+            with anyio.fail_after(10):
+                while (entry := hub.entry(info.request.app_id)) is None or not entry.final:
+                    await anyio.sleep(0.01)
+        try:
+            assert await r.schedule(info) == handle
+            with pytest.raises(TimeoutError):
+                await r.wait(handle, timeout=1)
+            async for event in r.watch([handle]):
+                assert event.state == AppState.RUNNING and not event.final, event
+                break
+        finally:
+            await r.cancel(handle)
+
+
+class _HiccupClock:
+    """Real time; its next ``sleep`` once armed raises."""
+
+    def __init__(self) -> None:
+        self.armed = False
+
+    def monotonic(self) -> float:
+        import time
+
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        if self.armed:
+            self.armed = False
+            raise OSError("clock source hiccup")
+        await anyio.sleep(seconds)
+
+
+@pytest.mark.timeout(60)
+async def test_a_clock_error_in_a_rate_limited_round_is_a_failed_round(tmp_path: Any) -> None:
+    """The rate limit's clock (AsyncRunner(clock=...)) raises while a status round waits for its
+    slot: a failed round, and the wait sees the app end (the hub's loop ended, every wait hung)."""
+    clock = _HiccupClock()
+    async with AsyncRunner(
+        name="hiccup",
+        local_root=str(tmp_path),
+        clock=clock,
+        limits={"local_cwd": {"max_calls_per_second": 1}},
+    ) as runner:
+        handle = await runner.run(_sleeper("0.3"), "local_cwd")  # the second's one call
+        clock.armed = True  # the hub's first round waits for the next slot: that sleep raises
+        with anyio.fail_after(15):
+            status = await runner.wait(handle)
+        assert status is not None and status.state == AppState.SUCCEEDED

@@ -222,6 +222,14 @@ class StatusHub:
             self._mark_dirty(app_id)
         elif entry.final and not submitted:
             pass
+        elif entry.final and (entry.response is None or entry.response.state == AppState.UNKNOWN):
+            # asked about before its dry run was scheduled (unknown then): followed from now on
+            entry.final = entry.known = False
+            entry.response = None
+            entry.submitted_at = time.monotonic()
+            self._finals.pop(app_id, None)
+            self._live[app_id] = None
+            self._mark_dirty(app_id)
         elif submitted and entry.submitted_at is None:
             entry.submitted_at = time.monotonic()
         self._ensure_loop()
@@ -471,6 +479,11 @@ class StatusHub:
                 self._wake_consulting()
             try:
                 await self._before_round()
+            except Exception as e:  # (a Clock's error): a failed round, not the loop's end
+                if self._stopping():
+                    raise
+                self._round_failed(e, len(ids))
+                return False
             finally:
                 self._throttled = False
         self.rounds += 1
