@@ -539,3 +539,19 @@ async def test_a_clock_error_in_a_rate_limited_round_is_a_failed_round(tmp_path:
         with anyio.fail_after(15):
             status = await runner.wait(handle)
         assert status is not None and status.state == AppState.SUCCEEDED
+
+
+@pytest.mark.timeout(60)
+async def test_a_dry_run_of_another_session_is_refused_naming_both(tmp_path: Any) -> None:
+    """A dry run made by runner "aaa" scheduled by runner "bbb" is refused before anything is
+    launched (it launched an app of session "aaa" under a handle of "bbb", which "bbb"'s list
+    named otherwise and its status refused)."""
+    async with (
+        AsyncRunner(name="aaa", local_root=str(tmp_path)) as a,
+        AsyncRunner(name="bbb", local_root=str(tmp_path)) as b,
+    ):
+        info = a.dryrun(_sleeper("30"), "local_cwd")
+        assert info.session == "aaa"
+        with pytest.raises(ValueError, match="made for session 'aaa', not this runner's 'bbb'"):
+            await b.schedule(info)
+        assert await b.list("local_cwd") == []

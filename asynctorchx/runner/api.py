@@ -646,7 +646,8 @@ class AsyncRunner:
     async def schedule(
         self, dryrun_info: AppDryRunInfo[Any], *, progress: WorkspaceProgress | None = None
     ) -> AppHandle:
-        """Submits a dry run made by this runner (or a scheduler of the same backend).
+        """Submits a dry run made by this runner (or a scheduler of the same backend and session:
+        one of another session is refused with a ValueError, its app being that session's).
 
         A dry run made with a workspace is shipped first (built, pushed or copied, unless the
         content-addressed result exists already); ``progress`` receives its events (see ``run``).
@@ -664,6 +665,12 @@ class AsyncRunner:
         backend = dryrun_info.scheduler
         if backend is None:
             raise ValueError("the dry run has no scheduler: make it with runner.dryrun(...)")
+        if dryrun_info.session not in (None, self._name):
+            # (its app would belong to that session: a handle of this runner's would not name it)
+            raise ValueError(
+                f"the dry run was made for session {dryrun_info.session!r}, not this runner's "
+                f"{self._name!r}: make it with this runner's dryrun(...)"
+            )
         scheduler = self._scheduler(backend)
         with reporting(progress):
             app_id = await self._submit(backend, scheduler, dryrun_info)

@@ -212,6 +212,7 @@ class Scheduler(abc.ABC, Generic[T]):
             info._app = shown
         info._cfg = resolved
         info._scheduler = self.backend
+        info._session = self.session_name
         info._workspace = plan
         return info
 

@@ -718,6 +718,7 @@ class AppDryRunInfo(Generic[T]):
         self._app: AppDef | None = None
         self._cfg: Mapping[str, CfgVal] | None = None
         self._scheduler: SchedulerBackend | None = None
+        self._session: str | None = None
         self._workspace: Any = None
 
     @property
@@ -734,6 +735,11 @@ class AppDryRunInfo(Generic[T]):
     def scheduler(self) -> SchedulerBackend | None:
         """The name of the scheduler that made this dry run."""
         return self._scheduler
+
+    @property
+    def session(self) -> str | None:
+        """The session of the scheduler that made this dry run (its apps are that session's)."""
+        return self._session
 
     @property
     def workspace(self) -> Any:
