@@ -78,11 +78,13 @@ def dead_pid() -> int:
 
 
 @contextlib.contextmanager
-def tiny_tmpfs(path: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``path`` (root only), unmounted afterwards."""
+def tiny_tmpfs(path: Path, size: str, inodes: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size`` (and at most ``inodes`` inodes) mounted at ``path`` (root only),
+    unmounted afterwards."""
     path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},mode=0700" + ("" if inodes is None else f",nr_inodes={inodes}")
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
         text=True,
         check=False,

@@ -1098,6 +1098,44 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
         assert marked, "no log was marked although the status says output was lost"
 
 
+@pytest.mark.timeout(60)
+async def test_output_after_the_log_files_could_not_be_made_is_written_once_they_can(
+    sched: LocalScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log file system has no free inode when a replica's first line comes: the line is
+    counted lost; inodes come back, then the replica prints again: its log holds the marker of
+    the lost line, then the new one (the files were never tried again: all its later output was
+    discarded, for its whole life)."""
+    from asynctorchx.schedulers._local import launch
+
+    monkeypatch.setattr(launch, "EARLY_LOG_FILES", 60.0)  # (the files are made at the first line)
+    filled, go = tmp_path / "filled", tmp_path / "go"
+    script = (
+        'until [ -e "$FILLED" ]; do sleep 0.01; done; echo before; '
+        'until [ -e "$GO" ]; do sleep 0.01; done; echo after'
+    )
+    env = {"FILLED": str(filled), "GO": str(go)}
+    with tiny_tmpfs(tmp_path / "fs", "8m", inodes=400) as fs:
+        role = Role("main", image=".", entrypoint="sh", args=["-c", script], env=env)
+        app_id = await sched.submit(AppDef("quiet", [role]), {"log_dir": str(fs / "logs")})
+        filler = fs / "fill"
+        filler.mkdir()
+        with contextlib.suppress(OSError):
+            for n in range(100_000):
+                (filler / str(n)).touch()
+        filled.touch()
+        await wait_for(sched, app_id, lambda d: "log output lost" in d.msg)
+        shutil.rmtree(filler)
+        go.touch()
+        desc = await wait_for(sched, app_id)
+        assert desc.state == AppState.SUCCEEDED
+        lines = [line async for line in sched.log_iter(app_id, "main", 0)]
+        assert lines == [
+            "[asynctorchx: 7 bytes of output could not be written here: No space left on device]\n",
+            "after\n",
+        ], (lines, desc.msg)
+
+
 STATE_READER = textwrap.dedent(
     """
     import asyncio, json, sys

@@ -333,8 +333,19 @@ class ReplicaLogWriter:
             self._drained.set()
 
     def _discard(self, stream: Stream, n: int) -> None:
-        self._lost[stream] = self._lost.get(stream, 0) + n
-        self._lost[Stream.COMBINED] = self._lost.get(Stream.COMBINED, 0) + n
+        """Counts output read while the files could not be made (each file's marker says it)."""
+        self._lose(stream, n)
+        self._lose(Stream.COMBINED, n)
+
+    def _reopen(self) -> None:
+        """Makes the files that could not be made, again, as output comes (descriptors or inodes
+        may have been freed since; a failing try is a few system calls, on the loop); the output
+        lost meanwhile gets its marker line in each file before the next."""
+        made = self._open_now()
+        if isinstance(made, LogFiles):
+            self._open_failed = False
+            self._install(made)
+            _notify.wake_key(self._key, Wake.CREATED)
 
     def make_files_soon(self) -> None:
         """Asks ``opener`` for the files now rather than at the first output (a lazy writer whose
@@ -460,6 +471,8 @@ class ReplicaLogWriter:
             size += len(data)
         if chunks:
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if self._open_failed:
+                self._reopen()
             if self._files:
                 self._append(stream, data)
             elif self._open_failed:
@@ -584,8 +597,10 @@ class ReplicaLogWriter:
         self._opening = False
         if self._drained is not None:
             self._drained.set()
+        if self._open_failed:  # a last try: the files then say what was lost
+            self._reopen()
         for target, n in list(self._unmarked.items()):
-            if n:
+            if n and target in self._files:
                 self._write_marker(target)
         self._close_files()
         self._files_settled()
