@@ -12,14 +12,14 @@ from pathlib import Path
 
 import anyio
 import pytest
-from _local_env import dead_pid
+from _local_env import dead_pid, tiny_tmpfs, wait_for
 from test_local_record_spares import _data
 
 from asynctorchx.schedulers._local import protocol, recordfile, spares
 from asynctorchx.schedulers._local.records import RecordStore
 from asynctorchx.schedulers._local.spares import SparePool
 from asynctorchx.schedulers.local import LocalScheduler
-from asynctorchx.specs import AppDef, Role
+from asynctorchx.specs import AppDef, AppState, Role
 
 
 @pytest.fixture
@@ -273,3 +273,21 @@ def test_a_forked_child_does_not_take_the_spares_its_parent_released(records_dir
     second = SparePool(records_dir)
     second.fill_some(0)  # (also adopts the spares of the child, which is gone)
     assert released <= set(second._free)
+
+
+@pytest.mark.timeout(60)
+async def test_spares_leave_the_inodes_of_a_small_file_system_to_the_apps(tmp_path: Path) -> None:
+    """A state root on a file system of 64 inodes: spares are not made there (they took every
+    free inode before the first launch, whose claim then failed with ENOSPC, and no app could
+    ever launch), and an app launches, runs and has its log."""
+    with tiny_tmpfs(tmp_path / "fs", "8m", inodes=64) as fs:
+        s = LocalScheduler("small", local_root=fs / "root")
+        try:
+            app = AppDef("a", [Role("main", image=".", entrypoint="echo", args=["hi"])])
+            app_id = await s.submit(app, {})
+            assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
+            assert [line async for line in s.log_iter(app_id, "main", 0)] == ["hi\n"]
+            spare_dir = fs / "root" / ".apps" / ".spare"
+            assert not spare_dir.exists() or not os.listdir(spare_dir)
+        finally:
+            await s.close()

@@ -40,6 +40,10 @@ MAX_TARGET = 1024
 #: Spares made per call of ``fill_some`` (a call takes a few milliseconds: a pool that is closed
 #: waits for one at most).
 CHUNK = 16
+#: Spares take at most this share of the free inodes of their file system, and none while fewer
+#: than ``MIN_FREE_INODES`` are free: on a small file system the apps' own files come first.
+INODE_SHARE = 10
+MIN_FREE_INODES = 256
 
 #: The spares of the closed pools of this process, by spare directory: the next pool of the
 #: directory in this process takes them first (its owner lives on, so no other process adopts them).
@@ -129,7 +133,7 @@ class SparePool:
             self._adopt()
             self._scanned = True
         prefix = self._own_prefix()
-        for _ in range(min(count, self.wanted)):
+        for _ in range(min(count, self.wanted, _inode_room(self.directory))):
             if until is not None and time.monotonic() >= until:
                 break
             path = f"{prefix}{next(self._counter)}"
@@ -200,3 +204,15 @@ def _number(text: str) -> bool:
     """True for ASCII digits only (``str.isdigit`` is also true of superscripts, which int() does
     not take)."""
     return text.isascii() and text.isdigit()
+
+
+def _inode_room(directory: str) -> int:
+    """How many spares ``directory``'s file system has room for (``INODE_SHARE``); unbounded on
+    one that counts no inodes (btrfs says 0 of 0)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return MAX_TARGET
+    if st.f_files == 0:
+        return MAX_TARGET
+    return max(0, st.f_favail - MIN_FREE_INODES) // INODE_SHARE
