@@ -31,6 +31,7 @@ import errno
 import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Collection, Iterable
 
@@ -157,11 +158,55 @@ def clean_stale(parent: str) -> None:
 # -- operations on one cgroup -------------------------------------------------------------------------
 
 
+class _Reserve:
+    """One descriptor this process keeps open so that a cgroup can still be looked into and killed
+    when the process has run out of them (EMFILE): it is closed for that open and made again."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._lock = threading.Lock()
+
+    def keep(self) -> None:
+        """Opens the reserve (if it is not open)."""
+        with self._lock:
+            self._keep()
+
+    def _keep(self) -> None:
+        if self._fd < 0:
+            with contextlib.suppress(OSError):
+                self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def open(self, path: str, flags: int) -> int:
+        """``os.open(path, flags)``, on the reserve's descriptor if there is none left."""
+        try:
+            return os.open(path, flags)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            try:
+                return os.open(path, flags)
+            finally:
+                self._keep()
+
+
+_reserve = _Reserve()
+keep_reserve = _reserve.keep
+
+
+def open_reserved(path: str, flags: int) -> int:
+    """``os.open(path, flags | O_CLOEXEC)``, on the reserved descriptor if none is left."""
+    return _reserve.open(path, flags | os.O_CLOEXEC)
+
+
 def read_file(path: str, size: int | None = 4096) -> bytes | None:
     """The contents of a ``/proc`` or cgroup file (its first ``size`` bytes, all of it when None),
     or None when it cannot be read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = _reserve.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -179,7 +224,7 @@ def read_file(path: str, size: int | None = 4096) -> bytes | None:
 
 def write_file(path: str, data: bytes) -> None:
     """Writes ``data`` to a cgroup interface file in one call (raises OSError)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = _reserve.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, data)
     finally:
@@ -344,9 +389,22 @@ def _move_strays(adoptions: list[Adoption], born_in: str, seen: set[int]) -> Non
 
 
 def populated(cgroup: str) -> bool:
-    """True while a process (not a zombie) is in ``cgroup`` or below; False when it is gone."""
-    data = read_file(os.path.join(cgroup, "cgroup.events"), 256)
-    return data is not None and b"populated 1" in data
+    """True while a process (not a zombie) is in ``cgroup`` or below; False when it is gone. True
+    when that cannot be read but the cgroup is there (no descriptor left: its caller kills it
+    rather than leave a process behind)."""
+    path = os.path.join(cgroup, "cgroup.events")
+    try:
+        fd = _reserve.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    try:
+        return b"populated 1" in os.read(fd, 256)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def kill(cgroup: str) -> None:

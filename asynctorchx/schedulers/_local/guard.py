@@ -520,6 +520,7 @@ class Containment:
 
     def __init__(self, supervisor: TaskSupervisor) -> None:
         self._supervisor = supervisor
+        contain.keep_reserve()  # (a kill must be possible with no descriptor left)
         self.base: str | None = None
         self._parent: str | None = None
         self._own_path: str | None = None
@@ -686,9 +687,12 @@ class Containment:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         try:
-            fd = os.open(os.path.join(cgroup, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            fd = contain.open_reserved(os.path.join(cgroup, "cgroup.events"), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
             fut.set_result(None)
+            return fut
+        except OSError:  # (no descriptor to be told with): looked at every EMPTY_POLL seconds
+            _poll_until_empty(loop, cgroup, fut)
             return fut
         if self._epoll is None:
             self._epoll = select.epoll()
@@ -1053,3 +1057,21 @@ class RecordWriter:
                         self._wake.set()
                     await asyncio.sleep(0.05)
         return not self._failing and not self._pending and not self._in_flight_ids
+
+
+#: How often (seconds) a cgroup whose events cannot be watched is looked at until it is empty.
+EMPTY_POLL = 0.1
+
+
+def _poll_until_empty(
+    loop: asyncio.AbstractEventLoop, cgroup: str, fut: asyncio.Future[None]
+) -> None:
+    def look() -> None:
+        if fut.done():
+            return
+        if contain.populated(cgroup):
+            loop.call_later(EMPTY_POLL, look)
+        else:
+            fut.set_result(None)
+
+    loop.call_later(EMPTY_POLL, look)
