@@ -1413,3 +1413,21 @@ def test_an_unwritable_log_dir_is_a_usage_error_in_the_cli(tmp_path: Path) -> No
     )
     assert result.returncode == 2, result.stderr
     assert "log_dir" in result.stderr and str(blocker) in result.stderr
+
+
+@pytest.mark.timeout(60)
+async def test_a_spawn_refused_by_a_process_limit_says_so(
+    sched: LocalScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica whose fork is refused (EAGAIN: RLIMIT_NPROC, a cgroup's pids.max) fails the
+    submit naming the limits to look at (it said "Resource temporarily unavailable" alone)."""
+    import errno
+
+    from asynctorchx.schedulers._local import spawn as spawn_module
+
+    def refused(*args: object, **kwargs: object) -> object:
+        raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN))
+
+    monkeypatch.setattr(spawn_module, "spawn", refused)
+    with pytest.raises(LaunchError, match=r"RLIMIT_NPROC, or the cgroup's pids\.max"):
+        await sched.submit(AppDef("nproc", [Role("main", image=".", entrypoint="true")]), {})

@@ -844,3 +844,38 @@ def test_a_since_or_until_that_is_not_a_finite_time_is_a_value_error(
         iter_log_lines(tmp_path, since=bad)
     with pytest.raises(ValueError, match="until must be a finite POSIX timestamp"):
         iter_log_lines(tmp_path, until=bad)
+
+
+_OPEN_AT_LIMIT = """
+import os, resource, sys
+from asynctorchx.logs._reader import open_regular
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+try:
+    open_regular(sys.argv[1])
+except OSError as e:
+    print(e)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_log_read_at_the_descriptor_limit_says_which_limit(tmp_path: pathlib.Path) -> None:
+    """Opening a log with no descriptor left fails naming the file and the limit to raise (it was
+    a bare "Too many open files")."""
+    import subprocess
+
+    log = tmp_path / "combined.log"
+    log.write_text("x\n")
+    out = subprocess.run(
+        [sys.executable, "-c", _OPEN_AT_LIMIT, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    ).stdout
+    assert "Too many open files" in out and "ulimit -n" in out and str(log) in out, out

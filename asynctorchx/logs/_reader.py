@@ -893,7 +893,17 @@ def open_regular(path: str) -> int:
     Raises:
         OSError: it cannot be opened, or is not a regular file (names it).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise OSError(
+                e.errno,
+                f"{e.strerror} (each log read holds its files open: raise `ulimit -n`, the "
+                "process's RLIMIT_NOFILE, or read fewer logs at once)",
+                path,
+            ) from None
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file: cannot read it as a log", path)

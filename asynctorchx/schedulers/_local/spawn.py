@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import time
@@ -297,9 +298,12 @@ class Spawner:
             if e.errno in FD_ERRNOS:
                 raise launch_error(app.app_id, e, f"the pipes of {rep.label}", "") from None
             error = LaunchSpecError if e.errno in SPEC_ERRNOS else LaunchError
+            why = e.strerror or str(e)
+            if e.errno == errno.EAGAIN:  # (fork refused: a limit on processes was reached)
+                why += " (a limit on processes was reached: RLIMIT_NPROC, or the cgroup's pids.max)"
             raise error(
                 f"role {req.role!r}: cannot start replica {req.replica_id} "
-                f"({rep.executable}): {e.strerror or e}"
+                f"({rep.executable}): {why}"
             ) from None
         try:
             pidfd = os.pidfd_open(spawned.pid)
