@@ -16,15 +16,12 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = textwrap.dedent(
+# the processes carrying the test's token (ATX=...) that are not zombies, in the child scripts
+MINE = textwrap.dedent(
     """
-    import asyncio, json, os, resource, sys
-    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
-    from asynctorchx.schedulers.local import LocalScheduler
-    from asynctorchx.specs import AppDef, Role
-    root, tok = sys.argv[1], sys.argv[2]
+    import os
 
-    def mine():
+    def mine(tok):
         out = []
         for p in os.listdir("/proc"):
             if p.isdigit():
@@ -36,6 +33,17 @@ SCRIPT = textwrap.dedent(
                 if f"ATX={tok}".encode() in env and st not in "ZX":
                     out.append(int(p))
         return out
+    """
+)
+
+SCRIPT = MINE + textwrap.dedent(
+    """
+    import asyncio, json, os, resource, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+    from asynctorchx.schedulers.local import LocalScheduler
+    from asynctorchx.specs import AppDef, Role
+    root, tok = sys.argv[1], sys.argv[2]
+
 
     async def main():
         async with LocalScheduler("s", local_root=root) as s:
@@ -50,7 +58,7 @@ SCRIPT = textwrap.dedent(
                     return False
 
             # both the replica and its daemon run, moved into the replica's cgroup (cgroup mode)
-            while len(m := mine()) < 2 or (
+            while len(m := mine(tok)) < 2 or (
                 s.containment == "cgroup" and not all(in_cgroup(p) for p in m)
             ):
                 await asyncio.sleep(0.05)
@@ -66,13 +74,13 @@ SCRIPT = textwrap.dedent(
                 await asyncio.sleep(0.1)
             for fd in held:
                 os.close(fd)
-            terminal_left = mine()
+            terminal_left = mine(tok)
             for _ in range(50):  # (bounded: a survivor fails the test after 5 s)
                 if not terminal_left:
                     break
                 await asyncio.sleep(0.1)
-                terminal_left = mine()
-        print(json.dumps({"state": d.state.name, "left": terminal_left, "after_close": mine(),
+                terminal_left = mine(tok)
+        print(json.dumps({"state": d.state.name, "left": terminal_left, "after_close": mine(tok),
                           "mode": s.containment}))
 
     asyncio.run(main())
@@ -110,7 +118,7 @@ def test_no_survivor_when_an_app_is_stopped_at_the_descriptor_limit(
         _kill_token(tok)
 
 
-MIDLAUNCH = textwrap.dedent(
+MIDLAUNCH = MINE + textwrap.dedent(
     """
     import asyncio, json, os, resource, sys, time
     resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))
@@ -118,18 +126,6 @@ MIDLAUNCH = textwrap.dedent(
     from asynctorchx.specs import AppDef, Role
     root, tok = sys.argv[1], sys.argv[2]
 
-    def mine():
-        out = []
-        for p in os.listdir("/proc"):
-            if p.isdigit():
-                try:
-                    env = open(f"/proc/{p}/environ", "rb").read().split(b"\\0")
-                    st = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue
-                if f"ATX={tok}".encode() in env and st not in "ZX":
-                    out.append(int(p))
-        return out
 
     async def main():
         async with LocalScheduler("s", local_root=root) as s:
@@ -138,7 +134,7 @@ MIDLAUNCH = textwrap.dedent(
 
             def daemons():  # the replicas' setsid'd children (their parent is not us)
                 n = 0
-                for pid in mine():
+                for pid in mine(tok):
                     try:
                         ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
                     except OSError:
@@ -167,7 +163,7 @@ MIDLAUNCH = textwrap.dedent(
             await g
             for fd in held:
                 os.close(fd)
-            left = mine()  # (the submit raised: nothing of it may be left)
+            left = mine(tok)  # (the submit raised: nothing of it may be left)
             listed = [(x.app_id, x.state.name) for x in await s.list()]
         print(json.dumps({"error": error, "left": left, "list": listed}))
 
