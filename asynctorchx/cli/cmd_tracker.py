@@ -132,8 +132,14 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints the runs, metadata or artifacts asked for."""
     import json
 
+    from asynctorchx.cli._errors import CliError
     from asynctorchx.cli._output import format_table, info, json_text, out_styler
 
+    if getattr(args, "parent_run_id", None) == "":
+        raise CliError(
+            "--parent-run-id: the parent run id is empty",
+            "give the id of the parent run, or leave the option out to list every run",
+        )
     async with open_reader(args.tracker) as reader:
         if args.what in ("runs", "jobs"):
             filters = {} if args.parent_run_id is None else {"parent_run_id": args.parent_run_id}

@@ -12,21 +12,43 @@ from collections.abc import Mapping, Sequence
 
 from asynctorchx.specs.api import AppDef, macros, make_app_handle
 from asynctorchx.tracker.api import (
+    BUILTIN_TRACKERS,
     ENV_TORCHX_JOB_ID,
     ENV_TORCHX_PARENT_RUN_ID,
     ENV_TORCHX_TRACKERS,
+    TrackerError,
     TrackerSetting,
     tracker_config_env_var_name,
     tracker_factory_env_var_name,
 )
+from asynctorchx.tracker.backend.fsspec import encode_run_id
+
+_FSSPEC = BUILTIN_TRACKERS["fsspec"]
 
 
-def check_run_id(field: str, value: object) -> str:
-    """``value`` if it can be a run id in an environment variable, else a ValueError naming ``field``."""
+def check_run_id(field: str, value: object, trackers: Sequence[TrackerSetting] = ()) -> str:
+    """``value`` if it can be a run id in an environment variable and every builtin tracker of
+    ``trackers`` can store it, else a ValueError naming ``field``.
+
+    Checked at dry run: a job whose trackers cannot record its parent fails at once in
+    ``app_run_from_env()``, every replica of every job of the sweep.
+    """
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{field} must be a non-empty string, got {value!r}")
     if "\0" in value or "\n" in value:
         raise ValueError(f"{field} must not contain NUL or newline characters, got {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{field} {value!r} is not valid text ({e.reason}: {value[e.start : e.end]!r})"
+        ) from None
+    for t in trackers:
+        if BUILTIN_TRACKERS.get(t.factory or t.name) == _FSSPEC:
+            try:
+                encode_run_id(value)
+            except TrackerError as e:
+                raise ValueError(f"{field} cannot be recorded by tracker {t.name!r}: {e}") from None
     return value
 
 
@@ -45,7 +67,7 @@ def tracking_env(
     if parent_run_id is None:
         parent_run_id = os.environ.get(ENV_TORCHX_PARENT_RUN_ID) or None
     if parent_run_id is not None:
-        env[ENV_TORCHX_PARENT_RUN_ID] = check_run_id("parent_run_id", parent_run_id)
+        env[ENV_TORCHX_PARENT_RUN_ID] = check_run_id("parent_run_id", parent_run_id, trackers)
     if trackers:
         env[ENV_TORCHX_TRACKERS] = ",".join(t.name for t in trackers)
     for t in trackers:

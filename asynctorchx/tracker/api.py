@@ -227,26 +227,85 @@ def tracker_factory_env_var_name(entrypoint_key: str) -> str:
     return f"TORCHX_TRACKER_{entrypoint_key.upper()}_FACTORY"
 
 
+#: The deepest nesting of lists and dicts a metadata value may have. Deeper JSON is near what
+#: Python's parser can read back (about 1000 levels, less in a thread), and no result needs it.
+MAX_JSON_DEPTH = 100
+
+
+def _nested_deeper(value: object, limit: int) -> bool:
+    """True when ``value`` nests lists/tuples/dicts more than ``limit`` levels (it is acyclic)."""
+    level: list[object] = [value]
+    depth = 0
+    while True:
+        children: list[object] = []
+        containers = 0
+        for v in level:
+            if isinstance(v, dict):
+                children.extend(v.values())
+            elif isinstance(v, (list, tuple)):
+                children.extend(v)
+            else:
+                continue
+            containers += 1
+        if not containers:
+            return False
+        depth += 1
+        if depth > limit:
+            return True
+        level = children
+
+
+def _too_deep(what: str, key: str, value: object) -> InvalidMetadataError:
+    return InvalidMetadataError(
+        f"{what} {key!r} is nested more than {MAX_JSON_DEPTH} levels deep "
+        f"(lists and dicts within each other): {_short_repr(value)}"
+    )
+
+
 def check_json(what: str, values: Mapping[str, object]) -> None:
-    """Raises ``InvalidMetadataError`` naming the first key of ``values`` that JSON cannot hold.
+    """Raises ``InvalidMetadataError`` naming the first key of ``values`` that JSON cannot hold, or
+    whose value is nested more than ``MAX_JSON_DEPTH`` levels deep.
 
     Args:
         what: what the values are, for the message (``"metadata"``...).
     """
     try:
         json.dumps(values)
-        return
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         pass
+    else:
+        for key, value in values.items():
+            if _nested_deeper(value, MAX_JSON_DEPTH):
+                raise _too_deep(what, key, value)
+        return
     for key, value in values.items():
         try:
             json.dumps(value)
+        except RecursionError:
+            raise _too_deep(what, key, value) from None
         except (TypeError, ValueError) as e:
             raise InvalidMetadataError(
                 f"{what} {key!r} = {_short_repr(value)} is not JSON-serialisable "
                 f"({type(value).__name__}: {e})"
             ) from None
+        if _nested_deeper(value, MAX_JSON_DEPTH):
+            raise _too_deep(what, key, value)
     raise InvalidMetadataError(f"{what} is not JSON-serialisable: {_short_repr(values)}")
+
+
+def check_artifact_metadata(name: str, metadata: object) -> None:
+    """Raises unless ``metadata`` of artifact ``name`` is a mapping JSON can hold.
+
+    Raises:
+        TypeError: ``metadata`` is not a mapping (names the artifact and the value).
+        InvalidMetadataError: a value is not JSON-serialisable (names the artifact and the key).
+    """
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"artifact {name!r}: metadata must be a mapping of names to values (or None), "
+            f"got {type(metadata).__name__} {_short_repr(metadata)}"
+        )
+    check_json(f"metadata of artifact {name!r},", dict(metadata))
 
 
 def _short_repr(value: object) -> str:
@@ -474,6 +533,7 @@ class AppRun:
             metadata: anything to record with it (JSON-serialisable).
 
         Raises:
+            TypeError: ``metadata`` is not a mapping.
             InvalidMetadataError: ``metadata`` is not JSON-serialisable.
             TrackerWriteError: a tracker failed (the others recorded the artifact).
         """
@@ -483,7 +543,7 @@ class AppRun:
             raise TypeError(f"artifact {name!r}: path must be a string, got {path!r}")
         path = os.fspath(path)
         if metadata is not None:
-            check_json(f"metadata of artifact {name!r},", dict(metadata))
+            check_artifact_metadata(name, metadata)
         self._each(
             f"adding artifact {name!r}", lambda b: b.add_artifact(self.id, name, path, metadata)
         )

@@ -6,7 +6,10 @@ worker thread, never on the event loop. ``watch_metadata`` follows the metadata 
 - on a local file tracker (``asynctorchx.tracker.backend.fsspec`` with ``protocol=file``) through
   inotify: one watch on the root (new runs), and per run one on its directory and one on its
   ``metadata`` directory; an idle reader costs nothing, and an ``add_metadata`` wakes it at once.
-  Only the runs that changed are read, in one worker-thread call per wake-up;
+  Only the runs that changed are read, in one worker-thread call per wake-up. A directory moved
+  away or removed is watched again at its path. An entry that cannot be read (not JSON, a FIFO)
+  is skipped, and a run that cannot be scanned is scanned again, each with one warning: neither
+  ends the watch of the other runs;
 - where inotify is unavailable (another OS, the watch limit reached, ``ASYNCTORCHX_DISABLE_INOTIFY=1``,
   a remote fsspec file system): one scan of the watched runs every ``poll_interval`` seconds (on a
   local disk, a run whose ``metadata`` directory did not change is not listed);
@@ -30,6 +33,7 @@ import anyio.to_thread
 from asynctorchx.tracker.api import (
     TrackerArtifact,
     TrackerBase,
+    TrackerError,
     TrackerSource,
     UnknownRunError,
     build_tracker,
@@ -38,6 +42,7 @@ from asynctorchx.tracker.backend.fsspec import (
     METADATA,
     SOURCES,
     FsspecTracker,
+    Skipped,
     create,
     decode_run_id,
     encode_run_id,
@@ -217,11 +222,16 @@ class AsyncTrackerReader:
             run_ids: the runs to follow.
             parent_run_id: follow the children of this run, including those that appear later.
                 With neither argument, every run of the tracker is followed.
+
+        Raises:
+            ValueError: both arguments given, or an empty run id or ``parent_run_id``.
         """
         self._check()
         fixed = None if run_ids is None else list(dict.fromkeys(run_ids))
         if fixed is not None and parent_run_id is not None:
             raise ValueError("give run_ids or parent_run_id, not both")
+        if parent_run_id is not None and (not isinstance(parent_run_id, str) or not parent_run_id):
+            raise ValueError(f"parent_run_id must be a non-empty string, got {parent_run_id!r}")
         for r in fixed or ():
             if not isinstance(r, str) or not r:
                 raise ValueError(f"run id must be a non-empty string, got {r!r}")
@@ -291,6 +301,7 @@ class _Run:
     merged: dict[str, object] = field(default_factory=dict)
     metadata_mtime: int | None = None
     watches: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
 
 
 @dataclass
@@ -303,10 +314,23 @@ class _Scan:
     metadata_mtime: int | None
     entries: list[tuple[str, Mapping[str, Any]]]
     rejected: bool = False
+    #: entries to read no more: gone, not regular files, or not valid entries (each logged once)
+    skipped: list[str] = field(default_factory=list)
+    #: why the run could not be scanned (it is scanned again at the next change or interval)
+    error: str | None = None
 
 
-_DIR_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_ONLYDIR")
-_FILE_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_CLOSE_WRITE", "IN_ONLYDIR")
+#: A watched directory moved away or removed: its watch follows the old inode, not the path.
+_SELF_MASK_NAMES = ("IN_MOVE_SELF", "IN_DELETE_SELF", "IN_IGNORED")
+_DIR_MASK_NAMES = ("IN_CREATE", "IN_MOVED_TO", "IN_MOVE_SELF", "IN_DELETE_SELF", "IN_ONLYDIR")
+_FILE_MASK_NAMES = (
+    "IN_CREATE",
+    "IN_MOVED_TO",
+    "IN_CLOSE_WRITE",
+    "IN_MOVE_SELF",
+    "IN_DELETE_SELF",
+    "IN_ONLYDIR",
+)
 
 
 class _FileFollower:
@@ -360,7 +384,11 @@ class _FileFollower:
         if mask & self.inotify.IN_Q_OVERFLOW:
             self._on_overflow()
             return
-        if not name:  # the root itself went away (or moved): watch it again, or scan it
+        if not name:  # the root itself went away (or moved): watch the path again, or scan it
+            if mask & self._mask(_SELF_MASK_NAMES) and self.root_watch is not None:
+                self.root_watch.cancel()  # (kept active, it would follow the moved directory)
+                for run in self.runs.values():  # their directories moved or went with it
+                    self._drop_watches(run)
             self.root_dirty = True
             self.wake.set()
             return
@@ -369,11 +397,22 @@ class _FileFollower:
         self.dirty.add(name)
         self.wake.set()
 
+    def _drop_watches(self, run: _Run) -> None:
+        for w in run.watches.values():
+            w.cancel()
+        run.watches.clear()
+        run.metadata_mtime = None
+
     def _on_run(self, name: str) -> Any:
-        def on_event(_child: str, mask: int) -> None:
+        def on_event(child: str, mask: int) -> None:
             if mask & self.inotify.IN_Q_OVERFLOW:
                 self._on_overflow()
                 return
+            run = self.runs.get(name)
+            if not child and mask & self._mask(_SELF_MASK_NAMES) and run is not None:
+                # The run's directory (or its metadata directory) moved away or was removed: the
+                # next scan watches what is at its path now.
+                self._drop_watches(run)
             self.dirty.add(name)
             self.wake.set()
 
@@ -472,21 +511,43 @@ class _FileFollower:
             recent = time.time_ns() - st.st_mtime_ns < 1_000_000_000
             new_mtime = None if recent else st.st_mtime_ns
         entries = []
+        skipped = []
         for entry_name in self.tracker.entry_names(run_id, METADATA):
             if entry_name in seen:
                 continue
-            entry = self.tracker.read_entry(run_id, METADATA, entry_name)
+            try:
+                entry = self.tracker.read_entry(run_id, METADATA, entry_name)
+            except TrackerError as e:
+                logger.warning("not following an entry of run %r: %s", run_id, e)
+                skipped.append(entry_name)
+                continue
             if entry is None:
                 new_mtime = None  # still being written: look again next time
                 continue
+            if isinstance(entry, Skipped):
+                skipped.append(entry_name)
+                continue
             entries.append((entry_name, entry))
-        return _Scan(name, True, fs.isdir(metadata_dir), sources_dir, True, new_mtime, entries)
+        metadata_dir_now = fs.isdir(metadata_dir)
+        return _Scan(
+            name, True, metadata_dir_now, sources_dir, True, new_mtime, entries, skipped=skipped
+        )
+
+    def _scan_or_error(
+        self, name: str, run_id: str, seen: frozenset[str], confirmed: bool, mtime: int | None
+    ) -> _Scan:
+        """``_scan_run``, or a scan holding the error that stopped it: one run's trouble (a
+        directory it cannot read...) must not end the watch of the others."""
+        try:
+            return self._scan_run(name, run_id, seen, confirmed, mtime)
+        except (TrackerError, OSError) as e:
+            return _Scan(name, True, False, False, confirmed, None, [], error=str(e))
 
     def _scan(
         self, scan_root: bool, todo: list[tuple[str, str, frozenset[str], bool, int | None]]
     ) -> tuple[list[str] | None, list[_Scan]]:
         roots = self._scan_root() if scan_root else None
-        return roots, [self._scan_run(*args) for args in todo]
+        return roots, [self._scan_or_error(*args) for args in todo]
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -542,6 +603,15 @@ class _FileFollower:
                 roots, scans = await self.reader._call(self._scan, scan_root, todo)
                 for scan in scans:
                     run = self.runs[scan.name]
+                    if scan.error is not None:
+                        if scan.error != run.error:
+                            logger.warning("cannot follow run %r: %s", run.run_id, scan.error)
+                        run.error = scan.error
+                        run.metadata_mtime = None
+                        self.unwatched = True  # no change may be reported: scan it every interval
+                        continue
+                    run.error = None
+                    run.seen.update(scan.skipped)
                     if scan.rejected:
                         run.rejected = True
                         for w in run.watches.values():

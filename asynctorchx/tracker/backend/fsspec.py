@@ -12,7 +12,10 @@ Readers merge the metadata files in the order of their names (the write time), l
 On a local path (``protocol=file``) nothing beyond the standard library is needed, and every file
 appears whole: it is written beside the category directory and hard-linked into place under a
 name no other writer holds (``O_EXCL`` semantics: two replicas writing in the same nanosecond both
-keep their entry). Other protocols (``s3``, ``memory``, ...) go through fsspec
+keep their entry); where hard links are refused, it is renamed into place without replacing.
+Readers open files without blocking and read regular files only (a FIFO among the entries is
+skipped with a warning), and leave out an entry still incomplete after ``INCOMPLETE_WAIT``.
+Other protocols (``s3``, ``memory``, ...) go through fsspec
 (``pip install 'asynctorchx[tracker]'``).
 
 ``create(config)`` reads TorchX's config file: ``key=value`` lines, ``#`` comments, ``protocol`` and
@@ -22,9 +25,15 @@ keep their entry). Other protocols (``s3``, ``memory``, ...) go through fsspec
 from __future__ import annotations
 
 import binascii
+import contextlib
+import ctypes
+import ctypes.util
+import enum
 import errno
 import json
+import logging
 import os
+import stat
 import threading
 import time
 from base64 import b32decode, b32encode
@@ -32,6 +41,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from asynctorchx.tracker.api import (
+    MAX_JSON_DEPTH,
     Lineage,
     TrackerArtifact,
     TrackerBase,
@@ -39,6 +49,7 @@ from asynctorchx.tracker.api import (
     TrackerError,
     TrackerSource,
     UnknownRunError,
+    check_artifact_metadata,
     check_json,
 )
 
@@ -49,6 +60,15 @@ DESCENDANTS = "descendants"
 
 LOCAL_PROTOCOLS = ("file", "local")
 INSTALL_HINT = "pip install 'asynctorchx[tracker]'"
+
+#: A config file holds a few ``key=value`` lines; anything larger is not one.
+MAX_CONFIG_BYTES = 1 << 20
+
+#: Seconds ``metadata()``/``artifacts()`` wait for an entry a writer has not finished before they
+#: leave it out (a writer without atomic publication, or one killed half-way through).
+INCOMPLETE_WAIT = 0.5
+
+logger = logging.getLogger(__name__)
 
 
 #: File names are at most 255 bytes; Base32 makes 8 characters of every 5 bytes.
@@ -86,6 +106,89 @@ def decode_run_id(name: str) -> str | None:
         return None
 
 
+class Skipped(enum.Enum):
+    """What ``FsspecTracker.read_entry`` returns for an entry readers leave out."""
+
+    #: removed since it was listed (its run deleted by a cleanup...)
+    GONE = "gone"
+    #: not a regular file (a FIFO would block its reader, a directory cannot be read)
+    NOT_A_FILE = "not a regular file"
+
+
+class NotRegularFileError(OSError):
+    """Raised when a file the tracker reads is a FIFO, a directory, a device or a socket."""
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return kind
+    return "special file"
+
+
+def _read_regular(path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit + 1`` of them).
+
+    The file is opened without blocking and checked before it is read: opening a FIFO for reading
+    would wait for a writer, forever and deaf to Ctrl+C.
+
+    Raises:
+        NotRegularFileError: ``path`` is not a regular file (names the path and what it is).
+        OSError: it cannot be opened or read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(
+                errno.EINVAL, f"a {_file_kind(mode)}, not a regular file", path
+            )
+        return f.read() if limit is None else f.read(limit + 1)
+
+
+def _rename_noreplace_fn() -> Any:
+    """libc's ``renameat2`` (Linux, glibc 2.28+), or None."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_renameat2: Any = None
+_renameat2_looked_up = False
+
+
+def _rename_noreplace(src: str, dst: str) -> bool:
+    """Renames ``src`` to ``dst`` unless ``dst`` exists; False when the system cannot do that.
+
+    Raises:
+        FileExistsError: ``dst`` exists.
+        OSError: the rename failed otherwise.
+    """
+    global _renameat2, _renameat2_looked_up
+    if not _renameat2_looked_up:
+        _renameat2, _renameat2_looked_up = _rename_noreplace_fn(), True
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False  # an old kernel, or a file system without RENAME_NOREPLACE
+    raise OSError(err, os.strerror(err), src, None, dst)
+
+
 def entry_sort_key(name: str) -> tuple[int, str]:
     """Orders entry files by their write time (their name), foreign names last."""
     return (int(name), name) if name.isdigit() else (1 << 64, name)
@@ -117,18 +220,39 @@ class _Storage:
             return []
 
     def read(self, path: str) -> bytes:
-        with open(path, "rb") as f:
-            return f.read()
+        """The bytes of the regular file ``path``.
+
+        Raises:
+            NotRegularFileError: ``path`` is a FIFO, a directory... (it is not opened blocking).
+        """
+        return _read_regular(path)
 
     def _temp(self, tmp_dir: str, data: bytes) -> str:
+        """A new dot-file in ``tmp_dir`` holding ``data``; nothing is left behind when that fails.
+
+        Raises:
+            OSError: naming the temporary file (a full disk fails the write, not the open).
+        """
         # the thread too: two threads of one process can read the same time on a coarse clock
         tmp = os.path.join(tmp_dir, f".tmp-{os.getpid()}-{threading.get_ident()}-{time.time_ns()}")
-        with open(tmp, "xb") as f:
-            f.write(data)
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError) and e.filename is None:
+                raise OSError(e.errno, e.strerror, tmp) from e
+            raise
         return tmp
 
     def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
-        """Writes ``data`` as a new file named by the current time (ns) in ``directory``."""
+        """Writes ``data`` as a new file named by the current time (ns) in ``directory``.
+
+        The file appears whole under its name: it is written beside ``directory`` first, then
+        hard-linked there; where hard links are refused (vfat, exfat, some FUSE and CIFS mounts),
+        renamed there without replacing a file of that name.
+        """
         tmp = self._temp(tmp_dir, data)
         try:
             ns = time.time_ns()
@@ -142,19 +266,28 @@ class _Storage:
                 except OSError as e:
                     if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
                         raise
-                    break  # a file system without hard links: create the name exclusively
+                    break  # a file system without hard links
             while True:
                 path = os.path.join(directory, str(ns))
                 try:
+                    if _rename_noreplace(tmp, path):
+                        return path
+                    # No RENAME_NOREPLACE either: hold the name with an empty file (which readers
+                    # take for an entry being written), then replace it by the whole one.
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 except FileExistsError:
                     ns += 1
                     continue
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                os.close(fd)
+                try:
+                    os.rename(tmp, path)
+                except BaseException:
+                    os.unlink(path)
+                    raise
                 return path
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
     def replace(self, path: str, data: bytes, tmp_dir: str) -> None:
         """Writes ``data`` to ``path`` at once (readers see the old or the new file, never half)."""
@@ -287,9 +420,14 @@ class FsspecTracker(TrackerBase):
     def add_artifact(
         self, run_id: str, name: str, path: str, metadata: Mapping[str, object] | None = None
     ) -> None:
-        """Writes one artifact file."""
+        """Writes one artifact file.
+
+        Raises:
+            TypeError: ``metadata`` is not a mapping (names the artifact).
+            InvalidMetadataError: ``metadata`` is not JSON-serialisable.
+        """
         if metadata is not None:
-            check_json(f"metadata of artifact {name!r},", dict(metadata))
+            check_artifact_metadata(name, metadata)
         entry = {
             "name": name,
             "path": path,
@@ -329,27 +467,41 @@ class FsspecTracker(TrackerBase):
             raise UnknownRunError(run_id, repr(self))
 
     def entry_names(self, run_id: str, category: str) -> list[str]:
-        """The entry files of a category of the run, in write order."""
-        names = [n for n, is_dir in self._fs.listdir(self.category_dir(run_id, category))]
+        """The entry files of a category of the run, in write order (directories left out)."""
+        names = [
+            n for n, is_dir in self._fs.listdir(self.category_dir(run_id, category)) if not is_dir
+        ]
         return sorted((n for n in names if not n.startswith(".")), key=entry_sort_key)
 
-    def read_entry(self, run_id: str, category: str, name: str) -> Mapping[str, Any] | None:
-        """One entry file, or None while it is still being written (empty or cut-off JSON).
+    def read_entry(
+        self, run_id: str, category: str, name: str
+    ) -> Mapping[str, Any] | Skipped | None:
+        """One entry file; None while it is still being written (empty or cut-off JSON); a
+        ``Skipped`` when it is gone or is not a regular file (logged as a warning).
 
         Raises:
-            TrackerError: the file holds something that is not an entry (names the file).
+            TrackerError: the file holds something that is not an entry, or JSON nested too deeply
+                to be read (names the file).
         """
         path = self._fs.join(self.category_dir(run_id, category), name)
         try:
             data = self._fs.read(path)
         except FileNotFoundError:
-            return None
+            return Skipped.GONE
+        except (NotRegularFileError, IsADirectoryError) as e:
+            logger.warning("%r: skipping %s: %s", self, path, e.strerror)
+            return Skipped.NOT_A_FILE
         try:
             entry = json.loads(data)
         except (UnicodeDecodeError, ValueError) as e:
             if not data.strip() or _cut_off(data):
                 return None  # a writer without atomic publication (TorchX's) is still at it
             raise TrackerError(f"{self!r}: {path} is not valid JSON: {e}") from None
+        except RecursionError:
+            raise TrackerError(
+                f"{self!r}: {path} holds JSON nested too deeply to be read "
+                f"({len(data)} bytes; asynctorchx writes at most {MAX_JSON_DEPTH} levels)"
+            ) from None
         if not isinstance(entry, dict) or (
             category == METADATA and not isinstance(entry.get("metadata"), dict)
         ):
@@ -358,19 +510,27 @@ class FsspecTracker(TrackerBase):
 
     def _load(self, run_id: str, category: str) -> list[Mapping[str, Any]]:
         entries = []
+        gone = False
         for name in self.entry_names(run_id, category):
             entry = self.read_entry(run_id, category, name)
-            for _ in range(50):
-                if entry is not None:
-                    break
+            deadline = time.monotonic() + INCOMPLETE_WAIT
+            while entry is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # a file still being written by a non-atomic writer
                 entry = self.read_entry(run_id, category, name)
             if entry is None:
-                raise TrackerError(
-                    f"{self!r}: {self._fs.join(self.category_dir(run_id, category), name)} "
-                    "stays empty or incomplete"
+                # Its writer is slow or was killed half-way: the read is as if made before it.
+                logger.warning(
+                    "%r: skipping %s: still empty or incomplete after %.1f s",
+                    self,
+                    self._fs.join(self.category_dir(run_id, category), name),
+                    INCOMPLETE_WAIT,
                 )
-            entries.append(entry)
+            elif entry is Skipped.GONE:
+                gone = True
+            elif not isinstance(entry, Skipped):
+                entries.append(entry)
+        if gone:
+            self.check_run(run_id)  # deleted while it was read
         return entries
 
     def metadata(self, run_id: str) -> dict[str, object]:
@@ -396,10 +556,15 @@ class FsspecTracker(TrackerBase):
             source_id = decode_run_id(name)
             if is_dir or source_id is None:
                 continue
-            lines = [
-                ln.strip().decode("utf-8", "replace")
-                for ln in self._fs.read(self._fs.join(sources, name)).splitlines()
-            ]
+            path = self._fs.join(sources, name)
+            try:
+                data = self._fs.read(path)
+            except FileNotFoundError:
+                continue  # removed since it was listed
+            except (NotRegularFileError, IsADirectoryError) as e:
+                logger.warning("%r: skipping %s: %s", self, path, e.strerror)
+                continue
+            lines = [ln.strip().decode("utf-8", "replace") for ln in data.splitlines()]
             kinds = [ln for ln in lines if ln]
             if kinds:
                 out.extend(
@@ -416,14 +581,17 @@ class FsspecTracker(TrackerBase):
 
         Raises:
             TypeError: an unknown filter.
+            ValueError: ``parent_run_id`` is empty (it is no run's id, and no filter either).
         """
+        if parent_run_id is not None and (not isinstance(parent_run_id, str) or not parent_run_id):
+            raise ValueError(f"parent_run_id must be a non-empty string, got {parent_run_id!r}")
         if filters:
             raise TypeError(
                 f"unknown run_ids filter(s) {', '.join(map(repr, filters))}; "
                 "the fsspec tracker filters by parent_run_id only"
             )
         ids = []
-        parent_name = encode_run_id(parent_run_id) if parent_run_id else None
+        parent_name = None if parent_run_id is None else encode_run_id(parent_run_id)
         for name, is_dir in self._fs.listdir(self.root):
             run_id = decode_run_id(name) if is_dir else None
             if run_id is None:
@@ -443,13 +611,33 @@ class FsspecTracker(TrackerBase):
         return f"<FsspecTracker: root_path={self.root}>"
 
 
+_JSON_LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
+
+
 def _cut_off(data: bytes) -> bool:
     """True when ``data`` looks like the start of a JSON document whose end is missing."""
     try:
         json.loads(data)
     except json.JSONDecodeError as e:
-        return e.pos >= len(data.rstrip())
-    except ValueError:
+        if e.msg.startswith("Unterminated string"):
+            return True  # the data ends inside a string (e.pos is where the string starts)
+        if e.msg.startswith("Invalid \\uXXXX escape"):
+            return len(e.doc) - e.pos < 6  # the data ends inside a \uXXXX escape
+        tail = e.doc[e.pos :]
+        if tail and (
+            all(c in "+-.eE0123456789" for c in tail)  # inside a number
+            or any(lit.startswith(tail) for lit in _JSON_LITERALS)
+        ):
+            return True
+        return e.pos >= len(e.doc.rstrip())
+    except UnicodeDecodeError as e:
+        # the data ends inside a character of several bytes
+        return (
+            e.reason == "unexpected end of data"
+            and e.end == len(data)
+            and _cut_off(data[: e.start])
+        )
+    except (ValueError, RecursionError):
         return False
     return False
 
@@ -471,8 +659,13 @@ def _read_text(config_file: str) -> str:
     path = config_file[len("file://") :] if config_file.startswith("file://") else config_file
     if "://" not in path:
         try:
-            with open(path, encoding="utf-8") as f:
-                return f.read()
+            data = _read_regular(path, MAX_CONFIG_BYTES)
+            if len(data) > MAX_CONFIG_BYTES:
+                raise TrackerConfigError(
+                    f"config file {config_file!r} is larger than {MAX_CONFIG_BYTES} bytes "
+                    "(it should hold a few key=value lines)"
+                )
+            return data.decode("utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise TrackerConfigError(f"cannot read config file {config_file!r}: {reason}") from None
