@@ -609,3 +609,18 @@ def test_artifact_metadata_that_is_not_a_mapping_is_a_type_error_naming_the_arti
     with pytest.raises(TypeError, match="artifact 'ckpt': metadata must be a mapping"):
         tracker.add_artifact("r", "ckpt", "/c.pt", metadata)  # type: ignore[arg-type]
     assert tracker.artifacts("r") == {}
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_place_of_a_descendants_file_fails_add_source_naming_it(tmp_path: Path) -> None:
+    """add_source of a run whose source keeps a descendants directory, where the run's file is a
+    FIFO: an error naming it (opening the FIFO to append blocked the writer for ever)."""
+    tracker = FsspecTracker(None, tmp_path)
+    tracker.add_metadata("parent", a=1)
+    descendants = Path(tracker.category_dir("parent", fsspec.DESCENDANTS))
+    descendants.mkdir(parents=True)
+    fifo = descendants / encode_run_id("child")
+    os.mkfifo(fifo)
+    with pytest.raises(OSError) as info:
+        tracker.add_source("child", "parent")
+    assert str(fifo) in str(info.value)

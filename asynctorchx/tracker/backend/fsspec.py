@@ -299,7 +299,21 @@ class _Storage:
             raise
 
     def append(self, path: str, data: bytes) -> None:
-        with open(path, "ab") as f:
+        """Appends ``data`` to the regular file ``path`` (made if missing).
+
+        Raises:
+            NotRegularFileError: ``path`` is a FIFO, a directory... (a FIFO opened for writing
+                would wait for a reader for ever).
+        """
+        fd = os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644
+        )
+        with os.fdopen(fd, "ab") as f:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotRegularFileError(
+                    errno.EINVAL, f"a {_file_kind(mode)}, not a regular file", path
+                )
             f.write(data)
 
 
