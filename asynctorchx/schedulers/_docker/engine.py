@@ -62,6 +62,16 @@ _REPOSITORY_RE = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPON
 _DOMAIN_RE = re.compile(_DOMAIN)
 _NETWORK_REMOVE_TRIES = 5
 
+#: Seconds to connect to the engine (any request, streams included).
+CONNECT_TIMEOUT = 10.0
+#: Seconds a request may wait on the engine for the next piece of its answer: an engine that
+#: accepts connections but never answers (a frozen dockerd) gives DockerEngineUnavailableError
+#: after that long. Streams that may stay silent (logs followed, events, image pull, build, push)
+#: have no read bound; a stop's is its stop timeout plus ``STOP_READ_MARGIN``.
+READ_TIMEOUT = 60.0
+#: Seconds a stop request may take beyond the stop timeout it gives the container.
+STOP_READ_MARGIN = 30.0
+
 #: The kinds of request (keys of ``DockerEngine.requests``) that change something on the engine.
 WRITE_REQUESTS = frozenset(
     {
@@ -364,7 +374,7 @@ class DockerEngine:
             raise RuntimeError("the Docker engine client is closed")
         if self._client is None:
             aiodocker = import_aiodocker()
-            self._client = aiodocker.Docker(url=self._docker_host)
+            self._client = aiodocker.Docker(url=self._docker_host, timeout=_request_timeout())
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         return self._client
@@ -390,9 +400,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return None
-            if not is_docker_error(e) and not isinstance(e, OSError):
-                raise
-            raise engine_error(f"inspecting image {ref!r}", e) from None
+            raise _known_error(f"inspecting image {ref!r}", e) from None
         return dict(info)
 
     async def image_id(self, ref: str) -> str | None:
@@ -499,7 +507,6 @@ class DockerEngine:
         """
         from asynctorchx.schedulers.workspace import WorkspaceBuildError
 
-        aiohttp = _import_aiohttp()
         client = await self.client()
         tail: list[str] = []
         aux: list[dict[str, Any]] = []
@@ -510,7 +517,7 @@ class DockerEngine:
                 params=dict(params),
                 data=data,
                 headers=dict(headers),
-                timeout=aiohttp.ClientTimeout(),
+                timeout=_stream_timeout(),
             ) as resp:
                 try:
                     async for obj in _json_lines(resp):
@@ -534,9 +541,7 @@ class DockerEngine:
         except Exception as e:
             if failed:
                 raise failed[0] from None
-            if not is_docker_error(e) and not isinstance(e, OSError | aiohttp.ClientError):
-                raise
-            raise engine_error(what, e) from None
+            raise _known_error(what, e) from None
         return aux, tail
 
     async def tag(self, image: str, repository: str, tag: str) -> None:
@@ -545,9 +550,7 @@ class DockerEngine:
         try:
             await client.images.tag(image, repository, tag=tag)
         except Exception as e:
-            if not is_docker_error(e):
-                raise
-            raise engine_error(f"tagging image {image} as {repository}:{tag}", e) from None
+            raise _known_error(f"tagging image {image} as {repository}:{tag}", e) from None
 
     async def push(
         self,
@@ -595,9 +598,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return False
-            if not is_docker_error(e):
-                raise
-            raise engine_error(f"removing image {ref}", e) from None
+            raise _known_error(f"removing image {ref}", e) from None
         return True
 
     # -- containers, networks, volumes, events and logs (the local_docker backend) ---------------
@@ -618,9 +619,7 @@ class DockerEngine:
         try:
             raw = await client.containers.list(all=True, filters=json.dumps({"label": [label]}))
         except Exception as e:
-            if not is_docker_error(e):
-                raise
-            raise engine_error("listing containers", e) from None
+            raise _known_error("listing containers", e) from None
         return [_summary(c) for c in raw]
 
     async def inspect_container(self, cid: str) -> dict[str, Any] | None:
@@ -657,9 +656,7 @@ class DockerEngine:
         except Exception as e:
             if exist_ok and status_of(e) == 409:
                 return None
-            if not is_docker_error(e):
-                raise
-            raise engine_error(what, e) from None
+            raise _known_error(what, e) from None
         return str(container.id)
 
     async def start_container(self, cid: str, *, what: str) -> None:
@@ -673,9 +670,7 @@ class DockerEngine:
         try:
             await client.containers.container(cid).start()
         except Exception as e:
-            if not is_docker_error(e):
-                raise
-            raise engine_error(what, e) from None
+            raise _known_error(what, e) from None
 
     async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:  # noqa: ASYNC109 - the engine's stop timeout, passed on
         """Stops a container: SIGTERM, then SIGKILL after ``timeout`` seconds (default: its own
@@ -713,9 +708,13 @@ class DockerEngine:
     async def _stop(self, cid: str, timeout: int | None) -> None:  # noqa: ASYNC109 - as above
         client = await self.client()
         self._count("container_stop")
+        # The engine answers once the container stopped: at most ``timeout`` seconds after the
+        # signal. With no timeout the container's own applies, unknown here: no bound then.
+        bound = None if timeout is None else timeout + STOP_READ_MARGIN
         try:
             container = client.containers.container(cid)
-            await (container.stop() if timeout is None else container.stop(t=timeout))
+            with anyio.fail_after(bound):
+                await (container.stop() if timeout is None else container.stop(t=timeout))
         except Exception as e:
             if status_of(e) in (304, 404):
                 return
@@ -726,7 +725,7 @@ class DockerEngine:
         client = await self.client()
         self._count("container_remove")
         try:
-            await client.containers.container(cid).delete(force=True)
+            await client.containers.container(cid).delete(force=True, timeout=_request_timeout())
         except Exception as e:
             if status_of(e) in (404, 409):
                 return
@@ -745,10 +744,8 @@ class DockerEngine:
             await client.images.pull(image)
             await client.images.inspect(image)
         except Exception as e:
-            if status_of(e) == 900 or isinstance(e, OSError):
-                raise engine_error(f"pulling image {image!r}", e) from None
-            if not is_docker_error(e):
-                raise
+            if not is_docker_error(e) or status_of(e) == 900:
+                raise _known_error(f"pulling image {image!r}", e) from None
             raise DockerSchedulerError(
                 f"image {image!r} is not present locally and could not be pulled "
                 f"({message_of(e)}); build or load it first"
@@ -925,13 +922,12 @@ class DockerEngine:
 
     @asynccontextmanager
     async def _stream(self, path: str, what: str, params: dict[str, Any]) -> AsyncIterator[Any]:
-        """A streamed ``GET`` through aiodocker's raw query (no total timeout), closed on exit."""
-        aiohttp = _import_aiohttp()
+        """A streamed ``GET`` through aiodocker's raw query (no read bound), closed on exit."""
         client = await self.client()
         async with contextlib.AsyncExitStack() as stack:
             try:
                 resp = await stack.enter_async_context(
-                    client._query(path, params=params, timeout=aiohttp.ClientTimeout())
+                    client._query(path, params=params, timeout=_stream_timeout())
                 )
             except Exception as e:
                 raise _request_error(what, e) from None
@@ -971,18 +967,46 @@ def _import_aiohttp() -> ModuleType:
     return aiohttp
 
 
+def _request_timeout(read: float | None = None) -> Any:
+    """The ``aiohttp.ClientTimeout`` of a request: ``CONNECT_TIMEOUT`` to connect, then ``read``
+    (default ``READ_TIMEOUT``) seconds for each piece of the answer."""
+    return _import_aiohttp().ClientTimeout(
+        sock_connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT if read is None else read
+    )
+
+
+def _stream_timeout() -> Any:
+    """The ``aiohttp.ClientTimeout`` of a stream that may stay silent: a connect bound only."""
+    return _import_aiohttp().ClientTimeout(sock_connect=CONNECT_TIMEOUT)
+
+
+def _known_error(what: str, err: BaseException) -> BaseException:
+    """``_request_error``, with a 404 kept a plain ``DockerSchedulerError`` (where a missing
+    object is an answer of the engine like any other refusal)."""
+    if status_of(err) == 404:
+        return engine_error(what, err)
+    return _request_error(what, err)
+
+
 def _request_error(what: str, err: BaseException) -> BaseException:
     """The error to raise for a failed request (``engine_error``, and: 404 is DockerNotFoundError,
-    a dropped connection DockerEngineUnavailableError); an error of another kind is kept."""
+    a dropped connection or an engine that did not answer in time DockerEngineUnavailableError);
+    an error of another kind is kept."""
     import aiohttp
 
     if isinstance(err, DockerSchedulerError):
         return err
     if status_of(err) == 404:
         return DockerNotFoundError(f"{what}: {message_of(err)}")
+    if isinstance(err, asyncio.TimeoutError | TimeoutError):
+        detail = f" ({err})" if str(err) else ""
+        return DockerEngineUnavailableError(
+            f"{what}: the Docker engine did not answer in time{detail}; is dockerd running and "
+            "responsive?"
+        )
     if is_docker_error(err) or isinstance(err, OSError):
         return engine_error(what, err)
-    if isinstance(err, aiohttp.ClientError | asyncio.TimeoutError):
+    if isinstance(err, aiohttp.ClientError):
         return DockerEngineUnavailableError(
             f"{what}: the connection to the Docker engine failed ({type(err).__name__}: {err})"
         )

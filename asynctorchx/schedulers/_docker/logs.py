@@ -10,6 +10,11 @@ engine stamps stdout and stderr apart, each line when it reads it from its pipe,
 combined read are in the order Docker stored them but their timestamps can go back between the
 streams; no line is dropped for its timestamp, only those a resumed stream gives again. Following
 ends once the app is terminal and every container has been drained.
+
+An engine that cannot be reached (restarted, briefly overloaded) is asked again with a capped
+backoff, and the read resumes where it was once it answers: a followed read waits out up to
+``_FOLLOW_OUTAGE_LIMIT`` seconds of engine failures in a row, one that does not follow
+``_READ_OUTAGE_LIMIT``; then DockerEngineUnavailableError is raised.
 """
 
 from __future__ import annotations
@@ -43,8 +48,13 @@ from asynctorchx.specs.api import UnknownAppException, is_terminal
 
 logger = logging.getLogger(__name__)
 
-#: engine failures in a row (a dropped stream, an unreachable engine) before a read gives up
-_ENGINE_RETRIES = 5
+#: seconds of engine failures in a row (dropped streams, an unreachable engine) after which a
+#: followed read gives up (raises DockerEngineUnavailableError)
+_FOLLOW_OUTAGE_LIMIT = 300.0
+#: the same for a read that does not follow
+_READ_OUTAGE_LIMIT = 5.0
+#: the longest wait between two attempts to reach the engine again
+_MAX_BACKOFF = 2.0
 
 
 #: a container's cursors, one per stream read (STDOUT, STDERR)
@@ -142,6 +152,7 @@ class DockerLogSource:
                 for s, i in zip(window.streams, range(0, len(counts), 3), strict=True)
             }
         finished: set[str] = set()  # containers read to the end that will not write again
+        outage = _Outage(_FOLLOW_OUTAGE_LIMIT if query.follow else _READ_OUTAGE_LIMIT)
         while True:
             final = not query.follow or a is None or is_terminal(a.response.state) or window.past()
             attempts = sorted(
@@ -159,7 +170,9 @@ class DockerLogSource:
                     continue
                 latest = c is attempts[-1]
                 mine = cursors.setdefault(c.id, {s: ResumeCursor() for s in window.streams})
-                read = self._container_lines(query.app_id, c.id, window, mine, latest and not final)
+                read = self._container_lines(
+                    query.app_id, c.id, window, mine, latest and not final, outage
+                )
                 async with contextlib.aclosing(read):
                     async for line in read:
                         if query.matches(line.text):
@@ -171,17 +184,34 @@ class DockerLogSource:
             # The replica's latest container stopped while the app goes on: it may be restarted or
             # retried as a new attempt; look again on the app's next event (or in a second).
             await self._wait_app(query.app_id, 1.0)
-            containers = await self._list_app(query.app_id)
+            containers = await self._relist(query.app_id, outage)
             a = assess(query.app_id, containers)
 
+    async def _relist(self, app_id: str, outage: _Outage) -> list[ContainerInfo]:
+        """The app's containers, asked again while the engine cannot be reached (see ``_Outage``)."""
+        while True:
+            try:
+                containers = await self._list_app(app_id)
+            except DockerEngineUnavailableError as e:
+                await outage.failed(e, f"listing the containers of {app_id}")
+                continue
+            outage.ended()
+            return containers
+
     async def _container_lines(
-        self, app_id: str, cid: str, window: _Window, cursors: _Cursors, follow: bool
+        self,
+        app_id: str,
+        cid: str,
+        window: _Window,
+        cursors: _Cursors,
+        follow: bool,
+        outage: _Outage,
     ) -> AsyncGenerator[LogLine, None]:
         """One container's lines after ``cursors``; with ``follow``, until the container stops.
 
-        A stream that drops is resumed from the cursors, so no line is lost or repeated.
+        A stream that drops is resumed from the cursors, so no line is lost or repeated; an engine
+        that cannot be reached is asked again as ``outage`` allows.
         """
-        failures = 0
         while True:
             opened = _opening(window, cursors)
             read = _Read({s: c.begin_pass(opened) for s, c in cursors.items()}, window)
@@ -189,7 +219,7 @@ class DockerLogSource:
             try:
                 async with contextlib.aclosing(frames):
                     async for frame in frames:
-                        failures = 0  # the engine answers: only failures in a row count
+                        outage.ended()  # the engine answers: only failures in a row count
                         line = read.feed(*frame)
                         if line is read.END:
                             return
@@ -200,14 +230,11 @@ class DockerLogSource:
                         yield tail
                     return
                 follow = await self._keep_following(app_id, cid, window)
+                outage.ended()
             except DockerNotFoundError:
                 return  # the container was removed
             except DockerEngineUnavailableError as e:
-                failures += 1
-                if failures > _ENGINE_RETRIES:
-                    raise
-                logger.info("log stream of %s dropped (%s); resuming", cid[:12], e)
-                await asyncio.sleep(min(0.1 * 2**failures, 2.0))
+                await outage.failed(e, f"log stream of container {cid[:12]}")
 
     async def _keep_following(self, app_id: str, cid: str, window: _Window) -> bool:
         """After a followed stream ended: whether to follow again (the container still runs, or
@@ -225,6 +252,36 @@ class DockerLogSource:
         if state.get("Restarting") or state.get("Paused"):
             await self._wait_app(app_id, 0.5)  # not writing now: follow again once it changes
         return bool(state.get("Running") or state.get("Restarting") or state.get("Paused"))
+
+
+class _Outage:
+    """The engine failures in a row of one log read: each waits a capped backoff before the next
+    attempt, until they have lasted ``limit`` seconds."""
+
+    def __init__(self, limit: float) -> None:
+        self._limit = limit
+        self._since: float | None = None
+        self._failures = 0
+
+    def ended(self) -> None:
+        """The engine answered."""
+        self._since = None
+        self._failures = 0
+
+    async def failed(self, error: DockerEngineUnavailableError, what: str) -> None:
+        """Waits before the next attempt after ``error``.
+
+        Raises:
+            DockerEngineUnavailableError: ``error``, once the failures have lasted ``limit``.
+        """
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+            logger.info("%s failed (%s); trying again", what, error)
+        if now - self._since >= self._limit:
+            raise error
+        self._failures += 1
+        await asyncio.sleep(min(0.1 * 2**self._failures, _MAX_BACKOFF))
 
 
 class _Read:
