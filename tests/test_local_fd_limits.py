@@ -13,6 +13,7 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,19 +102,10 @@ def test_no_survivor_when_an_app_is_stopped_at_the_descriptor_limit(
     if cgroups == "1":
         env.pop("ASYNCTORCHX_LOCAL_CGROUPS")
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(tmp_path / "root"), tok],
-            capture_output=True,
-            text=True,
-            timeout=50,
-            check=False,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr
-        out = json.loads(proc.stdout)
+        out, stderr = _run(SCRIPT, tmp_path / "root", tok, env)
         assert out["state"] == "CANCELLED"
         # no survivor: the setsid'd daemon must be gone once the app is terminal
-        assert out["left"] == [] and out["after_close"] == [], (out, proc.stderr[-600:])
+        assert out["left"] == [] and out["after_close"] == [], (out, stderr[-600:])
     finally:
         _kill_token(tok)
 
@@ -180,16 +172,7 @@ def test_a_launch_failed_by_emfile_midway_leaves_no_process(tmp_path: Path) -> N
     tok = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k != "ASYNCTORCHX_LOCAL_CGROUPS"}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", MIDLAUNCH, str(tmp_path / "root"), tok],
-            capture_output=True,
-            text=True,
-            timeout=50,
-            check=False,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stderr
-        out = json.loads(proc.stdout)
+        out, _ = _run(MIDLAUNCH, tmp_path / "root", tok, env)
         assert out["error"] and "file descriptors" in out["error"], out
         assert [a for a, _ in out["list"] if a.startswith("a-")] == []
         assert out["left"] == [], f"{len(out['left'])} processes of the failed submit left: {out}"
@@ -205,3 +188,17 @@ def _kill_token(tok: str) -> None:
                     os.kill(int(p), signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _run(script: str, root: Path, tok: str, env: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """Runs a child script with ``root`` and ``tok``; its JSON line and its stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(root), tok],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
