@@ -309,3 +309,25 @@ async def test_without_inotify_a_cancel_during_the_spawn_is_heard(
         assert desc.state == AppState.CANCELLED
     finally:
         await s.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_fifo_in_place_of_a_cancel_marker_blocks_no_reader(tmp_path: Path) -> None:
+    """A FIFO named like an app's cancel marker: the launcher reads it as a cancel (one was asked
+    for) and the app ends CANCELLED, and a cancel from another process returns; neither blocks on
+    the FIFO (an open to read it waited for a writer for ever)."""
+    root = tmp_path / "root"
+    s = LocalScheduler("s", local_root=root)
+    try:
+        role = Role("main", image=".", entrypoint="sleep", args=["1000"])
+        app_id = await s.submit(AppDef("a", [role]), {"cancel_grace_period": 1.0})
+        os.mkfifo(root / ".apps" / f"{app_id}.cancel")
+        with anyio.fail_after(20):
+            proc = await anyio.run_process(
+                [sys.executable, "-c", OTHER_CANCEL, str(root), app_id], check=False
+            )
+        assert proc.returncode == 0, proc.stderr
+        desc = await wait_for(s, app_id, timeout=20)
+        assert desc.state == AppState.CANCELLED
+    finally:
+        await s.close()

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -621,10 +623,11 @@ class RecordStore:
                 protocol.drop_lock_files(records_dir, app_id)
                 return None
             try:
-                with open(marker, "rb") as f:
-                    listed = f.read().decode(errors="replace").split()
+                listed = _read_marker(marker).decode(errors="replace").split()
             except FileNotFoundError:
                 listed = None
+            except OSError:  # (not a regular file: a cancel is under way all the same)
+                listed = []
             fresh = [g for g in dict.fromkeys(groups) if listed is None or not _listed(g, listed)]
             if listed is not None and not fresh:
                 return [], False
@@ -646,14 +649,30 @@ class RecordStore:
     def cancel_requested(self, app_id: str) -> set[int] | None:
         """None, or the process groups another process sent SIGTERM when it cancelled ``app_id``."""
         try:
-            with open(protocol.cancel_path(str(self.records_dir), app_id), "rb") as f:
-                data = f.read()
+            data = _read_marker(protocol.cancel_path(str(self.records_dir), app_id))
         except FileNotFoundError:
             return None
         except OSError:
             return set()
         specs = (protocol.parse_group_spec(word) for word in data.split())
         return {spec[0] for spec in specs if spec is not None}
+
+
+def _read_marker(path: str) -> bytes:
+    """A cancel marker's bytes (a few lines): it must be a regular file, opened without blocking
+    or following a link (a FIFO put in its place would block its reader for ever).
+
+    Raises:
+        FileNotFoundError: there is none.
+        OSError: it cannot be read, or is not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
 
 
 def _listed(group: str, listed: list[str]) -> bool:
