@@ -202,3 +202,74 @@ def _run(script: str, root: Path, tok: str, env: dict[str, str]) -> tuple[dict[s
     )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout), proc.stderr
+
+
+WAIT_EMPTY = MINE + textwrap.dedent(
+    """
+    import asyncio, json, os, resource, subprocess, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+    from asynctorchx._tasks import TaskSupervisor
+    from asynctorchx.schedulers._local import contain
+    from asynctorchx.schedulers._local.guard import Containment
+    root, tok = sys.argv[1], sys.argv[2]
+
+
+    async def main():
+        guard = Containment(TaskSupervisor("t"))
+        guard.probe()
+        if guard.base is None:
+            print(json.dumps({"mode": "marker"}))
+            return
+        cg = guard.app_dir("a-" + tok[:8])
+        await guard.prepare([cg])
+        proc = subprocess.Popen(["sleep", "1000"], env=dict(os.environ, ATX=tok))
+        contain.move(cg, proc.pid)
+        # no descriptor left, and the guard has not made its epoll yet (its first wait)
+        held = []
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            fut = guard.wait_empty(cg)
+            error = None
+        except OSError as e:
+            fut, error = None, repr(e)
+        early = fut is not None and fut.done()
+        contain.kill(cg)
+        for fd in held:  # (the descriptors come back: the wait must still end)
+            os.close(fd)
+        emptied = False
+        if fut is not None:
+            try:
+                await asyncio.wait_for(fut, 10)
+                emptied = True
+            except asyncio.TimeoutError:
+                pass
+        proc.wait()
+        await guard.aclose()
+        print(json.dumps({"mode": "cgroup", "error": error, "early": early, "emptied": emptied}))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_a_cgroup_to_empty_with_no_descriptor_left(tmp_path: Path) -> None:
+    """The first wait for a cgroup to empty comes when the process has no descriptor left: the
+    cgroup's events file takes the reserved one, so the epoll to be told with cannot be made (this
+    raised EMFILE out of the app's supervision, in CI, and the cancelled app never ended); the wait
+    must still end once the cgroup is empty, and not before."""
+    tok = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCTORCHX_LOCAL_CGROUPS"}
+    try:
+        out, stderr = _run(WAIT_EMPTY, tmp_path / "root", tok, env)
+        if out["mode"] == "marker":
+            pytest.fail(f"no cgroup v2 delegation here: {stderr[-400:]}")
+        assert out["error"] is None, out
+        assert not out["early"], "the wait ended while the cgroup was still populated"
+        assert out["emptied"], out
+    finally:
+        _kill_token(tok)

@@ -669,6 +669,30 @@ async def test_cancel_sends_exactly_one_sigterm(sched: LocalScheduler, tmp_path:
     assert out.read_bytes() == bytes([signal.SIGTERM])
 
 
+@pytest.mark.timeout(60)
+async def test_an_app_whose_supervision_fails_twice_still_ends_failed(
+    sched: LocalScheduler, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The app's supervision raises, and so does the settling of its replicas on the way out (the
+    cause — e.g. no descriptor left — still there): the app is recorded FAILED with its replicas
+    killed (it stayed RUNNING for ever, and every wait with it, as seen in CI)."""
+    from asynctorchx.schedulers._local.supervise import AppSupervision
+
+    async def broken(*_: object) -> None:
+        raise OSError(24, "Too many open files (injected)")
+
+    app = AppDef(
+        "twice",
+        [Role("main", image="x", entrypoint="sleep", args=["1000"], env={"ATX_TOKEN": token})],
+    )
+    monkeypatch.setattr(AppSupervision, "_loop", broken)
+    monkeypatch.setattr(AppSupervision, "settle", broken)
+    app_id = await sched.submit(app, {})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.FAILED
+    await until(lambda: not token_procs(token), 10, "the replica to be killed")
+
+
 def cli_cancel(root: Path, handle: str) -> subprocess.Popen[str]:
     env = {**os.environ, "ASYNCTORCHX_LOCAL_ROOT": str(root)}
     return subprocess.Popen(

@@ -694,15 +694,16 @@ class Containment:
         except OSError:  # (no descriptor to be told with): looked at every EMPTY_POLL seconds
             _poll_until_empty(loop, cgroup, fut)
             return fut
-        if self._epoll is None:
-            self._epoll = select.epoll()
-            self._loop = loop
-            loop.add_reader(self._epoll.fileno(), self._on_events)
         try:
+            if self._epoll is None:
+                self._epoll = select.epoll()
+                self._loop = loop
+                loop.add_reader(self._epoll.fileno(), self._on_events)
             self._epoll.register(fd, select.EPOLLPRI)
-        except OSError:
+        except OSError:  # (no descriptor for the epoll, or no room in it): polled, as above
             os.close(fd)
-            fut.set_result(None)
+            contain.keep_reserve()  # (the events file may have taken the reserve's place)
+            _poll_until_empty(loop, cgroup, fut)
             return fut
         self._empty_waits[fd] = (cgroup, fut)
         self._check_empty(fd)

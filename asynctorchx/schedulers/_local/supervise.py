@@ -72,7 +72,11 @@ class AppSupervision:
         except Exception as e:
             logger.exception("supervising app %s failed", app.app_id)
             self.kill_now(app, f"internal error while supervising the app: {e!r}")
-            await self._finish(app, AppState.FAILED)
+            try:
+                await self._finish(app, AppState.FAILED)
+            except Exception:  # (the same cause again): ended without waiting for its replicas
+                logger.exception("ending app %s failed; it is recorded FAILED as is", app.app_id)
+                self._end_now(app, AppState.FAILED)
 
     async def _loop(self, app: LiveApp) -> None:
         while True:
@@ -233,9 +237,15 @@ class AppSupervision:
         """Ends an app whose task is stuck (it had its grace period and more): kills everything
         and records it CANCELLED."""
         self.kill_now(app, reason)
+        self._end_now(app, AppState.CANCELLED)
+
+    def _end_now(self, app: LiveApp, final: AppState) -> None:
+        if is_terminal(app.state):
+            return
         for rep in app.replicas:
-            app.set_state(rep, state.final_state(AppState.CANCELLED, rep.state, None, False))
-        self.end(app, AppState.CANCELLED)
+            rep.exit_pending = False
+            app.set_state(rep, state.final_state(final, rep.state, None, False))
+        self.end(app, final)
 
     def end(self, app: LiveApp, final: AppState) -> None:
         """Records that the app ended ``final`` (its replicas already have their end states)."""
