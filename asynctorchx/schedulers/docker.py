@@ -35,6 +35,12 @@ How an app maps onto Docker:
   again): by the process that made the marker if it started before the marker, else by the launch
   (or retry) that started it; other cancellers and the follow-ups stop nothing, unless the
   marker's maker has exited without doing so (``_docker/cancel.py``: then one process takes over).
+- Clean-up an engine outage cut off is owed, not dropped: the purge of a failed submit (the
+  app then reads unknown here, as a failed submit does) and the stops of a cancel are done again
+  by the app's follow-up once the engine answers (the event stream reconnects, or a status read
+  succeeds while it is not followed); a second ``cancel`` of the app finishes its stops, and a
+  new submit of the same dry run finishes its purge first. A ROLE/APPLICATION retry the engine
+  refuses fails the app for every process (``_docker/actions.py``).
 - Logs come from the Docker API: stdout and stderr kept apart (COMBINED: in arrival order), long
   lines joined back, ``since``/``until`` per line, a dropped follow stream resumed by timestamp.
 
@@ -53,6 +59,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -61,7 +68,12 @@ from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.schedulers._docker.actions import FollowUps, started_after
-from asynctorchx.schedulers._docker.cancel import abandoned_cancel, take_over_if_abandoned
+from asynctorchx.schedulers._docker.cancel import (
+    abandoned_cancel,
+    own_stops_owed,
+    take_over_if_abandoned,
+    turn,
+)
 from asynctorchx.schedulers._docker.engine import (
     DockerEngine,
     DockerEngineUnavailableError,
@@ -80,6 +92,7 @@ from asynctorchx.schedulers._docker.request import (
     KIND_LAUNCH_CANCELLED,
     KIND_LAUNCH_CLAIM,
     LABEL_APP_ID,
+    LABEL_CANCELLER,
     LABEL_KIND,
     LABEL_LAUNCHER,
     DockerJob,
@@ -173,12 +186,21 @@ class DockerScheduler(Scheduler[DockerJob]):
             self._tasks,
             on_change=self._notify,
             on_follow_up=self._reconciler.request,
+            on_connect=self._retry_owed,
             enabled=watch_events,
         )
         self._follow_ups = FollowUps(self._engine, self._events.app_containers)
         self._launcher = Launcher(self._engine, self._tasks)
         self._submits = CallsUnderWay()  # close() lets them finish
         self._launches: dict[str, CancelWatch] = {}  # the submits under way, by app id
+        # Clean-up an outage (or a refusal) cut off, done again by the app's follow-up once the
+        # engine answers (see ``_settle_owed``): failed submits to purge (the job, and whether
+        # it had begun creating things: else only its claim is to go), by app id; cancels of
+        # this process whose stops failed, with when they failed; follow-ups cut off.
+        self._owed_purges: dict[str, tuple[DockerJob, bool]] = {}
+        self._owed_stops: dict[str, float] = {}
+        self._owed_looks: set[str] = set()
+        self._owed_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # one settler per app
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -257,6 +279,8 @@ class DockerScheduler(Scheduler[DockerJob]):
             raise DockerSchedulerError(
                 f"app {job.app_id!r} is being submitted already; a dry run can be scheduled only once"
             )
+        if job.app_id in self._owed_purges:  # this dry run failed before: clean up first
+            await finish_shielded(self._tasks, self._settle_owed(job.app_id), f"purge:{job.app_id}")
         watch = self._launches[job.app_id] = CancelWatch(self._engine, job.app_id)
         try:
             with self._submits.one():
@@ -292,15 +316,40 @@ class DockerScheduler(Scheduler[DockerJob]):
         except ClaimTakenError:
             raise  # the claim is another launch's
         except BaseException:
-            unclaim = self._launcher.unclaim(job)
-            await finish_shielded(self._tasks, unclaim, f"unclaim:{job.app_id}")
+            await self._clean_up_failed(job, created=False)
             raise
         try:
             return await self._launcher.launch(job, watch)
         except BaseException:
-            purge = self._launcher.purge(job.app_id, job.network_request)
-            await finish_shielded(self._tasks, purge, f"purge:{job.app_id}")
+            await self._clean_up_failed(job, created=True)
             raise
+
+    async def _clean_up_failed(self, job: DockerJob, *, created: bool) -> None:
+        """Removes what a failed submit made: everything of the app once it had begun creating
+        things (``created``), else its launch claim; runs to its end even if the caller is
+        cancelled. When that fails (the engine cannot be reached), the clean-up is owed: done
+        again once the engine answers (``_settle_owed``), and the app reads unknown meanwhile.
+        """
+
+        async def clean_up() -> None:
+            try:
+                await self._purge(job, created=created)
+            except Exception as e:
+                self._owed_purges[job.app_id] = (job, created)
+                logger.warning(
+                    "cleaning up after the failed submit of %s failed (%s); done once the "
+                    "engine answers again",
+                    job.app_id,
+                    e,
+                )
+
+        await finish_shielded(self._tasks, clean_up(), f"purge:{job.app_id}")
+
+    async def _purge(self, job: DockerJob, *, created: bool) -> None:
+        if created:
+            await self._launcher.purge(job.app_id, job.network_request)
+        else:
+            await self._launcher.unclaim(job)
 
     async def _checks(self, dryrun_info: AppDryRunInfo[DockerJob]) -> None:
         """The workspace image (built unless its tag exists), then ``Launcher.preflight``."""
@@ -322,12 +371,17 @@ class DockerScheduler(Scheduler[DockerJob]):
         self._check_open()
         asked = list(dict.fromkeys(app_ids))
         ids = [app_id for app_id in asked if is_app_id(app_id)]  # others cannot name a container
+        failed = [app_id for app_id in ids if self._failed_submit(app_id)]
+        for app_id in failed:  # unknown, as once purged; its purge is tried again
+            self._reconciler.request(app_id)
+        ids = [app_id for app_id in ids if app_id not in failed]
         if not ids:
             return dict.fromkeys(asked)
         groups = self._events.snapshot(ids)
         if groups is None:
             listed = await self._events.containers(ids[0] if len(ids) == 1 else None, for_apps=ids)
             groups = group_by_app(listed)
+            self._engine_answered()
         out: dict[str, DescribeAppResponse | None] = {}
         found: list[Assessment] = []
         for app_id in ids:
@@ -368,6 +422,12 @@ class DockerScheduler(Scheduler[DockerJob]):
                 )
         return {app_id: out.get(app_id) for app_id in asked}
 
+    def _failed_submit(self, app_id: str) -> bool:
+        """True for an app whose submit failed here once it had made things, which are still to
+        be removed (its purge is owed): it is unknown, as it will be once they are."""
+        owed = self._owed_purges.get(app_id)
+        return owed is not None and owed[1]
+
     async def _being_launched(self, app_ids: list[str]) -> dict[str, str]:
         """Those of ``app_ids`` (apps Docker has no container of) being submitted, by this
         process or by another (see ``_launch_claims``), with the kind of their volume."""
@@ -399,21 +459,28 @@ class DockerScheduler(Scheduler[DockerJob]):
         """True when Docker has a container of the app (or this process removed them), or the
         app is being submitted (by this process, or by another: its launch claim is there)."""
         self._check_open()
-        return is_app_id(app_id) and (
-            app_id in self._launches
-            or bool(await self._events.containers(app_id))
-            or self._follow_ups.removed(app_id) is not None
-            or bool(await self._launch_claims([app_id]))
-            # its launch may have made them, then removed its claim, between the two listings
-            or bool(await self._events.containers(app_id))
+        return (
+            is_app_id(app_id)
+            and not self._failed_submit(app_id)
+            and (
+                app_id in self._launches
+                or bool(await self._events.containers(app_id))
+                or self._follow_ups.removed(app_id) is not None
+                or bool(await self._launch_claims([app_id]))
+                # its launch may have made them, then removed its claim, between the two listings
+                or bool(await self._events.containers(app_id))
+            )
         )
 
     async def _launch_claims(self, app_ids: Sequence[str]) -> dict[str, str]:
         """Those of ``app_ids`` whose launch claim (``KIND_LAUNCH_CLAIM``), or the record a cancel
         left in its place (``KIND_LAUNCH_CANCELLED``, once the claim is gone), is there and whose
         launcher is not known to be gone (asked only for apps Docker has no container of: a
-        launch that has not created them yet, see ``CancelWatch``)."""
-        wanted = set(app_ids)
+        launch that has not created them yet, see ``CancelWatch``). The claim of a submit that
+        failed here, whose removal is owed, names no launch."""
+        wanted = set(app_ids).difference(self._owed_purges)
+        if not wanted:
+            return {}
         label = f"{LABEL_APP_ID}={app_ids[0]}" if len(app_ids) == 1 else LABEL_APP_ID
         out: dict[str, str] = {}
         volumes = await self._engine.list_volumes(label)
@@ -435,9 +502,11 @@ class DockerScheduler(Scheduler[DockerJob]):
         """Every app with containers on this engine (any session), from one listing."""
         self._check_open()
         out = []
-        for app_id, containers in group_by_app(await self._events.containers()).items():
+        listed = await self._events.containers()
+        self._engine_answered()
+        for app_id, containers in group_by_app(listed).items():
             a = assess(app_id, containers)
-            if a is None:
+            if a is None or self._failed_submit(app_id):
                 continue
             session = a.session or self.session_name
             handle = make_app_handle(self.backend, session, app_id)
@@ -459,6 +528,23 @@ class DockerScheduler(Scheduler[DockerJob]):
         return unsubscribe
 
     async def _follow_up(self, app_id: str) -> None:
+        """The app's follow-up (the ``Reconciler``'s work): what an outage left owed first, then
+        what its containers say it is owed (even if the first failed); cut off by an outage, it
+        is owed itself."""
+        errors: list[Exception] = []
+        for step in (self._settle_owed, self._look_at):
+            try:
+                await step(app_id)
+            except Exception as e:
+                errors.append(e)
+        if any(isinstance(e, DockerEngineUnavailableError) for e in errors):
+            self._owed_looks.add(app_id)
+        else:
+            self._owed_looks.discard(app_id)
+        if errors:
+            raise errors[0]
+
+    async def _look_at(self, app_id: str) -> None:
         a = await self._follow_ups.run(app_id)
         if a is not None and await take_over_if_abandoned(self._engine, a):
             logger.info("finished the cancel of %s: its canceller had exited", app_id)
@@ -466,6 +552,78 @@ class DockerScheduler(Scheduler[DockerJob]):
             a is not None and any(c.launcher_gone for c in a.containers)
         ):
             await self._launcher.clear_dead(app_id, has_containers=a is not None)
+
+    # -- clean-up owed after an outage -----------------------------------------------------------
+
+    def _retry_owed(self) -> None:
+        """Asks for the follow-up of every app owed a clean-up (the engine answers again)."""
+        for app_id in dict.fromkeys([*self._owed_purges, *self._owed_stops, *self._owed_looks]):
+            self._reconciler.request(app_id)
+
+    def _engine_answered(self) -> None:
+        """A listing succeeded: without the event stream to say that the engine is back, the
+        owed clean-ups are tried again now."""
+        if not self._events.live:
+            self._retry_owed()
+
+    @contextlib.asynccontextmanager
+    async def _owed_turn(self, app_id: str) -> AsyncIterator[None]:
+        """Held while settling what ``app_id`` is owed: one settler at a time per app."""
+        lock, users = self._owed_locks.get(app_id, (asyncio.Lock(), 0))
+        self._owed_locks[app_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._owed_locks[app_id]
+            if users > 1:
+                self._owed_locks[app_id] = (lock, users - 1)
+            else:
+                del self._owed_locks[app_id]
+
+    async def _settle_owed(self, app_id: str) -> None:
+        """Does the clean-up an outage cut off for ``app_id``, if one is owed: the purge of its
+        failed submit, the stops of this process's cancel. Idempotent.
+
+        Raises:
+            DockerSchedulerError: it failed again (it stays owed).
+        """
+        if app_id not in self._owed_purges and app_id not in self._owed_stops:
+            return
+        async with self._owed_turn(app_id):
+            owed = self._owed_purges.get(app_id)
+            if owed is not None:
+                job, created = owed
+                await self._purge(job, created=created)
+                del self._owed_purges[app_id]
+                logger.info("removed what the failed submit of %s had left", app_id)
+                self._notify(app_id)
+            failed_at = self._owed_stops.get(app_id)
+            if failed_at is not None:
+                try:
+                    await self._finish_stops(app_id, failed_at)
+                except DockerSchedulerError:
+                    self._owed_stops[app_id] = time.monotonic()  # its stops may have gone out
+                    raise
+                del self._owed_stops[app_id]
+                logger.info("finished the cancel of %s", app_id)
+
+    async def _finish_stops(self, app_id: str, failed_at: float) -> None:
+        """Finishes this process's cancel of ``app_id`` whose stops failed at ``failed_at``:
+        stops what its marker's maker owes (``own_stops_owed``), or, when the marker was never
+        made, cancels from the start; an app that has ended, or whose marker another process
+        made, is left alone."""
+        a = assess(app_id, await self._events.containers(app_id))
+        if a is None or is_terminal(a.response.state):
+            return
+        markers = [c for c in a.containers if c.is_marker]
+        if not markers:
+            await self._mark_and_stop(app_id, a)
+            return
+        first = min(markers, key=turn)
+        if first.labels.get(LABEL_CANCELLER) != process_identity():
+            return  # another process's cancel: the stops are its own
+        await self._stop_containers(app_id, await own_stops_owed(self._engine, a, first, failed_at))
 
     # -- cancel ---------------------------------------------------------------------------------
 
@@ -480,6 +638,9 @@ class DockerScheduler(Scheduler[DockerJob]):
         it will create nothing but the cancel marker, and this returns at once; already creating
         its containers, this waits for the launch to stop (it starts nothing more) first. An app
         another process is submitting is marked, so that its launch stops likewise.
+
+        Stops cut off by an outage (DockerEngineUnavailableError) are owed: finished by the app's
+        follow-up once the engine answers, or by cancelling again (``_settle_owed``).
         """
         self._check_open()
         watch = self._launches.get(app_id)
@@ -488,7 +649,17 @@ class DockerScheduler(Scheduler[DockerJob]):
             if not watch.launching:
                 return
             await watch.done.wait()
-        await finish_shielded(self._tasks, self._stop_app(app_id), f"cancel:{app_id}")
+
+        async def stop() -> Exception | None:  # its error is raised here, not logged as a task's
+            try:
+                await self._stop_app(app_id)
+            except Exception as e:
+                return e
+            return None
+
+        error = await finish_shielded(self._tasks, stop(), f"cancel:{app_id}")
+        if error is not None:
+            raise error
 
     async def _stop_app(self, app_id: str) -> None:
         a = assess(app_id, await self._events.containers(app_id))
@@ -503,27 +674,50 @@ class DockerScheduler(Scheduler[DockerJob]):
             return
         if any(c.is_marker for c in a.containers):
             # Its canceller stops them (a second SIGTERM would run their handler again), unless
-            # it died before it could.
-            await take_over_if_abandoned(self._engine, a)
+            # it died before it could, or it is this process and an outage cut its stops off.
+            if app_id in self._owed_stops:
+                await self._settle_owed(app_id)
+            else:
+                await take_over_if_abandoned(self._engine, a)
             self._notify(app_id)
             return
+        await self._mark_and_stop(app_id, a)
+
+    async def _mark_and_stop(self, app_id: str, a: Assessment) -> None:
+        """Makes the app's cancel marker, then stops the containers it owes (those started
+        before it). A failure from the marker on leaves the stops owed (``_settle_owed``)."""
         marker = cancel_marker(
             app_id, a.name, a.session, a.containers[0].image, canceller=process_identity()
         )
-        made = await self._engine.create_container(
-            marker.config, marker.name, what=f"marking {app_id} as cancelled", exist_ok=True
-        )
-        if made is None:  # another canceller made it first: the stops are its to do
-            self._notify(app_id)
-            return
-        # Listed again after the marker: a launch under way looks for the marker after its
-        # starts, so a container it started before the marker is in this listing (those
-        # started after it are the launch's to stop: see ``started_after``).
-        a = assess(app_id, await self._events.containers(app_id))
-        alive = [c.id for c in (a.containers if a else []) if c.alive and not c.is_marker]
-        if alive:
-            after = await started_after(self._engine, made, alive)
-            alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
+        try:
+            made = await self._engine.create_container(
+                marker.config, marker.name, what=f"marking {app_id} as cancelled", exist_ok=True
+            )
+            if made is None:  # another canceller made it first: the stops are its to do
+                self._notify(app_id)
+                return
+            # Listed again after the marker: a launch under way looks for the marker after its
+            # starts, so a container it started before the marker is in this listing (those
+            # started after it are the launch's to stop: see ``started_after``).
+            listed = assess(app_id, await self._events.containers(app_id))
+            alive = [
+                c.id for c in (listed.containers if listed else []) if c.alive and not c.is_record
+            ]
+            if alive:
+                after = await started_after(self._engine, made, alive)
+                alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
+            await self._stop_containers(app_id, alive)
+        except DockerSchedulerError:
+            self._owed_stops[app_id] = time.monotonic()
+            raise
+
+    async def _stop_containers(self, app_id: str, alive: Sequence[str]) -> None:
+        """Stops ``alive`` (containers of a cancelled app this process owes a stop), and waits
+        until the engine has recorded their exits.
+
+        Raises:
+            DockerSchedulerError: a stop failed (the first failure, naming the app).
+        """
         results = await asyncio.gather(
             *(self._engine.stop_container(c) for c in alive), return_exceptions=True
         )
@@ -582,7 +776,15 @@ class DockerScheduler(Scheduler[DockerJob]):
             return
         self._closed = True
         await self._submits.finished(_CLOSE_GRACE)
+        self._retry_owed()  # a last try at what an outage left owed
         await self._reconciler.drain(_CLOSE_GRACE)
+        left = sorted({*self._owed_purges, *self._owed_stops})
+        if left:
+            logger.warning(
+                "closing with clean-ups an engine outage left undone (apps %s): a failed "
+                "submit's containers, network or claim, or a cancel's stops",
+                ", ".join(left),
+            )
         await self._tasks.aclose()
         await self._engine.close()
 

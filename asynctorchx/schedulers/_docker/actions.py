@@ -6,6 +6,11 @@ does what is still owed: stop containers, recreate the replicas of a retry, remo
 network or (``remove_finished``) its containers. Each action is
 idempotent; a retry, a removal and a network removal are remembered once done, so that events that
 keep coming for an app (its containers being removed) do not repeat them.
+
+A retry the engine refuses (not an outage: the app's network was removed behind our back, its
+image is gone...) cannot be made by anyone: it is recorded on the engine
+(``request.retry_failed_record``), which fails the app for every process, and the app's other
+replicas are stopped. A retry cut off by an outage is left owed, and made once the engine answers.
 """
 
 from __future__ import annotations
@@ -18,9 +23,18 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from asynctorchx.logs._timestamps import parse_rfc3339_ns
-from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
+from asynctorchx.schedulers._docker.engine import (
+    DockerEngine,
+    DockerEngineUnavailableError,
+    DockerSchedulerError,
+)
 from asynctorchx.schedulers._docker.processes import process_identity
-from asynctorchx.schedulers._docker.request import LABEL_APP_ID, LABEL_LAUNCHER, marker_name
+from asynctorchx.schedulers._docker.request import (
+    LABEL_APP_ID,
+    LABEL_LAUNCHER,
+    marker_name,
+    retry_failed_record,
+)
 from asynctorchx.schedulers._docker.state import (
     Assessment,
     ContainerInfo,
@@ -36,6 +50,10 @@ from asynctorchx.schedulers.api import DescribeAppResponse
 logger = logging.getLogger(__name__)
 
 _REMEMBERED_APPS = 1000
+
+
+class RetryRefusedError(DockerSchedulerError):
+    """Raised when the engine refuses a ROLE/APPLICATION retry (not an outage): it cannot be made."""
 
 
 class FollowUps:
@@ -82,7 +100,11 @@ class FollowUps:
         ]
         for action in a.actions:
             if isinstance(action, RetryReplicas):
-                await self._once(("retry", app_id, str(action.attempt)), self._retry(a, action))
+                try:
+                    await self._once(("retry", app_id, str(action.attempt)), self._retry(a, action))
+                except RetryRefusedError as e:
+                    await self._fail_retry(a, action, e)
+                    break  # the app has failed: nothing else it was owed holds
             elif isinstance(action, RemoveApp):
                 self._remember_removed(a.response)
                 await self._once(("remove", app_id), self._remove_app(app_id, action))
@@ -108,6 +130,10 @@ class FollowUps:
 
         A container of that attempt that exists already (made by another process, or an earlier
         round) is left as it is.
+
+        Raises:
+            RetryRefusedError: the engine refused it (the containers it made but could not start
+                are removed first); an outage raises DockerEngineUnavailableError instead.
         """
         await asyncio.gather(
             *(self._kill_quietly(c.id) for c in retry.olds if c.alive), return_exceptions=True
@@ -116,18 +142,30 @@ class FollowUps:
         for old in retry.olds:
             info = await self._engine.inspect_container(old.id)
             if info is None:
-                raise DockerSchedulerError(f"container {old.name} of the retried replica is gone")
+                raise RetryRefusedError(f"container {old.name} of the retried replica is gone")
             config = recreate_config(info, retry.attempt)
             config["Labels"][LABEL_LAUNCHER] = process_identity()  # it starts them, not the first
             configs.append((old, config))
         started: list[str] = []
-        for old, config in configs:
-            what = f"retrying role {old.role!r} replica {old.replica_id}"
-            name = f"{old.hostname}-r{retry.attempt}"
-            cid = await self._engine.create_container(config, name, what=what, exist_ok=True)
-            if cid is not None:
-                await self._engine.start_container(cid, what=what)
-                started.append(cid)
+        unstarted: list[str] = []
+        try:
+            for old, config in configs:
+                what = f"retrying role {old.role!r} replica {old.replica_id}"
+                name = f"{old.hostname}-r{retry.attempt}"
+                cid = await self._engine.create_container(config, name, what=what, exist_ok=True)
+                if cid is not None:
+                    unstarted.append(cid)
+                    await self._engine.start_container(cid, what=what)
+                    unstarted.remove(cid)
+                    started.append(cid)
+        except DockerEngineUnavailableError:
+            raise
+        except DockerSchedulerError as e:
+            # Never to be started: a created replica of a live launcher would read PENDING.
+            await asyncio.gather(
+                *(self._engine.remove_container(c) for c in unstarted), return_exceptions=True
+            )
+            raise RetryRefusedError(str(e)) from None
         logger.info(
             "app %s: retry attempt %d started %d replica(s)",
             a.response.app_id,
@@ -139,6 +177,39 @@ class FollowUps:
         if started and await self._engine.inspect_container(marker) is not None:
             late = await started_since(self._engine, marker, started)
             await asyncio.gather(*(self._engine.stop_container(c) for c in late))
+
+    async def _fail_retry(self, a: Assessment, retry: RetryReplicas, err: Exception) -> None:
+        """Records a retry the engine refused (the app reads FAILED, saying why, from then on in
+        every process) and stops the app's replicas still alive; a cancel made meanwhile leaves
+        the stops to its canceller.
+
+        Raises:
+            DockerSchedulerError: the record or a stop failed (the follow-up is asked again).
+        """
+        app_id = a.response.app_id
+        roles = ", ".join(dict.fromkeys(repr(old.role) for old in retry.olds)) or "?"
+        reason = f"retry attempt {retry.attempt} (role {roles}) could not be made: {err}"
+        image = await self._image_of(a, retry)
+        record = retry_failed_record(app_id, a.name, a.session, image, reason=reason)
+        what = f"recording the failed retry of {app_id}"
+        if await self._engine.create_container(
+            record.config, record.name, what=what, exist_ok=True
+        ):
+            logger.warning("app %s failed: %s", app_id, reason)
+        if await self._engine.inspect_container(marker_name(app_id)) is not None:
+            return  # cancelled: its canceller stops them
+        alive = [c.id for c in a.containers if c.alive and not c.is_record]
+        await asyncio.gather(*(self._engine.stop_container(c) for c in alive))
+
+    async def _image_of(self, a: Assessment, retry: RetryReplicas) -> str:
+        """An image to make app ``a``'s failed-retry record from: the id of the image a replica
+        was made from (there as long as the replica is, even if its tag was removed, which may
+        be why the retry was refused), else the image it names."""
+        for c in [*retry.olds, *(c for c in a.containers if not c.is_record)]:
+            info = await self._engine.inspect_container(c.id)
+            if info is not None and info.get("Image"):
+                return str(info["Image"])
+        return a.containers[0].image
 
     async def _kill_quietly(self, cid: str) -> None:
         with contextlib.suppress(DockerSchedulerError):

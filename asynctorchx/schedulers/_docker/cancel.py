@@ -14,11 +14,17 @@ A canceller may have died after asking the engine to stop them: the engine goes 
 process that finds the canceller gone first waits out that stop timeout (the canceller died
 before it was found gone, so any stop it asked for ends by then) and stops only the containers
 still running after it: a container is never signalled again while its handler runs.
+
+A canceller that lives but whose stops were cut off (the engine unreachable meanwhile) finishes
+them once the engine answers again (``own_stops_owed``): the stop requests it sent may have
+reached the engine, so it too waits out their stop timeout, counted from the failure, and stops
+only the containers still running then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from asynctorchx.schedulers._docker.actions import started_after
@@ -90,6 +96,27 @@ async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
         return False
     await asyncio.gather(*(engine.stop_container(c) for c in owed))
     return True
+
+
+async def own_stops_owed(
+    engine: DockerEngine, a: Assessment, marker: ContainerInfo, failed_at: float
+) -> list[str]:
+    """The containers of app ``a`` that this process, the maker of its cancel ``marker``, still
+    owes a stop after its stops failed at ``failed_at`` (``time.monotonic()``): those started
+    before the marker that still run once any stop request that reached the engine has ended
+    (their stop timeout after the failure; the wait is over at once after a long outage).
+    """
+    alive = [c.id for c in a.containers if c.alive and not c.is_record]
+    later = await started_after(engine, marker.id, alive)
+    owed = [c for c, after in zip(alive, later, strict=True) if after is not True]
+    if not owed:
+        return []
+    infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
+    ends = failed_at + max(_stop_timeout(info) for info in infos) + STOP_SLACK
+    if ends > time.monotonic():
+        await asyncio.sleep(ends - time.monotonic())
+        infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
+    return [c for c, info in zip(owed, infos, strict=True) if _running(info)]
 
 
 def _stop_timeout(info: dict[str, Any] | None) -> float:

@@ -11,6 +11,9 @@ stream is resumed from the last event's time, so no event is missed. Each event 
   connection, for every app that already owes one (it ended while nobody watched). Status reads
   never ask for follow-ups.
 
+Each (re)connection also calls ``on_connect``: the engine answers again, so the clean-ups an
+outage cut off (the scheduler's owed purges and stops) can be done now.
+
 Docker announces an exit (``die``, with the exit code) ~0.1 s before its listing shows it, so the
 exit is taken from the event (``with_exits_seen``). While the stream stays connected, the last
 listing of an app whose only news since is an exit stands in for a new listing (``snapshot``): a
@@ -31,7 +34,12 @@ from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
 from asynctorchx.schedulers._docker.frames import format_api_time
 from asynctorchx.schedulers._docker.processes import dead_launches, with_launchers_judged
-from asynctorchx.schedulers._docker.request import KIND_CANCEL_MARKER, LABEL_APP_ID, LABEL_KIND
+from asynctorchx.schedulers._docker.request import (
+    KIND_CANCEL_MARKER,
+    KIND_RETRY_FAILED,
+    LABEL_APP_ID,
+    LABEL_KIND,
+)
 from asynctorchx.schedulers._docker.state import (
     ContainerInfo,
     assess,
@@ -64,6 +72,7 @@ class EventFeed:
         tasks: the scheduler's supervisor (owns the feed's task and its short follow-up reads).
         on_change: called with an app id whenever Docker reports a change of one of its containers.
         on_follow_up: called with an app id that may owe a follow-up (an exit, a removal).
+        on_connect: called each time the stream (re)connects: the engine answers (again).
         enabled: follow the events at all (off: listings only, and ``wait_app`` just sleeps).
     """
 
@@ -74,12 +83,14 @@ class EventFeed:
         *,
         on_change: Callable[[str], None],
         on_follow_up: Callable[[str], None],
+        on_connect: Callable[[], None] | None = None,
         enabled: bool = True,
     ) -> None:
         self._engine = engine
         self._tasks = tasks
         self._on_change = on_change
         self._on_follow_up = on_follow_up
+        self._on_connect = on_connect
         self._enabled = enabled
         self._task: asyncio.Task[None] | None = None
         self._ready: asyncio.Event | None = None
@@ -136,6 +147,8 @@ class EventFeed:
                     self._set_live(True)
                     warned = False
                     self._catch_up()
+                    if self._on_connect is not None:
+                        self._on_connect()
                     try:
                         async for event in events:
                             since = _resume_time(event) or since
@@ -195,7 +208,11 @@ class EventFeed:
             self._invalidate(app_id)
             if action in ("start", "restart", "destroy"):
                 self._died.pop(cid, None)
-        cancelled = action == "create" and attrs.get(LABEL_KIND) == KIND_CANCEL_MARKER
+        # A cancel, or a retry that could not be made: the app's live replicas are to be stopped.
+        cancelled = action == "create" and attrs.get(LABEL_KIND) in (
+            KIND_CANCEL_MARKER,
+            KIND_RETRY_FAILED,
+        )
         if cancelled:  # a replica that started before this event may still be alive
             self._note_failed(app_id)
         follow_up = (

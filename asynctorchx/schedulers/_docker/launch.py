@@ -3,7 +3,8 @@
 Everything is checked before anything is created (images, pulled when missing; named volumes; an
 existing network; the CPUs asked for against the engine's), so bad input leaves nothing behind. A
 failure after that removes whatever was created for the app (``purge``), shielded from the caller's
-cancellation: a failed submit leaves nothing running.
+cancellation: a failed submit leaves nothing running. A purge the engine's outage cut off is owed
+by the scheduler, which does it again once the engine answers (see ``DockerScheduler``).
 """
 
 from __future__ import annotations
@@ -396,20 +397,28 @@ class Launcher:
         await self._engine.start_container(cid, what=what)
 
     async def purge(self, app_id: str, network: NetworkRequest | None) -> None:
-        """Removes every container of the app (its own network, its launch claim). Errors are
-        logged."""
-        try:
-            containers = await self._engine.list_containers(f"{LABEL_APP_ID}={app_id}")
-            await asyncio.gather(
-                *(self._engine.remove_container(str(c.get("Id", ""))) for c in containers),
-                return_exceptions=True,
-            )
-            if network is not None:
-                await remove_networks(self._engine, app_id)
-            await self._engine.remove_volume(claim_name(app_id))
-            await self._engine.remove_volume(cancel_record_name(app_id))
-        except Exception:
-            logger.exception("cleaning up after the failed submit of %s", app_id)
+        """Removes every container of the app (its own network, its launch claim). Idempotent.
+
+        Raises:
+            DockerSchedulerError: something could not be removed (the engine cannot be reached,
+                say); what could be was removed, and doing it again finishes the rest.
+        """
+        containers = await self._engine.list_containers(f"{LABEL_APP_ID}={app_id}")
+        removed = await asyncio.gather(
+            *(self._engine.remove_container(str(c.get("Id", ""))) for c in containers),
+            return_exceptions=True,
+        )
+        failures = [r for r in removed if isinstance(r, Exception)]
+        if network is not None and not failures:  # else containers may still hold it
+            await remove_networks(self._engine, app_id)
+        await _gather_all(
+            [
+                self._engine.remove_volume(claim_name(app_id)),
+                self._engine.remove_volume(cancel_record_name(app_id)),
+            ]
+        )
+        if failures:
+            raise failures[0]
 
 
 async def _until_joined(

@@ -55,11 +55,14 @@ LABEL_LAUNCHER = LABEL_PREFIX + "launcher"
 LABEL_LAUNCH_TOKEN = LABEL_PREFIX + "launch-token"
 #: on a cancel marker: 1 for the first, n + 1 for the one that took over from a dead canceller n
 LABEL_CANCEL_TURN = LABEL_PREFIX + "cancel-turn"
+#: on a failed-retry record: why the retry could not be made
+LABEL_REASON = LABEL_PREFIX + "reason"
 
 KIND_REPLICA = "replica"
 KIND_CANCEL_MARKER = "cancel-marker"
 KIND_LAUNCH_CLAIM = "launch-claim"
 KIND_LAUNCH_CANCELLED = "launch-cancelled"
+KIND_RETRY_FAILED = "retry-failed"
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 DEFAULT_BRIDGE = "bridge"
@@ -618,6 +621,43 @@ def cancel_marker(
     }
     name = marker_name(app_id) + (f"-{turn}" if turn > 1 else "")
     return ContainerRequest(name=name, role="", replica_id=-1, config=config)
+
+
+#: the most of an engine's message a failed-retry record keeps
+_REASON_MAX = 1000
+
+
+def retry_failed_record(
+    app_id: str, app_name: str, session: str, image: str, *, reason: str
+) -> ContainerRequest:
+    """The never-started container that records, for every process, that a ROLE/APPLICATION
+    retry of app ``app_id`` could not be made (the engine refused it): the app is FAILED then,
+    ``reason`` says why, and its other replicas are to be stopped.
+
+    Like the cancel marker it carries the app's labels with a kind of its own, runs nothing and
+    joins no network (the app's may be what is gone); its name is fixed per app, so that of
+    several processes following the app, one makes it.
+    """
+    config = {
+        "Image": image,
+        "Entrypoint": ["true"],
+        "Cmd": [],
+        "Labels": {
+            LABEL_APP_ID: app_id,
+            LABEL_APP_NAME: app_name,
+            LABEL_SESSION: session,
+            LABEL_KIND: KIND_RETRY_FAILED,
+            LABEL_REASON: reason[:_REASON_MAX],
+            LABEL_VERSION: __version__,
+        },
+        "HostConfig": {"NetworkMode": "none"},
+    }
+    return ContainerRequest(name=retry_failed_name(app_id), role="", replica_id=-1, config=config)
+
+
+def retry_failed_name(app_id: str) -> str:
+    """The name of the container that records a retry of app ``app_id`` that could not be made."""
+    return f"{app_id}-retry-failed"
 
 
 #: What Docker takes as a container name; every container of an app is named ``{app_id}-...``.

@@ -19,6 +19,7 @@ from typing import Any
 
 from asynctorchx.schedulers._docker.request import (
     KIND_CANCEL_MARKER,
+    KIND_RETRY_FAILED,
     LABEL_APP_ID,
     LABEL_APP_NAME,
     LABEL_ATTEMPT,
@@ -26,6 +27,7 @@ from asynctorchx.schedulers._docker.request import (
     LABEL_KIND,
     LABEL_MAX_RETRIES,
     LABEL_NETWORK,
+    LABEL_REASON,
     LABEL_REMOVE_FINISHED,
     LABEL_REPLICA_ID,
     LABEL_RETRY_POLICY,
@@ -81,7 +83,19 @@ class ContainerInfo:
 
     @property
     def is_marker(self) -> bool:
+        """A cancel marker (see ``request.cancel_marker``)."""
         return self.labels.get(LABEL_KIND) == KIND_CANCEL_MARKER
+
+    @property
+    def is_retry_failure(self) -> bool:
+        """The record of a retry that could not be made (see ``request.retry_failed_record``)."""
+        return self.labels.get(LABEL_KIND) == KIND_RETRY_FAILED
+
+    @property
+    def is_record(self) -> bool:
+        """A never-started container that records something of the app, not a replica: a cancel
+        marker or a failed-retry record."""
+        return self.is_marker or self.is_retry_failure
 
     @property
     def role(self) -> str:
@@ -245,7 +259,7 @@ class Assessment:
 
 def role_shapes(containers: Iterable[ContainerInfo]) -> list[RoleShape]:
     """The app's roles, in order, read from the labels of its containers."""
-    replicas = [c for c in containers if not c.is_marker]
+    replicas = [c for c in containers if not c.is_record]
     order: list[tuple[str, int]] = []
     for c in replicas:
         try:
@@ -287,17 +301,20 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
     """The state of app ``app_id`` from its containers, or None when it has none (unknown app).
 
     Rules, in order: a cancelled app is CANCELLED once none of its containers is alive (RUNNING
-    until then); a replica its launcher died before starting fails the app; a replica that failed with no retry left fails the app (its live replicas are to be
-    stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
+    until then); a retry that could not be made (its record, see ``request.retry_failed_record``)
+    fails the app (its live replicas are to be stopped); a replica its launcher died before
+    starting fails the app; a replica that failed with no retry left fails the app (its live
+    replicas are to be stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
     the app RUNNING and asks for the retry; a replica whose container is gone once every replica
     has been started (removed by someone else: it will never end) fails the app; otherwise RUNNING
     if any replica runs, PENDING if all are created but not started, UNKNOWN when replicas are
     missing and nothing runs (``remove_finished`` removing them). The follow-up
     actions owed (``Assessment.actions``) come from ``follow_ups``.
     """
-    replicas = [c for c in containers if not c.is_marker]
+    replicas = [c for c in containers if not c.is_record]
     markers = [c for c in containers if c.is_marker]
-    if not replicas and not markers:
+    records = [c for c in containers if c.is_retry_failure]
+    if not replicas and not markers and not records:
         return None
     shapes = role_shapes(replicas)
     current: dict[tuple[str, int], ContainerInfo] = {}
@@ -305,8 +322,11 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
         key = (c.role, c.replica_id)
         if key not in current or c.attempt > current[key].attempt:
             current[key] = c
-    verdict = _verdict(shapes, current, replicas, bool(markers))
-    first = replicas[0] if replicas else markers[0]
+    retry_failure = (
+        (records[0].labels.get(LABEL_REASON) or "a retry could not be made") if records else None
+    )
+    verdict = _verdict(shapes, current, replicas, bool(markers), retry_failure)
+    first = replicas[0] if replicas else (markers or records)[0]
     response = DescribeAppResponse(
         app_id=app_id,
         state=verdict.state,
@@ -375,8 +395,10 @@ def _verdict(
     current: Mapping[tuple[str, int], ContainerInfo],
     replicas: list[ContainerInfo],
     cancelled: bool,
+    retry_failure: str | None = None,
 ) -> _Verdict:
-    """The app's state and message, the retry it asks for, and the live containers to stop."""
+    """The app's state and message, the retry it asks for, and the live containers to stop
+    (``retry_failure``: why a retry of the app could not be made, if one could not)."""
     states = {k: replica_state(c) for k, c in current.items()}
     missing = [
         (s.name, k) for s in shapes for k in range(s.num_replicas) if (s.name, k) not in current
@@ -390,6 +412,8 @@ def _verdict(
             "cancelling" if alive else "cancelled",
             to_stop=alive,
         )
+    if retry_failure is not None:  # nobody will make that retry: the app has failed
+        return _Verdict(AppState.FAILED, retry_failure, to_stop=alive)
     orphans = [k for k, c in current.items() if c.launcher_gone]
     if orphans:  # its launcher died before starting them: nobody will
         role, k = sorted(orphans, key=lambda rk: _role_order(shapes, rk))[0]
@@ -502,9 +526,9 @@ def restarted_by_docker(labels: Mapping[str, Any]) -> bool:
 
 
 def _settled(c: ContainerInfo) -> bool:
-    """True for a container that will not run (again) on its own: exited, dead, a marker, or
-    never started by a launcher that exited."""
-    return c.is_marker or c.launcher_gone or not (c.alive or c.state == "created")
+    """True for a container that will not run (again) on its own: exited, dead, a record (a
+    cancel marker, a failed retry's), or never started by a launcher that exited."""
+    return c.is_record or c.launcher_gone or not (c.alive or c.state == "created")
 
 
 def may_restart(labels: Mapping[str, Any], exit_code: int | None) -> bool:
