@@ -1331,3 +1331,29 @@ async def test_an_app_whose_launcher_was_killed_before_its_containers_is_unknown
         handle = f"local_docker://{docker_session}/{app_id}"
         cancel = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle)
     assert cancel.returncode != 0 and app_id in cancel.stderr
+
+
+async def test_a_replica_killed_for_memory_says_so(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """A replica the kernel kills for running past its memMB limit fails the app with a message
+    that says so, in this process and in another (it read "exit code 137", as a `docker kill`);
+    a replica that exits with 137 itself (as one killed by `docker kill` reads) does not."""
+    hog = sh(busybox_image, "tail /dev/zero", resource=Resource(cpu=1, gpu=0, memMB=16))
+    app_id = await docker_scheduler.submit(AppDef("hog", [hog]), {})
+    resp = await wait_for(docker_scheduler, app_id, timeout=60)
+    assert resp.state == AppState.FAILED
+    assert "exit code 137" in resp.msg and "out of memory" in resp.msg, resp.msg
+    other = DockerScheduler("someone-else", watch_events=False)
+    try:
+        seen = await other.describe(app_id)
+    finally:
+        await other.close()
+    assert seen is not None and seen.msg == resp.msg
+
+    killed = await docker_scheduler.submit(
+        AppDef("killed", [sh(busybox_image, "exit 137")]), {}
+    )
+    resp = await wait_for(docker_scheduler, killed, timeout=60)
+    assert resp.state == AppState.FAILED and "exit code 137" in resp.msg, resp.msg
+    assert "memory" not in resp.msg, resp.msg

@@ -149,6 +149,11 @@ logger = logging.getLogger(__name__)
 
 #: how long ``close`` waits for the follow-ups under way (a stop waits up to ``stop_timeout``)
 _CLOSE_GRACE = 30.0
+#: The exit code of a container killed by SIGKILL: by ``docker kill``, a stop's timeout, or the
+#: kernel's OOM killer (which only an inspect tells apart).
+OOM_EXIT = 137
+#: How many exited containers' OOM verdicts are remembered.
+_REMEMBERED_OOM = 4096
 
 
 class DockerScheduler(Scheduler[DockerJob]):
@@ -201,6 +206,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         self._owed_stops: dict[str, float] = {}
         self._owed_looks: set[str] = set()
         self._owed_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # one settler per app
+        self._oom_killed: dict[str, bool] = {}  # exited with 137: killed for memory? by id
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -390,7 +396,7 @@ class DockerScheduler(Scheduler[DockerJob]):
                 out[app_id] = self._follow_ups.removed(app_id)
             else:
                 found.append(assessment)
-        for assessment in await asyncio.gather(*(self._with_restart_counts(a) for a in found)):
+        for assessment in await asyncio.gather(*(self._with_inspections(a) for a in found)):
             out[assessment.response.app_id] = assessment.response
             if abandoned_cancel(assessment) or dead_launch(assessment):
                 # No event says that a process died: its follow-up finishes what it left.
@@ -437,21 +443,37 @@ class DockerScheduler(Scheduler[DockerJob]):
             here.update(await self._launch_claims(elsewhere))
         return here
 
-    async def _with_restart_counts(self, a: Assessment) -> Assessment:
-        """Adds Docker's restart counts for replicas that Docker restarts itself (REPLICA policy)."""
-        wanted = [c for c in a.current.values() if restarted_by_docker(c.labels)]
+    async def _with_inspections(self, a: Assessment) -> Assessment:
+        """Adds what only an inspect says: Docker's restart counts of replicas that Docker
+        restarts itself (REPLICA policy), and whether a replica that exited with 137 was killed
+        for running out of memory (once known, kept: an exited container does not change)."""
+        wanted = [
+            c
+            for c in a.current.values()
+            if restarted_by_docker(c.labels) or (c.exit_code == OOM_EXIT and c.state == "exited")
+        ]
         if not wanted:
             return a
 
-        async def count(c: ContainerInfo) -> ContainerInfo:
+        async def inspect(c: ContainerInfo) -> ContainerInfo:
+            known = self._oom_killed.get(c.id)
+            if known is not None and not restarted_by_docker(c.labels):
+                return dataclasses.replace(c, oom_killed=known)
             try:
                 info = await self._engine.inspect_container(c.id)
             except DockerSchedulerError:
                 return c
-            restarts = int((info or {}).get("RestartCount") or 0)
-            return dataclasses.replace(c, restart_count=restarts)
+            if info is None:
+                return c
+            oom = c.exit_code == OOM_EXIT and bool((info.get("State") or {}).get("OOMKilled"))
+            if c.exit_code == OOM_EXIT and c.state == "exited":
+                self._oom_killed[c.id] = oom
+                while len(self._oom_killed) > _REMEMBERED_OOM:
+                    del self._oom_killed[next(iter(self._oom_killed))]
+            restarts = int(info.get("RestartCount") or 0) if restarted_by_docker(c.labels) else -1
+            return dataclasses.replace(c, restart_count=restarts, oom_killed=oom)
 
-        updated = {c.id: c for c in await asyncio.gather(*(count(c) for c in wanted))}
+        updated = {c.id: c for c in await asyncio.gather(*(inspect(c) for c in wanted))}
         containers = [updated.get(c.id, c) for c in a.containers]
         return assess(a.response.app_id, containers) or a
 

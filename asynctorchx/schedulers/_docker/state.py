@@ -65,6 +65,8 @@ class ContainerInfo:
         restart_count: how often Docker's restart policy restarted it (-1 when not looked up).
         launcher_gone: never started, and the process that created it to start it has exited
             (see ``processes.with_launchers_judged``): nobody will start it.
+        oom_killed: the kernel killed it for running out of memory (``State.OOMKilled``, looked
+            up only for an exit code of 137, which ``docker kill`` gives too).
     """
 
     id: str
@@ -76,6 +78,7 @@ class ContainerInfo:
     created: int
     restart_count: int = -1
     launcher_gone: bool = False
+    oom_killed: bool = False
 
     @property
     def app_id(self) -> str:
@@ -436,8 +439,11 @@ def _verdict(
         )
     if failures:
         role, k = sorted(failures, key=lambda rk: _role_order(shapes, rk))[0]
-        code = current[(role, k)].exit_code
+        failed = current[(role, k)]
+        code = failed.exit_code
         msg = f"replica {role}/{k} failed" + (f" with exit code {code}" if code is not None else "")
+        if failed.oom_killed:
+            msg += ": killed for running out of memory (its memMB limit, or the host's)"
         return _Verdict(
             AppState.FAILED, msg, to_stop=to_stop + [c for c in alive if c not in to_stop]
         )
