@@ -1351,9 +1351,7 @@ async def test_a_replica_killed_for_memory_says_so(
         await other.close()
     assert seen is not None and seen.msg == resp.msg
 
-    killed = await docker_scheduler.submit(
-        AppDef("killed", [sh(busybox_image, "exit 137")]), {}
-    )
+    killed = await docker_scheduler.submit(AppDef("killed", [sh(busybox_image, "exit 137")]), {})
     resp = await wait_for(docker_scheduler, killed, timeout=60)
     assert resp.state == AppState.FAILED and "exit code 137" in resp.msg, resp.msg
     assert "memory" not in resp.msg, resp.msg
