@@ -51,6 +51,49 @@ async def test_many_lines_byte_exact(sched: LocalScheduler) -> None:
     assert got == [f"line {i:06d} " + "x" * (i % 50) + "\n" for i in range(200000)]
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["python-u", "block-buffered"])
+async def test_combined_never_mixes_the_lines_of_the_two_streams(
+    sched: LocalScheduler, unbuffered: bool
+) -> None:
+    """A Python replica printing to stdout and stderr (unbuffered, as training jobs often run,
+    or block-buffered, whose 8 KiB writes end inside lines): every line arrives whole in the
+    combined stream (lines such as 'out 214err 215' and a lone newline came out: a line cut
+    where its pipe was read and the other stream's line glued to it)."""
+    n, every = 20000, 1 if unbuffered else 50
+    code = (
+        "import sys\n"
+        f"for i in range({n}):\n"
+        "    print(f'out {i}')\n"
+        f"    if i % {every} == 0: print(f'err {{i}}', file=sys.stderr)\n"
+    )
+    role = Role(
+        "main",
+        image="x",
+        entrypoint=sys.executable,
+        args=[*(["-u"] if unbuffered else []), "-c", code],
+    )
+    app_id = await sched.submit(AppDef("logs", [role]), {})
+    assert (await wait_for(sched, app_id, timeout=60)).state == AppState.SUCCEEDED
+    expected = [f"out {i}\n" for i in range(n)] + [f"err {i}\n" for i in range(0, n, every)]
+    assert sorted(await read(sched, app_id)) == sorted(expected)
+
+
+async def test_the_unterminated_last_lines_of_both_streams_stay_apart(
+    sched: LocalScheduler,
+) -> None:
+    """Both streams end with a line without its newline, the first one shown (held) a while
+    before the second is written: two lines in the combined stream, not 'out-lasterr-last'."""
+    code = (
+        "import sys, time\n"
+        "sys.stdout.write('out-last'); sys.stdout.flush(); time.sleep(0.3)\n"
+        "sys.stderr.write('err-last'); sys.stderr.flush()\n"
+    )
+    app_id = await run_to_end(sched, py_app(code))
+    assert await read(sched, app_id) == ["out-last\n", "err-last"]
+    assert await read(sched, app_id, streams=Stream.STDOUT) == ["out-last"]
+
+
 async def test_long_line_progress_bar_and_bad_utf8(sched: LocalScheduler) -> None:
     """A 1 MB line is never split, \\r stays inside a line, invalid UTF-8 is replaced, a last partial line is kept."""
     code = (

@@ -174,7 +174,10 @@ async def test_missing_directory_or_file_yields_nothing(tmp_path: pathlib.Path) 
 
 
 async def test_a_read_returns_what_exists_while_the_writer_runs(tmp_path: pathlib.Path) -> None:
-    """Without follow, a log still being written is read up to its current end, partial line included."""
+    """Without follow, a log still being written is read up to its current end, partial line
+    included: the stream's own file at once, the combined one once the partial line has waited
+    its turn there (``_TAIL_WAIT``: it is held back so that the other stream's lines never land
+    inside it)."""
     child = Child(tmp_path)
     await child.start(
         "import sys; sys.stdout.write('one\\ntwo'); sys.stdout.flush(); sys.stdin.readline()",
@@ -183,7 +186,11 @@ async def test_a_read_returns_what_exists_while_the_writer_runs(tmp_path: pathli
     try:
         async for _ in iter_log_lines(tmp_path, follow=True, is_finished=child.finished):
             break
-        assert await read_all(tmp_path) == ["one\n", "two"]
+        assert await read_all(tmp_path, Stream.STDOUT) == ["one\n", "two"]
+        with anyio.fail_after(5):
+            while (combined := await read_all(tmp_path)) != ["one\n", "two"]:
+                assert combined == ["one\n"], combined
+                await asyncio.sleep(0.02)
     finally:
         await child.aclose()
 

@@ -295,3 +295,7 @@ async def test_both_streams_at_full_speed_lose_nothing(tmp_path: pathlib.Path) -
         parts[stream].append(combined[c_off : c_off + length])
     assert b"".join(parts[0]) == out
     assert b"".join(parts[1]) == err
+    # and no line of combined.log holds bytes of both streams, or half a line
+    assert sorted(combined.splitlines(keepends=True)) == sorted(
+        out.splitlines(keepends=True) + err.splitlines(keepends=True)
+    )

@@ -28,6 +28,10 @@ _READ_SIZE = 1 << 16
 _MAX_BATCH = 1 << 20
 _MAX_FINAL = 1 << 26
 _FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+#: An unterminated line is held back from ``combined.log`` (see ``_Tail``) until it is this long,
+_TAIL_MAX = 1 << 16
+#: or this old (seconds).
+_TAIL_WAIT = 0.2
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -148,15 +152,38 @@ class LogFiles:
         self.index_fd = -1
 
 
+class _Tail:
+    """A stream's unterminated last line, held back from ``combined.log`` (it is in the stream's
+    own file already) until its newline comes, so that the other stream's lines never land inside
+    it: where it starts in the stream's file, and its chunks with the time each was read (each
+    gets its own index record, as if written at once)."""
+
+    __slots__ = ("chunks", "size", "start", "timer")
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.chunks: list[tuple[int, bytes]] = []
+        self.size = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, now: int, data: bytes) -> None:
+        self.chunks.append((now, data))
+        self.size += len(data)
+
+
 class ReplicaLogWriter:
     """Owns one replica's log files; fed from pipes on the running event loop.
 
-    Every chunk read from an attached pipe is appended to the stream's file and to ``combined.log``,
-    after its record (time read, offsets, length) is appended to the timing index. Chunks are written
-    in the order they were read, so ``combined.log`` holds both streams in arrival order. (Two pipes
-    carry no timestamps: output written to both streams while the loop is busy elsewhere is ordered
-    chunk by chunk as it is read, the same for any reader of two pipes.) Nothing is dropped: the
-    pipes are read until EOF however much arrives. A writer can be reused for a restarted replica:
+    Every chunk read from an attached pipe is appended to the stream's file at once, and to
+    ``combined.log`` in whole lines: a chunk's unterminated last line (a pipe read ends anywhere) is
+    held back from ``combined.log`` until its newline comes, its stream ends, it outgrows 64 KiB or
+    it has waited 0.2 s (a prompt, a progress bar), so that no line of ``combined.log`` holds bytes
+    of both streams; a line given out unterminated is ended by a newline in ``combined.log`` before
+    another stream's bytes. Each chunk's record (time read, offsets, length) is appended to the
+    timing index before its bytes go to ``combined.log``. ``combined.log`` thus holds both streams
+    in arrival order, line by line. (Two pipes carry no timestamps: output written to both streams
+    while the loop is busy elsewhere is ordered as it is read, the same for any reader of two
+    pipes.) Nothing is dropped: the pipes are read until EOF however much arrives. A writer can be reused for a restarted replica:
     attach the new pipes, output is appended.
 
     Lazy files (``opener`` given): nothing is created until the first chunk is read, so a replica
@@ -236,6 +263,12 @@ class ReplicaLogWriter:
         self._on_files = on_files if opener is not None else None
         self._lost: dict[Stream, int] = {}
         self._unmarked: dict[Stream, int] = {}
+        #: each stream's unterminated last line, not in combined.log yet (see ``_Tail``)
+        self._tails: dict[Stream, _Tail] = {}
+        #: the stream whose unterminated line ends combined.log (given out by ``_flush_tail``),
+        #: and whether that stream has ended
+        self._open_line: Stream | None = None
+        self._line_ended = False
         self._loss_reason = ""
         _notify.add_writer(self._key, self)
         if files is not None:
@@ -481,35 +514,102 @@ class ReplicaLogWriter:
                 self._hold(stream, data)
         if eof:
             self._detach(fd)
-        if eof:
+            if stream not in self._fds.values():  # its line ends with its stream
+                self._flush_tail(stream, True)
             _notify.wake_key(self._key, Wake.EOF)
         elif chunks:
             _notify.wake_key(self._key, Wake.DATA, stream)
 
     def _append(self, stream: Stream, data: bytes, now: int = 0) -> None:
+        """Writes a chunk of ``stream`` read at ``now``: all of it to the stream's file at once,
+        and to ``combined.log`` in whole lines (see ``_Tail``), each piece after its index
+        record."""
         now = now or time.time_ns()
-        if now < self._last_ns:
-            now = self._last_ns
-        self._last_ns = now
-        try:
-            _write_all(
-                self._index_fd,
-                RECORD.pack(
-                    now,
-                    self._offsets[stream],
-                    self._offsets[Stream.COMBINED],
-                    len(data),
-                    STREAM_IDS[stream],
-                ),
+        tail = self._tails.get(stream)
+        cut = data.rfind(b"\n") + 1
+        if tail is None and cut == len(data):  # whole lines (the common case)
+            self._records(stream, self._offsets[stream], [(now, data)])
+            self._write_file(stream, data)
+            self._write_file(Stream.COMBINED, data)
+            return
+        if tail is None:
+            tail = _Tail(self._offsets[stream])
+        if not cut:  # no line ends here: the line goes on
+            self._write_file(stream, data)
+            self._hold_tail(stream, tail, now, data)
+            return
+        tail.add(now, data[:cut])
+        self._records(stream, tail.start, tail.chunks)
+        self._write_file(stream, data)
+        self._write_file(Stream.COMBINED, b"".join(d for _, d in tail.chunks))
+        self._drop_tail(stream)
+        if cut < len(data):
+            self._hold_tail(
+                stream, _Tail(self._offsets[stream] - (len(data) - cut)), now, data[cut:]
             )
+
+    def _hold_tail(self, stream: Stream, tail: _Tail, now: int, data: bytes) -> None:
+        """Adds ``data`` (in the stream's file already) to ``stream``'s unterminated line; a line
+        that outgrows ``_TAIL_MAX`` goes to ``combined.log`` as it comes, one held ``_TAIL_WAIT``
+        seconds goes there then (a prompt, a progress bar: readers see it)."""
+        tail.add(now, data)
+        if self._tails.get(stream) is not tail:
+            self._tails[stream] = tail
+            if self._loop is not None and not self._loop.is_closed():
+                tail.timer = self._loop.call_later(
+                    _TAIL_WAIT, self._flush_tail, stream, False, tail
+                )
+        if tail.size >= _TAIL_MAX:
+            self._flush_tail(stream, False)
+
+    def _drop_tail(self, stream: Stream) -> _Tail | None:
+        tail = self._tails.pop(stream, None)
+        if tail is not None and tail.timer is not None:
+            tail.timer.cancel()
+        return tail
+
+    def _records(self, stream: Stream, offset: int, chunks: list[tuple[int, bytes]]) -> None:
+        """Appends the index records of ``chunks`` of ``stream`` (its file's bytes from ``offset``
+        on, each chunk with the time it was read), going to ``combined.log`` next, after the
+        newline ending a line ``combined.log`` holds unterminated if that line is another stream's
+        or ended with its stream."""
+        if self._open_line is not None and (self._open_line is not stream or self._line_ended):
+            self._write_file(Stream.COMBINED, b"\n")  # (no line holds bytes of two streams)
+        self._open_line = None
+        sid = STREAM_IDS[stream]
+        combined = self._offsets[Stream.COMBINED]
+        packed = []
+        for now, data in chunks:
+            now = max(now, self._last_ns)
+            self._last_ns = now
+            packed.append(RECORD.pack(now, offset, combined, len(data), sid))
+            offset += len(data)
+            combined += len(data)
+        try:
+            _write_all(self._index_fd, packed[0] if len(packed) == 1 else b"".join(packed))
         except OSError as e:  # the timing of these bytes is lost, not the bytes
             self._note_loss(e)
             try:
                 _align_index(self._index_fd)
             except OSError:
                 pass
-        self._write_file(stream, data)
-        self._write_file(Stream.COMBINED, data)
+
+    def _flush_tail(self, stream: Stream, ended: bool, which: _Tail | None = None) -> None:
+        """Gives ``combined.log`` the unterminated line ``stream`` has held back (``which``, for
+        a timer: if it is still held): its stream ``ended`` (EOF, close), it outgrew
+        ``_TAIL_MAX`` or waited ``_TAIL_WAIT``. ``combined.log`` gets a newline after it before
+        the next bytes of another stream, or of any stream once its own has ended: the line is
+        cut there rather than continued by another's bytes."""
+        if which is not None and self._tails.get(stream) is not which:
+            return
+        tail = self._drop_tail(stream)
+        if tail is None or not self._files:
+            return
+        self._records(stream, tail.start, tail.chunks)
+        self._write_file(Stream.COMBINED, b"".join(d for _, d in tail.chunks))
+        self._open_line, self._line_ended = stream, ended
+        if which is not None:
+            _notify.wake_key(self._key, Wake.DATA, stream)
 
     def _write_file(self, target: Stream, data: bytes) -> None:
         if self._unmarked.get(target) and not self._write_marker(target):
@@ -599,6 +699,8 @@ class ReplicaLogWriter:
             self._drained.set()
         if self._open_failed:  # a last try: the files then say what was lost
             self._reopen()
+        for stream in list(self._tails):
+            self._flush_tail(stream, True)
         for target, n in list(self._unmarked.items()):
             if n and target in self._files:
                 self._write_marker(target)
