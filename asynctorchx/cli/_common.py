@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Coroutine, Iterable
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any
 
 from asynctorchx.cli._errors import CliError, ExitCode
@@ -76,10 +76,28 @@ _RELATIVE_ALL = re.compile(r"(?:\d+(?:\.\d+)?(?:ms|s|m|h|d|w))+", re.IGNORECASE)
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
+def local_time(value: datetime) -> datetime:
+    """The aware ``value`` as a naive local time naming the same instant.
+
+    ``fold`` is set in the hour that a change from daylight saving time repeats (the second
+    02:30 gets ``fold=1``), so that ``timestamp()`` gives ``value``'s instant back exactly;
+    ``astimezone().replace(tzinfo=None)`` alone would name the first one, an hour off.
+    """
+    local = value.astimezone()
+    naive = local.replace(tzinfo=None)
+    if naive.astimezone().utcoffset() != local.utcoffset():
+        naive = naive.replace(fold=1)
+    return naive
+
+
 def parse_time(text: str, option: str, now: datetime | None = None) -> datetime:
     """Parses an absolute ISO 8601 time or a relative one (``30s``, ``10m``, ``2h``, ``1h30m``, ``1d``).
 
-    A relative time means that long before ``now``; a naive absolute time means local time.
+    A relative time means that long before ``now`` (naive = local time; default: the current
+    time), counted in real seconds, across a change of the clocks too; a naive absolute time
+    means local time. The result is a naive local time (as the runner's ``log_lines`` takes
+    one), with ``fold`` set when it falls in a repeated hour: its ``timestamp()`` is the exact
+    instant, so compare results by ``timestamp()``, not by naive comparison or arithmetic.
 
     Raises:
         CliError: ``text`` is neither (the message names ``option`` and the value).
@@ -91,7 +109,8 @@ def parse_time(text: str, option: str, now: datetime | None = None) -> datetime:
             seconds = sum(
                 float(n) * _UNIT_SECONDS[unit.lower()] for n, unit in _RELATIVE.findall(compact)
             )
-            parsed = (now or datetime.now()) - timedelta(seconds=seconds)
+            base = datetime.now(timezone.utc) if now is None else now.astimezone(timezone.utc)
+            parsed = local_time(base - timedelta(seconds=seconds))
         else:
             iso = value[:-1] + "+00:00" if value.endswith(("Z", "z")) else value
             try:
@@ -103,9 +122,9 @@ def parse_time(text: str, option: str, now: datetime | None = None) -> datetime:
                     "relative one (30s, 10m, 2h, 1h30m, 1d)",
                 ) from None
             if parsed.tzinfo is not None:
-                parsed = parsed.astimezone().replace(tzinfo=None)
+                parsed = local_time(parsed)
         parsed.timestamp()  # a time with no POSIX timestamp (year 1, year 9999) fails here
-    except (OverflowError, ValueError) as e:
+    except (OverflowError, ValueError, OSError) as e:
         raise CliError(
             f"{option} {text!r} is out of range ({e})",
             "give a time well within the years 1 to 9999, or a shorter relative one",

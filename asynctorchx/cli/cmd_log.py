@@ -246,7 +246,8 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     target = parse_target(args.identifier)
     since = parse_time(args.since, "--since") if args.since else None
     until = parse_time(args.until, "--until") if args.until else None
-    if since is not None and until is not None and since > until:
+    # by instant: naive comparison ignores ``fold`` (the repeated hour when the clocks go back)
+    if since is not None and until is not None and since.timestamp() > until.timestamp():
         raise CliError(
             f"--since {args.since!r} is after --until {args.until!r}",
             "give --since an earlier time than --until",

@@ -1,9 +1,12 @@
 """The on-disk layout of one replica's logs and the format of its timing index.
 
-A replica's directory holds ``stdout.log``, ``stderr.log`` and ``combined.log`` (exactly the bytes the
-replica wrote; combined has both streams in the order their chunks were read from the pipes) and
+A replica's directory holds ``stdout.log`` and ``stderr.log`` (exactly the bytes the replica wrote),
+``combined.log`` (both streams in the order they were read from the pipes, line by line: a stream's
+unterminated line is held back from it for a while, and a line given out unterminated is ended
+with a newline of its own before another stream's bytes; see ``ReplicaLogWriter``) and
 ``index.bin``, the timing index: an 8-byte header followed by fixed-size little-endian records, one per
-chunk, written *before* the chunk's bytes so that every byte a reader can see has its time::
+chunk, written *before* the chunk's bytes reach ``combined.log`` (and, but for a held line's, its
+stream's file) so that a byte a reader sees has its time, or is past the last record::
 
     int64   time_ns          when the chunk was read from the pipe (POSIX ns, never decreasing)
     uint64  stream_offset    where the chunk starts in its stream's file
@@ -11,6 +14,12 @@ chunk, written *before* the chunk's bytes so that every byte a reader can see ha
     uint32  length           the chunk's size in bytes
     uint8   stream           0 = stdout, 1 = stderr
     3 bytes padding
+
+A reader trusts the records up to the first one that makes no sense (its time or one of its offsets
+going back, an offset past any real file, a stream byte other than 0/1, non-zero padding: the file
+was cut or overwritten by someone else, and what follows is misaligned) and treats the bytes after
+the last trusted record as unindexed: they take the file's mtime, like the bytes of a log written
+without an index. A bad index makes timing rougher; it never hides bytes.
 
 Logs written by other programs (the ``tee``s of a Slurm job) have no such records; their writer
 samples the files instead and appends to ``index.txt`` a line per sample that matters (see
@@ -20,6 +29,7 @@ samples the files instead and appends to ``index.txt`` a line per sample that ma
 from __future__ import annotations
 
 import calendar
+import operator
 import os
 import struct
 import sys
@@ -46,6 +56,29 @@ STREAM_IDS: dict[Stream, int] = {Stream.STDOUT: 0, Stream.STDERR: 1}
 
 _STREAM_BYTE = 28
 _KEEP = {sid: bytes(1 if i == sid else 0 for i in range(256)) for sid in STREAM_IDS.values()}
+#: 1 for a byte that is not a stream id (translate table).
+_BAD_ID = bytes(0 if i in STREAM_IDS.values() else 1 for i in range(256))
+#: 1 for a non-zero byte (translate table).
+_NONZERO = bytes(1 if i else 0 for i in range(256))
+#: No log file gets this big (8 PiB): an offset past it is a misread record.
+_MAX_OFFSET = 1 << 53
+
+
+def _first_decrease(before: int, values: array[int] | list[int]) -> int:
+    """The index of the first of ``values`` smaller than the one before it (``before`` for the
+    first); ``len(values)`` when they never decrease."""
+    if not values:
+        return 0
+    if values[0] < before:
+        return 0
+    found = bytes(map(operator.gt, values[:-1], values[1:])).find(1)
+    return len(values) if found < 0 else found + 1
+
+
+def _first_true(flags: bytes) -> int:
+    """The index of the first 1 of ``flags``; ``len(flags)`` when there is none."""
+    found = flags.find(1)
+    return len(flags) if found < 0 else found
 
 
 def log_file_name(stream: Stream) -> str:
@@ -59,7 +92,8 @@ class TimingIndex:
 
     ``offsets`` are where chunks start in the stream's file, ``times`` their time in ns (both
     non-decreasing, as the writer keeps them); ``covered`` is the end of the last chunk. Bytes past
-    ``covered`` (a file written without an index) take the file's mtime.
+    ``covered`` (a file written without an index, or past the last record trusted: see ``feed``) take
+    the file's mtime.
     """
 
     stream: Stream
@@ -68,24 +102,48 @@ class TimingIndex:
     covered: int = 0
     read_pos: int = 0
     present: bool = False
+    #: a record made no sense: the records from there on are not trusted (nor read)
+    broken: bool = False
+    _last_time: int = -(1 << 63)
+    _last_combined: int = 0
+    _last_offsets: dict[int, int] = field(default_factory=lambda: dict.fromkeys(_KEEP, 0))
 
     def feed(self, data: bytes) -> int:
-        """Adds the complete records at the start of ``data``; returns how many bytes were used."""
+        """Adds the complete records at the start of ``data``; returns how many bytes were used.
+
+        Records are trusted up to the first that makes no sense (see the module docstring); from
+        there on ``broken`` is set and no record is added any more: the bytes past ``covered``
+        are then dated by the file's mtime.
+        """
         usable = len(data) - len(data) % RECORD_SIZE
-        if not usable:
-            return 0
+        if not usable or self.broken:
+            return usable
         # A record is four int64 words: time, stream offset, combined offset, length | stream << 32.
         words = array("q")
         words.frombytes(memoryview(data)[:usable])
         if sys.byteorder != "little":
             words.byteswap()
+        view = memoryview(data)
+        ids = bytes(view[_STREAM_BYTE:usable:RECORD_SIZE])
+        trusted = self._trusted(words, ids, view, usable)
+        if trusted < len(ids):
+            self.broken = True
+            del words[trusted * 4 :]
+            ids = ids[:trusted]
+            if not trusted:
+                return usable
+        self._last_time = words[-4]
+        self._last_combined = words[-2]
+        for s in _KEEP:
+            found = ids.rfind(s)
+            if found >= 0:
+                self._last_offsets[s] = words[found * 4 + 1]
         sid = STREAM_IDS.get(self.stream)
         if sid is None:
             self.offsets.extend(words[2::4])
             self.times.extend(words[0::4])
             last = len(words) - 4
         else:
-            ids = bytes(memoryview(data)[_STREAM_BYTE:usable:RECORD_SIZE])
             keep = ids.translate(_KEEP[sid])
             self.offsets.extend(compress(words[1::4], keep))
             self.times.extend(compress(words[0::4], keep))
@@ -97,6 +155,29 @@ class TimingIndex:
         if end > self.covered:
             self.covered = end
         return usable
+
+    def _trusted(self, words: array[int], ids: bytes, view: memoryview, usable: int) -> int:
+        """How many of the records (``words``, their stream bytes ``ids``) make sense, each
+        after the trusted ones before it."""
+        n = len(ids)
+        cut = _first_true(ids.translate(_BAD_ID))
+        for pad in range(_STREAM_BYTE + 1, RECORD_SIZE):
+            cut = min(cut, _first_true(bytes(view[pad:usable:RECORD_SIZE]).translate(_NONZERO)))
+        cut = min(cut, _first_decrease(self._last_time, words[0 : cut * 4 : 4]))
+        # offsets never decrease (below: the first decrease ends the trusted ones) and start at
+        # 0 or more, so those past _MAX_OFFSET (a length adds less than 2**32) are all at the end
+        combined = words[2 : cut * 4 : 4]
+        cut = min(cut, _first_decrease(self._last_combined, combined))
+        cut = min(cut, bisect_right(combined, _MAX_OFFSET, 0, cut))
+        stream_offsets = words[1 : cut * 4 : 4]
+        for s, keep in _KEEP.items():
+            mask = ids[:cut].translate(keep)
+            mine = list(compress(stream_offsets, mask))
+            j = _first_decrease(self._last_offsets[s], mine)
+            j = bisect_right(mine, _MAX_OFFSET, 0, j)
+            if j < len(mine):
+                cut = min(cut, list(compress(range(n), mask))[j])
+        return cut
 
     def window(
         self, since_ns: int | None, until_ns: int | None, size: int, tail_ns: int
@@ -148,6 +229,11 @@ def read_index_blocking(fd: int, index: TimingIndex) -> None:
             return
         index.read_pos = len(INDEX_MAGIC)
         index.present = True
+    if index.broken:
+        return
+    if os.fstat(fd).st_size < index.read_pos:  # cut by someone: what follows is misaligned
+        index.broken = True
+        return
     while True:
         data = os.pread(fd, 1 << 20, index.read_pos)
         if not data:
