@@ -21,6 +21,7 @@ import pytest
 from _local_env import GATE, wait_for
 
 from asynctorchx.logs import INDEX_FILE, LOG_FILES, LogFiles, ReplicaLogWriter
+from asynctorchx.schedulers._local.request import SPACE_RESERVE, SPACE_RESERVE_SIZE
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role, macros
@@ -130,7 +131,8 @@ async def test_a_quiet_replica_with_the_default_error_file_makes_no_directory(
 ) -> None:
     """The default torchelastic error file is in the session's ``.errors`` directory, which exists
     when the replica starts (it may write the file at any time): a quiet replica makes no
-    directory of its own, and the session's ``.errors``, if removed, is made again."""
+    directory of its own, and the session's ``.errors`` (with the space set aside for loss
+    markers), if removed, is made again."""
     script = 'test -d "${TORCHELASTIC_ERROR_FILE%/*}"'
     quiet = Role("main", image="ignored", entrypoint="sh", args=["-c", script])
     session_dir = Path(sched.submit_dryrun(app(quiet), {}).request.app_dir).parent
@@ -140,7 +142,9 @@ async def test_a_quiet_replica_with_the_default_error_file_makes_no_directory(
         assert not (session_dir / app_id).exists()
         assert await read(sched, app_id) == []
         assert sorted(os.listdir(session_dir)) == [".errors"]
-        os.rmdir(session_dir / ".errors")
+        reserve = (session_dir / ".errors" / SPACE_RESERVE).stat()
+        assert reserve.st_blocks * 512 >= SPACE_RESERVE_SIZE  # allocated, not sparse
+        shutil.rmtree(session_dir / ".errors")
 
 
 async def test_output_after_a_delay_is_followed_in_process_and_from_another_process(

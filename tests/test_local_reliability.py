@@ -31,6 +31,7 @@ from conftest import engine_missing
 
 from asynctorchx.schedulers._local import recordfile
 from asynctorchx.schedulers._local import records as records_module
+from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.local import LaunchError, LocalScheduler
 from asynctorchx.specs import (
     AppDef,
@@ -1120,6 +1121,33 @@ async def test_log_bytes_lost_on_a_full_disk_are_counted_and_marked(
             assert len(body) + lost == 1000 * 100 + len(b"after\n"), name
             assert data.endswith(b"after\n")
         assert marked, "no log was marked although the status says output was lost"
+
+
+@pytest.mark.timeout(90)
+async def test_the_logs_of_a_disk_that_stays_full_say_what_they_lost(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """The log file system fills up and stays full until the replica has exited: each log a user
+    reads (stdout, stderr, combined) ends with the marker of what it lost (written in the space
+    set aside in the session's directory), never cut mid-line with no sign of loss (the status
+    message said so, the logs did not: there was no room for their markers)."""
+    with tiny_tmpfs(tmp_path / "fs", "2m") as fs:
+        code = (
+            "import sys\n"
+            "for i in range(100000): print(f'line {i:06d} ' + 'x' * 40)\n"
+            "print('END', file=sys.stderr)\n"
+        )
+        app = python_app("full", code, {})
+        app_id = await sched.submit(app, {"log_dir": str(fs)})
+        desc = await wait_for(sched, app_id, timeout=60)
+        assert desc.state == AppState.SUCCEEDED
+        assert "log output lost (No space left on device)" in desc.msg
+        marker = re.compile(r"\[asynctorchx: (\d+) bytes of output could not be written here")
+        for stream in ("combined", "stdout", "stderr"):
+            lines = [line async for line in sched.log_iter(app_id, "main", streams=Stream(stream))]
+            found = [m for line in lines[-2:] if (m := marker.search(line))]
+            assert found, f"{stream}: {len(lines)} lines, no marker at the end: {lines[-2:]!r}"
+            assert f"{found[-1].group(1)} bytes of {stream}.log" in desc.msg, (stream, desc.msg)
 
 
 @pytest.mark.timeout(60)

@@ -217,6 +217,9 @@ class ReplicaLogWriter:
         on_files: called once, on the event loop, when a lazy writer no longer needs what was set
             aside for its files (file descriptors promised to it): they were made, could not be
             made, or the writer closed without them.
+        space_reserve: a file of disk space set aside on the log's file system, removed at close
+            when the disk is still full and a file's loss marker cannot be written otherwise (the
+            log would end where the disk filled up, with no sign of what was lost).
 
     Raises:
         OSError: the directory or a file cannot be created or opened for writing.
@@ -231,6 +234,7 @@ class ReplicaLogWriter:
         files: LogFiles | None = None,
         opener: Callable[[ReplicaLogWriter], None] | None = None,
         on_files: Callable[[], None] | None = None,
+        space_reserve: str | None = None,
     ) -> None:
         # a plain string: pathlib's parsing and joins cost more than the system calls here, and a
         # burst of launches creates thousands of writers
@@ -260,6 +264,7 @@ class ReplicaLogWriter:
         self._drained: asyncio.Event | None = None
         self._closed = False
         self._on_loss = on_loss
+        self._space_reserve = space_reserve
         self._on_files = on_files if opener is not None else None
         self._lost: dict[Stream, int] = {}
         self._unmarked: dict[Stream, int] = {}
@@ -658,6 +663,24 @@ class ReplicaLogWriter:
         self._unmarked[target] = 0
         return True
 
+    def _free_space_reserve(self) -> bool:
+        """Removes the file of space set aside for loss markers (``space_reserve``); True if it
+        was there, or someone else removed it (the room may be there now)."""
+        if self._space_reserve is None:
+            return False
+        try:
+            os.unlink(self._space_reserve)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        logger.warning(
+            "the disk of %s is full: its space reserve %s was freed for the loss markers",
+            self._path,
+            self._space_reserve,
+        )
+        return True
+
     def _detach(self, fd: int) -> None:
         if self._fds.pop(fd, None) is None:
             return
@@ -702,7 +725,13 @@ class ReplicaLogWriter:
         for stream in list(self._tails):
             self._flush_tail(stream, True)
         for target, n in list(self._unmarked.items()):
-            if n and target in self._files:
+            # (the disk still full: the space reserve is the last chance)
+            if (
+                n
+                and target in self._files
+                and not self._write_marker(target)
+                and self._free_space_reserve()
+            ):
                 self._write_marker(target)
         self._close_files()
         self._files_settled()

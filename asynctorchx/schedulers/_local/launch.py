@@ -43,7 +43,12 @@ from asynctorchx.schedulers._local.procs import (
 )
 from asynctorchx.schedulers._local.recordfile import MAX_APP_ID, is_app_id
 from asynctorchx.schedulers._local.records import RecordStore, appdef_to_json
-from asynctorchx.schedulers._local.request import LocalRequest, errors_dir_of
+from asynctorchx.schedulers._local.request import (
+    SPACE_RESERVE_SIZE,
+    LocalRequest,
+    errors_dir_of,
+    space_reserve_of,
+)
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spares import MIN_TARGET
 from asynctorchx.schedulers._local.spawn import START_CHUNK, Spawner
@@ -410,10 +415,14 @@ class AppLauncher:
         )
         if not dirs or any(os.path.dirname(r.req.error_file) == errors_dir for r in app.replicas):
             session_dir = os.path.dirname(app_dir)
-            # (a lookup in a directory just used is a few microseconds: done here, not in a thread)
-            if session_dir not in self._session_dirs or _missing(errors_dir):
+            # (a lookup in a directory just used is a few microseconds: done here, not in a thread;
+            # the space reserve is in the errors directory: there, so is the directory)
+            reserve = space_reserve_of(app_dir)
+            if session_dir not in self._session_dirs or not _exists(reserve):
                 try:
-                    await anyio.to_thread.run_sync(_make_session_dir, session_dir, errors_dir)
+                    await anyio.to_thread.run_sync(
+                        _make_session_dir, session_dir, errors_dir, reserve
+                    )
                 except OSError as e:
                     what = f"the log directory {app_dir!r}"
                     raise launch_error(app.app_id, e, what, "") from None
@@ -546,18 +555,31 @@ def _take_stale(store: RecordStore, app_id: str) -> tuple[str, list[int]]:
     return store.take_stale_claim(app_id, nothing_left), left
 
 
-def _make_session_dir(session_dir: str, errors_dir: str) -> None:
-    """Makes a session's log directory and its directory of error files; PermissionError when this
-    user cannot write in them."""
+def _make_session_dir(session_dir: str, errors_dir: str, reserve: str) -> None:
+    """Makes a session's log directory, its directory of error files and the space reserve of its
+    logs' loss markers (if it can: a disk full already has none to give); PermissionError when
+    this user cannot write in them."""
     os.makedirs(errors_dir, exist_ok=True)
     for path in (session_dir, errors_dir):
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError(13, "Permission denied", path)
+    _make_space_reserve(reserve)
 
 
-def _missing(directory: str) -> bool:
-    """True when ``directory`` is not (any more) a directory."""
-    return not os.path.isdir(directory)
+def _make_space_reserve(path: str) -> None:
+    """Sets ``SPACE_RESERVE_SIZE`` bytes of the disk aside in ``path`` (allocated, not sparse);
+    nothing when there is not that much room (or the file exists)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.posix_fallocate(fd, 0, SPACE_RESERVE_SIZE)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    finally:
+        os.close(fd)
 
 
 def _exists(path: str) -> bool:

@@ -40,6 +40,10 @@ PET_LOG_DIR_ENV = "PET_LOG_DIR"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 #: The directory, in a session's log directory, of its replicas' default torchelastic error files.
 ERRORS_DIR = ".errors"
+#: Space set aside in a session's ``.errors`` directory (``space_reserve_of``): freed when a full
+#: disk leaves a log file without room for the marker line of the output it lost.
+SPACE_RESERVE = ".space-for-loss-markers"
+SPACE_RESERVE_SIZE = 1 << 18
 
 DEFAULT_GRACE_PERIOD = 5.0
 #: The longest ``cancel_grace_period`` accepted (seconds): an hour is already longer than any
@@ -241,6 +245,12 @@ def errors_dir_of(app_dir: str) -> str:
     lets a replica that writes nothing make no directory at all (its logs appear on its first
     output)."""
     return os.path.join(os.path.dirname(app_dir), ERRORS_DIR)
+
+
+def space_reserve_of(app_dir: str) -> str:
+    """The file of the space set aside for the loss markers of the logs of ``app_dir``'s session
+    (see ``ReplicaLogWriter``'s ``space_reserve``)."""
+    return os.path.join(errors_dir_of(app_dir), SPACE_RESERVE)
 
 
 def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_id: str) -> str:

@@ -36,6 +36,7 @@ from asynctorchx.schedulers._local.procs import (
     release_fds,
     spawn,
 )
+from asynctorchx.schedulers._local.request import space_reserve_of
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.specs.api import NONE, AppState, is_terminal
 
@@ -216,7 +217,11 @@ class Spawner:
         if files_fds and self.lazy_files:
             on_files = functools.partial(release_fds, files_fds)
         return ReplicaLogWriter(
-            rep.req.log_dir, on_loss=on_loss, opener=self.log_opener, on_files=on_files
+            rep.req.log_dir,
+            on_loss=on_loss,
+            opener=self.log_opener,
+            on_files=on_files,
+            space_reserve=space_reserve_of(app.request.app_dir),
         )
 
     @property
