@@ -7,9 +7,14 @@ runs as an asyncio subprocess through an injectable ``CommandRunner``.
 Status for any number of apps costs one ``squeue --json`` per round (it lists every job the controller
 still holds, finished ones included for ``MinJobAge``), plus, when the cluster has accounting, at most
 one ``sacct`` for the apps ``squeue`` no longer shows or has just seen finish (for the replicas' step
-records). Finished apps are remembered and cost nothing afterwards. Without accounting (detected from
-``sacct``'s answer, or forced with ``accounting=False``) an app the controller has forgotten is
-reported unknown, never as succeeded. Each replica's exit code is also written by a small wrapper to
+records). Finished apps are remembered and cost no ``sacct`` afterwards, and no command at all once
+the controller has forgotten them (while it lists them, its ``squeue`` is read again at most every
+``state_check_interval`` seconds: Slurm may run a finished job again, ``scontrol requeue``). A record
+accounting holds just after a job ended (JobName ``allocation``, no WorkDir) is not remembered.
+Without accounting (detected from ``sacct``'s answer or its absence, or forced with
+``accounting=False``) an app the controller has forgotten is reported unknown, never as succeeded.
+A ``sacct`` that fails, hangs or is missing costs only the replicas' step records of the apps
+``squeue`` still lists. Each replica's exit code is also written by a small wrapper to
 ``slurm-{app_id}/{role}/{replica}/exit_code``, which wins over accounting's step records.
 
 Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log`` and
@@ -21,7 +26,9 @@ default; everything the replica wrote is what every backend here gives). ``since
 honoured per line, to within the sampling interval of the job's timing samples (``index.txt``,
 ``SAMPLE_INTERVAL`` = 0.25 s): a line is kept when the interval in which it was written meets the
 window. An app submitted before the job wrote ``combined.log`` is read as its ``stdout.log`` then
-its ``stderr.log``, and one without timing samples by its files' modification times.
+its ``stderr.log``, and one without timing samples by its files' modification times. A followed
+log rides out Slurm not answering its state checks (a controller restarting) for up to
+``FOLLOW_OUTAGE_LIMIT`` seconds.
 
 Workspaces (``_slurm/workspace.py``): the workspace is copied into the job directory (``job_dir``,
 which must be new or empty), where every role runs.
@@ -52,7 +59,7 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -68,6 +75,8 @@ from asynctorchx.schedulers._slurm.parse import (
     SlurmOutputError,
     SlurmPartition,
     expand_hostlist,
+    is_digits,
+    is_job_id,
     json_errors,
     parse_max_script_size,
     parse_partitions,
@@ -139,6 +148,11 @@ _DETAIL_MAX = 1000
 CLOSE_WAIT = 30.0
 #: How long the partitions' node counts, asked for at submit, are trusted (seconds).
 PARTITIONS_TTL = 60.0
+#: How long a followed log rides out Slurm not answering its state checks before it raises (s).
+FOLLOW_OUTAGE_LIMIT = 300.0
+#: The first and the longest delay between two state checks while Slurm does not answer (s).
+_OUTAGE_FIRST_DELAY = 0.5
+_OUTAGE_MAX_DELAY = 5.0
 #: Environment variables with which sbatch submits to another cluster than scontrol may ask.
 _CLUSTERS_ENV = ("SBATCH_CLUSTERS", "SLURM_CLUSTERS")
 #: What sbatch prints when the controller finds a field, the batch script among them, too long.
@@ -205,7 +219,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._runner: CommandRunner = runner if runner is not None else SubprocessRunner()
         self._accounting = accounting
         self._state_check_interval = state_check_interval
-        self._final: OrderedDict[str, DescribeAppResponse] = OrderedDict()
+        self._final: OrderedDict[str, _Final] = OrderedDict()
         self._workdirs: dict[str, str] = {}
         self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
@@ -467,35 +481,70 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         return (await self.describe_many([app_id]))[app_id]
 
     async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
-        """Describes every app with one ``squeue --json`` and at most one ``sacct``.
+        """Describes every app with at most one ``squeue --json`` and one ``sacct``.
 
-        Finished apps are remembered, so once an app is over it costs nothing more. An app neither
-        command knows is None.
+        Finished apps are remembered, so once an app is over it costs no ``sacct`` more, and no
+        command at all while its outcome was confirmed less than ``state_check_interval`` seconds
+        ago or once ``squeue`` no longer lists it. Until then Slurm may run it again (``scontrol
+        requeue`` of a finished job): the round's ``squeue`` shows whether it still reads as it did
+        when remembered, else it is described anew. An app neither command knows is None.
         """
+        return await self._describe_many(app_ids, recheck=False)
+
+    async def _describe_many(
+        self, app_ids: Sequence[str], *, recheck: bool
+    ) -> dict[str, DescribeAppResponse | None]:
+        """``describe_many``; ``recheck``: also check the finished apps confirmed lately."""
         out: dict[str, DescribeAppResponse | None] = {}
         wanted: list[str] = []
+        check: list[str] = []
+        now = time.monotonic()
         for app_id in dict.fromkeys(app_ids):
-            if not app_id.isdigit():
+            cached = self._final.get(app_id)
+            if not is_job_id(app_id):
                 out[app_id] = None
-            elif app_id in self._final:
-                out[app_id] = self._final[app_id]
+            elif cached is None:
+                wanted.append(app_id)
+            elif cached.squeue is None or (
+                not recheck and now - cached.confirmed < self._state_check_interval
+            ):
+                out[app_id] = cached.resp
             else:
+                check.append(app_id)
+        if not wanted and not check:
+            return out
+        live = _by_app(await self._squeue())
+        now = time.monotonic()
+        for app_id in check:
+            cached = self._final[app_id]
+            records = live.get(app_id)
+            if records is None or _fingerprint(records) == cached.squeue:
+                # unchanged, or forgotten by the controller (then it can never run again)
+                self._final[app_id] = _Final(
+                    cached.resp, None if records is None else cached.squeue, now
+                )
+                self._final.move_to_end(app_id)
+                out[app_id] = cached.resp
+            else:  # requeued since it ended (or the id reused): describe it anew
+                del self._final[app_id]
                 wanted.append(app_id)
         if not wanted:
             return out
-        live = _by_app(await self._squeue())
         past = await self._past_runs(wanted, live)
         for app_id in wanted:
             records, runs = live.get(app_id), past.get(app_id)
+            fingerprint = None if records is None else _fingerprint(records)
             if records is not None:
                 latest = _latest_runs(runs) if runs else []
                 records = _merge_steps(records, latest)
                 resp = describe_from_records(app_id, records, _restarts(records))
-                complete = self._accounting is False or _all_final(latest, len(records))
+                complete = self._accounting is False or (
+                    _all_final(latest, len(records)) and _settled(latest)
+                )
             elif runs:
                 records = _latest_runs(runs)
                 resp = describe_from_records(app_id, records, _sacct_restarts(runs))
-                complete = True
+                complete = _settled(records)
             else:
                 out[app_id] = None
                 continue
@@ -504,7 +553,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             if is_terminal(resp.state):
                 await self._add_exit_codes(app_id, resp)
                 if complete:
-                    self._final[app_id] = resp
+                    self._final[app_id] = _Final(resp, fingerprint, time.monotonic())
                     if len(self._final) > _FINAL_CACHE_SIZE:
                         self._final.popitem(last=False)
             out[app_id] = resp
@@ -521,7 +570,8 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             return {}
         try:
             return _by_app(await self._sacct(ask), keep_runs=True)
-        except SlurmCommandError as e:
+        except (SlurmCommandError, SlurmNotFoundError, TimeoutError) as e:
+            # (failed, not installed, or hung: the runner's timeout)
             if any(a not in live for a in ask):
                 raise
             # Only details of finished apps were wanted: answer from squeue, ask again next time.
@@ -534,8 +584,11 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             raise SlurmCommandError("squeue failed", result)
         errors = json_errors(result.stdout)
         if errors:
-            # e.g. the controller is unreachable: squeue exits 0 with an empty job list.
-            raise SlurmCommandError(f"squeue failed: {'; '.join(errors)}", result)
+            # e.g. the controller is unreachable: squeue exits 0 with an empty job list. The
+            # message is the errors' own words, not the whole JSON document around them.
+            raise SlurmCommandError(
+                f"squeue failed: {'; '.join(errors)}", replace(result, stdout="")
+            )
         try:
             return parse_squeue_json(result.stdout)
         except SlurmOutputError as e:
@@ -544,7 +597,15 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
     async def _sacct(self, app_ids: Sequence[str], *, listing: bool = False) -> list[SlurmJob]:
         argv = ["sacct", "--parsable2", "--duplicates", f"--format={','.join(SACCT_FIELDS)}"]
         argv += ["--user", str(os.getuid())] if listing else ["--jobs", ",".join(app_ids)]
-        result = await self._run(argv)
+        try:
+            result = await self._run(argv)
+        except SlurmNotFoundError:
+            if self._accounting is not None:
+                raise
+            # Left to find out: a cluster whose clients lack sacct has no accounting to ask.
+            logger.info("sacct is not installed: using squeue only")
+            self._accounting = False
+            return []
         if result.returncode != 0:
             if _NO_ACCOUNTING.search(result.stderr) and self._accounting is not True:
                 logger.info("Slurm accounting is disabled: using squeue only")
@@ -581,21 +642,23 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             _apply_exit_code(replica, code)
 
     async def exists(self, app_id: str) -> bool:
-        """True when ``squeue`` or ``sacct`` knows the app (a finished app remembered here costs no
-        command; something that is not a job id costs none either)."""
-        if not app_id.isdigit():
+        """True when ``squeue`` or ``sacct`` knows the app (a finished app remembered here costs one
+        ``squeue``, which tells whether it was requeued; something that is not a job id costs no
+        command)."""
+        if not is_job_id(app_id):
             return False
-        return app_id in self._final or await self.describe(app_id) is not None
+        return (await self._describe_many([app_id], recheck=True))[app_id] is not None
 
     async def _cancel_existing(self, app_id: str) -> None:
-        """``scancel`` unless the app was just seen finished. A job that ends meanwhile is not an
-        error (scancel then says it is completed, or an unknown job id).
+        """``scancel`` unless the app was just seen finished (by the ``describe`` of ``exists``,
+        which sees a finished job requeued). A job that ends meanwhile is not an error (scancel
+        then says it is completed, or an unknown job id).
 
         Raises:
             SlurmCommandError: scancel failed for another reason (e.g. the controller is down).
         """
         seen = self._seen.get(app_id)
-        if app_id in self._final or (seen is not None and is_terminal(seen[1])):
+        if seen is not None and is_terminal(seen[1]):
             return
         result = await self._run(["scancel", app_id])
         if result.returncode != 0 and not _GONE.search(result.stderr):
@@ -641,10 +704,9 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         seconds (less when a status round of the runner already described the app).
         """
         directory, streams = await self._log_files(query)
+        is_finished = functools.partial(self._is_finished, query.app_id, _Outage())
         for stream in streams:
-            lines = iter_query_lines(
-                directory, query, functools.partial(self._is_finished, query.app_id), stream
-            )
+            lines = iter_query_lines(directory, query, is_finished, stream)
             try:
                 async for line in lines:
                     yield line
@@ -663,15 +725,12 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
                     f"the log cursor's file {skip!r} is not one of this replica's log files "
                     f"({', '.join(s.value for s in streams)})"
                 )
+        is_finished = functools.partial(self._is_finished, query.app_id, _Outage())
         for stream in streams:
             if skip is not None and stream.value != skip:
                 continue  # a file read to its end before the cursor was taken
             entries = iter_query_entries(
-                directory,
-                query,
-                functools.partial(self._is_finished, query.app_id),
-                stream,
-                start if skip is not None else 0,
+                directory, query, is_finished, stream, start if skip is not None else 0
             )
             skip = None
             async with contextlib.aclosing(entries):
@@ -700,19 +759,72 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             streams = (Stream.STDOUT, Stream.STDERR)
         return directory, streams
 
-    async def _is_finished(self, app_id: str) -> bool:
+    async def _is_finished(self, app_id: str, outage: _Outage) -> bool:
+        """Whether a followed app is over. Slurm not answering (the controller restarting or too
+        busy: squeue fails or hangs) is not the end of the log: the follow goes on, asking again
+        with a growing delay, and raises only once Slurm has not answered for
+        ``FOLLOW_OUTAGE_LIMIT`` seconds."""
         seen = self._seen.get(app_id)
+        now = time.monotonic()
         if seen is not None:
             at, state = seen
             if is_terminal(state):
                 return True
-            if time.monotonic() - at < self._state_check_interval:
+            if now - at < self._state_check_interval:
                 return False
-        resp = await self.describe(app_id)
+        if outage.since is not None and now < outage.next_try:
+            return False
+        try:
+            resp = await self.describe(app_id)
+        except (SlurmCommandError, TimeoutError) as e:
+            now = time.monotonic()
+            if outage.since is None:
+                outage.since, outage.delay = now, _OUTAGE_FIRST_DELAY
+                logger.warning(
+                    "following the log of app %s: %s; following on, asking again (for up to %g s)",
+                    app_id,
+                    e,
+                    FOLLOW_OUTAGE_LIMIT,
+                )
+            elif now - outage.since >= FOLLOW_OUTAGE_LIMIT:
+                what = (
+                    f"Slurm did not answer for {now - outage.since:.0f} s while the log of app "
+                    f"{app_id} was followed (the follow gave up; the app may still be running); "
+                    f"last error: {e}"
+                )
+                if isinstance(e, SlurmCommandError):
+                    error = SlurmCommandError(what, CommandResult(e.argv, e.returncode, "", ""))
+                    error.stderr = e.stderr
+                    raise error from e
+                raise TimeoutError(what) from e
+            else:
+                outage.delay = min(outage.delay * 2, _OUTAGE_MAX_DELAY)
+            outage.next_try = now + outage.delay
+            return False
+        if outage.since is not None:
+            logger.info("following the log of app %s: Slurm answers again", app_id)
+            outage.since = None
         return resp is None or is_terminal(resp.state)
 
 
 # -- helpers -----------------------------------------------------------------------------------
+
+
+class _Outage:
+    """A log follower's run of state checks Slurm did not answer.
+
+    Attributes:
+        since: when the first of them failed (``time.monotonic()``), None while Slurm answers.
+        delay: the wait before the next check.
+        next_try: when the next check may be made.
+    """
+
+    __slots__ = ("delay", "next_try", "since")
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.delay = 0.0
+        self.next_try = 0.0
 
 
 def _node_count(partitions: Sequence[SlurmPartition]) -> int:
@@ -778,9 +890,41 @@ def _latest_runs(records: Sequence[SlurmJob]) -> list[SlurmJob]:
     return list(latest.values())
 
 
+#: What of squeue's records of a finished app changes when Slurm runs it again.
+_Fingerprint = tuple[tuple[int, str, int, int | None], ...]
+
+
+class _Final(NamedTuple):
+    """A finished app remembered.
+
+    Args:
+        resp: its description.
+        squeue: how squeue's records read when it was last seen (None: squeue no longer lists it).
+        confirmed: when squeue last confirmed it (``time.monotonic()``).
+    """
+
+    resp: DescribeAppResponse
+    squeue: _Fingerprint | None
+    confirmed: float
+
+
+def _fingerprint(records: Iterable[SlurmJob]) -> _Fingerprint:
+    return tuple(sorted((j.job_id, j.state, j.restarts, j.end_time) for j in records))
+
+
 def _all_final(records: Sequence[SlurmJob], at_least: int) -> bool:
     """True when there are ``at_least`` records and every one is in a final state."""
     return len(records) >= at_least and all(is_terminal(app_state_of(j.state)) for j in records)
+
+
+_COMPONENT_NAME = re.compile(r".+-[0-9]+")
+
+
+def _settled(records: Sequence[SlurmJob]) -> bool:
+    """False while accounting holds a placeholder of a job that has just ended (for a second or
+    two slurmdbd may have its steps before its own record: JobName ``allocation``, no WorkDir):
+    such records are not remembered as final, and are asked for again next time."""
+    return all(j.workdir and _COMPONENT_NAME.fullmatch(j.name) for j in records)
 
 
 def _merge_steps(records: Sequence[SlurmJob], runs: Sequence[SlurmJob]) -> list[SlurmJob]:
@@ -807,7 +951,7 @@ def _read_exit_codes(paths: Sequence[str]) -> list[int | None]:
                 text = f.read(32).strip()
         except OSError:
             text = ""
-        codes.append(int(text) if text.isdigit() else None)
+        codes.append(int(text) if is_digits(text) else None)
     return codes
 
 

@@ -15,6 +15,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+#: Who answers a command that talks to another daemon than the controller (slurmctld).
+_SERVER = {
+    "sacct": "the Slurm accounting daemon (slurmdbd)",
+    "sacctmgr": "the Slurm accounting daemon (slurmdbd)",
+    "sreport": "the Slurm accounting daemon (slurmdbd)",
+}
+
 
 @dataclass(frozen=True)
 class CommandResult:
@@ -82,7 +89,7 @@ class SubprocessRunner:
             if isinstance(e, TimeoutError):
                 raise TimeoutError(
                     f"{argv[0]} did not finish within {self._timeout:g} s (killed): "
-                    "is the Slurm controller answering?"
+                    f"is {_SERVER.get(os.path.basename(argv[0]), 'the Slurm controller')} answering?"
                 ) from None
             raise
         assert proc.returncode is not None

@@ -8,8 +8,6 @@ to "unknown" rather than raising, so one odd record never breaks a status round 
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -19,6 +17,19 @@ from typing import Any
 
 #: Values at or above this are Slurm's NO_VAL/INFINITE markers, not numbers.
 _NO_VAL_FLOOR = 0xFFFFFFF0
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def is_digits(text: str) -> bool:
+    """True when ``text`` is ASCII digits only (``str.isdigit`` also takes superscripts, fullwidth
+    and Arabic-Indic digits, which ``int`` or Slurm refuse)."""
+    return _DIGITS.fullmatch(text) is not None
+
+
+def is_job_id(text: str) -> bool:
+    """True when ``text`` can be a Slurm job id: ASCII digits, not all zero (``sacct --jobs 0``
+    would list every job)."""
+    return is_digits(text) and text.strip("0") != ""
 
 
 class SlurmOutputError(ValueError):
@@ -271,7 +282,9 @@ def parse_squeue_json(text: str) -> list[SlurmJob]:
 
 # -- sacct --parsable2 -------------------------------------------------------------------------
 
-#: The fields asked of ``sacct --parsable2`` (``--format``), in this order.
+#: The fields asked of ``sacct --parsable2`` (``--format``), in this order. ``sacct`` does not
+#: escape its ``|`` separator in values: ``WorkDir``, a path that may hold one, comes last, and
+#: takes every ``|`` past the other fields' (see ``parse_sacct_parsable``).
 SACCT_FIELDS: tuple[str, ...] = (
     "JobID",
     "JobIDRaw",
@@ -279,11 +292,11 @@ SACCT_FIELDS: tuple[str, ...] = (
     "State",
     "ExitCode",
     "NodeList",
-    "WorkDir",
     "Submit",
     "Start",
     "End",
     "Reason",
+    "WorkDir",
 )
 
 _JOBID = re.compile(r"(?P<id>\d+)(?:\+(?P<offset>\d+))?(?:_\S+)?(?:\.(?P<step>.+))?")
@@ -309,7 +322,9 @@ def parse_sacct_parsable(text: str) -> list[SlurmJob]:
     """The job records in ``sacct --parsable2 --format=...`` output (header line first).
 
     Step rows (``7+1.0``, ``12.batch``) are attached to their job's record. Works with any subset of
-    ``SACCT_FIELDS`` as long as ``JobID`` and ``State`` are present.
+    ``SACCT_FIELDS`` as long as ``JobID`` and ``State`` are present. sacct does not escape ``|`` in
+    values: a row with more of them than the header belongs to its last field (``WorkDir``, last
+    in ``SACCT_FIELDS`` for that reason).
 
     Raises:
         SlurmOutputError: the header lacks ``JobID`` or ``State``.
@@ -317,14 +332,14 @@ def parse_sacct_parsable(text: str) -> list[SlurmJob]:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         return []
-    reader = csv.DictReader(io.StringIO("\n".join(lines)), delimiter="|", quoting=csv.QUOTE_NONE)
-    fields = reader.fieldnames or []
+    fields = lines[0].split("|")
     if "JobID" not in fields or "State" not in fields:
         raise SlurmOutputError(f"sacct printed no JobID/State header: {lines[0][:200]!r}")
     jobs: list[SlurmJob] = []
     steps: list[list[SlurmStep]] = []
     latest: dict[int, int] = {}  # job id -> index in jobs of its latest run seen so far
-    for row in reader:
+    for line in lines[1:]:
+        row = dict(zip(fields, line.split("|", len(fields) - 1), strict=False))
         m = _JOBID.fullmatch((row.get("JobID") or "").strip())
         if not m:
             continue
@@ -377,7 +392,7 @@ def parse_sbatch_parsable(stdout: str) -> str:
     """
     for line in reversed(stdout.strip().splitlines()):
         job_id = line.strip().split(";")[0]
-        if job_id.isdigit():
+        if is_job_id(job_id):
             return job_id
     raise SlurmOutputError(f"sbatch printed no job id: {stdout.strip()[:200]!r}")
 
@@ -476,7 +491,7 @@ def parse_partitions(text: str) -> dict[str, SlurmPartition]:
     for line in text.splitlines():
         fields = dict(w.partition("=")[::2] for w in line.split() if "=" in w)
         name, total = fields.get("PartitionName", ""), fields.get("TotalNodes", "")
-        if name and total.isdigit():
+        if name and is_digits(total):
             default = fields.get("Default") == "YES"
             out[name] = SlurmPartition(name, int(total), default, fields.get("Nodes", ""))
     return out

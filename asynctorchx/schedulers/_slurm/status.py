@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from asynctorchx.schedulers._slurm.parse import SlurmJob, first_host
+from asynctorchx.schedulers._slurm.parse import SlurmJob, first_host, is_digits
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.specs.api import AppState, ReplicaStatus, Role, RoleStatus, is_terminal
 
@@ -70,7 +70,7 @@ def aggregate_state(states: Sequence[AppState]) -> AppState:
 def split_job_name(name: str, offset: int) -> tuple[str, int]:
     """``(role, replica)`` from a component name ``{role}-{replica}``; foreign names keep the offset."""
     role, sep, replica = name.rpartition("-")
-    if sep and role and replica.isdigit():
+    if sep and role and is_digits(replica):
         return role, int(replica)
     return name or "job", offset
 
@@ -81,7 +81,7 @@ def _replica_exit_code(job: SlurmJob, state: AppState) -> int | None:
     Without step records (``squeue`` only) the component reports the batch script's exit code, which
     belongs to the whole app, not to one replica: it is left out here and reported in the message.
     """
-    srun_steps = [s for s in job.steps if s.step_id.isdigit()]
+    srun_steps = [s for s in job.steps if is_digits(s.step_id)]
     if srun_steps:
         step = max(srun_steps, key=lambda s: int(s.step_id))
         return step.exit_code if step.signal is None else 128 + step.signal
