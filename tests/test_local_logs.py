@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import os
 import sys
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -15,6 +16,8 @@ import anyio
 import pytest
 from _local_env import GATE, wait_for
 
+from asynctorchx.logs import _match
+from asynctorchx.logs._match import SlowLogRegexError
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
@@ -224,3 +227,45 @@ async def test_combined_keeps_arrival_order(sched: LocalScheduler, tmp_path: Pat
     assert await read(sched, app_id, streams=Stream.STDOUT) == [x for x in expected if x[0] == "o"]
     assert await read(sched, app_id, streams=Stream.STDERR) == [x for x in expected if x[0] == "e"]
     assert len(os.listdir(acks)) == len(PATTERN)
+
+
+class _LoopGaps:
+    """The longest time the event loop went without running a 10 ms ticker, while in use."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            self.longest = max(self.longest, time.monotonic() - t)
+
+    async def __aenter__(self) -> _LoopGaps:
+        self._task = asyncio.create_task(self._tick())
+        await asyncio.sleep(0.05)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        await asyncio.sleep(0.05)  # (the gap a filter made is recorded by the next tick)
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+@pytest.mark.timeout(60)
+async def test_a_catastrophic_regex_neither_freezes_the_loop_nor_runs_for_ever(
+    sched: LocalScheduler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A regex filter that takes exponential time on one line ((a|aa)+$ against 40 a's and a b)
+    is matched off the event loop (the loop was frozen for the whole match: every other app's
+    wait and follower with it) and given up after its time bound with an error naming it."""
+    monkeypatch.setattr(_match, "LINE_TIMEOUT", 1.0)
+    app_id = await run_to_end(sched, py_app("print('aab'); print('a' * 40 + 'b')"))
+    async with _LoopGaps() as gaps:
+        with pytest.raises(SlowLogRegexError, match=r"\(a\|aa\)\+\$.* more than 1 s"):
+            await read(sched, app_id, regex=r"(a|aa)+$")
+    assert gaps.longest < 0.3, f"the event loop was held {gaps.longest:.2f} s"
+    # an ordinary filter is matched as before (on the loop)
+    assert await read(sched, app_id, regex=r"a+b$") == ["aab\n", "a" * 40 + "b\n"]

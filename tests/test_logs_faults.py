@@ -4,7 +4,9 @@ around a change of the clocks (daylight saving time)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -17,7 +19,7 @@ import pytest
 from _local_env import wait_for
 
 from asynctorchx.cli._errors import CliError
-from asynctorchx.logs import Stream
+from asynctorchx.logs import Stream, _match
 from asynctorchx.logs._files import (
     INDEX_MAGIC,
     RECORD,
@@ -246,3 +248,45 @@ async def test_cli_log_orders_since_and_until_by_instant(berlin_tz: None) -> Non
     )
     with pytest.raises(CliError, match="is after --until"):
         await execute(args, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+async def test_a_filter_given_lines_one_at_a_time_does_not_hold_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-line path (the Docker and Kubernetes readers' lines come one by one): a line whose
+    match takes exponential time is given the event loop for a few milliseconds only, then goes
+    to a worker thread, bounded; later lines go there at once; ordinary lines match as before."""
+    monkeypatch.setattr(_match, "LINE_TIMEOUT", 0.5)
+    flt = _match.LineFilter(re.compile(r"(a|aa)+$"))
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.005)
+            gaps.append(time.monotonic() - t)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.sleep(0.02)
+        assert await flt.matches("aaaa")
+        assert not await flt.matches("b")
+        with pytest.raises(_match.SlowLogRegexError, match=r"more than 0\.5 s on one line"):
+            await flt.matches("a" * 40 + "b")
+        assert flt.slow
+        assert await flt.keep(["aa", "x", "aaa"]) == ["aa", "aaa"]
+        await asyncio.sleep(0.02)
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+    assert max(gaps) < 0.2, max(gaps)
+
+
+def test_the_bounded_filter_keeps_the_flags_of_the_pattern() -> None:
+    """The pattern is matched by the ``regex`` module with ``re``'s flags and meaning."""
+    flt = _match.LineFilter(re.compile(r"^err.*timeout", re.IGNORECASE | re.MULTILINE))
+    lines = ["ERR: read Timeout\n", "ok\n", "x\nerr timeout\n", "\u00e9rr timeout\n"]
+    assert asyncio.run(flt.keep(lines)) == [lines[0], lines[2]]
+    ascii_only = _match.LineFilter(re.compile(r"^\w+$", re.ASCII))
+    assert asyncio.run(ascii_only.keep(["abc", "\u00e9t\u00e9"])) == ["abc"]

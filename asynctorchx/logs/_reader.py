@@ -23,6 +23,7 @@ from asynctorchx.logs._files import (
     SampledIndex,
     TimingIndex,
 )
+from asynctorchx.logs._match import LineFilter
 from asynctorchx.logs._notify import Wake
 from asynctorchx.logs._query import (
     ALL_STREAMS,
@@ -599,13 +600,17 @@ async def _read_long(
     line: _LongLine,
     lo: int,
     hi: int,
-    search: Callable[[str], re.Match[str] | None] | None,
+    flt: LineFilter | None,
 ) -> list[str]:
-    """The long line (read in a worker thread) if it touches ``[lo, hi)`` and matches ``search``."""
+    """The long line (read in a worker thread) if it touches ``[lo, hi)`` and passes ``flt``."""
     if not (line.start < hi and line.end > lo):
         return []
     lines = await log.run(log.read_long_blocking, line)
-    return lines if search is None else [text for text in lines if search(text)]
+    return lines if flt is None else await flt.keep(lines)
+
+
+def _text(entry: tuple[int, str]) -> str:
+    return entry[1]
 
 
 def _forget(future: asyncio.Future[Any] | None) -> None:
@@ -627,7 +632,7 @@ async def _read_now(
     log = _open_log(directory, stream, windowed)
     log.resume_at = start or None
     offsets = start is not None
-    search = regex.search if regex is not None else None
+    flt = LineFilter(regex) if regex is not None else None
     future: asyncio.Future[bytes] | None = None
     try:
         plan = await log.run(_plan_blocking, log, since_ns, until_ns)
@@ -647,18 +652,19 @@ async def _read_now(
                 segments += log.flush()  # the unterminated last line
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(log, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, flt)
                     while long_lines:  # popped: no long line is held while the next is read
                         # not bound to a name: the generator would hold it while reading the next
                         yield (segment.end, long_lines.pop(0)) if offsets else long_lines.pop(0)
                     continue
                 part = _narrow(segment, lo, hi) if windowed else segment
                 if offsets:
-                    for entry in _entries(part, search):
+                    entries = _entries(part, None)
+                    for entry in entries if flt is None else await flt.keep(list(entries), _text):
                         yield entry
                     continue
                 for lines in _batches(part):
-                    for line in lines if search is None else filter(search, lines):
+                    for line in lines if flt is None else await flt.keep(lines):
                         yield line
     finally:
         _forget(future)
@@ -799,7 +805,7 @@ async def _follow(
     names = frozenset({LOG_FILES[stream], *index_names})
     waker = _notify.Waker(loop, stream)
     watch = _DirectoryWatch(key, key, names, waker)
-    search = regex.search if regex is not None else None
+    flt = LineFilter(regex) if regex is not None else None
     _notify.add_waker(key, waker)
     checks = _FinishChecks(loop)
     reason = Wake.START
@@ -821,18 +827,19 @@ async def _follow(
                 lo, hi = log.index.window(since_ns, until_ns, log.size, log.mtime_ns)
             for segment in segments:
                 if isinstance(segment, _LongLine):
-                    long_lines = await _read_long(log, segment, lo, hi, search)
+                    long_lines = await _read_long(log, segment, lo, hi, flt)
                     while long_lines:  # popped: no long line is held while the next is read
                         # not bound to a name: the generator would hold it while reading the next
                         yield (segment.end, long_lines.pop(0)) if offsets else long_lines.pop(0)
                     continue
                 part = _narrow(segment, lo, hi) if windowed else segment
                 if offsets:
-                    for entry in _entries(part, search):
+                    entries = _entries(part, None)
+                    for entry in entries if flt is None else await flt.keep(list(entries), _text):
                         yield entry
                     continue
                 for lines in _batches(part):
-                    for line in lines if search is None else filter(search, lines):
+                    for line in lines if flt is None else await flt.keep(lines):
                         yield line
             if more:
                 reason = Wake.MORE

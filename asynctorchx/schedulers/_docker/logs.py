@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asynctorchx.logs._cursor import Position
+from asynctorchx.logs._match import LineFilter
 from asynctorchx.logs._query import LogQuery, Stream
 from asynctorchx.logs._timestamps import CursorPass, ResumeCursor, seconds_to_ns
 from asynctorchx.schedulers._docker.engine import (
@@ -121,6 +122,7 @@ class DockerLogSource:
             UnknownAppException: Docker has no container of the app.
             UnknownRoleException: no such role or replica.
         """
+        flt = LineFilter(query.regex) if query.regex is not None else None
         containers = await self._list_app(query.app_id)
         a = assess(query.app_id, containers)
         if a is None:
@@ -175,7 +177,7 @@ class DockerLogSource:
                 )
                 async with contextlib.aclosing(read):
                     async for line in read:
-                        if query.matches(line.text):
+                        if flt is None or await flt.matches(line.text):
                             yield _position(c.attempt, c.id, mine), line.text
                 if final or not latest:
                     finished.add(c.id)

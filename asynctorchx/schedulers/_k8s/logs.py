@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 
 from asynctorchx.logs._cursor import Position
+from asynctorchx.logs._match import LineFilter
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.logs._timestamps import (
     ResumeCursor,
@@ -230,6 +231,7 @@ class KubeLogSource:
         """
         since_ns = None if query.since is None else seconds_to_ns(query.since)
         until_ns = None if query.until is None else seconds_to_ns(query.until)
+        flt = LineFilter(query.regex) if query.regex is not None else None
         start = cursor.since_ns if cursor.since_ns is not None else since_ns
         since_time = to_rfc3339_seconds(start) if start is not None else None
         api = await self._connection.api()
@@ -248,7 +250,7 @@ class KubeLogSource:
                     ):
                         continue
                     text = body.decode("utf-8", "replace")
-                    if query.matches(text):
+                    if flt is None or await flt.matches(text):
                         yield text
             read.clean = True
         except KubeApiError as e:
