@@ -89,14 +89,16 @@ def _with(record: bytes, **fields: int) -> bytes:
     ],
 )
 def test_the_first_record_that_makes_no_sense_ends_the_trusted_ones(bad: str) -> None:
-    """A record whose time or offsets go back, whose offset is past any real file, whose stream
-    byte is not 0/1 or whose padding is not zero ends the records trusted, there and for good."""
+    """A record whose time or offsets go back (its time and stream offset within its stream: a
+    held line's chunks are recorded after the other stream's later ones), whose offset is past
+    any real file, whose stream byte is not 0/1 or whose padding is not zero ends the records
+    trusted, there and for good."""
     data = bytearray(records(_CHUNKS))
     n = 4 if bad == "stream offset back" else 2  # the 5th is the first whose stream has moved on
     at = slice(n * RECORD_SIZE, (n + 1) * RECORD_SIZE)
     record = bytes(data[at])
     data[at] = {
-        "time back": lambda: _with(record, t=T + 105),
+        "time back": lambda: _with(record, t=T + 95),  # (before its stream's last: T + 100)
         "stream offset back": lambda: _with(record, so=3),
         "combined offset back": lambda: _with(record, co=2),
         "offset past any file": lambda: _with(record, so=1 << 60),

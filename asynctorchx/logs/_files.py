@@ -8,15 +8,16 @@ with a newline of its own before another stream's bytes; see ``ReplicaLogWriter`
 chunk, written *before* the chunk's bytes reach ``combined.log`` (and, but for a held line's, its
 stream's file) so that a byte a reader sees has its time, or is past the last record::
 
-    int64   time_ns          when the chunk was read from the pipe (POSIX ns, never decreasing)
+    int64   time_ns          when the chunk was read from the pipe (POSIX ns, never decreasing
+                             within a stream; combined's view takes the running maximum)
     uint64  stream_offset    where the chunk starts in its stream's file
     uint64  combined_offset  where the chunk starts in combined.log
     uint32  length           the chunk's size in bytes
     uint8   stream           0 = stdout, 1 = stderr
     3 bytes padding
 
-A reader trusts the records up to the first one that makes no sense (its time or one of its offsets
-going back, an offset past any real file, a stream byte other than 0/1, non-zero padding: the file
+A reader trusts the records up to the first one that makes no sense (its time or stream offset
+going back within its stream, its combined offset going back, an offset past any real file, a stream byte other than 0/1, non-zero padding: the file
 was cut or overwritten by someone else, and what follows is misaligned) and treats the bytes after
 the last trusted record as unindexed: they take the file's mtime, like the bytes of a log written
 without an index. A bad index makes timing rougher; it never hides bytes.
@@ -36,7 +37,7 @@ import sys
 from array import array
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import accumulate, compress
 
 from asynctorchx.logs._query import Stream
 
@@ -104,9 +105,10 @@ class TimingIndex:
     present: bool = False
     #: a record made no sense: the records from there on are not trusted (nor read)
     broken: bool = False
-    _last_time: int = -(1 << 63)
+    _last_time: int = -(1 << 63)  # of combined's view: the running maximum
     _last_combined: int = 0
     _last_offsets: dict[int, int] = field(default_factory=lambda: dict.fromkeys(_KEEP, 0))
+    _last_times: dict[int, int] = field(default_factory=lambda: dict.fromkeys(_KEEP, -(1 << 63)))
 
     def feed(self, data: bytes) -> int:
         """Adds the complete records at the start of ``data``; returns how many bytes were used.
@@ -132,16 +134,20 @@ class TimingIndex:
             ids = ids[:trusted]
             if not trusted:
                 return usable
-        self._last_time = words[-4]
         self._last_combined = words[-2]
         for s in _KEEP:
             found = ids.rfind(s)
             if found >= 0:
                 self._last_offsets[s] = words[found * 4 + 1]
+                self._last_times[s] = words[found * 4]
         sid = STREAM_IDS.get(self.stream)
         if sid is None:
+            # a stream's held line comes to combined.log after lines of the other stream read
+            # later: combined's times are their running maximum (never decreasing, for bisect)
+            times = list(accumulate(words[0::4], max, initial=self._last_time))[1:]
+            self._last_time = times[-1]
             self.offsets.extend(words[2::4])
-            self.times.extend(words[0::4])
+            self.times.extend(times)
             last = len(words) - 4
         else:
             keep = ids.translate(_KEEP[sid])
@@ -163,18 +169,19 @@ class TimingIndex:
         cut = _first_true(ids.translate(_BAD_ID))
         for pad in range(_STREAM_BYTE + 1, RECORD_SIZE):
             cut = min(cut, _first_true(bytes(view[pad:usable:RECORD_SIZE]).translate(_NONZERO)))
-        cut = min(cut, _first_decrease(self._last_time, words[0 : cut * 4 : 4]))
         # offsets never decrease (below: the first decrease ends the trusted ones) and start at
         # 0 or more, so those past _MAX_OFFSET (a length adds less than 2**32) are all at the end
         combined = words[2 : cut * 4 : 4]
         cut = min(cut, _first_decrease(self._last_combined, combined))
         cut = min(cut, bisect_right(combined, _MAX_OFFSET, 0, cut))
         stream_offsets = words[1 : cut * 4 : 4]
-        for s, keep in _KEEP.items():
+        times = words[0 : cut * 4 : 4]
+        for s, keep in _KEEP.items():  # within a stream, times and offsets never go back
             mask = ids[:cut].translate(keep)
             mine = list(compress(stream_offsets, mask))
             j = _first_decrease(self._last_offsets[s], mine)
             j = bisect_right(mine, _MAX_OFFSET, 0, j)
+            j = min(j, _first_decrease(self._last_times[s], list(compress(times, mask))))
             if j < len(mine):
                 cut = min(cut, list(compress(range(n), mask))[j])
         return cut

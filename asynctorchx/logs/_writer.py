@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 _MAX_BATCH = 1 << 20
 _MAX_FINAL = 1 << 26
-_FILE_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC  # (read: the last byte)
 #: An unterminated line is held back from ``combined.log`` (see ``_Tail``) until it is this long,
 _TAIL_MAX = 1 << 16
 #: or this old (seconds).
@@ -249,7 +249,9 @@ class ReplicaLogWriter:
         self._files: dict[Stream, int] = {}
         self._index_fd = -1
         self._offsets: dict[Stream, int] = {}
-        self._last_ns = 0
+        #: per stream: the latest time recorded, and the end of its last record in its file
+        self._stream_ns: dict[Stream, int] = {}
+        self._recorded_to: dict[Stream, int] = {}
         self._opener = opener
         #: chunks read before the files exist: (time read, stream, data), in the order read
         self._held: list[tuple[int, Stream, bytes]] = []
@@ -285,7 +287,16 @@ class ReplicaLogWriter:
         self._files = files.fds
         self._index_fd = files.index_fd
         self._offsets = files.offsets
-        self._last_ns = max(self._last_ns, files.last_ns)
+        for stream in STREAM_IDS:  # (the records already there: this writer's come after them)
+            self._stream_ns[stream] = max(self._stream_ns.get(stream, 0), files.last_ns)
+        size = self._offsets.get(Stream.COMBINED, 0)
+        if size and self._open_line is None:  # another writer's last line was left open
+            try:
+                last = os.pread(self._files[Stream.COMBINED], 1, size - 1)
+            except OSError:
+                last = b"\n"
+            if last != b"\n":
+                self._open_line, self._line_ended = Stream.COMBINED, True
 
     @property
     def has_files(self) -> bool:
@@ -537,21 +548,20 @@ class ReplicaLogWriter:
             self._write_file(stream, data)
             self._write_file(Stream.COMBINED, data)
             return
+        if not cut:  # no line ends here: the line goes on
+            start = self._write_file(stream, data)
+            self._hold_tail(stream, tail or _Tail(start), now, data)
+            return
         if tail is None:
             tail = _Tail(self._offsets[stream])
-        if not cut:  # no line ends here: the line goes on
-            self._write_file(stream, data)
-            self._hold_tail(stream, tail, now, data)
-            return
         tail.add(now, data[:cut])
         self._records(stream, tail.start, tail.chunks)
-        self._write_file(stream, data)
+        start = self._write_file(stream, data)
         self._write_file(Stream.COMBINED, b"".join(d for _, d in tail.chunks))
         self._drop_tail(stream)
-        if cut < len(data):
-            self._hold_tail(
-                stream, _Tail(self._offsets[stream] - (len(data) - cut)), now, data[cut:]
-            )
+        if cut < len(data):  # (where the rest went: never before what was recorded)
+            rest = min(start + cut, self._offsets[stream])
+            self._hold_tail(stream, _Tail(rest), now, data[cut:])
 
     def _hold_tail(self, stream: Stream, tail: _Tail, now: int, data: bytes) -> None:
         """Adds ``data`` (in the stream's file already) to ``stream``'s unterminated line; a line
@@ -583,13 +593,20 @@ class ReplicaLogWriter:
         self._open_line = None
         sid = STREAM_IDS[stream]
         combined = self._offsets[Stream.COMBINED]
+        # Times and offsets never go back within a stream (a held line's chunks keep the times
+        # they were read at, earlier than the other stream's records written meanwhile: readers
+        # of combined.log take the running maximum); offsets are kept past the stream's last
+        # record and at 0 or more whatever bytes a full disk lost.
+        last_ns = self._stream_ns.get(stream, 0)
+        offset = max(offset, self._recorded_to.get(stream, 0), 0)
         packed = []
         for now, data in chunks:
-            now = max(now, self._last_ns)
-            self._last_ns = now
-            packed.append(RECORD.pack(now, offset, combined, len(data), sid))
+            last_ns = max(now, last_ns)
+            packed.append(RECORD.pack(last_ns, offset, combined, len(data), sid))
             offset += len(data)
             combined += len(data)
+        self._stream_ns[stream] = last_ns
+        self._recorded_to[stream] = offset
         try:
             _write_all(self._index_fd, packed[0] if len(packed) == 1 else b"".join(packed))
         except OSError as e:  # the timing of these bytes is lost, not the bytes
@@ -609,6 +626,8 @@ class ReplicaLogWriter:
             return
         tail = self._drop_tail(stream)
         if tail is None or not self._files:
+            if ended and self._open_line is stream:  # (given out already: it ends here)
+                self._line_ended = True
             return
         self._records(stream, tail.start, tail.chunks)
         self._write_file(Stream.COMBINED, b"".join(d for _, d in tail.chunks))
@@ -616,15 +635,19 @@ class ReplicaLogWriter:
         if which is not None:
             _notify.wake_key(self._key, Wake.DATA, stream)
 
-    def _write_file(self, target: Stream, data: bytes) -> None:
+    def _write_file(self, target: Stream, data: bytes) -> int:
+        """Appends ``data`` to ``target``'s file (after the marker of what it lost before, if
+        any); returns the offset where it went (or would have)."""
         if self._unmarked.get(target) and not self._write_marker(target):
             self._lose(target, len(data))  # resumed output must follow its marker
-            return
+            return self._offsets[target]
+        start = self._offsets[target]
         written, error = _write_counted(self._files[target], data)
         self._offsets[target] += written
         if error is not None:
             self._note_loss(error)
             self._lose(target, len(data) - written)
+        return start
 
     def _lose(self, target: Stream, n: int) -> None:
         self._lost[target] = self._lost.get(target, 0) + n
