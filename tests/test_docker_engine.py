@@ -1355,3 +1355,30 @@ async def test_a_replica_killed_for_memory_says_so(
     resp = await wait_for(docker_scheduler, killed, timeout=60)
     assert resp.state == AppState.FAILED and "exit code 137" in resp.msg, resp.msg
     assert "memory" not in resp.msg, resp.msg
+
+
+@pytest.mark.timeout(120)
+async def test_the_final_state_of_a_removed_app_keeps_what_only_an_inspect_says(
+    docker_scheduler: DockerScheduler, busybox_image: str
+) -> None:
+    """With remove_finished, the final state the launcher keeps once the containers are gone
+    says what only an inspect of them said: a replica killed for running out of memory (it read
+    only "exit code 137"), and Docker's restarts of a REPLICA retry (it read 0 restarts)."""
+    hog = sh(busybox_image, "tail /dev/zero", resource=Resource(cpu=1, gpu=0, memMB=16))
+    oom = await docker_scheduler.submit(AppDef("hog", [hog]), {"remove_finished": True})
+    again = sh(busybox_image, "exit 5", max_retries=1, retry_policy=RetryPolicy.REPLICA)
+    restarted = await docker_scheduler.submit(AppDef("again", [again]), {"remove_finished": True})
+    for app_id in (oom, restarted):
+        with anyio.fail_after(60):
+            while True:  # until the app has ended and its containers are removed
+                resp = await docker_scheduler.describe(app_id)
+                assert resp is not None
+                if resp.state == AppState.FAILED and not await containers_of(app_id):
+                    break
+                await asyncio.sleep(0.2)
+    resp = await docker_scheduler.describe(oom)
+    assert resp is not None and resp.state == AppState.FAILED, resp
+    assert "exit code 137" in resp.msg and "out of memory" in resp.msg, resp.msg
+    resp = await docker_scheduler.describe(restarted)
+    assert resp is not None and resp.state == AppState.FAILED, resp
+    assert resp.num_restarts == 1 and "exit code 5" in resp.msg, resp

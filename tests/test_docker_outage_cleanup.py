@@ -7,6 +7,8 @@
   saying why, for every process, and its other replicas are stopped.
 - A cancel whose stop was cut off by an outage is finished once the engine is back (by the second
   cancel, or before it), with one SIGTERM per container.
+- A ROLE retry cut off by an outage at its first container's start (its create went through) is
+  made once the engine is back: that container is started, the replicas it had not got to made.
 
 The real engine is reached through ``EngineForwarder`` (``_docker_proxy.py``), which goes down at
 a chosen request (``TrippingForwarder``). Skipped without an engine, failed in CI
@@ -231,3 +233,67 @@ async def test_a_cancel_cut_off_by_an_outage_is_finished_once_the_engine_is_back
         resp = await wait_for(outage_scheduler, app_id, timeout=25)
     assert resp.state == AppState.CANCELLED, resp
     assert await collect(outage_scheduler.log_iter(app_id, "main")) == ["up\n", "term\n"]
+
+
+async def _states(app_id: str) -> dict[str, str]:
+    """The engine's state of each container of the app, by name (asked directly)."""
+    label = json.dumps({"label": [f"{LABEL_APP_ID}={app_id}"]})
+    async with aiodocker.Docker() as client:
+        listed = await client.containers.list(all=True, filters=label)
+    return {c["Names"][0].lstrip("/"): c["State"] for c in listed}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [1, 2])
+async def test_a_retry_cut_off_by_an_outage_is_made_once_the_engine_is_back(
+    outage_scheduler: DockerScheduler,
+    forwarder: TrippingForwarder,
+    busybox_image: str,
+    tmp_path: Path,
+    n: int,
+) -> None:
+    """The engine goes down at the start of a ROLE retry's first container (its create went
+    through; with 2 replicas, the second's was never made). Once the engine is back, the retry is
+    made (that container started, the other made) and the app, whose attempt 1 exits 0,
+    SUCCEEDS. It read PENDING for good: the created container was the replica's current one, so
+    nothing asked for the retry any more (and its create, exist_ok, would have skipped the start)."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    script = (
+        "if [ -f /gate/failed-once ]; then exit 0; fi; "
+        "while [ ! -f /gate/go ]; do sleep 0.1; done; touch /gate/failed-once; exit 3"
+    )
+    worker = sh(
+        busybox_image,
+        script,
+        name="w",
+        n=n,
+        max_retries=1,
+        retry_policy=RetryPolicy.ROLE,
+        mounts=[BindMount(str(gate), "/gate")],
+    )
+    app_id = await outage_scheduler.submit(AppDef("rt", [worker]), {"stop_timeout": 1})
+    await wait_for(outage_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    forwarder.trip_at("POST", "/start HTTP")
+    await anyio.Path(gate / "go").touch()
+    with anyio.fail_after(30):  # the retry's first create went through, its start was cut off
+        while forwarder.mode != Mode.DROP:
+            await asyncio.sleep(0.1)
+    with anyio.move_on_after(10):
+        while len(await _states(app_id)) < n + 1:
+            await asyncio.sleep(0.1)
+    states = await _states(app_id)
+    assert states.get(f"{app_id}-w-0-r1") == "created" and len(states) == n + 1, states
+    await asyncio.sleep(1)
+    forwarder.set_mode(Mode.FORWARD)  # the engine is back
+
+    try:
+        resp = await wait_for(outage_scheduler, app_id, timeout=30)
+    except TimeoutError as e:
+        pytest.fail(f"{e}; the engine has {await _states(app_id)}")
+    assert resp.state == AppState.SUCCEEDED and resp.num_restarts == 1, resp
+    finished = {f"{app_id}-w-{k}{r}": "exited" for k in range(n) for r in ("", "-r1")}
+    with anyio.move_on_after(10):  # the events may tell of an exit before a listing shows it
+        while await _states(app_id) != finished:
+            await asyncio.sleep(0.1)
+    assert await _states(app_id) == finished

@@ -194,7 +194,9 @@ class DockerScheduler(Scheduler[DockerJob]):
             on_connect=self._retry_owed,
             enabled=watch_events,
         )
-        self._follow_ups = FollowUps(self._engine, self._events.app_containers)
+        self._follow_ups = FollowUps(
+            self._engine, self._events.app_containers, inspect=self._with_inspections
+        )
         self._launcher = Launcher(self._engine, self._tasks)
         self._submits = CallsUnderWay()  # close() lets them finish
         self._launches: dict[str, CancelWatch] = {}  # the submits under way, by app id

@@ -10,7 +10,12 @@ keep coming for an app (its containers being removed) do not repeat them.
 A retry the engine refuses (not an outage: the app's network was removed behind our back, its
 image is gone...) cannot be made by anyone: it is recorded on the engine
 (``request.retry_failed_record``), which fails the app for every process, and the app's other
-replicas are stopped. A retry cut off by an outage is left owed, and made once the engine answers.
+replicas are stopped. A retry cut off by an outage is left owed, and made once the engine answers:
+the follow-up fails (the scheduler asks for it again once the engine answers), and this process
+remembers the retry, since the app's containers may no longer ask for it (a replica whose new
+attempt was created but not started reads PENDING). The next follow-up makes it again: the
+containers of the attempt already there are left as they are, but started if they are still
+``created`` by this process (their launcher label), which nobody else would start.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from asynctorchx.schedulers._docker.engine import (
 from asynctorchx.schedulers._docker.processes import process_identity
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
+    LABEL_ATTEMPT,
     LABEL_LAUNCHER,
     marker_name,
     retry_failed_record,
 )
 from asynctorchx.schedulers._docker.state import (
+    Action,
     Assessment,
     ContainerInfo,
     RemoveApp,
@@ -46,6 +53,7 @@ from asynctorchx.schedulers._docker.state import (
     recreate_config,
 )
 from asynctorchx.schedulers.api import DescribeAppResponse
+from asynctorchx.specs.api import is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -62,15 +70,23 @@ class FollowUps:
     Args:
         engine: the engine to act through.
         list_app: lists one app's containers (the event feed's listing).
+        inspect: adds to an assessment what only an inspect says (the scheduler's status read
+            does: OOM kills, Docker's restart counts), for the final description of an app whose
+            containers are removed; by default the assessment is kept as listed.
     """
 
     def __init__(
-        self, engine: DockerEngine, list_app: Callable[[str], Awaitable[list[ContainerInfo]]]
+        self,
+        engine: DockerEngine,
+        list_app: Callable[[str], Awaitable[list[ContainerInfo]]],
+        inspect: Callable[[Assessment], Awaitable[Assessment]] | None = None,
     ) -> None:
         self._engine = engine
         self._list_app = list_app
+        self._inspect = inspect
         self._done: OrderedDict[tuple[str, ...], None] = OrderedDict()
         self._removed: OrderedDict[str, DescribeAppResponse] = OrderedDict()
+        self._cut_off: OrderedDict[str, RetryReplicas] = OrderedDict()  # retries owed, by app
 
     def removed(self, app_id: str) -> DescribeAppResponse | None:
         """The final description of an app whose containers this process removed, if any."""
@@ -98,21 +114,64 @@ class FollowUps:
             )
             if isinstance(r, Exception)
         ]
-        for action in a.actions:
+        for action in self._with_retry_owed(a):
             if isinstance(action, RetryReplicas):
                 try:
                     await self._once(("retry", app_id, str(action.attempt)), self._retry(a, action))
                 except RetryRefusedError as e:
+                    self._cut_off.pop(app_id, None)
                     await self._fail_retry(a, action, e)
                     break  # the app has failed: nothing else it was owed holds
+                except DockerEngineUnavailableError:
+                    self._remember_cut_off(app_id, action)
+                    raise
+                self._cut_off.pop(app_id, None)
             elif isinstance(action, RemoveApp):
-                self._remember_removed(a.response)
+                final = await self._inspect(a) if self._inspect is not None else a
+                self._remember_removed(final.response)
                 await self._once(("remove", app_id), self._remove_app(app_id, action))
             elif isinstance(action, RemoveNetwork):
                 await self._once(("network", app_id), self._remove_network(app_id, action))
         if errors:
             raise errors[0]
         return a
+
+    def _with_retry_owed(self, a: Assessment) -> list[Action]:
+        """``a``'s actions, with the retry an outage cut off here (``_cut_off``) made again while
+        the app still runs and nothing supersedes it: merged into the retry of the same attempt
+        the containers ask for (the replicas it had not got to), else added. Its replicas are
+        those of the listing now (a kill of theirs may have been cut off too)."""
+        actions = list(a.actions)
+        app_id = a.response.app_id
+        owed = self._cut_off.get(app_id)
+        if owed is None:
+            return actions
+        asked = next((x for x in actions if isinstance(x, RetryReplicas)), None)
+        if (
+            is_terminal(a.response.state)
+            or any(c.is_record for c in a.containers)  # cancelled, or a retry failed
+            or (asked is not None and asked.attempt > owed.attempt)
+        ):
+            del self._cut_off[app_id]
+            return actions
+        listed = {c.id: c for c in a.containers}
+        olds = [listed.get(c.id, c) for c in owed.olds]
+        if asked is None:
+            retry = RetryReplicas(owed.attempt, tuple(olds))
+            stops = [i for i, x in enumerate(actions) if isinstance(x, StopContainer)]
+            actions.insert(stops[-1] + 1 if stops else 0, retry)
+            return actions
+        if asked.attempt == owed.attempt:
+            keys = {(c.role, c.replica_id) for c in asked.olds}
+            more = tuple(c for c in olds if (c.role, c.replica_id) not in keys)
+            actions[actions.index(asked)] = RetryReplicas(asked.attempt, asked.olds + more)
+        return actions
+
+    def _remember_cut_off(self, app_id: str, retry: RetryReplicas) -> None:
+        self._cut_off[app_id] = retry
+        self._cut_off.move_to_end(app_id)
+        while len(self._cut_off) > _REMEMBERED_APPS:
+            self._cut_off.popitem(last=False)
 
     async def _once(self, key: tuple[str, ...], work: Awaitable[None]) -> None:
         """Does ``work`` unless the action ``key`` was done before; remembers it once done."""
@@ -129,7 +188,8 @@ class FollowUps:
         """Recreates the replicas of a ROLE/APPLICATION retry as attempt ``retry.attempt``.
 
         A container of that attempt that exists already (made by another process, or an earlier
-        round) is left as it is.
+        round) is left as it is, unless this process made it and has not started it (an outage
+        cut its start off): then it is started now.
 
         Raises:
             RetryRefusedError: the engine refused it (the containers it made but could not start
@@ -153,6 +213,8 @@ class FollowUps:
                 what = f"retrying role {old.role!r} replica {old.replica_id}"
                 name = f"{old.hostname}-r{retry.attempt}"
                 cid = await self._engine.create_container(config, name, what=what, exist_ok=True)
+                if cid is None:  # there already: started here, unless it is ours and unstarted
+                    cid = await self._unstarted_own(name, a.response.app_id, retry.attempt)
                 if cid is not None:
                     unstarted.append(cid)
                     await self._engine.start_container(cid, what=what)
@@ -177,6 +239,22 @@ class FollowUps:
         if started and await self._engine.inspect_container(marker) is not None:
             late = await started_since(self._engine, marker, started)
             await asyncio.gather(*(self._engine.stop_container(c) for c in late))
+
+    async def _unstarted_own(self, name: str, app_id: str, attempt: int) -> str | None:
+        """The id of container ``name`` when it is attempt ``attempt`` of app ``app_id`` that
+        this process created and has not started (its start was cut off); else None."""
+        info = await self._engine.inspect_container(name)
+        if info is None:
+            return None
+        labels = (info.get("Config") or {}).get("Labels") or {}
+        if (
+            (info.get("State") or {}).get("Status") != "created"
+            or labels.get(LABEL_APP_ID) != app_id
+            or labels.get(LABEL_ATTEMPT) != str(attempt)
+            or labels.get(LABEL_LAUNCHER) != process_identity()
+        ):
+            return None
+        return str(info.get("Id") or "") or None
 
     async def _fail_retry(self, a: Assessment, retry: RetryReplicas, err: Exception) -> None:
         """Records a retry the engine refused (the app reads FAILED, saying why, from then on in
