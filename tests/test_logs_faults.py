@@ -19,7 +19,7 @@ import pytest
 from _local_env import wait_for
 
 from asynctorchx.cli._errors import CliError
-from asynctorchx.logs import Stream, _match
+from asynctorchx.logs import Stream, _match, iter_log_lines
 from asynctorchx.logs._files import (
     INDEX_MAGIC,
     RECORD,
@@ -292,3 +292,103 @@ def test_the_bounded_filter_keeps_the_flags_of_the_pattern() -> None:
     assert asyncio.run(flt.keep(lines)) == [lines[0], lines[2]]
     ascii_only = _match.LineFilter(re.compile(r"^\w+$", re.ASCII))
     assert asyncio.run(ascii_only.keep(["abc", "\u00e9t\u00e9"])) == ["abc"]
+
+
+# -- the filter keeps re's meaning and its bounds (found by a review of the bounded filter) ------
+
+_MEANING = [
+    ("[[:digit:]]", "1" * 5000),  # re: the set '[:digt' then ']'; regex: a POSIX class
+    ("x{e<=1}", "y" * 5000),  # re: the literal 'x{e<=1}'; regex: a fuzzy match of 'x'
+    (r"sep\s", "sep\x1c" + "y" * 5000),  # re's \s matches U+001C; regex's does not
+    (r"ca\w", "ca\u0301 " + "y" * 5000),  # a combining mark: re's \w no, regex's yes
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(("pattern", "line"), _MEANING, ids=[c[0] for c in _MEANING])
+async def test_a_filter_on_a_long_line_means_what_re_means(pattern: str, line: str) -> None:
+    """A pattern that cannot backtrack badly is ``re``'s on any line (long lines went to the
+    ``regex`` module, which reads some syntax and classes otherwise)."""
+    rx = re.compile(pattern)
+    assert await _match.LineFilter(rx).keep([line]) == ([line] if rx.search(line) else [])
+    assert await _match.LineFilter(rx).matches(line) is (rx.search(line) is not None)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize(
+    ("pattern", "line"),
+    [
+        (r"(?:ERROR|WARN)+ code [[:digit:]]", "ERROR code 7\n"),
+        (r"(?:ERROR|WARN)+ code [[:digit:]]", "WARN code :]\n"),
+        (r"(?:ab|b)+x{e<=1}", "ab x{e<=1}\n"),
+        (r"(?:ab|b)+x{e<=1}", "abz\n"),
+        (r"(?:ab|b)+[]x[=y]", "ab=\n"),
+    ],
+)
+async def test_a_risky_filter_means_what_re_means(pattern: str, line: str) -> None:
+    """A risky pattern (matched by the ``regex`` module) keeps ``re``'s reading of a ``[:`` in a
+    set and of a ``{`` that starts no repeat (a POSIX class and a fuzzy match there)."""
+    rx = re.compile(pattern)
+    flt = _match.LineFilter(rx)
+    assert flt._risky
+    assert await flt.keep([line]) == ([line] if rx.search(line) else [])
+    assert await flt.matches(line) is (rx.search(line) is not None)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("pattern", "line"),
+    [(r"\d+\d+\d+x", "1" * 240 + "\n"), (r".*.*.*=", "a" * 320 + "\n")],
+    ids=["digits", "dotstars"],
+)
+async def test_a_polynomial_filter_does_not_freeze_the_loop(
+    tmp_path: Path, pattern: str, line: str
+) -> None:
+    """Two unbounded repeats of the same characters in a row backtrack polynomially (\\d+\\d+\\d+x
+    on 240 digits: seconds; 800: minutes): such a filter is bounded too (it froze the loop)."""
+    (tmp_path / "combined.log").write_text("ok\n" + line)
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.01)
+            gaps.append(time.monotonic() - t)
+
+    ticker = asyncio.create_task(tick())
+    try:
+        await asyncio.sleep(0.05)
+        got = [x async for x in iter_log_lines(tmp_path, regex=pattern)]
+        await asyncio.sleep(0.05)
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+    assert got == []
+    assert max(gaps) < 0.5, f"the event loop was held {max(gaps):.2f} s"
+
+
+@pytest.mark.timeout(60)
+async def test_slow_filters_leave_worker_threads_to_the_rest_of_the_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """42 reads with a filter that takes its whole time bound on a line: they share their own few
+    threads (``MAX_THREADS``), and a worker-thread call of the rest of the process (a log file
+    read, a record) is served at once (they took anyio's 40 default threads)."""
+    monkeypatch.setattr(_match, "LINE_TIMEOUT", 0.5)
+    pattern = re.compile(r"(a|aa)+$")
+
+    async def reader() -> None:
+        flt = _match.LineFilter(pattern)
+        flt.slow = True  # (known slow: straight to a worker thread)
+        with pytest.raises(_match.SlowLogRegexError):
+            await flt.keep(["a" * 40 + "b\n"])
+
+    readers = [asyncio.create_task(reader()) for _ in range(42)]
+    await asyncio.sleep(0.1)  # (they are in their threads, or waiting for one)
+    t = time.monotonic()
+    await anyio.to_thread.run_sync(lambda: None)
+    waited = time.monotonic() - t
+    await asyncio.gather(*readers)
+    assert waited < 0.1, f"a worker-thread call waited {waited:.2f} s behind the log filters"

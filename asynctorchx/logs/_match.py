@@ -1,4 +1,4 @@
-"""Matching log lines against a user's regex filter without holding the event loop for long.
+r"""Matching log lines against a user's regex filter without holding the event loop for long.
 
 Python's ``re`` has no time limit and holds the GIL while it matches: one catastrophic pattern
 (``(a|aa)+$`` on a long line of ``a``) froze the event loop, and with it every other app's wait,
@@ -16,19 +16,28 @@ match in time and release the GIL while it runs:
   mistake, and no answer would be wrong without it).
 
 The ``regex`` module is 4-13 times slower than ``re`` on ordinary patterns, so it is kept for
-those that can take that long: a pattern with a repeat inside a repeat (``(a+)+``), an alternation
-inside a repeat (``(a|aa)+``) or a back-reference, which is where the exponential blow-ups are
-(the "star height" of ``re``'s parse of it), and lines longer than ``SAFE_LENGTH`` characters (where
-even a simple pattern's polynomial backtracking costs seconds). Every other match is ``re``'s, on
-the event loop. A pattern that ``re`` accepts and ``regex`` does not (none is known) is matched with
-``re`` on the event loop, as before.
+the patterns that can take that long ("risky", from ``re``'s parse of them): a repeat inside a
+repeat (``(a+)+``), an alternation inside a repeat (``(a|aa)+``), a back-reference (exponential),
+or two unbounded repeats next to each other (``\d+\d+x``, ``.*.*=``: polynomial). Every other
+pattern is matched by ``re`` on the event loop, as before (a simple pattern's polynomial
+backtracking on a very long line is not bounded). A pattern that ``re`` accepts and ``regex`` does
+not is matched with ``re`` on the event loop too.
+
+A risky pattern is given to ``regex`` (version 0, ``re``'s) with what ``regex`` would read
+otherwise escaped: a ``[`` followed by ``:``, ``=`` or ``.`` inside a set (a POSIX class there,
+literal characters in ``re``) and a ``{`` that starts no ``re`` repeat (a fuzzy match there, a
+literal in ``re``). Left as ``regex`` has them: ``\s`` does not match U+001C-U+001F and ``\w``
+matches combining marks. Worker threads are at most ``MAX_THREADS`` per event loop, so that slow
+filters do not take the threads other work of the process needs (reading log files, records).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 from re import _constants as _c  # type: ignore[attr-defined]
@@ -40,8 +49,8 @@ import anyio
 if TYPE_CHECKING:
     import regex
 
-#: Lines up to this long are matched by ``re`` (on the event loop) when the pattern is not risky.
-SAFE_LENGTH = 4096
+#: Worker threads matching risky filters at once, per event loop.
+MAX_THREADS = 4
 #: Seconds of matching one batch may take on the event loop.
 LOOP_BUDGET = 0.005
 #: Seconds one line's match may take at all.
@@ -68,9 +77,43 @@ def _bounded(pattern: str, flags: int) -> regex.Pattern[str] | None:
         if flags & getattr(re, name):
             mapped |= getattr(regex, name)
     try:
-        return regex.compile(pattern, mapped | regex.VERSION0)
+        return regex.compile(_as_re_reads_it(pattern), mapped | regex.VERSION0)
     except Exception:
         return None
+
+
+_RE_REPEAT = re.compile(r"\{(?:\d+(?:,\d*)?|,\d+)\}")
+
+
+def _as_re_reads_it(pattern: str) -> str:
+    """``pattern`` with what ``regex`` reads otherwise than ``re`` escaped: ``[:``, ``[=``, ``[.``
+    inside a set (POSIX classes) and a ``{`` that starts no repeat (fuzzy matching)."""
+    out: list[str] = []
+    i, n = 0, len(pattern)
+    in_set = first = False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":  # an escape: as it is
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_set:
+            if c == "]" and not first:  # (a "]" first in a set is one of its characters)
+                in_set = False
+            elif c == "[" and pattern[i + 1 : i + 2] in (":", "=", "."):
+                c = "\\["
+            first = False
+        elif c == "[":
+            in_set = first = True
+            if pattern[i + 1 : i + 2] == "^":
+                out.append("[^")
+                i += 2
+                continue
+        elif c == "{" and not _RE_REPEAT.match(pattern, i):
+            c = "\\{"
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 _REPEATS = frozenset({_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT})
@@ -90,13 +133,22 @@ def _risky(pattern: str, flags: int) -> bool:
 
 
 def _nests(items: Iterable[tuple[Any, Any]], depth: int) -> bool:
+    """True when the sequence ``items`` (inside ``depth`` variable repeats) is risky."""
+    open_repeat: Any = None  # the body of an unbounded repeat that ends the sequence so far
     for op, av in items:
         if op in _REPEATS:
             low, high, body = av
             inner = depth + (high != low)
             if inner >= 2 or _nests(body, inner):
                 return True
-        elif op is _c.BRANCH:
+            if high == _c.MAXREPEAT:
+                if open_repeat is not None and _overlap(open_repeat, body):
+                    return True  # two unbounded repeats of the same characters in a row
+                open_repeat = body
+            elif low:
+                open_repeat = None
+            continue
+        if op is _c.BRANCH:
             if depth or any(_nests(branch, depth) for branch in av[1]):
                 return True
         elif op is _c.SUBPATTERN:
@@ -110,7 +162,29 @@ def _nests(items: Iterable[tuple[Any, Any]], depth: int) -> bool:
                 return True
         elif op not in _LEAVES:  # back-references, conditionals, anything unknown
             return True
+        if op is not _c.AT:  # (a zero-width anchor leaves two repeats next to each other)
+            open_repeat = None
     return False
+
+
+def _overlap(a: Any, b: Any) -> bool:
+    """Whether two repeats' bodies surely match some character alike: either is ``.`` or they are
+    the same (a cheap check: ``\\w+\\d+`` is missed, ``\\w+\\s+`` is rightly let go)."""
+    return any(list(x) == [(_c.ANY, None)] for x in (a, b)) or list(a) == list(b)
+
+
+_limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _limiter() -> anyio.CapacityLimiter:
+    """The event loop's limiter of the threads that match risky filters (``MAX_THREADS``)."""
+    loop = asyncio.get_running_loop()
+    limiter = _limiters.get(loop)
+    if limiter is None:
+        limiter = _limiters[loop] = anyio.CapacityLimiter(MAX_THREADS)
+    return limiter
 
 
 def _identity(text: str) -> str:
@@ -144,27 +218,13 @@ class LineFilter:
             SlowLogRegexError: one line took more than ``LINE_TIMEOUT`` seconds.
         """
         bounded = self._bounded
-        if bounded is None:  # (matched as before)
-            unbounded = self._pattern.search
-            return [item for item in items if unbounded(text(item))]
+        if bounded is None or not self._risky:  # ``re``, on the event loop (as before)
+            quick = self._pattern.search
+            if text is _identity:
+                return [i for i in items if quick(cast(str, i)) is not None]
+            return [i for i in items if quick(text(i)) is not None]
         kept: list[T] = []
         done = 0
-        if not self._risky:  # ``re`` up to the first long line
-            quick = self._pattern.search
-            texts = cast("Sequence[str]", items) if text is _identity else list(map(text, items))
-            if max(map(len, texts), default=0) <= SAFE_LENGTH:  # (the usual case, at C speed)
-                return [i for i, line in zip(items, texts, strict=True) if quick(line) is not None]
-            for item in items:
-                line = text(item)
-                if len(line) > SAFE_LENGTH:
-                    break
-                if quick(line) is not None:
-                    kept.append(item)
-                done += 1
-            if done == len(items):
-                return kept
-            items = items[done:]
-            done = 0
         if not self.slow:
             deadline = time.monotonic() + LOOP_BUDGET
             search = bounded.search
@@ -189,7 +249,7 @@ class LineFilter:
             SlowLogRegexError: it took more than ``LINE_TIMEOUT`` seconds.
         """
         bounded = self._bounded
-        if bounded is None or (not self._risky and len(text) <= SAFE_LENGTH):
+        if bounded is None or not self._risky:
             return self._pattern.search(text) is not None
         if not self.slow:
             try:
@@ -202,7 +262,7 @@ class LineFilter:
         stop = threading.Event()
         try:
             return await anyio.to_thread.run_sync(
-                self._keep_blocking, items, text, stop, abandon_on_cancel=True
+                self._keep_blocking, items, text, stop, abandon_on_cancel=True, limiter=_limiter()
             )
         finally:
             stop.set()  # (a cancelled read: the worker stops at its next line)
