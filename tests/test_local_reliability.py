@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -1148,6 +1149,38 @@ async def test_the_logs_of_a_disk_that_stays_full_say_what_they_lost(
             found = [m for line in lines[-2:] if (m := marker.search(line))]
             assert found, f"{stream}: {len(lines)} lines, no marker at the end: {lines[-2:]!r}"
             assert f"{found[-1].group(1)} bytes of {stream}.log" in desc.msg, (stream, desc.msg)
+
+
+@pytest.mark.timeout(60)
+async def test_a_session_on_a_disk_without_room_for_the_reserve_makes_its_dirs_once(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log file system without 256 KiB to spare: the space reserve is not made, and is not
+    tried again at every launch (each launch made the session's directories again in a worker
+    thread, creating and removing a file)."""
+    from asynctorchx.schedulers._local import launch as launch_module
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    calls: list[tuple[str, ...]] = []
+    real = launch_module._make_session_dir
+
+    def counting(*args: str) -> None:
+        calls.append(args)
+        real(*args)
+
+    monkeypatch.setattr(launch_module, "_make_session_dir", counting)
+    sched = LocalScheduler("reserve", local_root=root)
+    try:
+        for _ in range(4):
+            app = AppDef("q", [Role("main", image="x", entrypoint="true")])
+            app_id = await sched.submit(app, {})
+            assert (await wait_for(sched, app_id, timeout=30)).state == AppState.SUCCEEDED
+    finally:
+        await sched.close()
+    assert len(calls) == 1, f"the session's directories were made {len(calls)} times"
 
 
 @pytest.mark.timeout(60)

@@ -95,6 +95,7 @@ class AppLauncher:
         self._exe_cache: dict[tuple[str, str, str], str] = {}
         self._dirs = LogDirMaker(runtime.supervisor)
         self._session_dirs: set[str] = set()
+        self._reserve_retry: dict[str, float] = {}  # when to try a session's space reserve again
         spawner.log_opener = self._dirs.request
 
     async def prepare(self) -> None:
@@ -418,7 +419,7 @@ class AppLauncher:
             # (a lookup in a directory just used is a few microseconds: done here, not in a thread;
             # the space reserve is in the errors directory: there, so is the directory)
             reserve = space_reserve_of(app_dir)
-            if session_dir not in self._session_dirs or not _exists(reserve):
+            if session_dir not in self._session_dirs or self._remake(session_dir, reserve):
                 try:
                     await anyio.to_thread.run_sync(
                         _make_session_dir, session_dir, errors_dir, reserve
@@ -427,6 +428,8 @@ class AppLauncher:
                     what = f"the log directory {app_dir!r}"
                     raise launch_error(app.app_id, e, what, "") from None
                 self._session_dirs.add(session_dir)
+                if not _exists(reserve):
+                    self._reserve_retry[session_dir] = time.monotonic() + RESERVE_RETRY
         if dirs:  # (a role's error file under the app's directory)
             await self._dirs.make(app.app_id, app_dir, dirs)
             return
@@ -435,6 +438,16 @@ class AppLauncher:
                 f"the log directory of app {app.app_id!r} already exists ({app_dir}); "
                 "was this dry run already scheduled?"
             )
+
+    def _remake(self, session_dir: str, reserve: str) -> bool:
+        """Whether a session's directories are to be made again: its space reserve is gone (and
+        so, maybe, its errors directory), unless it found no room a while ago (then it is tried
+        again every ``RESERVE_RETRY`` seconds only: not in a worker thread at each launch)."""
+        if _exists(reserve):
+            return False
+        return not _exists(os.path.dirname(reserve)) or time.monotonic() >= self._reserve_retry.get(
+            session_dir, 0.0
+        )
 
     async def _start_app(self, app: LiveApp) -> None:
         """Starts the app's replicas (it is registered with the watchdog, with a minimal record
@@ -587,6 +600,8 @@ def _exists(path: str) -> bool:
     return os.path.lexists(path)
 
 
+#: Seconds before a session's space reserve for loss markers that found no room is tried again.
+RESERVE_RETRY = 60.0
 #: How long the scheduler's preparation (before its first launch) may spend making spare record
 #: files (``spares.py``); up to ``spares.MIN_TARGET`` are made within it.
 FIRST_SPARES_TIME = 0.005
