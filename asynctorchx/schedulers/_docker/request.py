@@ -604,6 +604,22 @@ def cancel_marker(
     another. ``canceller`` names the process that makes it (it owes the stops); a process that
     takes over from a canceller that died makes the marker of the next turn.
     """
+    name = marker_name(app_id) + (f"-{turn}" if turn > 1 else "")
+    labels = {LABEL_CANCELLER: canceller, LABEL_CANCEL_TURN: str(turn)}
+    return _record_container(name, app_id, app_name, session, image, KIND_CANCEL_MARKER, labels)
+
+
+def _record_container(
+    name: str,
+    app_id: str,
+    app_name: str,
+    session: str,
+    image: str,
+    kind: str,
+    labels: dict[str, str],
+) -> ContainerRequest:
+    """A never-started container ``name`` that records something of an app for every process:
+    the app's labels, ``kind`` and ``labels``; it runs nothing and joins no network."""
     config = {
         "Image": image,
         "Entrypoint": ["true"],
@@ -612,14 +628,12 @@ def cancel_marker(
             LABEL_APP_ID: app_id,
             LABEL_APP_NAME: app_name,
             LABEL_SESSION: session,
-            LABEL_KIND: KIND_CANCEL_MARKER,
-            LABEL_CANCELLER: canceller,
-            LABEL_CANCEL_TURN: str(turn),
+            LABEL_KIND: kind,
+            **labels,
             LABEL_VERSION: __version__,
         },
         "HostConfig": {"NetworkMode": "none"},
     }
-    name = marker_name(app_id) + (f"-{turn}" if turn > 1 else "")
     return ContainerRequest(name=name, role="", replica_id=-1, config=config)
 
 
@@ -638,21 +652,15 @@ def retry_failed_record(
     joins no network (the app's may be what is gone); its name is fixed per app, so that of
     several processes following the app, one makes it.
     """
-    config = {
-        "Image": image,
-        "Entrypoint": ["true"],
-        "Cmd": [],
-        "Labels": {
-            LABEL_APP_ID: app_id,
-            LABEL_APP_NAME: app_name,
-            LABEL_SESSION: session,
-            LABEL_KIND: KIND_RETRY_FAILED,
-            LABEL_REASON: reason[:_REASON_MAX],
-            LABEL_VERSION: __version__,
-        },
-        "HostConfig": {"NetworkMode": "none"},
-    }
-    return ContainerRequest(name=retry_failed_name(app_id), role="", replica_id=-1, config=config)
+    return _record_container(
+        retry_failed_name(app_id),
+        app_id,
+        app_name,
+        session,
+        image,
+        KIND_RETRY_FAILED,
+        {LABEL_REASON: reason[:_REASON_MAX]},
+    )
 
 
 def retry_failed_name(app_id: str) -> str:
