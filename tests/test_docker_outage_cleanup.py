@@ -284,7 +284,7 @@ async def test_a_retry_cut_off_by_an_outage_is_made_once_the_engine_is_back(
             await asyncio.sleep(0.1)
     states = await _states(app_id)
     assert states.get(f"{app_id}-w-0-r1") == "created" and len(states) == n + 1, states
-    await asyncio.sleep(1)
+    await asyncio.sleep(1)  # (the scenario: the engine stays down a second)
     forwarder.set_mode(Mode.FORWARD)  # the engine is back
 
     try:

@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from re import _constants as _c  # type: ignore[attr-defined]
-from re import _parser  # type: ignore[attr-defined]
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import anyio
@@ -116,7 +115,17 @@ def _as_re_reads_it(pattern: str) -> str:
     return "".join(out)
 
 
-_REPEATS = frozenset({_c.MAX_REPEAT, _c.MIN_REPEAT, _c.POSSESSIVE_REPEAT})
+if sys.version_info >= (3, 11):
+    from re import _constants as _c  # type: ignore[attr-defined]
+    from re import _parser  # type: ignore[attr-defined]
+else:  # (the same modules, under their old names)
+    import sre_constants as _c
+    import sre_parse as _parser
+
+# (possessive repeats and atomic groups came with Python 3.11)
+_REPEATS = frozenset(
+    {_c.MAX_REPEAT, _c.MIN_REPEAT, getattr(_c, "POSSESSIVE_REPEAT", _c.MAX_REPEAT)}
+)
 _LEAVES = frozenset(
     {_c.LITERAL, _c.NOT_LITERAL, _c.IN, _c.ANY, _c.AT, _c.CATEGORY, _c.RANGE, _c.NEGATE}
 )
@@ -132,7 +141,7 @@ def _risky(pattern: str, flags: int) -> bool:
         return True
 
 
-def _nests(items: Iterable[tuple[Any, Any]], depth: int) -> bool:
+def _nests(items: Any, depth: int) -> bool:
     """True when the sequence ``items`` (inside ``depth`` variable repeats) is risky."""
     open_repeat: Any = None  # the body of an unbounded repeat that ends the sequence so far
     for op, av in items:
@@ -157,7 +166,7 @@ def _nests(items: Iterable[tuple[Any, Any]], depth: int) -> bool:
         elif op in (_c.ASSERT, _c.ASSERT_NOT):
             if _nests(av[1], depth):
                 return True
-        elif op is _c.ATOMIC_GROUP:
+        elif op is getattr(_c, "ATOMIC_GROUP", None):
             if _nests(av, depth):
                 return True
         elif op not in _LEAVES:  # back-references, conditionals, anything unknown
