@@ -24,8 +24,14 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
+
+import anyio
+import pytest
+from _docker_env import purge_session
+
+from asynctorchx.schedulers.docker import DockerScheduler
 
 T = TypeVar("T")
 
@@ -218,3 +224,19 @@ class EngineForwarder:
                 await cw.drain()
         finally:
             cw.transport.abort()
+
+
+@pytest.fixture
+async def outage_scheduler(
+    forwarder: EngineForwarder, docker_session: str
+) -> AsyncIterator[DockerScheduler]:
+    """A DockerScheduler reaching the engine through the test module's ``forwarder`` fixture; its
+    session is purged after (the forwarder forwarding again first)."""
+    scheduler = DockerScheduler(docker_session, docker_host=forwarder.url)
+    try:
+        yield scheduler
+    finally:
+        forwarder.set_mode(Mode.FORWARD)
+        with anyio.fail_after(30):
+            await scheduler.close()
+        await purge_session(docker_session)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import anyio
 import pytest
@@ -21,7 +21,7 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     purge_session,
     sh,
 )
-from _docker_proxy import EngineForwarder, Mode
+from _docker_proxy import EngineForwarder, Mode, outage_scheduler  # noqa: F401 - a fixture
 
 from asynctorchx.schedulers._docker import engine as engine_module
 from asynctorchx.schedulers._docker.engine import DockerEngine
@@ -40,21 +40,6 @@ def forwarder(docker_engine: None) -> Iterator[EngineForwarder]:
     """A forwarder to the real engine, forwarding (see ``_docker_proxy.py``)."""
     with EngineForwarder() as fw:
         yield fw
-
-
-@pytest.fixture
-async def outage_scheduler(
-    forwarder: EngineForwarder, docker_session: str
-) -> AsyncIterator[DockerScheduler]:
-    """A DockerScheduler reaching the engine through ``forwarder``; its session is purged after."""
-    scheduler = DockerScheduler(docker_session, docker_host=forwarder.url)
-    try:
-        yield scheduler
-    finally:
-        forwarder.set_mode(Mode.FORWARD)
-        with anyio.fail_after(20):
-            await scheduler.close()
-        await purge_session(docker_session)
 
 
 async def _first(

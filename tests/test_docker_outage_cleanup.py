@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiodocker
@@ -36,7 +36,7 @@ from _docker_env import (  # noqa: F401 - pytest fixtures
     sh,
     wait_for,
 )
-from _docker_proxy import EngineForwarder, Mode
+from _docker_proxy import EngineForwarder, Mode, outage_scheduler  # noqa: F401 - a fixture
 
 from asynctorchx.schedulers._docker.request import LABEL_APP_ID, LABEL_SESSION, network_name_for
 from asynctorchx.schedulers.docker import DockerEngineUnavailableError, DockerScheduler
@@ -71,21 +71,6 @@ def forwarder(docker_engine: None) -> Iterator[TrippingForwarder]:
     """A forwarder to the real engine, forwarding until it trips (see ``TrippingForwarder``)."""
     with TrippingForwarder() as fw:
         yield fw
-
-
-@pytest.fixture
-async def outage_scheduler(
-    forwarder: TrippingForwarder, docker_session: str
-) -> AsyncIterator[DockerScheduler]:
-    """A DockerScheduler reaching the engine through ``forwarder``; its session is purged after."""
-    scheduler = DockerScheduler(docker_session, docker_host=forwarder.url)
-    try:
-        yield scheduler
-    finally:
-        forwarder.set_mode(Mode.FORWARD)
-        with anyio.fail_after(30):
-            await scheduler.close()
-        await purge_session(docker_session)
 
 
 async def _leftovers(session: str) -> dict[str, list[str]]:
