@@ -731,6 +731,94 @@ async def test_two_cancels_at_once_send_one_sigterm(
     assert out.read_bytes() == bytes([signal.SIGTERM])
 
 
+# another process, ready to cancel the moment it reads a line on its stdin
+CANCELLER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asynctorchx.schedulers.local import LocalScheduler
+    async def main(root, app_id):
+        s = LocalScheduler("other", local_root=root)
+        await s.exists(app_id)  # (warmed up: its first look at the state root is done)
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await s.cancel(app_id)
+        await s.close()
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+async def armed_canceller(root: Path, app_id: str) -> subprocess.Popen[str]:
+    """A process that cancels ``app_id`` when a line is written to its stdin (``fire``)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CANCELLER, str(root), app_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert await anyio.to_thread.run_sync(proc.stdout.readline) == "ready\n"
+    return proc
+
+
+def fire(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+@pytest.mark.timeout(60)
+async def test_another_process_cancel_then_the_launchers_own_before_it_heard_sends_one_sigterm(
+    sched: LocalScheduler, root: Path, tmp_path: Path
+) -> None:
+    """Another process cancels the app (marker written, SIGTERM sent); the launcher's own cancel
+    comes before its event loop has heard of that marker (the loop busy meanwhile): the launcher
+    lists its groups in the marker before signalling, finds them listed, and sends none."""
+    out, ready = tmp_path / "terms", tmp_path / "ready"
+    app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
+    app_id = await sched.submit(app, {"cancel_grace_period": 2.0})
+    await until(ready.exists, 20, "the handler to be installed")
+    other = await armed_canceller(root, app_id)
+    marker = root / ".apps" / f"{app_id}.cancel"
+    fire(other)
+    # the launcher's loop does not run until the other process's SIGTERM has been received
+    deadline = time.monotonic() + 20
+    while not (marker.exists() and out.exists() and out.stat().st_size >= 1):
+        assert time.monotonic() < deadline, "the other process never cancelled"
+    await sched.cancel(app_id)
+    await anyio.to_thread.run_sync(other.communicate)
+    assert other.returncode == 0
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.CANCELLED
+    assert out.read_bytes() == bytes([signal.SIGTERM])
+
+
+@pytest.mark.timeout(120)
+async def test_the_launchers_cancel_and_another_process_cancel_at_the_same_moment_send_one_sigterm(
+    sched: LocalScheduler, root: Path, tmp_path: Path
+) -> None:
+    """The launcher's cancel and another process's at the same moment (the other process's a few
+    milliseconds either side, the launcher's loop free): one SIGTERM per replica every time (it
+    was two in a fifth of the trials when the launcher signalled before writing its marker)."""
+    doubles = []
+    for trial in range(10):
+        out, ready = tmp_path / f"terms{trial}", tmp_path / f"ready{trial}"
+        app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
+        app_id = await sched.submit(app, {"cancel_grace_period": 0.5})
+        await until(ready.exists, 20, "the handler to be installed")
+        other = await armed_canceller(root, app_id)
+        fire(other)
+        await anyio.sleep(trial * 0.0005)
+        await sched.cancel(app_id)
+        await anyio.to_thread.run_sync(other.communicate)
+        assert other.returncode == 0
+        desc = await wait_for(sched, app_id)
+        assert desc.state == AppState.CANCELLED
+        if out.read_bytes() != bytes([signal.SIGTERM]):
+            doubles.append((trial, out.read_bytes()))
+    assert not doubles, f"replicas signalled other than once: {doubles}"
+
+
 # exits at its second SIGTERM: the watchdog's (its launcher died), then a canceller's
 EXITS_AT_SECOND_TERM = textwrap.dedent(
     """

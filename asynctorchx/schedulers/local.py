@@ -131,6 +131,7 @@ from asynctorchx.specs.api import (
 )
 
 if TYPE_CHECKING:
+    from asynctorchx.schedulers._local.live import LiveApp, Replica
     from asynctorchx.schedulers.workspace import WorkspacePlan
     from asynctorchx.specs.workspace import Workspace
 
@@ -530,25 +531,43 @@ class LocalScheduler(Scheduler[LocalRequest]):
             return
         if app is not None:
             if app.cancel_reason is None and not is_terminal(app.state) and not app.discard:
-                self._supervision.request_stop(app, "cancelled")
+                owed = self._supervision.request_stop(app, "cancelled", defer=True)
                 app.msg = "cancelling"
                 rt.changed(app)
-                # the marker says so to other processes: a cancel from one of them then sends no
-                # second SIGTERM, and a watchdog finishing the app (this process killed while
-                # it stops) records it CANCELLED
-                groups = [
-                    protocol.group_spec(rep.pid, rep.start_ticks)
-                    for rep in app.replicas
-                    if rep.term_sent and rep.pid
-                ]
-                with contextlib.suppress(OSError):  # (the stop is under way regardless)
-                    await anyio.to_thread.run_sync(rt.store.mark_cancel, app_id, groups)
+                await self._mark_then_signal(app, owed)
             return
         if app_id in rt.finished:
             return
         escalator = await anyio.to_thread.run_sync(self._cancel_foreign, app_id)
         if escalator is not None:
             rt.reaper.add(escalator)
+
+    async def _mark_then_signal(self, app: LiveApp, owed: Sequence[Replica]) -> None:
+        """Lists the app's signalled groups in its cancel marker, then sends the SIGTERMs owed
+        (``owed``) to those no other process listed first.
+
+        The marker says so to other processes: a cancel from one of them at the same moment then
+        sends no second SIGTERM (whoever lists a group first, under the record's lock, signals
+        it), and a watchdog finishing the app (this process killed while it stops) records it
+        CANCELLED. Without a marker (it cannot be written), every owed group is signalled.
+        """
+        rt = self._runtime
+        groups = {
+            protocol.group_spec(rep.pid, rep.start_ticks): rep
+            for rep in app.replicas
+            if rep.term_sent and rep.pid and rep.running
+        }
+        owed_ids = {id(rep) for rep in owed}
+        to_signal = {spec: rep for spec, rep in groups.items() if id(rep) in owed_ids}
+        pids = {spec: rep.pid or 0 for spec, rep in to_signal.items()}
+        try:
+            marked = await anyio.to_thread.run_sync(rt.store.mark_cancel, app.app_id, list(groups))
+        except OSError:  # (the stop is under way regardless)
+            marked = None
+        fresh = to_signal if marked is None else marked[0]
+        self._supervision.send_deferred_terms(
+            (to_signal[spec], pids[spec]) for spec in fresh if spec in to_signal
+        )
 
     def _cancel_foreign(self, app_id: str) -> subprocess.Popen[bytes] | None:
         store = self._runtime.store

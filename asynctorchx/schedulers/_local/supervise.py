@@ -262,26 +262,44 @@ class AppSupervision:
         *,
         grace: float | None = None,
         signalled: Iterable[int] = (),
-    ) -> None:
+        defer: bool = False,
+    ) -> list[Replica]:
         """Starts stopping the app (one SIGTERM per group now; the app's task escalates).
 
         Idempotent. ``grace`` shortens the grace period; ``signalled`` lists the groups another
-        process already sent SIGTERM.
+        process already sent SIGTERM. With ``defer`` no signal is sent: the replicas owed one are
+        returned (counted as signalled from now on) for the caller to signal once it has listed
+        them in the cancel marker (``send_deferred_terms``).
         """
         if grace is not None:
             app.stop_grace = min(app.stop_grace, grace)
         if app.cancel_reason is not None or is_terminal(app.state):
-            return
+            return []
         app.cancel_reason = reason
         done = set(signalled)
+        owed: list[Replica] = []
         now = asyncio.get_running_loop().time()
         for rep in app.replicas:
             if rep.running and not rep.term_sent:
-                if rep.pid not in done:
+                if rep.pid in done:
+                    pass
+                elif defer:
+                    owed.append(rep)
+                else:
                     kill_group(rep.pid or 0, signal.SIGTERM)
                 rep.term_sent = True
                 rep.term_at = now
         app.wake.set()
+        return owed
+
+    @staticmethod
+    def send_deferred_terms(owed: Iterable[tuple[Replica, int]]) -> None:
+        """Sends the SIGTERMs ``request_stop(defer=True)`` left owed: ``(replica, pid)`` each,
+        skipping a replica that is no longer that process or whose exit is being reaped (its
+        group id could belong to another process by now; the reaping kills what is left)."""
+        for rep, pid in owed:
+            if rep.pid == pid and rep.pidfd >= 0 and not rep.reaping:
+                kill_group(pid, signal.SIGTERM)
 
     async def stop(self, app: LiveApp, replicas: list[Replica], final: AppState) -> None:
         """Stops ``replicas``: one SIGTERM to each group (unless it had it already), SIGKILL of
