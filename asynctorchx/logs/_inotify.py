@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -55,10 +54,29 @@ WatchCallback = Callable[[str, int], None]
 DISABLE_ENV = "ASYNCTORCHX_DISABLE_INOTIFY"
 
 
+def _load_inotify_libc() -> ctypes.CDLL:
+    """The C library holding inotify: the symbols the process already has (libc among them),
+    else ``libc.so.6``.
+
+    Never ``ctypes.util.find_library``: it runs ``ldconfig -p`` (or gcc) in a subprocess, and the
+    first watch of a process looks libc up on the event loop.
+
+    Raises:
+        OSError: neither has ``inotify_init1``.
+    """
+    for name in (None, "libc.so.6"):
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError:
+            continue
+        if hasattr(lib, "inotify_init1"):
+            return lib
+    raise OSError(errno.ENOSYS, "no C library with inotify_init1")
+
+
 class _Libc:
     def __init__(self) -> None:
-        name = ctypes.util.find_library("c")
-        lib = ctypes.CDLL(name, use_errno=True)
+        lib = _load_inotify_libc()
         self.init1 = lib.inotify_init1
         self.init1.argtypes = [ctypes.c_int]
         self.init1.restype = ctypes.c_int

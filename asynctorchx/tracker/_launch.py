@@ -21,9 +21,27 @@ from asynctorchx.tracker.api import (
     tracker_config_env_var_name,
     tracker_factory_env_var_name,
 )
-from asynctorchx.tracker.backend.fsspec import encode_run_id
+from asynctorchx.tracker.backend.fsspec import MAX_RUN_ID_BYTES, encode_run_id
 
 _FSSPEC = BUILTIN_TRACKERS["fsspec"]
+
+#: The longest app id each builtin scheduler makes: ``make_unique``'s 40 characters (local,
+#: Docker); Kubernetes' ``{namespace}:{name}`` (a 63-character namespace, a 40-character name);
+#: a Slurm job number (32 bits: 10 digits).
+LONGEST_APP_ID = {
+    "local_cwd": 40,
+    "local_dir": 40,
+    "local_docker": 40,
+    "kubernetes": 63 + 1 + 40,
+    "slurm": 10,
+}
+#: Another scheduler's ids are not known: only a session name no app id fits after is refused.
+SHORTEST_APP_ID = 1
+
+
+def _stores_runs(t: TrackerSetting) -> bool:
+    """True for the builtin file tracker (whose run ids have a length limit)."""
+    return BUILTIN_TRACKERS.get(t.factory or t.name) == _FSSPEC
 
 
 def check_run_id(field: str, value: object, trackers: Sequence[TrackerSetting] = ()) -> str:
@@ -44,12 +62,36 @@ def check_run_id(field: str, value: object, trackers: Sequence[TrackerSetting] =
             f"{field} {value!r} is not valid text ({e.reason}: {value[e.start : e.end]!r})"
         ) from None
     for t in trackers:
-        if BUILTIN_TRACKERS.get(t.factory or t.name) == _FSSPEC:
+        if _stores_runs(t):
             try:
                 encode_run_id(value)
             except TrackerError as e:
                 raise ValueError(f"{field} cannot be recorded by tracker {t.name!r}: {e}") from None
     return value
+
+
+def check_job_ids(scheduler: str, session: str, trackers: Sequence[TrackerSetting]) -> None:
+    """Raises ValueError naming the session name when the job ids ``scheduler`` makes in session
+    ``session`` can be too long for a builtin tracker of ``trackers`` to store.
+
+    Checked at dry run with the longest app id the scheduler makes (``LONGEST_APP_ID``): such a
+    job would fail at its first ``add_metadata``, after training started.
+    """
+    trackers = [t for t in trackers if _stores_runs(t)]
+    if not trackers:
+        return
+    app_id_length = LONGEST_APP_ID.get(scheduler, SHORTEST_APP_ID)
+    job_id = make_app_handle(scheduler, session, "x" * app_id_length)
+    size = len(job_id.encode("utf-8", "surrogateescape"))
+    if size <= MAX_RUN_ID_BYTES:
+        return
+    room = MAX_RUN_ID_BYTES - (size - len(session.encode("utf-8", "surrogateescape")))
+    raise ValueError(
+        f"session name {session!r} makes job ids ('{scheduler}://{session}/<app id>', with app ids "
+        f"of up to {app_id_length} characters) of up to {size} bytes, longer than tracker "
+        f"{trackers[0].name!r} can store (at most {MAX_RUN_ID_BYTES} bytes): use a session name of "
+        f"at most {max(room, 0)} bytes"
+    )
 
 
 def tracking_env(
@@ -62,7 +104,12 @@ def tracking_env(
 
     ``parent_run_id`` None falls back to ``$TORCHX_PARENT_RUN_ID`` of the launcher (an explicit
     argument wins over the environment; TorchX lets the environment win).
+
+    Raises:
+        ValueError: ``parent_run_id`` is not valid, or it or the job ids cannot be stored by a
+            tracker (``check_run_id``, ``check_job_ids``).
     """
+    check_job_ids(scheduler, session, trackers)
     env = {ENV_TORCHX_JOB_ID: make_app_handle(scheduler, session, macros.app_id)}
     if parent_run_id is None:
         parent_run_id = os.environ.get(ENV_TORCHX_PARENT_RUN_ID) or None

@@ -262,9 +262,58 @@ def _too_deep(what: str, key: str, value: object) -> InvalidMetadataError:
     )
 
 
+def _json_key(key: object) -> str:
+    """The string ``json.dumps`` writes for dict key ``key`` (1 -> "1", True -> "true"...)."""
+    return key if isinstance(key, str) else json.dumps(key)
+
+
+def _colliding_keys(value: object) -> tuple[str, object, object] | None:
+    """The first dict within ``value`` (acyclic, JSON-serialisable) two of whose keys JSON writes
+    as one string (``1`` and ``"1"``): ``(path of the dict, one key, the other)``, or None.
+
+    ``json.dumps`` writes both, and a reader keeps the last: one value would be lost silently.
+    """
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        current, path = stack.pop()
+        children: Iterable[tuple[object, object]]
+        if isinstance(current, dict):
+            seen: dict[str, object] = {}
+            for key in current:
+                first = seen.setdefault(_json_key(key), key)
+                if first is not key:
+                    return path, first, key
+            children = current.items()
+        elif isinstance(current, (list, tuple)):
+            children = enumerate(current)
+        else:
+            continue
+        stack.extend(
+            (child, f"{path}[{key!r}]")
+            for key, child in children
+            if isinstance(child, (dict, list, tuple))
+        )
+    return None
+
+
+def _check_keys(what: str, values: Mapping[str, object]) -> None:
+    """Raises ``InvalidMetadataError`` naming the key path of two dict keys that JSON would
+    write as one string (see ``_colliding_keys``)."""
+    for key, value in values.items():
+        found = _colliding_keys(value)
+        if found is not None:
+            path, first, second = found
+            raise InvalidMetadataError(
+                f"{what} {key!r}: the dict at {key}{path} has keys {first!r} and {second!r}, "
+                f"which JSON writes as the same string {_json_key(second)!r} (one value would be "
+                "lost); use distinct string keys"
+            )
+
+
 def check_json(what: str, values: Mapping[str, object]) -> None:
-    """Raises ``InvalidMetadataError`` naming the first key of ``values`` that JSON cannot hold, or
-    whose value is nested more than ``MAX_JSON_DEPTH`` levels deep.
+    """Raises ``InvalidMetadataError`` naming the first key of ``values`` that JSON cannot hold,
+    whose value is nested more than ``MAX_JSON_DEPTH`` levels deep, or holds a dict two of whose
+    keys JSON writes as one string (``1`` and ``"1"``, ``True`` and ``"true"``).
 
     Args:
         what: what the values are, for the message (``"metadata"``...).
@@ -277,6 +326,7 @@ def check_json(what: str, values: Mapping[str, object]) -> None:
         for key, value in values.items():
             if _nested_deeper(value, MAX_JSON_DEPTH):
                 raise _too_deep(what, key, value)
+        _check_keys(what, values)
         return
     for key, value in values.items():
         try:
@@ -448,6 +498,23 @@ def _named_trackers_from_environ(
     return named
 
 
+def _check_storable(job_id: str, named: list[tuple[str, TrackerBase]]) -> None:
+    """Raises ``TrackerError`` when a file tracker of ``named`` cannot store run ``job_id``: the
+    job fails before training starts, not at its first ``add_metadata``."""
+    if not named:
+        return
+    from asynctorchx.tracker.backend.fsspec import FsspecTracker, encode_run_id
+
+    for name, tracker in named:
+        if isinstance(tracker, FsspecTracker):
+            try:
+                encode_run_id(job_id)
+            except TrackerError as e:
+                raise TrackerError(
+                    f"tracker {name!r} cannot record this job ({ENV_TORCHX_JOB_ID}): {e}"
+                ) from None
+
+
 def trackers_from_environ() -> list[TrackerBase]:
     """The trackers named by ``TORCHX_TRACKERS``, each built with its ``..._CONFIG`` (TorchX's)."""
     return [t for _, t in _named_trackers_from_environ()]
@@ -490,10 +557,12 @@ class AppRun:
         Raises:
             UnknownTrackerError: a configured tracker cannot be found or imported.
             TrackerConfigError: a tracker's config cannot be read.
+            TrackerError: a tracker cannot store the job id (too long for the file tracker).
             TrackerWriteError: recording the parent failed.
         """
         job_id = os.environ.get(ENV_TORCHX_JOB_ID) or UNDEFINED_JOB_ID
         named = _named_trackers_from_environ()
+        _check_storable(job_id, named)
         parent = os.environ.get(ENV_TORCHX_PARENT_RUN_ID) or None
         run = AppRun(job_id, [t for _, t in named], parent, [n for n, _ in named])
         if parent is not None:

@@ -8,8 +8,10 @@ worker thread, never on the event loop. ``watch_metadata`` follows the metadata 
   ``metadata`` directory; an idle reader costs nothing, and an ``add_metadata`` wakes it at once.
   Only the runs that changed are read, in one worker-thread call per wake-up. A directory moved
   away or removed is watched again at its path. An entry that cannot be read (not JSON, a FIFO)
-  is skipped, and a run that cannot be scanned is scanned again, each with one warning: neither
-  ends the watch of the other runs;
+  is skipped until its file changes, a file whose name is not an entry name is skipped, and a
+  run that cannot be scanned is scanned again, each with one warning: none ends the watch of the
+  other runs. With ``parent_run_id``, a run not (yet) a child is looked at again when its
+  ``sources`` change: a run may record its parent after its first metadata;
 - where inotify is unavailable (another OS, the watch limit reached, ``ASYNCTORCHX_DISABLE_INOTIFY=1``,
   a remote fsspec file system): one scan of the watched runs every ``poll_interval`` seconds (on a
   local disk, a run whose ``metadata`` directory did not change is not listed);
@@ -41,11 +43,15 @@ from asynctorchx.tracker.api import (
 from asynctorchx.tracker.backend.fsspec import (
     METADATA,
     SOURCES,
+    FileSignature,
     FsspecTracker,
     Skipped,
     create,
     decode_run_id,
     encode_run_id,
+    entry_sort_key,
+    entry_timestamp,
+    is_entry_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -296,12 +302,28 @@ class _Run:
     name: str
     run_id: str
     confirmed: bool
-    rejected: bool = False
+    #: entries yielded, and files that are not entries (each logged once)
     seen: set[str] = field(default_factory=set)
+    #: entries that could not be read, with their file's signature then (None: unknown): read
+    #: again once the file changes (a copy landing piece by piece, a file restored)
+    skipped: dict[str, FileSignature | None] = field(default_factory=dict)
     merged: dict[str, object] = field(default_factory=dict)
+    #: the sort key of the entry each key of ``merged`` is from
+    merged_from: dict[str, tuple[int, str]] = field(default_factory=dict)
     metadata_mtime: int | None = None
     watches: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+    def merge(self, entry_name: str, values: Mapping[str, object]) -> None:
+        """Merges an entry's values as ``FsspecTracker.metadata`` does: in the order of entry
+        names, whatever the order they arrived in (two hosts' clocks differ; a writer can be
+        pre-empted between taking its name and linking the file). A key keeps the value of the
+        entry of greatest name that has it."""
+        key = entry_sort_key(entry_name)
+        for k, v in values.items():
+            if self.merged_from.get(k, key) <= key:
+                self.merged[k] = v
+                self.merged_from[k] = key
 
 
 @dataclass
@@ -313,11 +335,23 @@ class _Scan:
     confirmed: bool
     metadata_mtime: int | None
     entries: list[tuple[str, Mapping[str, Any]]]
-    rejected: bool = False
-    #: entries to read no more: gone, not regular files, or not valid entries (each logged once)
-    skipped: list[str] = field(default_factory=list)
+    #: entries that could not be read, with their file's signature before the read (logged once)
+    skipped: dict[str, FileSignature | None] = field(default_factory=dict)
+    #: files that are not entries (logged once), and skipped entries that are gone
+    ignored: list[str] = field(default_factory=list)
+    gone: list[str] = field(default_factory=list)
     #: why the run could not be scanned (it is scanned again at the next change or interval)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Known:
+    """What a scan of a run starts from (a copy: the scan runs in a worker thread)."""
+
+    seen: frozenset[str]
+    skipped: Mapping[str, FileSignature | None]
+    confirmed: bool
+    metadata_mtime: int | None
 
 
 #: A watched directory moved away or removed: its watch follows the old inode, not the path.
@@ -477,26 +511,22 @@ class _FileFollower:
         names = [n for n, is_dir in self.tracker._fs.listdir(self.tracker.root) if is_dir]
         return [n for n in names if decode_run_id(n) is not None]
 
-    def _scan_run(
-        self, name: str, run_id: str, seen: frozenset[str], confirmed: bool, mtime: int | None
-    ) -> _Scan:
+    def _is_child(self, run_id: str) -> bool:
+        """True when the run has the watched parent among its sources (one ``exists``)."""
+        assert self.parent_name is not None
+        fs = self.tracker._fs
+        return fs.exists(fs.join(self.tracker.category_dir(run_id, SOURCES), self.parent_name))
+
+    def _scan_run(self, name: str, run_id: str, known: _Known) -> _Scan:
         fs = self.tracker._fs
         run_dir = self.tracker.run_dir(run_id)
         if not fs.isdir(run_dir):
             return _Scan(name, False, False, False, False, None, [])
-        sources = self.tracker.category_dir(run_id, SOURCES)
-        sources_dir = fs.isdir(sources)
-        if not confirmed and self.parent_name is not None:
-            # A job records its parent before anything else (app_run_from_env), so a run that has
-            # other sources, or metadata, without the parent never becomes a child: stop watching it.
-            # That evidence is read before the parent is looked for: read after, it could be what a
-            # child wrote since its parent was looked for, and the child would be rejected.
-            evidence = bool(self.tracker.entry_names(run_id, METADATA)) or any(
-                n != self.parent_name and decode_run_id(n) is not None
-                for n, _ in fs.listdir(sources)
-            )
-            if not fs.exists(fs.join(sources, self.parent_name)):
-                return _Scan(name, True, False, sources_dir, False, None, [], evidence)
+        sources_dir = fs.isdir(self.tracker.category_dir(run_id, SOURCES))
+        if not known.confirmed and self.parent_name is not None and not self._is_child(run_id):
+            # Not a child (yet): a run may record its parent after other sources or metadata.
+            # Its sources directory is watched (or it is looked at every interval).
+            return _Scan(name, True, False, sources_dir, False, None, [])
         metadata_dir = self.tracker.category_dir(run_id, METADATA)
         new_mtime: int | None = None
         if fs.local:
@@ -504,47 +534,60 @@ class _FileFollower:
                 st = os.stat(metadata_dir)
             except FileNotFoundError:
                 return _Scan(name, True, False, sources_dir, True, None, [])
-            if mtime is not None and st.st_mtime_ns == mtime:
+            mtime = known.metadata_mtime
+            if mtime is not None and st.st_mtime_ns == mtime and not known.skipped:
                 return _Scan(name, True, True, sources_dir, True, mtime, [])
             # Time stamps are coarse (a clock tick): an entry added in the same tick as the listing
             # below would leave the mtime as it is. Only an mtime a second old is trusted.
             recent = time.time_ns() - st.st_mtime_ns < 1_000_000_000
             new_mtime = None if recent else st.st_mtime_ns
-        entries = []
-        skipped = []
+        scan = _Scan(name, True, False, sources_dir, True, new_mtime, [])
         for entry_name in self.tracker.entry_names(run_id, METADATA):
-            if entry_name in seen:
-                continue
-            try:
-                entry = self.tracker.read_entry(run_id, METADATA, entry_name)
-            except TrackerError as e:
-                logger.warning("not following an entry of run %r: %s", run_id, e)
-                skipped.append(entry_name)
-                continue
-            if entry is None:
-                new_mtime = None  # still being written: look again next time
-                continue
-            if isinstance(entry, Skipped):
-                skipped.append(entry_name)
-                continue
-            entries.append((entry_name, entry))
-        metadata_dir_now = fs.isdir(metadata_dir)
-        return _Scan(
-            name, True, metadata_dir_now, sources_dir, True, new_mtime, entries, skipped=skipped
-        )
+            if entry_name not in known.seen:
+                self._scan_entry(scan, run_id, entry_name, known)
+        scan.metadata_dir = fs.isdir(metadata_dir)
+        return scan
 
-    def _scan_or_error(
-        self, name: str, run_id: str, seen: frozenset[str], confirmed: bool, mtime: int | None
-    ) -> _Scan:
+    def _scan_entry(self, scan: _Scan, run_id: str, entry_name: str, known: _Known) -> None:
+        """Reads one entry not yielded yet into ``scan`` (or notes why it is left out)."""
+        if not is_entry_name(entry_name):
+            logger.warning(
+                "not following a file of run %r: %s is not an entry (entries are named by their "
+                "write time, in digits)",
+                run_id,
+                self.tracker._fs.join(self.tracker.category_dir(run_id, METADATA), entry_name),
+            )
+            scan.ignored.append(entry_name)
+            return
+        signature = self.tracker.entry_signature(run_id, METADATA, entry_name)
+        if signature is not None and known.skipped.get(entry_name) == signature:
+            return  # unchanged since it could not be read
+        try:
+            entry = self.tracker.read_entry(run_id, METADATA, entry_name)
+        except TrackerError as e:
+            if entry_name not in known.skipped:
+                logger.warning("not following an entry of run %r: %s", run_id, e)
+            scan.skipped[entry_name] = signature
+            return
+        if entry is None:
+            scan.metadata_mtime = None  # still being written: look again next time
+        elif entry is Skipped.GONE:
+            scan.gone.append(entry_name)
+        elif isinstance(entry, Skipped):
+            scan.skipped[entry_name] = signature  # (read_entry logged it)
+        else:
+            scan.entries.append((entry_name, entry))
+
+    def _scan_or_error(self, name: str, run_id: str, known: _Known) -> _Scan:
         """``_scan_run``, or a scan holding the error that stopped it: one run's trouble (a
         directory it cannot read...) must not end the watch of the others."""
         try:
-            return self._scan_run(name, run_id, seen, confirmed, mtime)
+            return self._scan_run(name, run_id, known)
         except (TrackerError, OSError) as e:
-            return _Scan(name, True, False, False, confirmed, None, [], error=str(e))
+            return _Scan(name, True, False, False, known.confirmed, None, [], error=str(e))
 
     def _scan(
-        self, scan_root: bool, todo: list[tuple[str, str, frozenset[str], bool, int | None]]
+        self, scan_root: bool, todo: list[tuple[str, str, _Known]]
     ) -> tuple[list[str] | None, list[_Scan]]:
         roots = self._scan_root() if scan_root else None
         return roots, [self._scan_or_error(*args) for args in todo]
@@ -561,6 +604,22 @@ class _FileFollower:
         run = _Run(name, run_id, confirmed=self.parent_name is None)
         self.runs[name] = run
         return run
+
+    @staticmethod
+    def _known(run: _Run) -> _Known:
+        return _Known(frozenset(run.seen), dict(run.skipped), run.confirmed, run.metadata_mtime)
+
+    def _apply(self, run: _Run, scan: _Scan) -> None:
+        """Records what a scan of ``run`` found (but its entries, which the caller yields)."""
+        run.seen.update(scan.ignored)
+        run.seen.update(name for name, _ in scan.entries)
+        run.skipped.update(scan.skipped)
+        for name in [*scan.gone, *(name for name, _ in scan.entries)]:
+            run.skipped.pop(name, None)
+        run.confirmed = run.confirmed or scan.confirmed
+        run.metadata_mtime = scan.metadata_mtime
+        if self._update_watches(run, scan):
+            self.dirty.add(run.name)  # what arrived before the watch existed
 
     async def updates(self) -> AsyncGenerator[MetadataUpdate, None]:
         if self.tracker.is_local:
@@ -587,16 +646,8 @@ class _FileFollower:
                 todo = []
                 for name in sorted(self.dirty):
                     run = self._run_for(name)
-                    if run is not None and not run.rejected:
-                        todo.append(
-                            (
-                                name,
-                                run.run_id,
-                                frozenset(run.seen),
-                                run.confirmed,
-                                run.metadata_mtime,
-                            )
-                        )
+                    if run is not None:
+                        todo.append((name, run.run_id, self._known(run)))
                 self.dirty.clear()
                 scan_root, self.root_dirty = self.root_dirty, False
                 self.wake.clear()
@@ -611,22 +662,11 @@ class _FileFollower:
                         self.unwatched = True  # no change may be reported: scan it every interval
                         continue
                     run.error = None
-                    run.seen.update(scan.skipped)
-                    if scan.rejected:
-                        run.rejected = True
-                        for w in run.watches.values():
-                            w.cancel()
-                        run.watches.clear()
-                        continue
-                    run.confirmed = run.confirmed or scan.confirmed
-                    run.metadata_mtime = scan.metadata_mtime
-                    if self._update_watches(run, scan):
-                        self.dirty.add(run.name)  # what arrived before the watch existed
+                    self._apply(run, scan)
                     for entry_name, entry in scan.entries:
-                        run.seen.add(entry_name)
                         values = dict(entry["metadata"])
-                        run.merged.update(values)
-                        stamp = int(entry_name) / 1e9 if entry_name.isdigit() else None
+                        run.merge(entry_name, values)
+                        stamp = entry_timestamp(entry_name)
                         yield MetadataUpdate(run.run_id, values, dict(run.merged), stamp)
                 if roots is not None:
                     for name in roots:

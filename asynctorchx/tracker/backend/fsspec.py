@@ -16,7 +16,10 @@ keep their entry); where hard links are refused, it is renamed into place withou
 Readers open files without blocking and read regular files only (a FIFO among the entries is
 skipped with a warning), and leave out an entry still incomplete after ``INCOMPLETE_WAIT``.
 Other protocols (``s3``, ``memory``, ...) go through fsspec
-(``pip install 'asynctorchx[tracker]'``).
+(``pip install 'asynctorchx[tracker]'``); there an entry's name is its write time with random
+sub-millisecond digits, created with mode ``"xb"`` where the file system has it (see
+``_FsspecStorage.create_entry``). A file of ``metadata``/``artifacts`` whose name is not an entry
+name (ASCII digits) is skipped with a warning naming its path.
 
 ``create(config)`` reads TorchX's config file: ``key=value`` lines, ``#`` comments, ``protocol`` and
 ``root_path`` required, every other key (``a.b=v`` nests) passed to ``fsspec.filesystem``.
@@ -27,12 +30,12 @@ from __future__ import annotations
 import binascii
 import contextlib
 import ctypes
-import ctypes.util
 import enum
 import errno
 import json
 import logging
 import os
+import secrets
 import stat
 import threading
 import time
@@ -152,11 +155,24 @@ def _read_regular(path: str, limit: int | None = None) -> bytes:
         return f.read() if limit is None else f.read(limit + 1)
 
 
+def _libc_function(name: str) -> Any:
+    """libc's function ``name``, or None.
+
+    Looked up in the symbols the process already has (libc among them), then in ``libc.so.6``:
+    ``ctypes.util.find_library`` would run ``ldconfig -p`` (or gcc) in a subprocess.
+    """
+    for library in (None, "libc.so.6"):
+        try:
+            return getattr(ctypes.CDLL(library, use_errno=True), name)
+        except (OSError, AttributeError, TypeError):
+            continue
+    return None
+
+
 def _rename_noreplace_fn() -> Any:
     """libc's ``renameat2`` (Linux, glibc 2.28+), or None."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).renameat2
-    except (OSError, AttributeError, TypeError):
+    fn = _libc_function("renameat2")
+    if fn is None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     fn.restype = ctypes.c_int
@@ -189,9 +205,49 @@ def _rename_noreplace(src: str, dst: str) -> bool:
     raise OSError(err, os.strerror(err), src, None, dst)
 
 
+def is_entry_name(name: str) -> bool:
+    """True when ``name`` is an entry's name: its write time in ns, ASCII digits.
+
+    (``str.isdigit`` also accepts superscripts and other scripts' digits, which ``int`` rejects.)
+    """
+    return name.isascii() and name.isdigit()
+
+
 def entry_sort_key(name: str) -> tuple[int, str]:
     """Orders entry files by their write time (their name), foreign names last."""
-    return (int(name), name) if name.isdigit() else (1 << 64, name)
+    return (int(name), name) if is_entry_name(name) else (1 << 64, name)
+
+
+def entry_timestamp(name: str) -> float | None:
+    """When entry ``name`` was written (seconds since the epoch), or None for a foreign name."""
+    return int(name) / 1e9 if is_entry_name(name) else None
+
+
+#: A remote entry's name keeps the write time to the millisecond; the digits below are random.
+_REMOTE_RANDOM_NS = 1_000_000
+_remote_names_lock = threading.Lock()
+_last_remote_name = 0
+
+
+def _remote_entry_name() -> str:
+    """A name for a new entry on a remote store: the write time in ns, its sub-millisecond digits
+    random, so that two writers in one clock tick pick different names (an object store may have
+    no exclusive create), and greater than any name this process picked before (the entries of
+    one writer stay in write order). Still digits: sortable, and read by TorchX as any file."""
+    global _last_remote_name
+    ns = time.time_ns()
+    name = ns - ns % _REMOTE_RANDOM_NS + secrets.randbelow(_REMOTE_RANDOM_NS)
+    with _remote_names_lock:
+        name = max(name, _last_remote_name + 1)
+        _last_remote_name = name
+    return str(name)
+
+
+#: Attempts at a fresh entry name before giving up (each collision is a one-in-a-million event).
+_MAX_NAME_ATTEMPTS = 100
+
+#: What identifies a version of a file: ``(inode, mtime_ns, size)``.
+FileSignature = tuple[int, int, int]
 
 
 class _Storage:
@@ -226,6 +282,15 @@ class _Storage:
             NotRegularFileError: ``path`` is a FIFO, a directory... (it is not opened blocking).
         """
         return _read_regular(path)
+
+    def signature(self, path: str) -> FileSignature | None:
+        """``(inode, mtime_ns, size)`` of ``path``: it changes when the file is rewritten or
+        replaced; None when ``path`` is gone."""
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _temp(self, tmp_dir: str, data: bytes) -> str:
         """A new dot-file in ``tmp_dir`` holding ``data``; nothing is left behind when that fails.
@@ -352,14 +417,46 @@ class _FsspecStorage(_Storage):
         with self.fs.open(path, "rb") as f:
             return bytes(f.read())
 
+    def signature(self, path: str) -> FileSignature | None:
+        """None: an object store has no inode, and asking costs a request per entry (a reader
+        reads an entry it skipped again at every scan instead)."""
+        return None
+
     def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
-        ns = time.time_ns()
-        while self.fs.exists(self.join(directory, str(ns))):
-            ns += 1
-        path = self.join(directory, str(ns))
-        with self.fs.open(path, "wb") as f:
+        """Writes ``data`` as a new file named by the current time (``_remote_entry_name``).
+
+        The file is created with mode ``"xb"`` where the file system has it (an existing name
+        fails instead of being replaced); elsewhere a name found taken is tried again, and the
+        random digits of the name keep two writers of one clock tick apart.
+
+        Raises:
+            FileExistsError: no free name after ``_MAX_NAME_ATTEMPTS`` attempts.
+        """
+        for _ in range(_MAX_NAME_ATTEMPTS):
+            path = self.join(directory, _remote_entry_name())
+            try:
+                self._write_new(path, data)
+            except FileExistsError:
+                continue
+            return path
+        raise FileExistsError(
+            errno.EEXIST, f"no free entry name after {_MAX_NAME_ATTEMPTS} attempts", directory
+        )
+
+    def _write_new(self, path: str, data: bytes) -> None:
+        """Writes ``data`` to the new file ``path``.
+
+        Raises:
+            FileExistsError: ``path`` exists.
+        """
+        try:
+            f = self.fs.open(path, "xb")
+        except (ValueError, NotImplementedError, TypeError):  # no mode "x" on this file system
+            if self.fs.exists(path):
+                raise FileExistsError(errno.EEXIST, "entry name taken", path) from None
+            f = self.fs.open(path, "wb")
+        with f:
             f.write(data)
-        return path
 
     def replace(self, path: str, data: bytes, tmp_dir: str) -> None:
         with self.fs.open(path, "wb") as f:
@@ -402,6 +499,9 @@ class FsspecTracker(TrackerBase):
             )
         self.fs = fs
         self.root = root
+        #: paths of the entries found incomplete after a wait: not waited for again
+        self._incomplete: set[str] = set()
+        self._incomplete_lock = threading.Lock()
 
     @property
     def is_local(self) -> bool:
@@ -487,6 +587,11 @@ class FsspecTracker(TrackerBase):
         ]
         return sorted((n for n in names if not n.startswith(".")), key=entry_sort_key)
 
+    def entry_signature(self, run_id: str, category: str, name: str) -> FileSignature | None:
+        """``(inode, mtime_ns, size)`` of an entry file on a local path (it changes when the file
+        is rewritten or replaced); None when it is gone, or on a remote store."""
+        return self._fs.signature(self._fs.join(self.category_dir(run_id, category), name))
+
     def read_entry(
         self, run_id: str, category: str, name: str
     ) -> Mapping[str, Any] | Skipped | None:
@@ -522,15 +627,45 @@ class FsspecTracker(TrackerBase):
             raise TrackerError(f"{self!r}: {path} is not a {category} entry: {data[:80]!r}")
         return entry
 
+    def _read_or_wait(
+        self, run_id: str, category: str, name: str
+    ) -> Mapping[str, Any] | Skipped | None:
+        """``read_entry``, waiting up to ``INCOMPLETE_WAIT`` for an entry still being written.
+
+        An entry is waited for once: found incomplete after that, it is left out at once by
+        later reads (a killed writer's half file would otherwise cost every read, and the worker
+        thread it runs in, half a second).
+        """
+        path = self._fs.join(self.category_dir(run_id, category), name)
+        entry = self.read_entry(run_id, category, name)
+        with self._incomplete_lock:
+            waited = path in self._incomplete
+            if entry is not None:
+                self._incomplete.discard(path)
+        if entry is not None or waited:
+            return entry
+        deadline = time.monotonic() + INCOMPLETE_WAIT
+        while entry is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # a file still being written by a non-atomic writer
+            entry = self.read_entry(run_id, category, name)
+        if entry is None:
+            with self._incomplete_lock:
+                self._incomplete.add(path)
+        return entry
+
     def _load(self, run_id: str, category: str) -> list[Mapping[str, Any]]:
         entries = []
         gone = False
         for name in self.entry_names(run_id, category):
-            entry = self.read_entry(run_id, category, name)
-            deadline = time.monotonic() + INCOMPLETE_WAIT
-            while entry is None and time.monotonic() < deadline:
-                time.sleep(0.01)  # a file still being written by a non-atomic writer
-                entry = self.read_entry(run_id, category, name)
+            if not is_entry_name(name):
+                logger.warning(
+                    "%r: skipping %s: not an entry (entries are named by their write time, "
+                    "in digits)",
+                    self,
+                    self._fs.join(self.category_dir(run_id, category), name),
+                )
+                continue
+            entry = self._read_or_wait(run_id, category, name)
             if entry is None:
                 # Its writer is slow or was killed half-way: the read is as if made before it.
                 logger.warning(
