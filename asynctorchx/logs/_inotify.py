@@ -176,7 +176,7 @@ class _Hub:
             if loop is not None:
                 if not loop.is_closed():
                     loop.remove_reader(fd)
-                if _hubs.get(loop) is self:
+                if _hub_of(loop) is self:
                     del _hubs[loop]
             _close_fd(fd)
 
@@ -231,7 +231,18 @@ class _Hub:
             self.close()
 
 
-_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Hub] = weakref.WeakKeyDictionary()
+#: Each loop's hub, held weakly on both sides: the loop keeps its open hub alive (its reader), and
+#: a hub held strongly here would keep its loop alive through the watches' callbacks (a scheduler
+#: never closed, whose objects refer to the loop): the loop, and everything on it, would never be
+#: collected, nor their descriptors closed.
+_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.ref[_Hub]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _hub_of(loop: asyncio.AbstractEventLoop) -> _Hub | None:
+    ref = _hubs.get(loop)
+    return None if ref is None else ref()
 
 
 def available() -> bool:
@@ -251,7 +262,7 @@ def watch(path: str, callback: WatchCallback, mask: int = DIRECTORY_EVENTS) -> W
     if libc is None:
         return None
     loop = asyncio.get_running_loop()
-    hub = _hubs.get(loop)
+    hub = _hub_of(loop)
     if hub is None or hub.closed:
         fd = libc.init1(IN_NONBLOCK | IN_CLOEXEC)
         if fd < 0:
@@ -259,7 +270,7 @@ def watch(path: str, callback: WatchCallback, mask: int = DIRECTORY_EVENTS) -> W
             logger.debug("inotify_init1 failed: %s", os.strerror(err))
             return None
         hub = _Hub(loop, libc, fd)
-        _hubs[loop] = hub
+        _hubs[loop] = weakref.ref(hub)
     try:
         return hub.add(path, mask, callback)
     except OSError as e:

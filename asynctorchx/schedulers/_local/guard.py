@@ -267,6 +267,23 @@ class Watchdog:
                 os.close(self._pidfd)
             self._pidfd = -1
 
+    def __del__(self) -> None:
+        # collected unclosed: its event loop ended without the scheduler's close(). Closing the
+        # pipe has the watchdog stop and record what is still registered, then exit (it would
+        # otherwise wait for this process's death, and the descriptors would stay open meanwhile)
+        if self._closing or (self._fd < 0 and self._pidfd < 0):
+            return
+        self._closing = True
+        loop = self._loop
+        if self._pidfd >= 0 and loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):  # (another thread's loop, or one shutting down)
+                loop.remove_reader(self._pidfd)
+        for fd in (self._pidfd, self._fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._pidfd = self._fd = -1
+
     async def aclose(self) -> None:
         """Sends what is queued, closes the pipe and waits (up to five seconds) for the watchdog.
 
@@ -884,6 +901,21 @@ class RecordWriter:
         errors = await asyncio.shield(self.put(app_id, document))
         if app_id in errors:
             raise errors[app_id]
+
+    def write_now(self, app_id: str, document: _Doc) -> None:
+        """Writes ``document`` as the record of ``app_id`` now, on the calling thread (blocking),
+        for when the writing task may never run again (the event loop ending); if it fails, it
+        is queued as ``put`` would. A version being written by the thread is left to land first
+        (this one is queued behind it)."""
+        if app_id in self._in_flight_ids:
+            self._pending[app_id] = document
+            return
+        self._pending.pop(app_id, None)
+        if app_id in self._store.write_many({app_id: document}):
+            self._pending[app_id] = document
+            return
+        self._failing.pop(app_id, None)
+        self._written.pop(app_id, None)
 
     #: The most replicas an app may have for its first record to be written on the event loop
     #: (each running replica's start time is read from ``/proc``, 60-90 us a replica here).

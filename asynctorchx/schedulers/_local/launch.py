@@ -360,6 +360,13 @@ class AppLauncher:
             self._spawner.stdin_fd = -1
         self._rt.store.release_holder()
 
+    def __del__(self) -> None:
+        # collected unclosed: its event loop ended without the scheduler's close() (its apps were
+        # killed and recorded as their tasks were cancelled); the descriptors go as close() lets
+        # them go, not at the process's exit
+        with contextlib.suppress(Exception):  # (at interpreter shutdown, modules may be gone)
+            self.close()
+
     def _resolve(self, app: LiveApp) -> None:
         """Checks the working directories and finds each replica's program (LaunchSpecError if
         missing).

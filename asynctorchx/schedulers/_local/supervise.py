@@ -68,6 +68,7 @@ class AppSupervision:
             await self._loop(app)
         except asyncio.CancelledError:
             self.kill_now(app, "the scheduler's tasks were cancelled")
+            self._record_end_now(app)
             raise
         except Exception as e:
             logger.exception("supervising app %s failed", app.app_id)
@@ -246,6 +247,23 @@ class AppSupervision:
             rep.exit_pending = False
             app.set_state(rep, state.final_state(final, rep.state, None, False))
         self.end(app, final)
+
+    def _record_end_now(self, app: LiveApp) -> None:
+        """Records the end of an app whose task was cancelled (its replicas killed), before the
+        task ends: its event loop may be ending without the scheduler's ``close()`` (``asyncio.run``
+        returning cancels every task), and then no record writer runs any more. Written here, on
+        the event loop (blocking, once, on the way out), and starting no task (one started now
+        would never end, and would keep the loop from being collected): otherwise the record said
+        RUNNING for as long as this process lived (the watchdog records only the apps of a
+        launcher that died)."""
+        if app.discard or is_terminal(app.state):
+            return
+        for rep in app.replicas:
+            rep.exit_pending = False
+            app.set_state(rep, state.final_state(AppState.CANCELLED, rep.state, None, False))
+        app.close_logs()
+        app.set_app_state(AppState.CANCELLED, time.time())
+        self._rt.writer.write_now(app.app_id, self._rt.finished_app(app).to_json())
 
     def end(self, app: LiveApp, final: AppState) -> None:
         """Records that the app ended ``final`` (its replicas already have their end states)."""
