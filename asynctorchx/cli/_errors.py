@@ -138,6 +138,10 @@ _KNOWN: dict[str, tuple[int, str]] = {
         ExitCode.USAGE,
         "set TORCHXCONFIG to the config file to read, or to '' to read none",
     ),
+    "StateRootError": (
+        1,
+        "run as the user who launched the apps, or set ASYNCTORCHX_LOCAL_ROOT to their state root",
+    ),
     "LaunchError": (1, ""),  # (its message says what could not be started, and why)
     "LaunchSpecError": (
         ExitCode.USAGE,

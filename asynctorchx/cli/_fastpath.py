@@ -293,8 +293,11 @@ def describe(handle: str) -> tuple[AppDef | None, str] | None:
     if fields is None or view is None:
         return (None, "UNKNOWN")
     status, app = view
-    roles = [] if app is None else app.roles
-    return AppDef(name=fields["name"] or app_id, roles=list(roles)), status.state.name
+    if app is None:
+        return AppDef(name=fields["name"] or app_id), status.state.name
+    # (the runner's ``describe`` keeps the name of the record, the roles and metadata of its app)
+    described = AppDef(name=fields["name"] or app_id, roles=list(app.roles), metadata=app.metadata)
+    return described, status.state.name
 
 
 def list_apps(scheduler: str) -> list[tuple[str, str, str, str]] | None:

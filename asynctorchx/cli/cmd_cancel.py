@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 from asynctorchx.cli._help import HelpFormatter
@@ -59,7 +60,10 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         if status.is_terminal():
             info(f"{handle} has already ended: {style.state(status.state.name)}")
             return 0
-        await runner.cancel(handle)
+        try:
+            await runner.cancel(handle)
+        except OSError as e:
+            raise _as_state_root_error(e, args.scheduler) from None
         if not args.wait:
             info(f"cancel requested for {handle}")
             return 0
@@ -74,3 +78,20 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     state = final.state.name if final is not None else "UNKNOWN"
     info(f"{handle} {style.state(state)}")
     return 0
+
+
+def _as_state_root_error(e: OSError, scheduler: str) -> OSError:
+    """``e`` as the error ``status`` and ``list`` give for an unusable state root when it names a
+    file of a local app's record (the lock a cancel takes, its marker: a read-only state root);
+    else ``e`` as it is."""
+    from asynctorchx.schedulers._local import recordfile
+
+    name = e.filename
+    if (
+        scheduler in ("local_cwd", "local_dir")
+        and not isinstance(e, recordfile.StateRootError)
+        and isinstance(name, str)
+        and os.path.basename(os.path.dirname(name)) == ".apps"
+    ):
+        return recordfile.state_root_error(name, e, "write")
+    return e

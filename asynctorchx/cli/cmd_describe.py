@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import TYPE_CHECKING, Any
 
 from asynctorchx.cli._help import HelpFormatter
@@ -101,10 +102,14 @@ def format_app(handle: str, app: AppDef, state: str) -> str:
     from asynctorchx.specs.api import MISSING
 
     style = out_styler()
-    lines = [f"{style(handle, BOLD)}", f"  name:  {app.name}", f"  state: {style.state(state)}"]
+    lines = [
+        f"{style(shown(handle), BOLD)}",
+        f"  name:  {shown(app.name)}",
+        f"  state: {style.state(state)}",
+    ]
     for role in app.roles:
         count = f"{role.num_replicas} replica{'s' if role.num_replicas != 1 else ''}"
-        lines.append(f"  role {style(role.name, BOLD)} ({count})")
+        lines.append(f"  role {style(shown(role.name), BOLD)} ({count})")
         # a field the scheduler does not keep (MISSING, as -1 in a resource) is left out
         fields: list[tuple[str, str]] = []
         if role.image != MISSING:
@@ -122,5 +127,18 @@ def format_app(handle: str, app: AppDef, state: str) -> str:
             fields.append(("ports", ", ".join(f"{k}={v}" for k, v in role.port_map.items())))
         for m in role.mounts:
             fields.append(("mount", repr(m)))
-        lines.extend(f"    {k + ':':<9} {v}" for k, v in fields)
+        lines.extend(f"    {k + ':':<9} {shown(v)}" for k, v in fields)
     return "\n".join(lines)
+
+
+#: Characters a terminal would obey rather than show: C0 and C1 controls (ESC starts colour and
+#: cursor sequences) and DEL. (Surrogates are left to stdout's error handler, ``_output.py``: one
+#: that stands for a byte that is not UTF-8 is written as that byte.)
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """``text`` with its control characters as Python escapes (``\\x1b``, ``\\n``): a role's
+    argument holding ESC would otherwise recolour or rewrite the terminal, and a line break would
+    pass for another field. (``--json`` escapes them its way.)"""
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)

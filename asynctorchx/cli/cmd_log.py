@@ -234,6 +234,25 @@ def select(
     return [by_index[k] for k in replica_ids(target.replicas, n)]
 
 
+def _check_regex(regex: str | None) -> None:
+    """Refuses a ``--regex`` that does not compile, or that the log reader would refuse
+    (``check_log_filter``: one too large to match with a time limit), before anything is read.
+
+    Raises:
+        CliError: naming ``--regex`` and the pattern (exit code 2).
+    """
+    from asynctorchx.cli._errors import CliError
+    from asynctorchx.logs._match import check_log_filter
+    from asynctorchx.schedulers.api import compile_log_regex
+
+    try:
+        pattern = compile_log_regex(regex)
+        if pattern is not None:
+            check_log_filter(pattern)
+    except ValueError as e:
+        raise CliError(f"--regex: {e}", "--regex takes a Python regular expression") from None
+
+
 async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     """Prints (or follows) the selected replicas' logs on stdout."""
     import sys
@@ -241,7 +260,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     from asynctorchx.cli._common import parse_time, runner_for_handle
     from asynctorchx.cli._errors import CliError
     from asynctorchx.cli._logs import LogPrinter, LogQuery, app_replicas, print_logs
-    from asynctorchx.schedulers.api import Stream, compile_log_regex
+    from asynctorchx.schedulers.api import Stream
 
     target = parse_target(args.identifier)
     since = parse_time(args.since, "--since") if args.since else None
@@ -252,10 +271,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             f"--since {args.since!r} is after --until {args.until!r}",
             "give --since an earlier time than --until",
         )
-    try:
-        compile_log_regex(args.regex)
-    except ValueError as e:
-        raise CliError(str(e), "--regex takes a Python regular expression") from None
+    _check_regex(args.regex)
     runner, handle = runner_for_handle(target.handle)
     target = target._replace(handle=handle)
     args.scheduler = handle.split("://", 1)[0]
@@ -271,4 +287,23 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             stream=Stream(args.streams) if args.streams else None,
         )
         await print_logs(runner, handle, chosen, printer, query)
+        status = await runner.status(handle)
+    if status is not None:
+        warn_lost_output(handle, status.msg)
     return 0
+
+
+#: What a local app's status message says once some of its log output could not be written (a
+#: full disk): ``log output lost (REASON): ROLE/K N bytes of FILE; ...``.
+LOST_NOTE = "log output lost"
+
+
+def warn_lost_output(handle: str, msg: str) -> None:
+    """Says on stderr that the app lost log output, when its status message says so: the marker
+    line each affected log gets may be missing too (no room even for it), and the lines printed
+    would then pass for the whole log. Stdout keeps only log lines."""
+    from asynctorchx.cli._output import info
+
+    start = msg.find(LOST_NOTE)
+    if start >= 0:
+        info(f"asynctorchx: warning: {handle}: {msg[start:]} (missing from the log above)")

@@ -23,6 +23,12 @@ pattern is matched by ``re`` on the event loop, as before (a simple pattern's po
 backtracking on a very long line is not bounded). A pattern that ``re`` accepts and ``regex`` does
 not is matched with ``re`` on the event loop too.
 
+``regex`` writes out a repeat with a fixed count (``a{1000}``: a thousand items, ~280 bytes
+each), where ``re`` keeps one item and a count: ``a{99999999}`` took 24 GB in ``regex``. Only a
+risky pattern is compiled by ``regex``, and one that would expand to more than ``MAX_EXPANSION``
+items is refused (``ValueError`` naming it, from ``check_log_filter``) rather than matched without
+a time limit; any other pattern stays on ``re`` however large its counts.
+
 A risky pattern is given to ``regex`` (version 0, ``re``'s) with what ``regex`` would read
 otherwise escaped: a ``[`` followed by ``:``, ``=`` or ``.`` inside a set (a POSIX class there,
 literal characters in ``re``) and a ``{`` that starts no ``re`` repeat (a fuzzy match there, a
@@ -39,7 +45,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -54,6 +60,9 @@ MAX_THREADS = 4
 LOOP_BUDGET = 0.005
 #: Seconds one line's match may take at all.
 LINE_TIMEOUT = 5.0
+#: Items a risky pattern may expand to in ``regex`` (its fixed repeat counts multiplied out): about
+#: 30 MB and 40 ms to compile.
+MAX_EXPANSION = 100_000
 
 T = TypeVar("T")
 
@@ -182,6 +191,58 @@ def _overlap(a: Any, b: Any) -> bool:
     return any(list(x) == [(_c.ANY, None)] for x in (a, b)) or list(a) == list(b)
 
 
+def _expansion(items: Any, cap: int) -> int:
+    """How many items ``regex`` makes of the parsed sequence ``items``: a repeat counts its least
+    count times its body (``regex`` writes the fixed part of a repeat out), any other node one,
+    plus what it holds. Stops counting past ``cap`` (the counts multiply: ``(a{9999}){9999}``)."""
+    total = 0
+    for op, av in items:
+        if op in _REPEATS:
+            low, _, body = av
+            total += max(low, 1) * _expansion(body, cap)
+        else:
+            total += 1 + sum(_expansion(sub, cap) for sub in _subpatterns(av))
+        if total > cap:
+            break
+    return total
+
+
+def _subpatterns(av: Any) -> Iterator[Any]:
+    """The parsed sequences within a node's argument (a group's body, the branches of an
+    alternation, a conditional's two arms, a look-around's body)."""
+    if isinstance(av, _parser.SubPattern):
+        yield av
+    elif isinstance(av, (tuple, list)):
+        for x in av:
+            yield from _subpatterns(x)
+
+
+def check_log_filter(pattern: re.Pattern[str]) -> None:
+    """Refuses a filter that ``LineFilter`` could not match within its time limits without
+    expanding it in memory: a risky pattern whose repeats multiply out to more than
+    ``MAX_EXPANSION`` items (``regex`` writes fixed repeats out; ``re`` does not, and takes the
+    other patterns as they are).
+
+    Raises:
+        ValueError: the pattern is too large (names it and its expansion).
+    """
+    text, flags = pattern.pattern, pattern.flags
+    if not _risky(text, flags):
+        return
+    try:
+        size = _expansion(_parser.parse(text, flags), MAX_EXPANSION)
+    except Exception:  # (``_risky`` could not read it either: ``regex`` is tried as before)
+        return
+    if size > MAX_EXPANSION:
+        shown = repr(text) if len(text) <= 200 else f"{text[:200]!r}... ({len(text)} chars)"
+        raise ValueError(
+            f"the log regex {shown} repeats too much to be matched with a time limit: its "
+            f"repeat counts multiply out to more than {MAX_EXPANSION} items (it can backtrack "
+            "for a very long time, so it is matched by the regex module, with a time limit, "
+            "which writes each repeat out); give smaller repeat counts"
+        )
+
+
 _limiters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, anyio.CapacityLimiter] = (
     weakref.WeakKeyDictionary()
 )
@@ -210,9 +271,13 @@ class LineFilter:
     __slots__ = ("_bounded", "_pattern", "_risky", "slow")
 
     def __init__(self, pattern: re.Pattern[str]) -> None:
+        """Raises ValueError when ``check_log_filter`` refuses ``pattern``."""
         self._pattern = pattern
-        self._bounded = _bounded(pattern.pattern, pattern.flags)
         self._risky = _risky(pattern.pattern, pattern.flags)
+        self._bounded: regex.Pattern[str] | None = None
+        if self._risky:  # (only then: ``regex`` expands what ``re`` compiles small)
+            check_log_filter(pattern)
+            self._bounded = _bounded(pattern.pattern, pattern.flags)
         #: a line's match ran out of the event loop's budget: batches go to a worker thread
         self.slow = False
 

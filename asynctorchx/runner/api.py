@@ -1139,7 +1139,9 @@ class AsyncRunner:
         response = await self._scheduler(backend).describe(app_id)
         if response is None:
             return None
-        return AppDef(name=response.name or app_id, roles=list(response.roles))
+        return AppDef(
+            name=response.name or app_id, roles=list(response.roles), metadata=response.metadata
+        )
 
     def log_lines(
         self,

@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -79,6 +79,7 @@ class DescribeAppResponse:
         roles_statuses: per-role replica statuses.
         roles: the app's roles as submitted (when the backend can recover them).
         name: the app's name as submitted, when known.
+        metadata: the app's ``AppDef.metadata`` as submitted (when the backend can recover it).
     """
 
     app_id: str = "<NOT_SET>"
@@ -90,6 +91,7 @@ class DescribeAppResponse:
     roles_statuses: list[RoleStatus] = field(default_factory=list)
     roles: list[Role] = field(default_factory=list)
     name: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_status(self) -> AppStatus:
         """The ``AppStatus`` view of this response."""

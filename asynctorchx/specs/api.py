@@ -63,6 +63,23 @@ def _bad(
     )
 
 
+def _check_encodable(field_name: str, value: str, role: str) -> None:
+    """Refuses a string that has no bytes to give ``exec`` (as a NUL byte is refused): one holding
+    a lone surrogate (``"\\ud800"``), which ``os.fsencode`` cannot encode. The surrogate escapes
+    of undecodable bytes (U+DC80-U+DCFF, as ``os.fsdecode`` makes them) encode back to their
+    bytes, and pass.
+
+    Raises:
+        InvalidAppDefException: naming the role, the field and the value.
+    """
+    try:
+        value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise _bad(
+            field_name, value, "a string without lone surrogates (it cannot be encoded)", role
+        ) from None
+
+
 # ---------------------------------------------------------------------------------------------
 # Resources
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +309,7 @@ class Role:
         # line), so every string that becomes part of a process's command or environment is checked
         if not isinstance(self.image, str) or "\0" in self.image:
             raise _bad("image", self.image, "a string without NUL bytes", name)
+        _check_encodable("image", self.image, name)
         if (
             not isinstance(self.entrypoint, str)
             or not self.entrypoint
@@ -299,18 +317,22 @@ class Role:
             or "\0" in self.entrypoint
         ):
             raise _bad("entrypoint", self.entrypoint, "a non-empty command without NUL bytes", name)
+        _check_encodable("entrypoint", self.entrypoint, name)
         if not isinstance(self.args, list) or not all(isinstance(a, str) for a in self.args):
             raise _bad("args", self.args, "a list of strings", name)
         for i, arg in enumerate(self.args):
             if "\0" in arg:
                 raise _bad(f"args[{i}]", arg, "a string without NUL bytes", name)
+            _check_encodable(f"args[{i}]", arg, name)
         if not isinstance(self.env, dict):
             raise _bad("env", self.env, "a dict of str to str", name)
         for key, value in self.env.items():
             if not isinstance(key, str) or not key or "=" in key or "\0" in key:
                 raise _bad("env key", key, "a non-empty string without '=' or NUL", name)
+            _check_encodable("env key", key, name)
             if not isinstance(value, str) or "\0" in value:
                 raise _bad(f"env[{key!r}]", value, "a string without NUL bytes", name)
+            _check_encodable(f"env[{key!r}]", value, name)
         if (
             isinstance(self.num_replicas, bool)
             or not isinstance(self.num_replicas, int)
@@ -352,6 +374,7 @@ class Role:
             raise _bad("port_map", self.port_map, "a dict of name to port", name)
         if not isinstance(self.metadata, dict):
             raise _bad("metadata", self.metadata, "a dict", name)
+        _check_metadata_depth(self.metadata, name)
         if not isinstance(self.mounts, list):
             raise _bad("mounts", self.mounts, "a list of mounts", name)
         for port_name, port in self.port_map.items():
@@ -398,6 +421,9 @@ class AppDef:
             raise _bad("app name", self.name, "a non-empty string")
         if not isinstance(self.roles, (list, tuple)) or not self.roles:
             raise _bad("roles", self.roles, "a non-empty list of Role")
+        if not isinstance(self.metadata, Mapping):
+            raise _bad("metadata", self.metadata, "a dict")
+        _check_metadata_depth(self.metadata)
         seen: set[str] = set()
         for i, role in enumerate(self.roles):
             if not isinstance(role, Role):
@@ -455,6 +481,39 @@ def _copy_role(role: Role) -> Role:
         ],
         base_image=role.base_image,
     )
+
+
+#: How deep the containers of an app's or a role's metadata may nest: every submit copies the
+#: metadata and writes it as JSON, both recursively (5000 levels was a bare RecursionError).
+MAX_METADATA_DEPTH = 100
+#: The containers ``_check_metadata_depth`` looks into.
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _check_metadata_depth(metadata: Mapping[str, Any], role: str | None = None) -> None:
+    """Refuses metadata whose dicts, lists, tuples and sets nest more than ``MAX_METADATA_DEPTH``
+    deep (a container that holds itself nests without end), walking it without recursion; a
+    container held in many places is looked into once per depth it is met at.
+
+    Raises:
+        InvalidAppDefException: naming ``metadata`` (and the role, for a role's).
+    """
+    seen: set[tuple[int, int]] = set()
+    stack: list[tuple[Iterable[object], int]] = [(metadata.values(), 1)]
+    while stack:
+        items, depth = stack.pop()
+        for value in items:
+            if not isinstance(value, _CONTAINERS) or (id(value), depth) in seen:
+                continue
+            if depth >= MAX_METADATA_DEPTH:
+                raise InvalidAppDefException(
+                    f"metadata must nest at most {MAX_METADATA_DEPTH} levels deep (dicts and "
+                    "lists within each other; one that holds itself nests without end), got more",
+                    role=role,
+                    field_name="metadata",
+                )
+            seen.add((id(value), depth))
+            stack.append((value.values() if isinstance(value, dict) else value, depth + 1))
 
 
 def validate_app(app: AppDef) -> None:

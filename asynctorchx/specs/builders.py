@@ -331,12 +331,22 @@ class _ComponentParser(argparse.ArgumentParser):
         """What the first unknown option in ``extras`` may stand for: the option it abbreviates
         (TorchX's parser takes ``--ms`` for ``--msg``; this one takes options in full only, so
         that a parameter added later never changes what a command line means), else a close
-        spelling."""
+        spelling; or, for an option given in full after ``--``, that ``--`` made it a positional
+        argument."""
         options = [o for o in self._option_string_actions if o.startswith("--") and o != "--help"]
+        after_dashes = False
         for arg in extras:
+            if arg == "--":
+                after_dashes = True
+                continue
             name = arg.partition("=")[0]
             if not name.startswith("--") or len(name) < 3:
                 continue
+            if name in options:  # (a known option left over: "--" made it positional)
+                if after_dashes:
+                    positional = "options after '--' are read as positional arguments"
+                    return f" ({positional}: give {name} before '--')"
+                return ""
             longer = [o for o in options if o.startswith(name)]
             if len(longer) == 1:
                 return f" ({name} abbreviates {longer[0]}: give options in full)"

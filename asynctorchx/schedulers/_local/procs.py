@@ -54,6 +54,7 @@ SPEC_ERRNOS = frozenset(
         errno.ENOEXEC,
         errno.ELOOP,  # (a symbolic link loop in the path)
         errno.ENAMETOOLONG,
+        errno.E2BIG,  # (the arguments and environment exceed what exec takes)
     }
 )
 #: errno values that say this process (or the system) ran out of file descriptors

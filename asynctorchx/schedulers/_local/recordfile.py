@@ -91,12 +91,49 @@ def is_app_id(app_id: object) -> bool:
     )
 
 
+class StateRootError(OSError):
+    """Raised when the records under the local state root cannot be read at all (no permission;
+    a records directory, or a root, that is not a directory): the apps there are not known not to
+    exist, so they must not be reported unknown. Its message names the state root, the path and
+    ``ASYNCTORCHX_LOCAL_ROOT``, as a launch's error for an unusable root does. (A record that is
+    not a regular file, a FIFO or a symbolic link, is no record: it is warned about and skipped.)"""
+
+
+#: errno values that say the state root cannot be read as it is (rather than that a record is
+#: missing, corrupt or not a regular file): a reader cannot tell what it holds.
+ROOT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+
+def state_root_error(
+    path: str | os.PathLike[str], e: OSError, doing: str = "read"
+) -> StateRootError:
+    """The ``StateRootError`` of ``e``, met when ``doing`` (``read``, ``write``) ``path``: the
+    records directory or a file in it (the state root is the directory above it)."""
+    path = os.fspath(path)
+    records = path if os.path.basename(path) == ".apps" else os.path.dirname(path)
+    root = os.path.dirname(records)
+    why = e.strerror or str(e)
+    return StateRootError(
+        f"cannot use the local state root {root!r}: cannot {doing} {path!r}: {why} (set "
+        f"{ROOT_ENV} or local_root= to a directory this user can {doing})"
+    )
+
+
 def list_ids(directory: str | os.PathLike[str]) -> list[str]:
-    """The ids of every app recorded in the records directory ``directory`` (unchecked)."""
+    """The ids of every app recorded in the records directory ``directory`` (unchecked).
+
+    Raises:
+        StateRootError: the directory cannot be listed (no permission; not a directory).
+        OSError: it cannot be listed for another reason (no file descriptor left...).
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        if e.errno in ROOT_ERRNOS:
+            raise state_root_error(directory, e) from None
+        raise
     return [n[:-5] for n in names if n.endswith(".json") and not n.startswith(".")]
 
 
@@ -274,13 +311,20 @@ def read_record(
     warn: Callable[..., None] = log_warning,
 ) -> T | None:
     """``parse`` of the latest document in the record file ``path`` (``read_document``), or None
-    when there is none, it is unreadable, or its first version is still being written.
+    when there is none, it is not a regular file (a FIFO, a directory, a symbolic link), it cannot
+    be read for want of a resource (``EIO``, ``EMFILE``...), or its first version is still being
+    written.
 
     A file that holds no document ``parse`` accepts is read again twice, 2 ms apart: its first
     version may be being written, or it may have been caught halfway through an in-place rewrite
     (full disk). Unreadable and corrupt records are reported with ``warn(message, *args)``
     (``logging``'s arguments); an empty file is not reported, and is no record (a launcher killed
     between creating its record and writing it leaves one; its watchdog then writes the record).
+
+    Raises:
+        StateRootError: the record cannot be read for want of permission, or the records
+            directory is not a directory (``ROOT_ERRNOS``): the app may well exist, so it is not
+            called unknown.
     """
     for attempt in range(3):
         try:
@@ -288,6 +332,8 @@ def read_record(
         except FileNotFoundError:
             return None
         except OSError as e:
+            if e.errno in ROOT_ERRNOS:
+                raise state_root_error(path, e) from None
             warn("cannot read app record %s: %s", path, e)
             return None
         except EmptyRecord:

@@ -264,6 +264,7 @@ class AppRecord:
         statuses: dict[str, list[ReplicaStatus]] = {}
         for r in self.replicas:
             statuses.setdefault(r.role, []).append(r.to_status())
+        metadata = self.app.get("metadata") if self.app else None
         if roles is None:
             roles = appdef_from_json(self.app).roles if self.app else []
         return DescribeAppResponse(
@@ -276,6 +277,7 @@ class AppRecord:
             roles_statuses=[RoleStatus(role, reps) for role, reps in statuses.items()],
             roles=roles,
             name=self.name,
+            metadata=dict(metadata) if isinstance(metadata, dict) else {},
         )
 
 

@@ -45,6 +45,10 @@ ERRORS_DIR = ".errors"
 SPACE_RESERVE = ".space-for-loss-markers"
 SPACE_RESERVE_SIZE = 1 << 18
 
+#: The longest string (an argument, or an environment entry ``KEY=VALUE``) ``exec`` takes, its
+#: terminating NUL included: Linux's ``MAX_ARG_STRLEN``, 32 pages of 4 KiB.
+MAX_ARG_STRLEN = 32 * 4096
+
 DEFAULT_GRACE_PERIOD = 5.0
 #: The longest ``cancel_grace_period`` accepted (seconds): an hour is already longer than any
 #: checkpoint should take, and a larger value is a typo (or ``inf``) that would make stops hang.
@@ -309,6 +313,38 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
     )
 
 
+def check_arg_sizes(app: AppDef) -> None:
+    """Refuses an argument or environment entry longer than ``exec`` takes (``MAX_ARG_STRLEN``)
+    at the dry run, naming it, rather than at the launch ("Argument list too long").
+
+    Read before macros are substituted (they add a few hundred bytes at most; the launch refuses
+    what they make too long); the limit on all of them together (a quarter of the stack's) is left
+    to the launch, which refuses it as a usage error too.
+
+    Raises:
+        InvalidAppDefException: naming the role, the field (``args[i]``, ``env['KEY']``) and size.
+    """
+    for role in app.roles:
+        for i, arg in enumerate(role.args):
+            _check_arg_size(role.name, f"args[{i}]", arg)
+        for key, value in role.env.items():
+            _check_arg_size(role.name, f"env[{key!r}]", f"{key}={value}")
+
+
+def _check_arg_size(role: str, field_name: str, text: str) -> None:
+    if 4 * len(text) < MAX_ARG_STRLEN:  # (at most 4 bytes a character: short enough)
+        return
+    size = len(text.encode("utf-8", "surrogateescape"))
+    if size >= MAX_ARG_STRLEN:
+        raise InvalidAppDefException(
+            f"{field_name} is {size} bytes long, more than the {MAX_ARG_STRLEN - 1} bytes exec "
+            "takes in one argument or environment entry (Argument list too long); pass that much "
+            "data in a file",
+            role=role,
+            field_name=field_name,
+        )
+
+
 @functools.cache
 def max_processes() -> int | None:
     """The most processes this host can ever hold at once (``kernel.pid_max``), None if unknown.
@@ -350,7 +386,8 @@ def build_request(
 
     Raises:
         InvalidAppDefException: more replicas than this host can hold processes; a mount that
-            cannot be applied on the host (``check_host_mounts``).
+            cannot be applied on the host (``check_host_mounts``); an argument longer than exec
+            takes (``check_arg_sizes``).
     """
     limit = max_processes()
     if limit is not None:
@@ -361,6 +398,7 @@ def build_request(
             f"each replica is a process and this host holds at most {limit} (kernel.pid_max)",
         )
     check_host_mounts(app, backend)
+    check_arg_sizes(app)
     app_id = app_id or make_unique(app.name)
     app_dir = app_dir_of(cfg, session=session, log_root=log_root, app_id=app_id)
     handle = make_app_handle(backend, session, app_id)
