@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import fcntl
 import re
 import uuid
@@ -30,6 +31,7 @@ from asynctorchx.specs import (
 from asynctorchx.specs.errors import ComponentNotFoundException
 from asynctorchx.testing import AppScript, ScriptedBackend
 
+_NOW = datetime.datetime.now()
 LOCAL = "local_cwd"
 ORDER = {
     AppState.UNSUBMITTED: 0,
@@ -362,6 +364,38 @@ async def test_log_lines_tail_follows_until_the_end(runner: AsyncRunner) -> None
     assert got == [f"line {i}\n" for i in range(1, 6)]
     status = await runner.status(handle)
     assert status is not None and status.state == AppState.SUCCEEDED
+
+
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [
+        ({"regex": "("}, ValueError),
+        ({"k": -1}, ValueError),
+        ({"k": "0"}, TypeError),
+        ({"cursor": "garbage"}, ValueError),
+        ({"since": _NOW, "until": _NOW - datetime.timedelta(hours=1)}, ValueError),
+    ],
+    ids=["regex", "negative_k", "k_type", "cursor", "since_after_until"],
+)
+@pytest.mark.parametrize("method", ["log_lines", "log_entries"])
+async def test_log_arguments_are_refused_at_the_call(
+    runner: AsyncRunner, method: str, kw: dict[str, Any], error: type[Exception]
+) -> None:
+    """A bad argument raises at the call, as the scheduler's own ``log_iter`` does (a service
+    checks a request before it starts streaming the response); it raised at the first line."""
+    handle = await runner.run(sh_app("echo hi"), LOCAL)
+    await runner.wait(handle, timeout=30)
+    with pytest.raises(error):
+        getattr(runner, method)(handle, "main", **kw)
+
+
+async def test_an_unknown_app_or_session_raises_at_the_first_line(runner: AsyncRunner) -> None:
+    """What only reading can tell (the app, the handle's session) still raises when the first
+    line is asked for, not at the call."""
+    for handle in (f"{LOCAL}://{runner.name}/no-such-app", f"{LOCAL}://other/app"):
+        lines = runner.log_lines(handle, "main")
+        with pytest.raises(UnknownAppException):
+            await anext(lines)
 
 
 # -- dry runs, schedule, components, options -------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
+    Awaitable,
     Callable,
     Coroutine,
     Iterable,
@@ -1158,8 +1159,10 @@ class AsyncRunner:
     ) -> AsyncGenerator[str, None]:
         """The log lines of replica ``k`` of ``role_name`` (see ``Scheduler.log_iter``).
 
-        Nothing is checked or read until the first line is asked for; ``aclose()`` stops a tail at
-        once. With ``cursor`` (from ``log_entries``) the log resumes exactly after that line.
+        The arguments are checked at this call (as ``Scheduler.log_iter`` checks them); the
+        handle, and whether the app exists, when the first line is asked for, when the log is
+        opened. ``aclose()`` stops a tail at once. With ``cursor`` (from ``log_entries``) the log
+        resumes exactly after that line.
         Closing the runner ends the iteration (a tail of an app the close does not stop too): its
         next line, or the one it waits for, raises RuntimeError.
 
@@ -1171,13 +1174,12 @@ class AsyncRunner:
             RuntimeError: the runner is closed, or was closed while the lines were read.
         """
 
-        async def open_source() -> AsyncIterator[str]:
-            scheduler, app_id = await self._log_scheduler(app_handle)
+        def open_log(scheduler: Scheduler[Any], app_id: str) -> AsyncIterator[str]:
             return scheduler.log_iter(
                 app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
             )
 
-        return self._readings.read(open_source, "reading logs")
+        return self._readings.read(self._log_opener(app_handle, open_log), "reading logs")
 
     def log_entries(
         self,
@@ -1205,21 +1207,39 @@ class AsyncRunner:
             ValueError, UnknownAppException, UnknownRoleException, RuntimeError: as ``log_lines``.
         """
 
-        async def open_source() -> AsyncIterator[LogEntry]:
-            scheduler, app_id = await self._log_scheduler(app_handle)
+        def open_log(scheduler: Scheduler[Any], app_id: str) -> AsyncIterator[LogEntry]:
             return scheduler.log_entries(
                 app_id, role_name, k, regex, since, until, should_tail, streams, cursor=cursor
             )
 
-        return self._readings.read(open_source, "reading logs")
+        return self._readings.read(self._log_opener(app_handle, open_log), "reading logs")
 
-    async def _log_scheduler(self, app_handle: AppHandle) -> tuple[Scheduler[Any], str]:
-        """The scheduler and app id of a handle whose log is opened (one call to the backend)."""
-        self._check_open()
-        backend, app_id = self._split(app_handle)
-        scheduler = self._scheduler(backend)
-        await self._call(backend)
-        return scheduler, app_id
+    def _log_opener(
+        self, app_handle: AppHandle, open_log: Callable[[Scheduler[Any], str], AsyncIterator[T]]
+    ) -> Callable[[], Awaitable[AsyncIterator[T]]]:
+        """What opens the log of ``app_handle`` at the first line (one call to the backend),
+        ``open_log(scheduler, app_id)`` called now when the handle can be read: a scheduler's log
+        iterator checks its arguments when it is made (an invalid regex, a malformed cursor...
+        raise at the caller's call, as ``Scheduler.log_iter``'s do) and reads nothing until it is
+        iterated. An unusable handle, or a closed runner, raises at the first line instead."""
+        made: AsyncIterator[T] | None = None
+        try:
+            self._check_open()
+            backend, app_id = self._split(app_handle)
+            scheduler = self._scheduler(backend)
+        except (RuntimeError, ValueError, UnknownAppException, UnknownSchedulerException):
+            pass  # (raised again when the log is opened)
+        else:
+            made = open_log(scheduler, app_id)
+
+        async def open_source() -> AsyncIterator[T]:
+            self._check_open()
+            backend, app_id = self._split(app_handle)
+            scheduler = self._scheduler(backend)
+            await self._call(backend)
+            return made if made is not None else open_log(scheduler, app_id)
+
+        return open_source
 
     async def list(self, scheduler: str) -> list[ListAppResponse]:
         """The apps ``scheduler`` knows, with their handles filled in."""
