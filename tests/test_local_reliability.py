@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -817,6 +818,61 @@ async def test_the_launchers_cancel_and_another_process_cancel_at_the_same_momen
         if out.read_bytes() != bytes([signal.SIGTERM]):
             doubles.append((trial, out.read_bytes()))
     assert not doubles, f"replicas signalled other than once: {doubles}"
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancel_whose_marker_is_slow_to_write_still_sends_sigterm_before_sigkill(
+    sched: LocalScheduler, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher lists its groups in the cancel marker before it signals them; a marker slow to
+    write (a busy or locked state root: 3 s here) must not hold the SIGTERM back past the grace
+    period (2 s), or the replica would get its SIGKILL without one: it is signalled after at most
+    half the grace period, once."""
+    out, ready = tmp_path / "terms", tmp_path / "ready"
+    app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
+    app_id = await sched.submit(app, {"cancel_grace_period": 2.0})
+    await until(ready.exists, 20, "the handler to be installed")
+    store = sched._runtime.store
+    mark_cancel = store.mark_cancel
+    marked = threading.Event()
+
+    def slow_mark_cancel(*args: Any) -> Any:
+        time.sleep(3.0)  # (a worker thread: the state root is slow)
+        try:
+            return mark_cancel(*args)
+        finally:
+            marked.set()
+
+    monkeypatch.setattr(store, "mark_cancel", slow_mark_cancel)
+    await sched.cancel(app_id)
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.CANCELLED
+    # the marking lands after the app ended: it signals nothing more
+    assert await anyio.to_thread.run_sync(marked.wait, 20)
+    await anyio.sleep(0.1)
+    assert out.read_bytes() == bytes([signal.SIGTERM])
+
+
+@pytest.mark.timeout(60)
+async def test_a_cancel_whose_caller_is_cancelled_at_once_still_sends_sigterm(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """The caller of cancel() is cancelled right after the stop began (a request timing out):
+    the SIGTERM still goes out (the marking and the signals are the scheduler's task), and the
+    app ends CANCELLED."""
+    out, ready = tmp_path / "terms", tmp_path / "ready"
+    app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
+    app_id = await sched.submit(app, {"cancel_grace_period": 10.0})
+    await until(ready.exists, 20, "the handler to be installed")
+    live = sched._runtime.apps[app_id]
+    caller = asyncio.create_task(sched.cancel(app_id))
+    while live.cancel_reason is None:
+        await asyncio.sleep(0)
+    caller.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await caller
+    await until(lambda: out.exists() and out.stat().st_size >= 1, 20, "the SIGTERM")
+    assert out.read_bytes() == bytes([signal.SIGTERM])
 
 
 # exits at its second SIGTERM: the watchdog's (its launcher died), then a canceller's

@@ -65,7 +65,7 @@ import logging
 import os
 import signal
 import subprocess
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +153,10 @@ MARKER_POLL = 1.0
 _RECORD_EVENTS = (
     IN_CREATE | IN_MOVED_TO | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
 )
+
+
+#: How long the launcher's own cancel waits for its cancel marker before it signals regardless.
+MARK_WAIT = 1.0
 
 
 class LocalScheduler(Scheduler[LocalRequest]):
@@ -549,7 +553,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
         The marker says so to other processes: a cancel from one of them at the same moment then
         sends no second SIGTERM (whoever lists a group first, under the record's lock, signals
         it), and a watchdog finishing the app (this process killed while it stops) records it
-        CANCELLED. Without a marker (it cannot be written), every owed group is signalled.
+        CANCELLED. Without a marker (it cannot be written), every owed group is signalled. The
+        marking is a task of the scheduler's: the signals go out even if this caller is
+        cancelled; if the marking takes longer than ``MARK_WAIT`` (or half the grace period: a
+        slow or locked state root), the owed groups are signalled without waiting for it.
         """
         rt = self._runtime
         groups = {
@@ -558,16 +565,29 @@ class LocalScheduler(Scheduler[LocalRequest]):
             if rep.term_sent and rep.pid and rep.running
         }
         owed_ids = {id(rep) for rep in owed}
-        to_signal = {spec: rep for spec, rep in groups.items() if id(rep) in owed_ids}
-        pids = {spec: rep.pid or 0 for spec, rep in to_signal.items()}
+        pending = {spec: (rep, rep.pid or 0) for spec, rep in groups.items() if id(rep) in owed_ids}
+
+        def send(specs: Iterable[str]) -> None:
+            terms = [pending.pop(spec) for spec in list(specs) if spec in pending]
+            self._supervision.send_deferred_terms(terms)
+
+        async def mark() -> None:
+            try:
+                marked = await anyio.to_thread.run_sync(
+                    rt.store.mark_cancel, app.app_id, list(groups)
+                )
+            except OSError:  # (the stop is under way regardless)
+                marked = None
+            send(pending if marked is None else marked[0])
+
         try:
-            marked = await anyio.to_thread.run_sync(rt.store.mark_cancel, app.app_id, list(groups))
-        except OSError:  # (the stop is under way regardless)
-            marked = None
-        fresh = to_signal if marked is None else marked[0]
-        self._supervision.send_deferred_terms(
-            (to_signal[spec], pids[spec]) for spec in fresh if spec in to_signal
-        )
+            task = rt.supervisor.spawn(mark(), f"cancel:{app.app_id}")
+        except RuntimeError:  # (closing: no marker)
+            send(pending)
+            return
+        done, _ = await asyncio.wait({task}, timeout=min(MARK_WAIT, app.stop_grace / 2))
+        if not done:
+            send(pending)
 
     def _cancel_foreign(self, app_id: str) -> subprocess.Popen[bytes] | None:
         store = self._runtime.store
