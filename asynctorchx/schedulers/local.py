@@ -328,6 +328,9 @@ class LocalScheduler(Scheduler[LocalRequest]):
             # (claimed first: the workspace directory of an app id is its claimant's)
             app = await self._launcher.claim(request, dryrun_info.app or AppDef(request.app_name))
             if dryrun_info.workspace is not None:
+                # (a ship that fails or is cancelled removes what it made itself, once its thread
+                # has stopped, and it alone knows whether the directory was there before: another
+                # launcher's, which the removal below must not take)
                 await self._ship_workspace(dryrun_info)
                 shipped = True
             await self._launcher.launch(app)

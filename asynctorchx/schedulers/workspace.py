@@ -61,7 +61,7 @@ from typing import Any, BinaryIO, Generic, TypeVar
 import anyio.from_thread
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, wait_held
 from asynctorchx.specs.workspace import InvalidWorkspaceException, Workspace
 
 __all__ = [
@@ -315,9 +315,12 @@ class WorkspaceEntry:
         size: its size in bytes (files; 0 otherwise).
         digest: the sha256 of a file's bytes, or a symlink's target; ``""`` for directories.
         link: a symlink's target.
-        mtime: its modification time (seconds), kept in tar members and copies.
+        mtime: its modification time (seconds), kept in tar members.
         stat_key: (device, inode, size, mtime_ns, ctime_ns) when it was hashed.
         racy: it changed too recently before it was hashed for its stat to vouch for its bytes.
+        mtime_ns: its modification time in nanoseconds, kept exactly in copies: a snapshot's file
+            whose time is no longer its workspace file's, to the nanosecond, has been written
+            since it was copied (``_intact``). 0 when unknown (``mtime`` is used then).
     """
 
     path: str
@@ -330,6 +333,12 @@ class WorkspaceEntry:
     mtime: float = 0.0
     stat_key: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
     racy: bool = False
+    mtime_ns: int = 0
+
+    @property
+    def copy_mtime_ns(self) -> int:
+        """The modification time its copies get (nanoseconds)."""
+        return self.mtime_ns or round(self.mtime * 1e9)
 
 
 @dataclass(frozen=True)
@@ -438,20 +447,53 @@ def _check_cancelled() -> None:
         pass
 
 
-async def run_in_thread(func: Callable[..., T], *args: Any) -> T:
+async def run_in_thread(func: Callable[..., T], *args: Any, wait_on_cancel: bool = False) -> T:
     """``func(*args)`` in a worker thread that stops reading or copying a workspace when the
     caller is cancelled, by anyio or by ``Task.cancel()`` (which ``anyio.to_thread`` alone does
     not pass on: its thread would go on, reading a whole workspace after Ctrl+C, or finishing a
-    copy nobody removes)."""
+    copy nobody removes).
+
+    With ``wait_on_cancel``, a caller that is cancelled (or fails) returns only once the thread
+    has stopped (at its next check, with both kinds of cancellation held off meanwhile), so that
+    what the caller removes next is not made again behind its back: a cancelled ``local_dir``
+    submit removes the app's directory that its thread was linking. Only for functions that
+    check for cancellation often (``_check_cancelled``): the caller waits as long as the thread
+    runs.
+    """
     stop = threading.Event()
+    loop = asyncio.get_running_loop()
+    started = threading.Event()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def call() -> T:
+        started.set()
+        try:
+            if stop.is_set():  # cancelled before the thread got to it: nothing is done
+                raise _Cancelled("the submit was cancelled")
+            return func(*args)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody waits
+                loop.call_soon_threadsafe(_resolve, ended)
+
     token = _stop.set(stop)  # the worker runs in a copy of this context
     try:
-        return await anyio.to_thread.run_sync(func, *args)
+        return await anyio.to_thread.run_sync(call)
     except BaseException:
         stop.set()
+        # (started is set before the thread looks at stop: a thread not started by now never
+        # runs func, and one that has ends soon and resolves ended)
+        if wait_on_cancel and started.is_set():
+            late = await wait_held(ended)
+            if late is not None:  # cancelled while it waited: the cancellation wins
+                raise late from None
         raise
     finally:
         _stop.reset(token)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 # O_NONBLOCK: a file replaced by a FIFO after it was listed must not block its open forever (on a
@@ -789,7 +831,7 @@ def _check_parents(entries: dict[str, WorkspaceEntry]) -> None:
 def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceEntry:
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
-        return WorkspaceEntry(target, path, "dir", mode, mtime=st.st_mtime)
+        return WorkspaceEntry(target, path, "dir", mode, mtime=st.st_mtime, mtime_ns=st.st_mtime_ns)
     if stat.S_ISLNK(st.st_mode):
         try:
             link = os.readlink(path)
@@ -798,7 +840,9 @@ def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceE
         except OSError as e:
             raise _unreadable(path, e, "symlink") from None
         digest = hashlib.sha256(link.encode("utf-8", "surrogateescape")).hexdigest()
-        return WorkspaceEntry(target, path, "symlink", mode, 0, digest, link, st.st_mtime)
+        return WorkspaceEntry(
+            target, path, "symlink", mode, 0, digest, link, st.st_mtime, mtime_ns=st.st_mtime_ns
+        )
     key = _stat_key(st)
     racy = now - max(st.st_mtime, st.st_ctime) < _RACY_SECONDS
     cached = None if racy else _hash_cache.get(path, key)
@@ -811,7 +855,7 @@ def _entry(target: str, path: str, st: os.stat_result, now: float) -> WorkspaceE
         if not racy:
             _hash_cache.put(path, key, digest)
     return WorkspaceEntry(
-        target, path, "file", mode, st.st_size, digest, "", st.st_mtime, key, racy
+        target, path, "file", mode, st.st_size, digest, "", st.st_mtime, key, racy, st.st_mtime_ns
     )
 
 
@@ -1097,7 +1141,9 @@ def _copy_entry(
                     f"workspace file {entry.source!r} changed after it was hashed; submit again"
                 )
         os.chmod(target, entry.mode)
-        os.utime(target, (entry.mtime, entry.mtime))
+        # in nanoseconds: a float (seconds) loses the last digits, and a snapshot's file is told
+        # unchanged by its time being exactly the workspace file's (``_intact``)
+        os.utime(target, ns=(entry.copy_mtime_ns, entry.copy_mtime_ns))
 
 
 def snapshot(
@@ -1200,13 +1246,21 @@ def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
     the size, mode and bytes, they were copied with.
 
     An in-place write moves a file's modification time to the time of the write, so a file whose
-    modification time is the workspace file's (to the second) is taken as intact: one stat per
-    entry (0.3 s for 50 000 files) costs far less than reading the files again. A file whose time
-    differs is read and hashed: the workspace file may have been touched, checked out again or
-    edited and reverted since the snapshot was made, its bytes unchanged (the snapshot, named by
-    content, kept the time of the first copy), and remaking the snapshot then would also remove
-    it from under the submits linking to it. A file found intact takes the time of the workspace
-    file, so that the next submit of that workspace needs its stat alone.
+    modification time is exactly the workspace file's (to the nanosecond: the copy keeps it so)
+    is taken as intact: one stat per entry (0.3 s for 50 000 files) costs far less than reading
+    the files again. Exactly, not within a second: a replica's rewrite made less than a second
+    after the workspace file was saved passed as intact, and the next app got the replica's bytes.
+
+    A file whose time differs is read and hashed: the workspace file may have been touched,
+    checked out again or edited and reverted since the snapshot was made, its bytes unchanged (the
+    snapshot, named by content, kept the time of the first copy), and remaking the snapshot then
+    would also remove it from under the submits linking to it. A snapshot made by an earlier
+    version (times copied as floats, off by some nanoseconds) is so checked once, not remade. A
+    file found intact takes the time of the workspace file, so that the next submit of that
+    workspace needs its stat alone.
+
+    The change time cannot tell instead: every app's hard link to a file moves it. A replica that
+    rewrites a file and then sets its time back to the workspace file's goes unnoticed.
     """
     for entry in scan.entries:
         path = os.path.join(final, *entry.path.split("/"))
@@ -1225,11 +1279,12 @@ def _intact(scan: WorkspaceScan, final: str, read_only: bool) -> bool:
                 and stat.S_IMODE(st.st_mode) == mode
                 and st.st_size == entry.size
             )
-            if ok and abs(st.st_mtime - entry.mtime) >= 1.0:
+            mtime_ns = entry.copy_mtime_ns
+            if ok and st.st_mtime_ns != mtime_ns:
                 ok = _holds(path, st, entry.digest)
                 if ok:  # vouched for: the next submit of this workspace needs its stat alone
                     with contextlib.suppress(OSError):
-                        os.utime(path, (entry.mtime, entry.mtime))
+                        os.utime(path, ns=(mtime_ns, mtime_ns))
         if not ok:
             return False
     return True
@@ -1252,10 +1307,18 @@ def link_tree(src: str, dest: str) -> int:
     per level before Python 3.12: a workspace deeper than the recursion limit failed with
     RecursionError). A directory that cannot be listed fails the link (it is not left out: a
     partial tree, silently), and what was linked is removed.
+
+    Each directory gets the mode of its source (``os.mkdir``'s default made a 0700 workspace
+    directory 0755 to the app), set once the whole tree is linked, so that a mode without the
+    owner's write bit does not stop its own linking. In a worker thread of ``run_in_thread``,
+    a cancelled caller stops the linking at the next entry (a tree of 50 000 files takes
+    seconds) and what was linked is removed: nothing is made after the caller is gone.
     """
     count = 0
     os.mkdir(dest)
+    dirs: list[tuple[str, int]] = []  # (directory made, its source's mode), parents first
     try:
+        dirs.append((dest, stat.S_IMODE(os.stat(src).st_mode)))
         stack = [""]
         while stack:
             rel = stack.pop()
@@ -1263,16 +1326,25 @@ def link_tree(src: str, dest: str) -> int:
                 items = list(it)
             here = os.path.join(dest, rel) if rel else dest
             for item in items:
+                _check_cancelled()
                 target = os.path.join(here, item.name)
                 if item.is_symlink():
                     os.symlink(os.readlink(item.path), target)
                 elif item.is_dir(follow_symlinks=False):
                     os.mkdir(target)
+                    dirs.append((target, stat.S_IMODE(item.stat(follow_symlinks=False).st_mode)))
                     stack.append(os.path.join(rel, item.name) if rel else item.name)
                 else:
                     os.link(item.path, target)
                     count += 1
+        _check_cancelled()
+        # children first: a parent's mode may deny the search of its children's paths
+        for target, mode in reversed(dirs):
+            os.chmod(target, mode)
     except BaseException:
+        for target, _ in dirs:  # (whatever modes were set: the removal must be able to enter)
+            with contextlib.suppress(OSError):
+                os.chmod(target, stat.S_IRWXU)
         remove_tree(dest)
         raise
     return count

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import anyio.to_thread
 
+from asynctorchx._tasks import in_thread_shielded
 from asynctorchx.schedulers.workspace import (
     TORCHXIGNORE,
     WorkspaceEvent,
@@ -120,6 +121,11 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
     """Makes ``workdir`` for a submit: checks the in-place workspace (``local_cwd``), or makes the
     snapshot if missing and links the app's directory to it (``local_dir``), off the event loop.
 
+    Whatever the error, even a cancellation, ``workdir`` is not left behind if this call made it:
+    a cancelled caller returns once the worker thread has stopped (it checks between entries, and
+    removes what it linked), and a directory linked whole just as the cancellation came is removed
+    here. A directory that existed before is another launcher's and is left as it is.
+
     Raises:
         InvalidWorkspaceException: the workspace is gone, or a file changed since the dry run
             read it (nothing is left behind).
@@ -141,14 +147,17 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
         ),
     )
     started = time.monotonic()
+    ours = [False]  # the thread made workdir (set and read only while no thread runs make)
 
     def make() -> bool:
         _, made = snapshot(scan, snapshots_dir_of(plan), plan.content_hash or "", read_only=True)
         try:
             os.makedirs(os.path.dirname(workdir), exist_ok=True)
+            ours[0] = True  # (unless link_tree finds it exists)
             link_tree(plan.target, workdir)
         except BaseException as e:
             if isinstance(e, FileExistsError) and e.filename == workdir:
+                ours[0] = False
                 # another launcher's, maybe running (the app's claim was removed and made
                 # again by it): left as it is
                 raise ValueError(
@@ -161,7 +170,14 @@ async def ship(plan: WorkspacePlan, workdir: str, progress: WorkspaceProgress | 
             raise
         return made
 
-    made = await run_in_thread(make)
+    try:
+        made = await run_in_thread(make, wait_on_cancel=True)
+    except BaseException:
+        if ours[0]:
+            # the thread removes what it linked when it fails or sees the cancellation; but one
+            # that finished just as the caller was cancelled left the whole directory
+            await in_thread_shielded(remove_tree, workdir)
+        raise
     took = time.monotonic() - started
     message = (
         f"made {plan.target} in {took:.2f}s"
