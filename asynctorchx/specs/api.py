@@ -498,6 +498,8 @@ def _check_metadata_depth(metadata: Mapping[str, Any], role: str | None = None) 
     Raises:
         InvalidAppDefException: naming ``metadata`` (and the role, for a role's).
     """
+    if not metadata:  # (the common case, on every dry run: nothing to walk)
+        return
     seen: set[tuple[int, int]] = set()
     stack: list[tuple[Iterable[object], int]] = [(metadata.values(), 1)]
     while stack:
