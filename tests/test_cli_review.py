@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import engine_missing
 
 NOBODY = 65534
 IS_ROOT = os.geteuid() == 0
@@ -357,7 +358,7 @@ def nobody_python() -> Iterator[tuple[str, str]]:
             check=False,
         )
         if probe.returncode != 0:
-            pytest.skip(f"the user nobody cannot import asynctorchx here: {probe.stderr[-200:]!r}")
+            engine_missing(f"a python the user nobody can run ({probe.stderr[-200:]!r})")
         yield python, lib
     finally:
         subprocess.run(["umount", mnt], check=False)

@@ -174,11 +174,15 @@ def test_non_utf8_file_names_file_and_byte(homes: tuple[Path, Path]):
         apply("local_cwd", {}, run_opts=opts())
 
 
-def test_values_with_percent_are_literal(homes: tuple[Path, Path]):
-    """Values are not interpolated: % and ${...} stay as written."""
+def test_values_are_interpolated_as_torchx_reads_them(homes: tuple[Path, Path]):
+    """As TorchX's ConfigParser(): %(key)s of the section or [DEFAULT], %% a literal %; ${...}
+    stays as written."""
     _, project = homes
-    write(project, "[local_cwd]\nlog_dir = /logs/%(user)s/${app_id}\n")
-    assert apply("local_cwd", {}, run_opts=opts()) == {"log_dir": "/logs/%(user)s/${app_id}"}
+    write(
+        project,
+        "[DEFAULT]\nuser = ann\n[local_cwd]\nlog_dir = /logs/%(user)s/100%%/${app_id}\n",
+    )
+    assert apply("local_cwd", {}, run_opts=opts()) == {"log_dir": "/logs/ann/100%/${app_id}"}
 
 
 def test_unknown_section_warns(homes: tuple[Path, Path]):

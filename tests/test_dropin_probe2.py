@@ -38,12 +38,12 @@ def _builtin(name: str, *args: str) -> AppDef:
         ("MSG=don't panic", {"MSG": "don't panic"}),
         ("A=it's,B=x", {"A": "it's", "B": "x"}),
         ('Q=say "hi"', {"Q": 'say "hi"'}),
-        ("A='x,y',B=it's", {"A": "x,y", "B": "it's"}),
-        ('A="it\'s"', {"A": "it's"}),
+        ("A='x,y',B=it's", {"A": "'x,y'", "B": "it's"}),
+        ('A="it\'s"', {"A": '"it\'s"'}),
     ],
 )
 def test_a_quote_inside_a_dict_value_is_a_character(text: str, expected: dict[str, str]) -> None:
-    """A quote that does not open a value (right after '=') is part of it, as in TorchX."""
+    """A quote is part of the value, as in TorchX (only exactly '' or "" is an empty value)."""
     assert to_dict(text) == expected
 
 
@@ -53,10 +53,10 @@ def test_an_env_value_with_an_apostrophe_is_launched_as_torchx_launches_it() -> 
     assert app.roles[0].env["MSG"] == "don't panic"
 
 
-def test_a_quoted_value_left_open_is_still_an_error() -> None:
-    """A value opened with a quote and never closed names the argument (it is not guessed at)."""
-    with pytest.raises(InvalidComponentArgsException, match=r"argument --env: .*unterminated"):
-        _builtin("utils.sh", "--env", "A='unclosed", "--", "echo")
+def test_a_quote_left_open_is_a_character_too() -> None:
+    """A value starting with a quote that is never closed is kept as written, as TorchX keeps it."""
+    app = _builtin("utils.sh", "--env", "A='unclosed", "--", "echo")
+    assert app.roles[0].env["A"] == "'unclosed"
 
 
 # -- component options: abbreviations -------------------------------------------------------------

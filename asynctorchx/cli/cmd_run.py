@@ -1,7 +1,8 @@
 """``asynctorchx run [options] COMPONENT [ARGS...]``: launch a component, optionally wait and follow.
 
 stdout gets the app handle alone (so ``h=$(asynctorchx run ...)`` works); everything else — progress,
-the final status, and with ``--log`` the replicas' log lines — goes to stderr.
+the final status, and with ``--log`` the replicas' log lines — goes to stderr. ``--dryrun`` prints
+TorchX's two sections on stdout instead: ``=== APPLICATION ===`` and ``=== SCHEDULER REQUEST ===``.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             return e.code if isinstance(e.code, int) else 0
         if args.dryrun:
             info(f"dry run of {component} on {scheduler}: nothing is launched or built")
-            print(dryrun)
+            print(format_dryrun(dryrun))
             return 0
         handle = await _schedule(runner, dryrun, quiet=args.quiet)
         print(handle, flush=True)
@@ -228,6 +229,21 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     _report(handle, status)
     sys.stderr.flush()
     return exit_code_for_state(None if status is None else status.state)
+
+
+def format_dryrun(dryrun: AppDryRunInfo[Any]) -> str:
+    """What ``run --dryrun`` prints: TorchX's two sections, the AppDef the component built
+    (``pformat`` of it as a dict, as TorchX prints it) under ``=== APPLICATION ===``, then what
+    the scheduler would be given (for local apps: each replica's command, env, log paths) under
+    ``=== SCHEDULER REQUEST ===``, so that a reader (or a script) used to TorchX finds both."""
+    import dataclasses
+    from pprint import pformat
+
+    app = dataclasses.asdict(dryrun.app) if dryrun.app is not None else None
+    return (
+        f"\n=== APPLICATION ===\n{pformat(app, indent=2, width=80)}\n"
+        f"\n=== SCHEDULER REQUEST ===\n{dryrun}"
+    )
 
 
 @contextlib.contextmanager

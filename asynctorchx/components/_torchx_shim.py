@@ -11,7 +11,10 @@ When the ``torchx`` package is not installed, a component file such as::
 loads with these statements resolved to asynctorchx: ``torchx.specs`` to ``asynctorchx.specs`` (plus
 TorchX's extra names: ``get_named_resources``, ``named_resources``, ``GiB``...),
 ``torchx.specs.named_resources_aws``/``_generic``, ``torchx.components.{dist,utils,serve,metrics}``
-to the builtins of the same names, ``torchx.IMAGE``/``torchx.version.TORCHX_IMAGE`` to
+to the builtins of the same names (``dist`` with TorchX's helpers that its ``dist.ddp`` source
+imports: ``parse_nnodes``, ``get_role_name``, ``_args_join``, ``_noquote``), TorchX's
+``torchx.components.structured_arg`` (``StructuredJArgument``, ``StructuredNameArgument``),
+``torchx.IMAGE``/``torchx.version.TORCHX_IMAGE`` to
 ``asynctorchx.IMAGE`` (which is TorchX 0.7's default image).
 
 How it stays scoped: the file is executed with a ``__builtins__`` of its own whose ``__import__``
@@ -33,8 +36,10 @@ from __future__ import annotations
 import builtins
 import importlib
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +50,8 @@ _MENTIONS_TORCHX = re.compile(r"\btorchx\b")
 
 _SUPPORTED = (
     "torchx.IMAGE, torchx.specs (and its api, builders, named_resources_aws and "
-    "named_resources_generic modules) and torchx.components.dist/utils/serve/metrics"
+    "named_resources_generic modules) and torchx.components.dist/utils/serve/metrics/"
+    "structured_arg"
 )
 
 _SPECS_NAMES = (
@@ -92,6 +98,159 @@ _SPECS_NAMES = (
 _COMPONENT_MODULES = ("dist", "utils", "serve", "metrics")
 
 
+# -- TorchX's helpers that its own component sources import ----------------------------------------
+# ``torchx builtins --print dist.ddp`` shows a source that imports these: a component copied from
+# it must load. They follow TorchX 0.7's behaviour (results, and the errors' kinds), which differs in
+# places from asynctorchx's own dist helpers (``parse_nnodes`` returns a tuple here).
+
+
+@dataclass
+class StructuredNameArgument:
+    """TorchX's ``--name`` of ``dist.ddp``: ``EXPERIMENT/RUN``, ``EXPERIMENT/``, ``/RUN`` or ``RUN``.
+
+    Args:
+        experiment_name: the experiment (``default-experiment`` when the name leaves it out).
+        run_name: the run (the script's stem or the module's last part when left out).
+    """
+
+    experiment_name: str
+    run_name: str
+
+    def __str__(self) -> str:
+        return f"{self.experiment_name or ''}/{self.run_name}"
+
+    @staticmethod
+    def parse_from(
+        name: str,
+        m: str | None = None,
+        script: str | None = None,
+        default_experiment_name: str = "default-experiment",
+    ) -> StructuredNameArgument:
+        """Splits ``name`` at its first ``/``; exactly one of ``m`` and ``script`` must be given.
+
+        Raises:
+            ValueError: neither or both of ``m`` and ``script`` are given.
+        """
+        if not m and not script:
+            raise ValueError("no main module (-m) or script (--script) given: give exactly one")
+        if m and script:
+            raise ValueError("both a main module (-m) and a script (--script) given: give one")
+        experiment, slash, run = name.partition("/")
+        if not slash:
+            experiment, run = "", name
+        if not run:
+            run = m.rpartition(".")[2] if m else Path(script or "").stem
+        return StructuredNameArgument(experiment or default_experiment_name, run)
+
+
+@dataclass
+class StructuredJArgument:
+    """TorchX's ``-j`` of ``dist.ddp``: ``NNODESxNPROC_PER_NODE``, or ``NNODES`` on a GPU host.
+
+    Args:
+        nnodes: the number of nodes.
+        nproc_per_node: the processes per node.
+    """
+
+    nnodes: int
+    nproc_per_node: int
+
+    def __str__(self) -> str:
+        return f"{self.nnodes}x{self.nproc_per_node}"
+
+    @staticmethod
+    def parse_from(h: str, j: str) -> StructuredJArgument:
+        """``j`` with the GPUs of the named resource ``h``: ``-j N`` means one process per GPU.
+
+        An explicit ``NxP`` whose ``P`` differs from the host's GPU count is kept, with a warning
+        (as TorchX does).
+
+        Raises:
+            ValueError: ``j`` has more than one ``x``, a part is not a number, or ``-j N`` names a
+                host without GPUs.
+        """
+        import warnings
+
+        from asynctorchx.specs import get_named_resource
+
+        parts = j.split("x")
+        gpus = get_named_resource(h).gpu
+        if len(parts) == 1:
+            nnodes = int(parts[0])
+            if gpus <= 0:
+                raise ValueError(
+                    f"nproc_per_node cannot be inferred from the GPU count: {h!r} has no GPU; "
+                    f"give -j NNODESxNPROC_PER_NODE (e.g. -j {nnodes}x8)"
+                )
+            return StructuredJArgument(nnodes, gpus)
+        if len(parts) == 2:
+            nnodes, nproc = int(parts[0]), int(parts[1])
+            if nproc != gpus:
+                warnings.warn(
+                    f"-j {j}: nproc_per_node={nproc} is not the number of GPUs of {h} ({gpus}); "
+                    f"-j {nnodes} sets it to the GPU count",
+                    stacklevel=2,
+                )
+            return StructuredJArgument(nnodes, nproc)
+        raise ValueError(f"-j {j!r} is not of the form NNODESxNPROC_PER_NODE (e.g. -j 1x8)")
+
+
+class _noquote(str):  # (lower case: TorchX's name)
+    """A command-line word ``_args_join`` leaves unquoted (e.g. a ``${VAR:=default}``)."""
+
+
+def _args_join(args: Iterable[str]) -> str:
+    """``shlex.join`` of ``args``, except that ``_noquote`` words are joined as they are."""
+    import shlex
+
+    return " ".join(a if isinstance(a, _noquote) else shlex.quote(a) for a in args)
+
+
+def get_role_name(script: str | None, m: str | None) -> str:
+    """The role name of ``dist.ddp``: the script's stem, else the module's last part.
+
+    Raises:
+        ValueError: neither is given.
+    """
+    if script:
+        return Path(script).stem
+    if m:
+        return m.rpartition(".")[2]
+    raise ValueError("failed to compute role_name: neither a script nor a module (-m) is given")
+
+
+_TORCHX_J = re.compile(r"^(?:(?:(?P<min>\d+):)?(?P<max>\d+)x)?(?P<nproc>\d+)$")
+
+
+def parse_nnodes(j: str) -> tuple[int, int, int, str]:
+    """TorchX's ``parse_nnodes``: ``[[MIN:]MAXx]NPROC`` as ``(min, max, nproc_per_node, nnodes)``,
+    ``nnodes`` being the text of torchrun's ``--nnodes`` (``"2"`` or ``"1:2"``); no node count
+    means 1.
+
+    Raises:
+        ValueError: ``j`` is not of that form.
+    """
+    match = _TORCHX_J.match(j)
+    if match is None:
+        raise ValueError(f"invalid format for -j, usage example: 1:2x4 or 1x4 or 4. Given: {j}")
+    nnodes_text = match["max"] or "1"
+    low = match["min"] or nnodes_text
+    if match["min"]:
+        nnodes_text = f"{match['min']}:{match['max']}"
+    return int(low), int(match["max"] or 1), int(match["nproc"]), nnodes_text
+
+
+#: What ``torchx.components.dist`` has beyond asynctorchx's ``dist`` module's public names.
+_DIST_EXTRAS: dict[str, Any] = {
+    "parse_nnodes": parse_nnodes,
+    "get_role_name": get_role_name,
+    "_args_join": _args_join,
+    "_noquote": _noquote,
+    "StructuredJArgument": StructuredJArgument,
+    "StructuredNameArgument": StructuredNameArgument,
+}
+
+
 def describe_missing(qualname: str) -> str:
     """The message for a TorchX name (``torchx.specs.Workspace``) asynctorchx does not provide."""
     return f"uses {qualname}, which has no counterpart in asynctorchx (it provides {_SUPPORTED})"
@@ -128,6 +287,10 @@ class _StandIns:
             "torchx.specs.named_resources_generic": self._generic,
             "torchx.components": dict,
             **{f"torchx.components.{m}": self._component_module(m) for m in _COMPONENT_MODULES},
+            "torchx.components.structured_arg": lambda: {
+                "StructuredJArgument": StructuredJArgument,
+                "StructuredNameArgument": StructuredNameArgument,
+            },
         }
 
     # -- contents -----------------------------------------------------------------------------
@@ -207,7 +370,10 @@ class _StandIns:
     def _component_module(self, name: str) -> Callable[[], Mapping[str, Any]]:
         def contents() -> Mapping[str, Any]:
             module = importlib.import_module(f"asynctorchx.components.{name}")
-            return {k: v for k, v in vars(module).items() if not k.startswith("_")}
+            values = {k: v for k, v in vars(module).items() if not k.startswith("_")}
+            if name == "dist":
+                values.update(_DIST_EXTRAS, _TORCH_DEBUG_FLAGS=module.TORCH_DEBUG_FLAGS)
+            return values
 
         return contents
 

@@ -33,6 +33,12 @@ directory taking precedence. Overall precedence is explicit argument > config fi
 ``apply`` only fills the run options a cfg does not set, and component defaults only fill the
 arguments not given on the command line.
 
+The file is read as TorchX reads it (``configparser.ConfigParser()``): ``%%`` is a literal ``%``,
+``%(key)s`` is replaced by the value of ``key`` in the same section or in ``[DEFAULT]``, a lone
+``%`` is an error naming the file and the key; ``[DEFAULT]``'s keys are also keys of every scheduler
+section and every ``[component:NAME]`` (in the other prefixed sections they only serve ``%(key)s``);
+one that is not a run option of a scheduler is ignored there without a warning.
+
 Values are strings cast by the run option's type exactly like ``-cfg`` values (``true``/``false``,
 ``a;b`` lists, ``k:v;k2:v2`` dicts); ``None`` unsets a run option. Keys are case-sensitive. A key
 that is not a run option of its scheduler, or a section nobody reads, is reported with a
@@ -87,10 +93,68 @@ class MissingConfigFile(FileNotFoundError):
     """Raised when ``TORCHXCONFIG`` names a file that does not exist (or is not a file)."""
 
 
-def _parser() -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(interpolation=None, default_section="\0no-default\0")
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
-    return parser
+class _ConfigParser(configparser.ConfigParser):
+    """TorchX's reading of ``.torchxconfig``: ``configparser.ConfigParser()`` defaults (``%``
+    interpolation, a ``[DEFAULT]`` section), keys kept in their case (run options are
+    case-sensitive)."""
+
+    def optionxform(self, optionstr: str) -> str:
+        """Keys as written: ``configparser`` would lowercase them (TorchX overrides it too)."""
+        return optionstr
+
+    def own_items(self, section: str) -> list[tuple[str, str]]:
+        """The (interpolated) items written in ``section`` itself, without ``[DEFAULT]``'s."""
+        return [(key, self.get(section, key)) for key in self._sections.get(section, {})]  # type: ignore[attr-defined]
+
+
+def _parser() -> _ConfigParser:
+    return _ConfigParser()
+
+
+#: The prefixed sections that get ``[DEFAULT]``'s keys as TorchX's do (the scheduler sections get
+#: them too): in the others (``[cli:run]``, ``[torchx:tracker]``, ``[tracker:NAME]``,
+#: ``[limits:NAME]``) each ``[DEFAULT]`` key would be an unknown option, a tracker or an error, so
+#: there ``[DEFAULT]`` only serves ``%(key)s`` references.
+_INHERITING_PREFIXES = ("component",)
+
+
+def _section_items(parser: _ConfigParser, section: str) -> list[tuple[str, str]]:
+    """The items of ``section``; ``[DEFAULT]``'s keys included where TorchX's reading gives them."""
+    prefix, delim, _ = section.partition(CONFIG_PREFIX_DELIM)
+    if not delim or prefix in _INHERITING_PREFIXES:
+        return parser.items(section)
+    return parser.own_items(section)
+
+
+def _interpolation_problem(e: configparser.InterpolationError) -> str:
+    """What is wrong with a value that does not interpolate, in words."""
+    if isinstance(e, configparser.InterpolationMissingOptionError):
+        return f"'%({e.reference})s' names no key of [{e.section}] nor of [DEFAULT]"
+    if isinstance(e, configparser.InterpolationDepthError):
+        return "its %(key)s references nest too deep (do they refer to each other?)"
+    return (
+        "a '%' must be written '%%' (a literal %) or start a reference to another key, "
+        "'%(key)s' (values are interpolated, as TorchX reads them)"
+    )
+
+
+def _check_interpolation(parser: _ConfigParser, name: str) -> None:
+    """Interpolates every value once, so that a bad one is an error naming the file and the key
+    when the file is read, not a traceback wherever the value is first used.
+
+    Raises:
+        ConfigFileError: a value holds a lone ``%`` or a reference that does not resolve.
+    """
+    for section in parser.sections():
+        for key in parser.options(section):
+            try:
+                parser.get(section, key)
+            except configparser.InterpolationError as e:
+                raw = parser.get(section, key, raw=True)
+                raise ConfigFileError(
+                    f"invalid config file {name!r}: [{section}] {key} = {raw}: "
+                    f"{_interpolation_problem(e)}"
+                ) from None
 
 
 def default_config_dirs() -> list[Path]:
@@ -134,12 +198,15 @@ def find_configs(dirs: Iterable[str | os.PathLike[str]] | None = None) -> list[P
     return found
 
 
-def read_config(source: str | os.PathLike[str] | TextIO) -> configparser.ConfigParser:
-    """Parses one config file (a path or an open text file).
+def read_config(source: str | os.PathLike[str] | TextIO) -> _ConfigParser:
+    """Parses one config file (a path or an open text file), as TorchX does: ``%%`` is ``%``,
+    ``%(key)s`` is the value of ``key`` (of the same section or ``[DEFAULT]``), keys keep their
+    case.
 
     Raises:
-        ConfigFileError: the file is not valid INI, or not UTF-8; the message names the file and
-            the line.
+        ConfigFileError: the file is not valid INI, or not UTF-8, or a value does not interpolate
+            (a lone ``%``, a ``%(key)s`` naming no key); the message names the file and the line
+            or the key.
     """
     parser = _parser()
     try:
@@ -155,6 +222,11 @@ def read_config(source: str | os.PathLike[str] | TextIO) -> configparser.ConfigP
             name = getattr(source, "name", "<config>")
             raise ConfigFileError(f"invalid config file {name!r}: not UTF-8 ({e})") from None
         raise ConfigFileError(f"invalid config file: {_not_utf8(source)}") from None
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+    else:
+        name = str(getattr(source, "name", "<config>"))
+    _check_interpolation(parser, name)
     return parser
 
 
@@ -238,7 +310,10 @@ def load(
     else:
         name = str(getattr(source, "name", "<config>"))
     known = [k for k, _ in opts]
+    own = {k for k, _ in parser.own_items(scheduler)}
     for key, value in parser.items(scheduler):
+        if opts.get(key) is None and key not in own:
+            continue  # a [DEFAULT] key serves several sections (or %(key)s): not a typo here
         if opts.get(key) is None:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -345,7 +420,7 @@ def load_sections(
             if name is None:
                 continue
             values = sections.setdefault(name, {})
-            for key, value in parser.items(section):
+            for key, value in _section_items(parser, section):
                 values.setdefault(key, value)
     return sections
 
@@ -416,10 +491,11 @@ def dump(
                 continue
         parser.add_section(name)
         for key, opt in opts:
+            # ``%%``: the file is read with interpolation, where a lone % is an error
             if opt.is_required:
-                parser.set(name, key, fixme_placeholder(opt.opt_type, opt.help))
+                parser.set(name, key, fixme_placeholder(opt.opt_type, opt.help).replace("%", "%%"))
             elif not required_only:
-                parser.set(name, key, _format_default(opt.opt_type, opt.default))
+                parser.set(name, key, _format_default(opt.opt_type, opt.default).replace("%", "%%"))
     parser.write(f, space_around_delimiters=True)
 
 
@@ -446,7 +522,7 @@ def configured_trackers(
         for section in parser.sections():
             prefix, _, rest = section.partition(CONFIG_PREFIX_DELIM)
             if section == "torchx:tracker":
-                for key, value in parser.items(section):
+                for key, value in _section_items(parser, section):
                     if not TRACKER_NAME.fullmatch(key):
                         raise ConfigFileError(
                             f"{path}: [torchx:tracker] {key!r} is not a valid tracker name "
@@ -454,7 +530,7 @@ def configured_trackers(
                         )
                     names.setdefault(key, value.strip())
             elif prefix == "tracker" and rest:
-                for key, value in parser.items(section):
+                for key, value in _section_items(parser, section):
                     if key != "config":
                         _warn(
                             f"{path}: [{section}] {key} = {value} is ignored: a tracker section has "

@@ -12,8 +12,10 @@ users know it:
   ``.torchxconfig``) and the signature;
 * values are decoded from strings by type: ``int``, ``float``, ``str``, ``bool`` (``true``/``false``,
   ``1``/``0``, ``yes``/``no``; a bare ``--flag`` means true), ``list[T]`` (``a,b,c``),
-  ``dict[K, V]`` (``K1=v1,K2=v2``; a value may be quoted, or hold ``,``-separated items:
-  ``FOO=a,b,BAR=c``), each possibly ``Optional``.
+  ``dict[K, V]`` (``K1=v1,K2=v2``; a value may hold ``,``-separated items: ``FOO=a,b,BAR=c``;
+  quotes are kept, as in TorchX), each possibly ``Optional``. A parameter of another type (``Any``,
+  ``Path``...: TorchX's linter accepts any bare type name) keeps its default: given on the command
+  line or in ``.torchxconfig``, it is an error naming it, as TorchX cannot decode it either.
 
 Bad arguments raise ``InvalidComponentArgsException`` whose message is argparse's, naming the
 argument; ``--help`` prints the component's help and exits like argparse does.
@@ -125,61 +127,39 @@ def to_list(arg: str) -> list[str]:
     return [item.strip() for item in arg.split(",")]
 
 
-def _scan(text: str) -> list[tuple[int, str]]:
-    """The positions and characters of ``=``, ``,`` and ``;`` that are outside quotes.
+def _marks(text: str) -> list[tuple[int, str]]:
+    """The positions and characters of the ``=``, ``,`` and ``;`` of ``text``.
 
-    A quote opens a quoted value only right after a ``=`` (spaces aside): elsewhere it is an
-    ordinary character, as in TorchX, so that ``MSG=don't panic`` is a value, not an unclosed quote.
-
-    Raises:
-        ValueError: a quote opened after a ``=`` is not closed.
+    Quotes are ordinary characters, as in TorchX's ``to_dict``: ``MSG='a b'`` keeps its quotes and
+    ``MSG=don't`` is a value.
     """
-    out: list[tuple[int, str]] = []
-    quote: str | None = None
-    previous = ""  # the last character outside quotes that is not a space
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote:
-                quote = None
-                previous = ch
-            continue
-        if ch in "'\"" and previous == "=":
-            quote = ch
-        elif ch in "=,;":
-            out.append((i, ch))
-        if not ch.isspace():
-            previous = ch
-    if quote:
-        raise ValueError(f"unterminated {quote} quote in {text!r}")
-    return out
+    return [(i, ch) for i, ch in enumerate(text) if ch in "=,;"]
 
 
-def _unquote(value: str) -> str:
+def _empty_quotes(value: str) -> str:
+    """``value`` stripped; exactly ``''`` or ``""`` is the empty string (TorchX's only unquoting)."""
     value = value.strip()
-    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-        return value[1:-1]
-    return value
+    return "" if value in ("''", '""') else value
 
 
 def to_dict(arg: str) -> dict[str, str]:
     """Parses ``"K1=v1,K2=v2"`` (``,`` or ``;`` between pairs) into a dict of strings.
 
-    A value may hold ``,``/``;``-separated items: the last delimiter before the next ``KEY=``
-    separates pairs, so ``"FOO=a,b,BAR=c"`` is ``{"FOO": "a,b", "BAR": "c"}``. A value that is
-    quoted (``'...'`` or ``"..."``) is taken literally, quotes removed; a quote inside a value is
-    a character (``"MSG=don't"``); a ``=`` not followed by another pair stays in the value
-    (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
+    As TorchX's ``to_dict``: a value may hold ``,``/``;``-separated items, the last delimiter
+    before the next ``KEY=`` separating pairs, so ``"FOO=a,b,BAR=c"`` is ``{"FOO": "a,b", "BAR":
+    "c"}``; quotes are kept as written (``"MSG='a b'"`` is ``{"MSG": "'a b'"}``), only a value of
+    exactly ``''`` or ``""`` being empty. Unlike TorchX, which rejects it, a ``=`` not preceded by
+    a delimiter stays in the value (``"OPTS=-Dx=1"`` is ``{"OPTS": "-Dx=1"}``).
 
     Raises:
-        ValueError: the string has no ``KEY=value`` pair, an empty key or a quoted value that is
-            not closed.
+        ValueError: the string has no ``KEY=value`` pair, or an empty key.
     """
     text = arg.strip()
     if text[-1:] in (",", ";"):
         text = text[:-1].rstrip()
     if not text:
         return {}
-    marks = _scan(text)
+    marks = _marks(text)
     equals = [i for i, ch in marks if ch == "="]
     if not equals:
         raise ValueError(f"{arg!r} is not of the form KEY=VALUE[,KEY=VALUE...]")
@@ -193,12 +173,12 @@ def to_dict(arg: str) -> dict[str, str]:
         cut = delims[-1]
         if not key:
             raise ValueError(f"empty key in {arg!r}")
-        out[key] = _unquote(text[value_start:cut])
+        out[key] = _empty_quotes(text[value_start:cut])
         key = text[cut + 1 : eq].strip()
         value_start = eq + 1
     if not key:
         raise ValueError(f"empty key in {arg!r}")
-    out[key] = _unquote(text[value_start:])
+    out[key] = _empty_quotes(text[value_start:])
     return out
 
 
@@ -213,12 +193,33 @@ def decode(value: Any, annotation: Any) -> Any:
     return _converter(decode_optional(annotation))(value)
 
 
+def _not_decodable(tp: Any) -> Callable[[str], Any]:
+    """The "converter" of a type no string decodes to (``Any``, ``Path``...): it always raises.
+
+    TorchX's linter accepts such a parameter (any bare type name), and TorchX fails when it is
+    given a string (``ValueError: Unknown``); passing the string on as if it were the type would
+    hand the component a ``str`` where its code expects, say, a ``Path``.
+    """
+    name = _type_name(tp)
+
+    def refuse(raw: str) -> Any:
+        raise ValueError(
+            f"a {name} cannot be given as a string (only int, float, str, bool, lists and dicts "
+            "of those can): leave it out to use the component's default"
+        )
+
+    refuse.__name__ = name
+    return refuse
+
+
 def _scalar_converter(tp: Any) -> Callable[[str], Any]:
     """A ``str -> value`` function whose ValueError says which item is not of which type."""
     if tp is bool:
         return to_bool
-    if tp not in (int, float):
+    if tp in (str, object):  # (``object`` elements are strings: TorchX's Dict[str, object])
         return str
+    if tp not in (int, float):
+        return _not_decodable(tp)
     article = "an" if tp is int else "a"
 
     def scalar(raw: str) -> Any:
@@ -287,11 +288,17 @@ def get_argparse_param_type(parameter: inspect.Parameter) -> Callable[[str], obj
 # ---------------------------------------------------------------------------------------------
 
 
+#: The help of a parameter its docstring does not describe. argparse leaves out the help of an
+#: option whose help is blank, and with it the ``(required)``/``(default: X)`` the formatter
+#: appends; this non-blank stand-in keeps the line, and the formatter prints nothing for it.
+_UNDESCRIBED = "\u200b"
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the docstring's layout and appends ``(required)`` or ``(default: X)`` to each help."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
+        text = "" if action.help == _UNDESCRIBED else action.help or ""
         if action.default is argparse.SUPPRESS:
             suffix = ""
         elif action.nargs == argparse.REMAINDER:
@@ -476,6 +483,25 @@ def _naming_source(
     return decode_value
 
 
+def _keeping(convert: Callable[[str], Any], default: str) -> Callable[[str], Any]:
+    """``convert``, except that the signature's own string default is returned as it is.
+
+    argparse decodes a string default with the option's converter; a default of a type no string
+    decodes to (``extra: Any = "x"``) must reach the component unchanged, not fail.
+    """
+
+    def decode_value(value: str) -> Any:
+        try:
+            return convert(value)
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            if value is default:
+                return value
+            raise
+
+    decode_value.__name__ = getattr(convert, "__name__", "value")
+    return decode_value
+
+
 def create_args_parser(
     cmpnt_fn: ComponentFn,
     cmpnt_defaults: Mapping[str, Any] | None = None,
@@ -515,7 +541,7 @@ def create_args_parser(
         )
     for pname, param in params.items():
         tp = annotations[pname]
-        kwargs: dict[str, Any] = {"help": arg_help.get(pname, "")}
+        kwargs: dict[str, Any] = {"help": arg_help.get(pname, "") or _UNDESCRIBED}
         has_default = pname in overrides or param.default is not inspect.Parameter.empty
         default = overrides.get(pname, param.default)
         if param.kind is inspect.Parameter.VAR_KEYWORD:
@@ -548,6 +574,8 @@ def create_args_parser(
         kwargs["type"] = _argparse_type(tp)
         if pname in overrides and isinstance(default, str):
             kwargs["type"] = _naming_source(kwargs["type"], default, sources[pname])
+        elif has_default and isinstance(default, str):
+            kwargs["type"] = _keeping(kwargs["type"], default)
         if decode_optional(tp) is bool:
             kwargs.update(nargs="?", const=True, metavar="{true,false}")
         if has_default:
@@ -748,8 +776,10 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
     Raises:
         ComponentValidationException: the function returned None or something that is not an
             AppDef (the message names its type and module), its TorchX AppDef holds something with
-            no counterpart here, it used a TorchX API asynctorchx does not provide, or it called
-            ``sys.exit``.
+            no counterpart here, it used a TorchX API asynctorchx does not provide, it called
+            ``sys.exit``, or it raised an exception other than ValueError (``KeyError``...; the
+            message names the component and the exception, which is kept as the ``__cause__``).
+        ValueError: the component rejected its arguments (the component's own message).
     """
     from asynctorchx.specs._torchx import TorchXUnsupportedError
 
@@ -761,6 +791,15 @@ def call_component(fn: Callable[..., Any], component: str, *args: Any, **kwargs:
         raise ComponentValidationException(
             component, reason=f"it called sys.exit({e.code!r}) instead of returning an AppDef"
         ) from None
+    except ValueError:
+        raise  # the component's own verdict on its arguments (a usage error), said its own way
+    except Exception as e:
+        # A bare "KeyError: 'missing'" would not say where it came from, and reads as a failed
+        # app: it is the component's failure to build its AppDef (a spec error). The original
+        # stays the __cause__, so --debug shows where in the component it was raised.
+        raise ComponentValidationException(
+            component, reason=f"it raised {type(e).__name__}: {e}"
+        ) from e
     return as_appdef(app, component)
 
 

@@ -3,8 +3,11 @@
 A component is a plain function that returns an ``AppDef`` and whose parameters have types the
 command line can express: ``int``, ``float``, ``str``, ``bool``, ``list[T]``/``List[T]`` and
 ``dict[K, V]``/``Dict[K, V]`` of those scalars, each optionally ``Optional[...]``/``... | None``,
-plus one ``*args: str`` taking the rest of the command line. Its Google-style docstring (summary,
-then an ``Args:`` section) becomes the ``--help`` of the component.
+plus one ``*args: str`` taking the rest of the command line. A parameter annotated with any other
+bare type name (``Any``, ``Path``...) is accepted when it has a default, as TorchX accepts it: only
+Python callers can change it (given on the command line, it is an error naming it). Its docstring
+(Google style: summary, then an ``Args:`` section; or reST ``:param x:`` fields; or NumPy
+``Parameters`` sections) becomes the ``--help`` of the component.
 
 ``validate(path, fn)`` parses the file with ``ast`` and returns one ``LinterMessage`` per problem,
 each carrying the line number: errors for what would fail at run time (missing or wrong return
@@ -125,11 +128,123 @@ def parse_google_docstring(doc: str) -> tuple[str, dict[str, str]]:
     return "\n".join(description).strip(), args
 
 
+_REST_FIELD_RE = re.compile(r"^:(?P<field>[^:]+):(?P<desc>.*)$")
+_REST_PARAM_FIELDS = ("param", "parameter", "arg", "argument", "key", "keyword")
+_NUMPY_UNDERLINE_RE = re.compile(r"^-{3,}\s*$")
+_NUMPY_ARG_SECTIONS = {
+    "Parameters",
+    "Params",
+    "Arguments",
+    "Args",
+    "Other Parameters",
+    "Other Params",
+    "Keyword Arguments",
+    "Keyword Args",
+}
+_NUMPY_SECTIONS = {
+    *_NUMPY_ARG_SECTIONS,
+    *("Returns", "Yields", "Receives", "Raises", "Warns", "Warnings", "See Also", "Notes"),
+    *("References", "Examples", "Attributes", "Methods"),
+}
+_NUMPY_ENTRY_RE = re.compile(r"^(?P<names>\*{0,2}\w+(?:\s*,\s*\*{0,2}\w+)*)\s*(?::.*)?$")
+
+
+def _docstring_style(lines: Sequence[str]) -> Literal["google", "rest", "numpy"]:
+    """Which of the styles TorchX reads (through ``docstring_parser``) ``lines`` are written in:
+    reST when a line is a ``:param x:``-like field, NumPy when a section title is underlined with
+    dashes, else Google."""
+    for i, line in enumerate(lines):
+        field = _REST_FIELD_RE.match(line.strip())
+        kind = field.group("field").split()[:1] if field else []
+        if kind and kind[0] in (*_REST_PARAM_FIELDS, "type", "returns", "return", "raises"):
+            return "rest"
+        if (
+            i
+            and _NUMPY_UNDERLINE_RE.match(line.strip())
+            and lines[i - 1].strip() in _NUMPY_SECTIONS
+        ):
+            return "numpy"
+    return "google"
+
+
+def _parse_rest_docstring(lines: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """``:param [type] name: text`` fields; the description is the text before the first field."""
+    description: list[str] = []
+    args: dict[str, str] = {}
+    current: str | None = None
+    in_fields = False
+    for line in lines:
+        stripped = line.strip()
+        field = _REST_FIELD_RE.match(stripped)
+        if field:
+            in_fields = True
+            words = field.group("field").split()
+            current = None
+            if len(words) >= 2 and words[0] in _REST_PARAM_FIELDS:
+                current = words[-1].lstrip("*")
+                args[current] = field.group("desc").strip()
+            continue
+        if not in_fields:
+            description.append(line)
+        elif current is not None and stripped:
+            args[current] = f"{args[current]} {stripped}".strip()
+    return "\n".join(description).strip(), args
+
+
+def _parse_numpy_docstring(lines: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """Sections titled by a line underlined with dashes; in ``Parameters``, ``name : type`` lines
+    each followed by their indented description. The description is the text before the first
+    section."""
+    description: list[str] = []
+    args: dict[str, str] = {}
+    section: str | None = None
+    current: list[str] = []
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        following = lines[i + 1].strip() if i + 1 < len(lines) else ""
+        if stripped and _NUMPY_UNDERLINE_RE.match(following):
+            section = stripped
+            current = []
+            continue
+        if _NUMPY_UNDERLINE_RE.match(stripped) and i and lines[i - 1].strip() == section:
+            continue
+        if section is None:
+            description.append(line)
+            continue
+        if section not in _NUMPY_ARG_SECTIONS or not stripped:
+            continue
+        entry = _NUMPY_ENTRY_RE.match(stripped)
+        if entry and not line[:1].isspace():
+            current = [name.strip().lstrip("*") for name in entry.group("names").split(",")]
+            args.update(dict.fromkeys(current, ""))
+        else:
+            for name in current:
+                args[name] = f"{args[name]} {stripped}".strip()
+    return "\n".join(description).strip(), args
+
+
+def parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Splits a component's docstring into its description and its arguments' descriptions.
+
+    Google (``Args:``), reST (``:param msg: ...``) and NumPy (``Parameters`` underlined with
+    dashes) styles are read, as TorchX reads them (it uses ``docstring_parser``, which detects the
+    style); a component copied from a TorchX project documents its arguments in any of them.
+    """
+    lines = inspect.cleandoc(doc).splitlines()
+    style = _docstring_style(lines)
+    if style == "rest":
+        return _parse_rest_docstring(lines)
+    if style == "numpy":
+        return _parse_numpy_docstring(lines)
+    return parse_google_docstring(doc)
+
+
 def get_fn_docstring(fn: Callable[..., object]) -> tuple[str, dict[str, str]]:
     """The description of a component and of each of its parameters, from its docstring.
 
-    Parameters missing from the ``Args:`` section get an empty description; a function without a
-    docstring gets a description that says how to add one.
+    The docstring may be in Google, reST or NumPy style (see ``parse_docstring``). Parameters it
+    does not describe get an empty description; a function without a docstring gets a description
+    that says how to add one.
     """
     params = inspect.signature(fn).parameters
     name = getattr(fn, "__name__", "component")
@@ -140,7 +255,7 @@ def get_fn_docstring(fn: Callable[..., object]) -> tuple[str, dict[str, str]]:
             f"{name} (add a Google-style docstring to the component to describe it here)",
             descriptions,
         )
-    description, documented = parse_google_docstring(doc)
+    description, documented = parse_docstring(doc)
     for key, value in documented.items():
         if key in descriptions:
             descriptions[key] = value
@@ -181,6 +296,19 @@ def _is_none(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
+def _plain_name(node: ast.expr) -> str | None:
+    """The name of an annotation that is a bare name (``Path``), or ``Optional`` of one
+    (``Optional[Path]``, ``Path | None``): the types TorchX's linter accepts whatever they are."""
+    if isinstance(node, ast.Subscript) and _dotted_name(node.value) in _OPTIONAL_NAMES:
+        node = node.slice
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        if _is_none(node.right):
+            node = node.left
+        elif _is_none(node.left):
+            node = node.right
+    return node.id if isinstance(node, ast.Name) else None
+
+
 class ArgTypeValidator(ComponentFunctionValidator):
     """Every parameter is annotated with a type the command line can express; no ``**kwargs``."""
 
@@ -190,8 +318,15 @@ class ArgTypeValidator(ComponentFunctionValidator):
         """The parameters of ``fn`` with a missing or unsupported type."""
         out: list[LinterMessage] = []
         a = fn.args
-        for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
-            out.extend(self._check(fn.name, arg, vararg=False))
+        positional = [*a.posonlyargs, *a.args]
+        # ``defaults`` belong to the last positional parameters; ``kw_defaults`` holds None for a
+        # keyword-only parameter without one
+        with_default = {arg.arg for arg in positional[len(positional) - len(a.defaults) :]}
+        with_default.update(
+            arg.arg for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None
+        )
+        for arg in [*positional, *a.kwonlyargs]:
+            out.extend(self._check(fn.name, arg, vararg=False, has_default=arg.arg in with_default))
         if a.vararg is not None:
             out.extend(self._check(fn.name, a.vararg, vararg=True))
         if a.kwarg is not None:
@@ -204,7 +339,9 @@ class ArgTypeValidator(ComponentFunctionValidator):
             )
         return out
 
-    def _check(self, fn_name: str, arg: ast.arg, vararg: bool) -> list[LinterMessage]:
+    def _check(
+        self, fn_name: str, arg: ast.arg, vararg: bool, has_default: bool = False
+    ) -> list[LinterMessage]:
         shown = f"*{arg.arg}" if vararg else arg.arg
         if arg.annotation is None:
             return [
@@ -230,6 +367,15 @@ class ArgTypeValidator(ComponentFunctionValidator):
         problem = self._type_problem(annotation, allow_optional=not vararg, scalar_only=vararg)
         if problem is None:
             return []
+        if has_default and _plain_name(annotation) is not None:
+            # TorchX's linter accepts any bare type name (``Any``, ``Path``...): such a parameter
+            # keeps its default, and giving it on the command line is the error (builders.py)
+            return []
+        if _plain_name(annotation) is not None:
+            problem += (
+                "; a parameter of another plain type (Any, Path...) is accepted when it has a "
+                "default, which only Python callers can change"
+            )
         return [
             self._msg(
                 f"parameter {shown!r} of function {fn_name!r} has unsupported type "
@@ -342,7 +488,7 @@ class DocstringValidator(ComponentFunctionValidator):
                     "warning",
                 )
             ]
-        _, documented = parse_google_docstring(doc)
+        _, documented = parse_docstring(doc)
         a = fn.args
         params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *([a.vararg] if a.vararg else [])]
         return [
