@@ -214,11 +214,9 @@ async def _entries(
 ) -> AsyncGenerator[tuple[str | None, str], None]:
     """``(cursor, line)`` of the followed log; a backend without cursors (a third-party one) still
     streams its lines, without ids, unless the client asks to resume (NotImplementedError)."""
-    entries = runner.log_entries(handle, role, replica, should_tail=True, cursor=cursor)
-    try:
-        first = await anext(entries, None)
+    try:  # (a bad argument, a backend without cursors: raised at the call)
+        entries = runner.log_entries(handle, role, replica, should_tail=True, cursor=cursor)
     except NotImplementedError:
-        await entries.aclose()
         if cursor is not None:
             raise
         # TorchX-style third-party backends: the lines, without ids
@@ -226,10 +224,8 @@ async def _entries(
             yield None, line
         return
     try:
-        if first is not None:
-            yield first.cursor, first.line
-            async for entry in entries:
-                yield entry.cursor, entry.line
+        async for entry in entries:
+            yield entry.cursor, entry.line
     finally:
         await entries.aclose()
 
