@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import fcntl
 import re
@@ -396,6 +397,31 @@ async def test_an_unknown_app_or_session_raises_at_the_first_line(runner: AsyncR
         lines = runner.log_lines(handle, "main")
         with pytest.raises(UnknownAppException):
             await anext(lines)
+
+
+async def test_polling_status_in_a_loop_lets_other_tasks_run(runner: AsyncRunner) -> None:
+    """``status`` of an app this runner launched is answered from memory, yet it is a point where
+    other tasks run: a caller polling it without a sleep does not starve the event loop (another
+    task got no turn in 200 polls)."""
+    handle = await runner.run(sh_app("sleep 30"), LOCAL)
+    turns = 0
+
+    async def other() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other())
+    await asyncio.sleep(0)
+    before = turns
+    for _ in range(200):
+        await runner.status(handle)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert turns - before >= 100, turns - before
+    await runner.cancel(handle)
 
 
 # -- dry runs, schedule, components, options -------------------------------------------------------

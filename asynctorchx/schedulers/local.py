@@ -359,6 +359,10 @@ class LocalScheduler(Scheduler[LocalRequest]):
         """
         own = self._runtime.own(app_id)
         if own is not None:
+            # answered from memory, yet a point where other tasks run: a caller polling
+            # ``status`` in a loop without a sleep must not starve the event loop
+            await asyncio.sleep(0)
+            own = self._runtime.own(app_id) or own  # (as it is after the pause)
             return own.record.to_response(own.roles)
         self._ensure_records_watch()
         return (await self._describe_foreign([app_id]))[app_id]
