@@ -296,16 +296,22 @@ def _is_none(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
 
 
+def _optional_inner(node: ast.expr) -> ast.expr | None:
+    """``T`` of an annotation ``Optional[T]``, ``T | None`` or ``None | T``; None otherwise."""
+    if isinstance(node, ast.Subscript) and _dotted_name(node.value) in _OPTIONAL_NAMES:
+        return node.slice
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        if _is_none(node.right):
+            return node.left
+        if _is_none(node.left):
+            return node.right
+    return None
+
+
 def _plain_name(node: ast.expr) -> str | None:
     """The name of an annotation that is a bare name (``Path``), or ``Optional`` of one
     (``Optional[Path]``, ``Path | None``): the types TorchX's linter accepts whatever they are."""
-    if isinstance(node, ast.Subscript) and _dotted_name(node.value) in _OPTIONAL_NAMES:
-        node = node.slice
-    elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-        if _is_none(node.right):
-            node = node.left
-        elif _is_none(node.left):
-            node = node.right
+    node = _optional_inner(node) or node
     return node.id if isinstance(node, ast.Name) else None
 
 
@@ -390,16 +396,13 @@ class ArgTypeValidator(ComponentFunctionValidator):
         if isinstance(node, ast.Subscript) and _dotted_name(node.value) == "Annotated":
             inner = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
             return self._type_problem(inner, allow_optional, scalar_only)
-        optional_inner: ast.expr | None = None
-        if isinstance(node, ast.Subscript) and _dotted_name(node.value) in _OPTIONAL_NAMES:
-            optional_inner = node.slice
-        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
-            if _is_none(node.right):
-                optional_inner = node.left
-            elif _is_none(node.left):
-                optional_inner = node.right
-            else:
-                return "unions other than Optional[T] (T | None) are not supported"
+        optional_inner = _optional_inner(node)
+        if (
+            optional_inner is None
+            and isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.BitOr)
+        ):
+            return "unions other than Optional[T] (T | None) are not supported"
         if optional_inner is not None:
             if not allow_optional:
                 return "*args cannot be Optional"
