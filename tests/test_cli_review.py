@@ -486,3 +486,15 @@ def test_log_of_an_app_that_lost_nothing_warns_of_nothing(root: Path) -> None:
     p = cli(root, "log", handle)
     assert p.returncode == 0 and p.stderr == b"", p.stderr
     assert p.stdout.endswith(b"hello\n"), p.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("option", ["--since", "--until"])
+def test_an_empty_time_bound_is_an_error_naming_it(root: Path, option: str) -> None:
+    """``log --since ''`` (an unset shell variable) is refused naming the option, exit 2; it was
+    taken as no bound at all, and the whole log printed."""
+    handle = launch(root, "utils.echo", "--msg", "hello")
+    p = cli(root, "log", option, "", handle)
+    assert p.returncode == 2, p.stderr
+    assert f"{option} '' is not a time".encode() in p.stderr, p.stderr
+    assert p.stdout == b"", p.stdout

@@ -263,8 +263,8 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     from asynctorchx.schedulers.api import Stream
 
     target = parse_target(args.identifier)
-    since = parse_time(args.since, "--since") if args.since else None
-    until = parse_time(args.until, "--until") if args.until else None
+    since = parse_time(args.since, "--since") if args.since is not None else None
+    until = parse_time(args.until, "--until") if args.until is not None else None
     # by instant: naive comparison ignores ``fold`` (the repeated hour when the clocks go back)
     if since is not None and until is not None and since.timestamp() > until.timestamp():
         raise CliError(
