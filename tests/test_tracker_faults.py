@@ -3,7 +3,6 @@ moved directories, a full disk, input the tracker cannot store."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -11,13 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from _local_env import tiny_tmpfs as local_tmpfs
+from _tracker_env import watching
 from anyio.streams.memory import MemoryObjectReceiveStream
 from conftest import engine_missing
 
@@ -62,25 +61,6 @@ def nest(depth: int) -> object:
 def require_inotify() -> None:
     if not _inotify.available():
         engine_missing("inotify")
-
-
-@contextlib.asynccontextmanager
-async def watching(
-    reader: AsyncTrackerReader, **kwargs: Any
-) -> AsyncIterator[MemoryObjectReceiveStream[MetadataUpdate]]:
-    """The updates of ``reader.watch_metadata(**kwargs)``, followed in a task until the body ends."""
-    send, receive = anyio.create_memory_object_stream[MetadataUpdate](100)
-
-    async def follow() -> None:
-        async with send, contextlib.aclosing(reader.watch_metadata(**kwargs)) as updates:
-            async for update in updates:
-                await send.send(update)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        with receive:
-            yield receive
-        tg.cancel_scope.cancel()
 
 
 async def next_update(updates: MemoryObjectReceiveStream[MetadataUpdate]) -> tuple[str, object]:

@@ -18,13 +18,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import pytest
+from _tracker_env import watching
 from anyio.streams.memory import MemoryObjectReceiveStream
 from conftest import engine_missing
 
@@ -71,26 +72,6 @@ def mode(monkeypatch: pytest.MonkeyPatch, inotify: bool) -> None:
         monkeypatch.setenv(_inotify.DISABLE_ENV, "1")
     elif not _inotify.available():
         engine_missing("inotify")
-
-
-@contextlib.asynccontextmanager
-async def watching(
-    reader: AsyncTrackerReader, *args: Any, **kwargs: Any
-) -> AsyncIterator[MemoryObjectReceiveStream[MetadataUpdate]]:
-    """The updates of ``reader.watch_metadata(...)``, followed in a task until the body ends (an
-    error of the watch fails the test)."""
-    send, receive = anyio.create_memory_object_stream[MetadataUpdate](100)
-
-    async def follow() -> None:
-        async with send, contextlib.aclosing(reader.watch_metadata(*args, **kwargs)) as updates:
-            async for update in updates:
-                await send.send(update)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(follow)
-        with receive:
-            yield receive
-        tg.cancel_scope.cancel()
 
 
 async def next_update(updates: MemoryObjectReceiveStream[MetadataUpdate]) -> MetadataUpdate:
