@@ -22,6 +22,7 @@ def put(tracker_base: str, key: object, results: dict[str, float]) -> None:
     data = json.dumps(results, indent=2).encode("utf-8")
     local = tracker_base[len("file://") :] if tracker_base.startswith("file://") else tracker_base
     if "://" not in local:
+        local = os.path.expanduser(local)  # (as fsspec's local file system does)
         os.makedirs(local, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=local, prefix=".booth-")
         with os.fdopen(fd, "wb") as f:

@@ -26,6 +26,7 @@ def exists_fn(url: str) -> Callable[[], bool]:
     """A function telling whether ``url`` exists now."""
     local = url[len("file://") :] if url.startswith("file://") else url
     if "://" not in local:
+        local = os.path.expanduser(local)  # (as fsspec's local file system does)
         return lambda: os.path.exists(local)
     try:
         import fsspec

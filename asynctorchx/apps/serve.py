@@ -64,7 +64,7 @@ def download(src: str, dst: str) -> None:
     """Copies ``src`` (a path or URL) to the local file ``dst``."""
     local = src[len("file://") :] if src.startswith("file://") else src
     if "://" not in local:
-        shutil.copyfile(local, dst)
+        shutil.copyfile(os.path.expanduser(local), dst)  # (~ as fsspec expands it)
     elif src.startswith(("http://", "https://")):
         with urllib.request.urlopen(src, timeout=600) as r, open(dst, "wb") as w:
             shutil.copyfileobj(r, w, 1 << 20)

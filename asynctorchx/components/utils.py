@@ -19,8 +19,9 @@ from asynctorchx.specs import AppDef, Resource, Role, parse_mounts, resource
 _COPY_PROGRAM = r"""
 import os, shutil, sys
 src, dst = sys.argv[1], sys.argv[2]
-def local(p):
-    return p[len("file://"):] if p.startswith("file://") else (None if "://" in p else p)
+def local(p):  # a local path, ~ expanded as fsspec does; None for a remote URL
+    p = p[len("file://"):] if p.startswith("file://") else (None if "://" in p else p)
+    return None if p is None else os.path.expanduser(p)
 try:
     import fsspec
 except ImportError:
@@ -255,10 +256,10 @@ def copy(src: str, dst: str, image: str = IMAGE, mounts: list[str] | None = None
         mounts: mounts for the replica (e.g. type=bind,src=/host,dst=/job[,readonly])
     """
     return AppDef(
-        name="copy",
+        name="torchx-utils-copy",  # (TorchX's names: roles are addressed by name)
         roles=[
             Role(
-                name="copy",
+                name="torchx-utils-copy",
                 image=image,
                 entrypoint="python",
                 args=["-c", _COPY_PROGRAM, src, dst],
