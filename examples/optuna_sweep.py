@@ -177,8 +177,10 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracker-root", type=Path, default=None)
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     args = parser.parse_args(argv)
-    if args.trials < 1 or args.concurrency < 1:
-        parser.error("--trials and --concurrency must be at least 1")
+    if args.trials < 1 or args.concurrency < 1 or args.epochs < 1 or not args.epoch_seconds >= 0:
+        parser.error(
+            "--trials, --concurrency and --epochs must be at least 1, --epoch_seconds >= 0"
+        )
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(

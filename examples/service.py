@@ -108,7 +108,10 @@ async def launch(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     runner = request.app[RUNNER]
-    st = await runner.status(_handle(request))
+    try:
+        st = await runner.status(_handle(request))
+    except (ValueError, LookupError) as e:  # no scheduler of that name (or a malformed handle)
+        return _error(404, str(e))
     if st is None:
         return _error(404, "unknown app")
     return web.json_response(st.to_json())
@@ -116,7 +119,10 @@ async def status(request: web.Request) -> web.Response:
 
 async def wait(request: web.Request) -> web.Response:
     runner = request.app[RUNNER]
-    st = await runner.wait(_handle(request))
+    try:
+        st = await runner.wait(_handle(request))
+    except (ValueError, LookupError) as e:  # no scheduler of that name (or a malformed handle)
+        return _error(404, str(e))
     if st is None:
         return _error(404, "unknown app")
     return web.json_response(st.to_json())
@@ -124,7 +130,10 @@ async def wait(request: web.Request) -> web.Response:
 
 async def cancel(request: web.Request) -> web.Response:
     runner = request.app[RUNNER]
-    await runner.cancel(_handle(request))
+    try:
+        await runner.cancel(_handle(request))
+    except (ValueError, LookupError) as e:  # no scheduler of that name (or a malformed handle)
+        return _error(404, str(e))
     return web.json_response({"cancelled": _handle(request)})
 
 

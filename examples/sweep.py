@@ -241,6 +241,10 @@ async def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     args = parser.parse_args(argv)
+    if args.trials < 1 or args.concurrency < 1 or args.epochs < 1 or not args.epoch_seconds >= 0:
+        parser.error(
+            "--trials, --concurrency and --epochs must be at least 1, --epoch_seconds >= 0"
+        )
 
     root = args.tracker_root or Path(tempfile.mkdtemp(prefix="sweep-runs-"))
     use_tracker(root)

@@ -130,8 +130,13 @@ class Limits:
     max_calls_per_second: float | None = None
 
     def __post_init__(self) -> None:
-        _check_submits(self.max_concurrent_submits, None)
-        _check_rate(self.max_calls_per_second, None)
+        # (kept as read: "8" is 8, so a string never reaches the limiter's comparisons)
+        object.__setattr__(
+            self, "max_concurrent_submits", _check_submits(self.max_concurrent_submits, None)
+        )
+        object.__setattr__(
+            self, "max_calls_per_second", _check_rate(self.max_calls_per_second, None)
+        )
 
     @classmethod
     def parse(cls, backend: str, values: Limits | Mapping[str, object]) -> Limits:
