@@ -19,9 +19,10 @@ How an app maps onto Docker:
 - Retries: a REPLICA retry policy is Docker's own ``on-failure`` restart policy; ROLE and
   APPLICATION retries are done by the backend, which recreates the role's (or app's) containers as
   a new attempt, under the same hostnames. A replica failing with no retry left fails the app, and
-  the backend stops the app's other replicas. These follow-ups (and removing a finished app's
-  network, or its containers with ``remove_finished``) are driven by Docker's events, in one task
-  per app; a status read (``describe``, ``list``) never changes anything.
+  the backend stops the app's other replicas; the app's message names the replica that failed
+  first (by the engine's exit times), never one the backend stopped after it. These follow-ups
+  (and removing a finished app's network, or its containers with ``remove_finished``) are driven
+  by Docker's events, in one task per app; a status read (``describe``, ``list``) never changes anything.
 - Cancel stops every container (SIGTERM, then SIGKILL after the app's ``stop_timeout``) and leaves
   a never-started marker container, so that every process sees the app as CANCELLED. Until a
   submit has created the app's containers, a launch claim (a volume named after the app) names
@@ -67,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
+from asynctorchx.logs._timestamps import parse_rfc3339_ns
 from asynctorchx.schedulers._docker.actions import FollowUps, started_after
 from asynctorchx.schedulers._docker.cancel import (
     abandoned_cancel,
@@ -152,8 +154,8 @@ _CLOSE_GRACE = 30.0
 #: The exit code of a container killed by SIGKILL: by ``docker kill``, a stop's timeout, or the
 #: kernel's OOM killer (which only an inspect tells apart).
 OOM_EXIT = 137
-#: How many exited containers' OOM verdicts are remembered.
-_REMEMBERED_OOM = 4096
+#: How many exited containers' inspections (OOM verdict, exit time) are remembered.
+_REMEMBERED_EXITS = 4096
 
 
 class DockerScheduler(Scheduler[DockerJob]):
@@ -208,7 +210,8 @@ class DockerScheduler(Scheduler[DockerJob]):
         self._owed_stops: dict[str, float] = {}
         self._owed_looks: set[str] = set()
         self._owed_locks: dict[str, tuple[asyncio.Lock, int]] = {}  # one settler per app
-        self._oom_killed: dict[str, bool] = {}  # exited with 137: killed for memory? by id
+        # what an inspect of an exited container said (OOM killed?, when it exited), by id
+        self._exits: dict[str, tuple[bool, int | None]] = {}
         self._logs = DockerLogSource(
             self._engine, self._events.containers, self._events.wait_app, self._handle
         )
@@ -447,35 +450,53 @@ class DockerScheduler(Scheduler[DockerJob]):
 
     async def _with_inspections(self, a: Assessment) -> Assessment:
         """Adds what only an inspect says: Docker's restart counts of replicas that Docker
-        restarts itself (REPLICA policy), and whether a replica that exited with 137 was killed
-        for running out of memory (once known, kept: an exited container does not change)."""
+        restarts itself (REPLICA policy), whether a replica that exited with 137 was killed for
+        running out of memory, and, when more than one replica failed, when each exited (the
+        first failure is the app's, not the survivors the backend stopped after it); and which
+        replicas this process stopped as survivors of a failure. What an inspect of an exited
+        container says is kept: it does not change."""
+        failed = [c for c in a.current.values() if c.state == "exited" and c.exit_code]
+        timed = {c.id for c in failed} if len(failed) > 1 else set()
         wanted = [
             c
             for c in a.current.values()
-            if restarted_by_docker(c.labels) or (c.exit_code == OOM_EXIT and c.state == "exited")
+            if restarted_by_docker(c.labels)
+            or (c.exit_code == OOM_EXIT and c.state == "exited")
+            or c.id in timed
         ]
-        if not wanted:
+        survivors = [c for c in a.current.values() if self._follow_ups.stopped_survivor(c.id)]
+        if not wanted and not survivors:
             return a
 
+        wanted_ids = {c.id for c in wanted}
+
         async def inspect(c: ContainerInfo) -> ContainerInfo:
-            known = self._oom_killed.get(c.id)
+            c = dataclasses.replace(c, stopped_by_backend=self._follow_ups.stopped_survivor(c.id))
+            if c.id not in wanted_ids:
+                return c
+            known = self._exits.get(c.id)
             if known is not None and not restarted_by_docker(c.labels):
-                return dataclasses.replace(c, oom_killed=known)
+                return dataclasses.replace(c, oom_killed=known[0], finished_at=known[1])
             try:
                 info = await self._engine.inspect_container(c.id)
             except DockerSchedulerError:
                 return c
             if info is None:
                 return c
-            oom = c.exit_code == OOM_EXIT and bool((info.get("State") or {}).get("OOMKilled"))
-            if c.exit_code == OOM_EXIT and c.state == "exited":
-                self._oom_killed[c.id] = oom
-                while len(self._oom_killed) > _REMEMBERED_OOM:
-                    del self._oom_killed[next(iter(self._oom_killed))]
+            state = info.get("State") or {}
+            oom = c.exit_code == OOM_EXIT and bool(state.get("OOMKilled"))
+            finished = _finished_at(state) if c.state == "exited" else None
+            if c.state == "exited":
+                self._exits[c.id] = (oom, finished)
+                while len(self._exits) > _REMEMBERED_EXITS:
+                    del self._exits[next(iter(self._exits))]
             restarts = int(info.get("RestartCount") or 0) if restarted_by_docker(c.labels) else -1
-            return dataclasses.replace(c, restart_count=restarts, oom_killed=oom)
+            return dataclasses.replace(
+                c, restart_count=restarts, oom_killed=oom, finished_at=finished
+            )
 
-        updated = {c.id: c for c in await asyncio.gather(*(inspect(c) for c in wanted))}
+        todo = list({c.id: c for c in [*wanted, *survivors]}.values())
+        updated = {c.id: c for c in await asyncio.gather(*(inspect(c) for c in todo))}
         containers = [updated.get(c.id, c) for c in a.containers]
         return assess(a.response.app_id, containers) or a
 
@@ -811,6 +832,16 @@ class DockerScheduler(Scheduler[DockerJob]):
             )
         await self._tasks.aclose()
         await self._engine.close()
+
+
+def _finished_at(state: Mapping[str, Any]) -> int | None:
+    """When an exited container exited (its inspect's ``State.FinishedAt``), in nanoseconds since
+    the epoch; None when that cannot be read."""
+    value = state.get("FinishedAt")
+    try:
+        return parse_rfc3339_ns(str(value)) if value else None
+    except ValueError:
+        return None
 
 
 def create_scheduler(

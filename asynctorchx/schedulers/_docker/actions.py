@@ -53,7 +53,7 @@ from asynctorchx.schedulers._docker.state import (
     recreate_config,
 )
 from asynctorchx.schedulers.api import DescribeAppResponse
-from asynctorchx.specs.api import is_terminal
+from asynctorchx.specs.api import AppState, is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,12 @@ class FollowUps:
         self._done: OrderedDict[tuple[str, ...], None] = OrderedDict()
         self._removed: OrderedDict[str, DescribeAppResponse] = OrderedDict()
         self._cut_off: OrderedDict[str, RetryReplicas] = OrderedDict()  # retries owed, by app
+        self._survivors: OrderedDict[str, None] = OrderedDict()  # stopped: another failed first
+
+    def stopped_survivor(self, cid: str) -> bool:
+        """True for a container this process stopped because another replica had failed its app
+        (its exit, a 137 or whatever its SIGTERM handler gives, is not a failure of its own)."""
+        return cid in self._survivors
 
     def removed(self, app_id: str) -> DescribeAppResponse | None:
         """The final description of an app whose containers this process removed, if any."""
@@ -107,6 +113,12 @@ class FollowUps:
         stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
         if any(c.is_marker for c in a.containers):
             stops = []  # the canceller's and the launches' (see ``started_after``)
+        elif a.response.state == AppState.FAILED:
+            for cid in stops:  # the survivors of the failure (or attempts a retry superseded)
+                self._survivors[cid] = None
+                self._survivors.move_to_end(cid)
+            while len(self._survivors) > 4 * _REMEMBERED_APPS:
+                self._survivors.popitem(last=False)
         errors = [
             r
             for r in await asyncio.gather(

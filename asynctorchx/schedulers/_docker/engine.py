@@ -120,20 +120,32 @@ def status_of(err: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
-def message_of(err: BaseException) -> str:
-    """The engine's message of an aiodocker error (or the error's text)."""
+def message_of(err: BaseException, address: str | None = None) -> str:
+    """The engine's message of an aiodocker error (or the error's text).
+
+    An answer with no message (something that is not a Docker engine, a proxy) gives its HTTP
+    status instead, and asks whether ``address`` (the engine's address, when known) is a Docker
+    engine.
+    """
     message = getattr(err, "message", None)
-    return str(message if message is not None else err).strip()
+    text = str(message if message is not None else err).strip()
+    if text:
+        return text
+    status = status_of(err)
+    where = address or "the engine's address"
+    answer = f"HTTP {status}" if status is not None else f"a {type(err).__name__}"
+    return f"{answer} with no message (is {where} a Docker engine?)"
 
 
-def engine_error(what: str, err: BaseException) -> DockerSchedulerError:
-    """A clear error for a failed Docker request; ``what`` says what was being done."""
+def engine_error(what: str, err: BaseException, address: str | None = None) -> DockerSchedulerError:
+    """A clear error for a failed Docker request; ``what`` says what was being done, ``address``
+    is the engine's address (named when the engine's answer says nothing)."""
     if status_of(err) == 900 or isinstance(err, OSError):
         return DockerEngineUnavailableError(
-            f"{what}: cannot reach the Docker engine ({message_of(err)}); is dockerd running "
-            "and DOCKER_HOST right?"
+            f"{what}: cannot reach the Docker engine ({message_of(err, address)}); is dockerd "
+            "running and DOCKER_HOST right?"
         )
-    return DockerSchedulerError(f"{what}: {message_of(err)}")
+    return DockerSchedulerError(f"{what}: {message_of(err, address)}")
 
 
 def is_docker_error(err: BaseException) -> bool:
@@ -360,6 +372,17 @@ class DockerEngine:
         return self._docker_host
 
     @property
+    def address(self) -> str:
+        """The engine's address, for messages: the one given, else the one the client resolved
+        (``DOCKER_HOST``, the Docker context, the local socket), else ``DOCKER_HOST``'s value."""
+        resolved = getattr(self._client, "_connection_info", None)
+        if self._docker_host:
+            return self._docker_host
+        if isinstance(resolved, str) and resolved:
+            return resolved
+        return os.environ.get("DOCKER_HOST") or "the Docker engine's address"
+
+    @property
     def started(self) -> bool:
         """True once the client exists (a dry run never starts it)."""
         return self._client is not None and self._loop is not None
@@ -369,15 +392,35 @@ class DockerEngine:
 
         Raises:
             RuntimeError: the engine wrapper is closed.
+            DockerSchedulerError: aiodocker cannot use the engine's address (an ``ssh://`` one
+                without asyncssh, one with no scheme...); the message names it and where it
+                came from.
         """
         if self._closed:
             raise RuntimeError("the Docker engine client is closed")
         if self._client is None:
             aiodocker = import_aiodocker()
-            self._client = aiodocker.Docker(url=self._docker_host, timeout=_request_timeout())
+            try:
+                self._client = aiodocker.Docker(url=self._docker_host, timeout=_request_timeout())
+            except Exception as e:
+                raise DockerSchedulerError(self._address_refused(e)) from None
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         return self._client
+
+    def _address_refused(self, err: BaseException) -> str:
+        """Why aiodocker refused the engine's address, naming the address and where it came from."""
+        env = os.environ.get("DOCKER_HOST")
+        if self._docker_host:
+            source = f"docker_host={self._docker_host!r}"
+        elif env:
+            source = f"DOCKER_HOST={env!r}"
+        else:
+            source = "the Docker engine's address (from the Docker context)"
+        text = str(getattr(err, "message", None) or err).strip() or type(err).__name__
+        if "asyncssh" in text:
+            text = "an ssh:// address needs asyncssh: pip install 'aiodocker[ssh]'"
+        return f"{source} cannot be used to reach the Docker engine: {text}"
 
     async def close(self) -> None:
         """Closes the client if this wrapper created it. Idempotent."""
@@ -400,7 +443,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return None
-            raise _known_error(f"inspecting image {ref!r}", e) from None
+            raise _known_error(f"inspecting image {ref!r}", e, self.address) from None
         return dict(info)
 
     async def image_id(self, ref: str) -> str | None:
@@ -541,7 +584,7 @@ class DockerEngine:
         except Exception as e:
             if failed:
                 raise failed[0] from None
-            raise _known_error(what, e) from None
+            raise _known_error(what, e, self.address) from None
         return aux, tail
 
     async def tag(self, image: str, repository: str, tag: str) -> None:
@@ -550,7 +593,9 @@ class DockerEngine:
         try:
             await client.images.tag(image, repository, tag=tag)
         except Exception as e:
-            raise _known_error(f"tagging image {image} as {repository}:{tag}", e) from None
+            raise _known_error(
+                f"tagging image {image} as {repository}:{tag}", e, self.address
+            ) from None
 
     async def push(
         self,
@@ -598,7 +643,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return False
-            raise _known_error(f"removing image {ref}", e) from None
+            raise _known_error(f"removing image {ref}", e, self.address) from None
         return True
 
     # -- containers, networks, volumes, events and logs (the local_docker backend) ---------------
@@ -619,7 +664,7 @@ class DockerEngine:
         try:
             raw = await client.containers.list(all=True, filters=json.dumps({"label": [label]}))
         except Exception as e:
-            raise _known_error("listing containers", e) from None
+            raise _known_error("listing containers", e, self.address) from None
         return [_summary(c) for c in raw]
 
     async def inspect_container(self, cid: str) -> dict[str, Any] | None:
@@ -639,7 +684,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return None
-            raise _request_error(f"inspecting container {cid[:12]}", e) from None
+            raise _request_error(f"inspecting container {cid[:12]}", e, self.address) from None
 
     async def create_container(
         self, config: Mapping[str, Any], name: str, *, what: str, exist_ok: bool = False
@@ -656,7 +701,7 @@ class DockerEngine:
         except Exception as e:
             if exist_ok and status_of(e) == 409:
                 return None
-            raise _known_error(what, e) from None
+            raise _known_error(what, e, self.address) from None
         return str(container.id)
 
     async def start_container(self, cid: str, *, what: str) -> None:
@@ -670,7 +715,7 @@ class DockerEngine:
         try:
             await client.containers.container(cid).start()
         except Exception as e:
-            raise _known_error(what, e) from None
+            raise _known_error(what, e, self.address) from None
 
     async def stop_container(self, cid: str, *, timeout: int | None = None) -> None:  # noqa: ASYNC109 - the engine's stop timeout, passed on
         """Stops a container: SIGTERM, then SIGKILL after ``timeout`` seconds (default: its own
@@ -718,7 +763,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) in (304, 404):
                 return
-            raise _request_error(f"stopping container {cid[:12]}", e) from None
+            raise _request_error(f"stopping container {cid[:12]}", e, self.address) from None
 
     async def remove_container(self, cid: str) -> None:
         """Removes a container, running or not (a container gone, or going, is left alone)."""
@@ -729,7 +774,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) in (404, 409):
                 return
-            raise _request_error(f"removing container {cid[:12]}", e) from None
+            raise _request_error(f"removing container {cid[:12]}", e, self.address) from None
 
     async def pull_image(self, image: str) -> None:
         """Pulls ``image``.
@@ -745,10 +790,10 @@ class DockerEngine:
             await client.images.inspect(image)
         except Exception as e:
             if not is_docker_error(e) or status_of(e) == 900:
-                raise _known_error(f"pulling image {image!r}", e) from None
+                raise _known_error(f"pulling image {image!r}", e, self.address) from None
             raise DockerSchedulerError(
                 f"image {image!r} is not present locally and could not be pulled "
-                f"({message_of(e)}); build or load it first"
+                f"({message_of(e, self.address)}); build or load it first"
             ) from None
 
     async def volume_exists(self, name: str) -> bool:
@@ -766,7 +811,9 @@ class DockerEngine:
                 "volumes/create", method="POST", data=json.dumps(dict(config)).encode()
             )
         except Exception as e:
-            raise _request_error(f"creating volume {config.get('Name')!r}", e) from None
+            raise _request_error(
+                f"creating volume {config.get('Name')!r}", e, self.address
+            ) from None
         return dict(answer or {})
 
     async def remove_volume(self, name: str) -> bool:
@@ -781,7 +828,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return False
-            raise _request_error(f"removing volume {name!r}", e) from None
+            raise _request_error(f"removing volume {name!r}", e, self.address) from None
         return True
 
     async def list_volumes(self, label: str) -> list[dict[str, Any]]:
@@ -791,7 +838,7 @@ class DockerEngine:
         try:
             answer = await client.volumes.list(filters={"label": [label]})
         except Exception as e:
-            raise _request_error("listing volumes", e) from None
+            raise _request_error("listing volumes", e, self.address) from None
         return [dict(v) for v in (answer or {}).get("Volumes") or []]
 
     async def network_exists(self, name: str) -> bool:
@@ -806,7 +853,7 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 404:
                 return False
-            raise _request_error(f"checking {kind} {name!r}", e) from None
+            raise _request_error(f"checking {kind} {name!r}", e, self.address) from None
         return True
 
     async def create_network(self, config: Mapping[str, Any]) -> str | None:
@@ -818,7 +865,9 @@ class DockerEngine:
         except Exception as e:
             if status_of(e) == 409:
                 return None
-            raise _request_error(f"creating network {config.get('Name')!r}", e) from None
+            raise _request_error(
+                f"creating network {config.get('Name')!r}", e, self.address
+            ) from None
 
     async def list_networks(
         self, *, name: str | None = None, label: str | None = None
@@ -832,7 +881,7 @@ class DockerEngine:
         try:
             return [dict(n) for n in await client.networks.list(filters=filters)]
         except Exception as e:
-            raise _request_error("listing networks", e) from None
+            raise _request_error("listing networks", e, self.address) from None
 
     async def remove_network(self, nid: str) -> None:
         """Removes a network, waiting (up to ~3 s) while the engine still lets go of containers
@@ -847,7 +896,7 @@ class DockerEngine:
                 if status_of(e) == 404:
                     return
                 if status_of(e) != 403 or attempt == _NETWORK_REMOVE_TRIES - 1:
-                    raise _request_error(f"removing network {nid[:12]}", e) from None
+                    raise _request_error(f"removing network {nid[:12]}", e, self.address) from None
             await asyncio.sleep(0.2 * (attempt + 1))  # 403: endpoints are still attached
 
     async def cpu_count(self) -> float | None:
@@ -878,7 +927,7 @@ class DockerEngine:
             params["since"] = since
         self._count("events")
         async with self._stream("events", "following the engine's events", params) as resp:
-            stream = _guard_stream(_json_lines(resp), "following the engine's events")
+            stream = _guard_stream(_json_lines(resp), "following the engine's events", self.address)
             try:
                 yield stream
             finally:
@@ -916,7 +965,7 @@ class DockerEngine:
         self._count("container_logs")
         async with self._stream(f"containers/{cid}/logs", what, dict(params)) as resp:
             decoder = FrameDecoder()
-            async for chunk in _guard_stream(resp.content.iter_any(), what):
+            async for chunk in _guard_stream(resp.content.iter_any(), what, self.address):
                 for frame in decoder.feed(chunk):
                     yield frame
 
@@ -930,7 +979,7 @@ class DockerEngine:
                     client._query(path, params=params, timeout=_stream_timeout())
                 )
             except Exception as e:
-                raise _request_error(what, e) from None
+                raise _request_error(what, e, self.address) from None
             try:
                 yield resp
             finally:
@@ -980,24 +1029,25 @@ def _stream_timeout() -> Any:
     return _import_aiohttp().ClientTimeout(sock_connect=CONNECT_TIMEOUT)
 
 
-def _known_error(what: str, err: BaseException) -> BaseException:
+def _known_error(what: str, err: BaseException, address: str | None = None) -> BaseException:
     """``_request_error``, with a 404 kept a plain ``DockerSchedulerError`` (where a missing
     object is an answer of the engine like any other refusal)."""
     if status_of(err) == 404:
-        return engine_error(what, err)
-    return _request_error(what, err)
+        return engine_error(what, err, address)
+    return _request_error(what, err, address)
 
 
-def _request_error(what: str, err: BaseException) -> BaseException:
+def _request_error(what: str, err: BaseException, address: str | None = None) -> BaseException:
     """The error to raise for a failed request (``engine_error``, and: 404 is DockerNotFoundError,
     a dropped connection or an engine that did not answer in time DockerEngineUnavailableError);
-    an error of another kind is kept."""
+    an error of another kind is kept. ``address``: the engine's, named when its answer says
+    nothing."""
     import aiohttp
 
     if isinstance(err, DockerSchedulerError):
         return err
     if status_of(err) == 404:
-        return DockerNotFoundError(f"{what}: {message_of(err)}")
+        return DockerNotFoundError(f"{what}: {message_of(err, address)}")
     if isinstance(err, asyncio.TimeoutError | TimeoutError):
         detail = f" ({err})" if str(err) else ""
         return DockerEngineUnavailableError(
@@ -1005,7 +1055,7 @@ def _request_error(what: str, err: BaseException) -> BaseException:
             "responsive?"
         )
     if is_docker_error(err) or isinstance(err, OSError):
-        return engine_error(what, err)
+        return engine_error(what, err, address)
     if isinstance(err, aiohttp.ClientError):
         return DockerEngineUnavailableError(
             f"{what}: the connection to the Docker engine failed ({type(err).__name__}: {err})"
@@ -1013,13 +1063,15 @@ def _request_error(what: str, err: BaseException) -> BaseException:
     return err
 
 
-async def _guard_stream(items: AsyncIterator[T], what: str) -> AsyncGenerator[T, None]:
+async def _guard_stream(
+    items: AsyncIterator[T], what: str, address: str | None = None
+) -> AsyncGenerator[T, None]:
     """``items``, with a failure while reading them raised as ``_request_error`` says."""
     try:
         async for item in items:
             yield item
     except Exception as e:
-        raise _request_error(what, e) from None
+        raise _request_error(what, e, address) from None
 
 
 async def _joined_containers(

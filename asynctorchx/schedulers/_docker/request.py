@@ -260,6 +260,80 @@ def _check_env(source: str, env: Mapping[str, str]) -> None:
                 f"{source}[{key!r}] must be a string without NUL, got {value!r}",
                 field_name=source,
             )
+        _check_text(f"{source} key {key!r}", key, source)
+        _check_text(f"{source}[{key!r}]", value, source)
+
+
+def _not_text(value: str) -> str | None:
+    """What in ``value`` is not text the Docker API can carry, or None when it all is.
+
+    The API is JSON: a string with surrogate escapes (bytes that were not UTF-8, as
+    ``os.fsdecode`` and ``os.environ`` make them) or a lone surrogate would reach the engine with
+    U+FFFD in their place.
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            return f"byte 0x{code - 0xDC00:02x} (at character {e.start}), which is not UTF-8"
+        return f"a lone surrogate U+{code:04X} (at character {e.start})"
+    return None
+
+
+def _check_text(where: str, value: str, field_name: str, role: str | None = None) -> None:
+    """Refuses a string the Docker API cannot carry as it is (see ``_not_text``).
+
+    Raises:
+        InvalidAppDefException: naming ``where`` it came from, the value and what is wrong.
+    """
+    wrong = _not_text(value)
+    if wrong is not None:
+        raise InvalidAppDefException(
+            f"{where} holds {wrong}: the Docker API carries text only (JSON), so Docker would get "
+            f"U+FFFD in its place; got {value!r}",
+            role=role,
+            field_name=field_name,
+        )
+
+
+def _check_role_text(role: Role) -> None:
+    """Refuses what of ``role`` the Docker API cannot carry as it is: its entrypoint, args, env
+    and mount paths must be UTF-8 text.
+
+    Raises:
+        InvalidAppDefException: naming the role, the field (``args[i]``, ``env[key]``...) and the
+            value.
+    """
+    _check_text("entrypoint", role.entrypoint, "entrypoint", role.name)
+    for i, arg in enumerate(role.args):
+        _check_text(f"args[{i}]", arg, f"args[{i}]", role.name)
+    for key, value in role.env.items():
+        _check_text(f"env key {key!r}", key, "env", role.name)
+        _check_text(f"env[{key!r}]", value, f"env[{key!r}]", role.name)
+    for i, mount in enumerate(role.mounts):
+        for attr in ("src_path", "dst_path"):
+            path = getattr(mount, attr, None)
+            if isinstance(path, str):
+                _check_text(f"mounts[{i}].{attr}", path, f"mounts[{i}].{attr}", role.name)
+
+
+def _check_copied(key: str, value: str) -> None:
+    """Refuses a variable ``copy_env`` copies that the Docker API cannot carry as it is; its value
+    is not quoted (the launching process's environment may hold secrets), only what is wrong.
+
+    Raises:
+        InvalidAppDefException: naming the variable and the ``copy_env`` option.
+    """
+    for what, text in (("name", key), ("value", value)):
+        wrong = _not_text(text)
+        if wrong is not None:
+            raise InvalidAppDefException(
+                f"copy_env copies variable {key!r}, whose {what} holds {wrong}: the Docker API "
+                "carries text only (JSON), so the container would get U+FFFD in its place; unset "
+                "it, or narrow the copy_env patterns",
+                field_name="copy_env",
+            )
 
 
 def _resource_config(role: Role) -> dict[str, Any]:
@@ -369,10 +443,12 @@ def _device(role: Role, i: int, mount: DeviceMount) -> dict[str, Any]:
     }
 
 
-def _port_config(role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(``ExposedPorts``, ``HostConfig.PortBindings``): each port published on a free host port."""
+def _port_config(role: Role) -> dict[str, Any]:
+    """The ``ExposedPorts`` of ``role``'s ``port_map``. Nothing is published on the host (as
+    TorchX's docker scheduler publishes nothing): the replicas reach each other's ports on the
+    app's network, and a port published on every host interface would open a c10d store or a
+    debug server to anyone who can reach the host."""
     exposed: dict[str, Any] = {}
-    bindings: dict[str, Any] = {}
     for name, port in role.port_map.items():
         if not 1 <= port <= 65535:
             raise InvalidAppDefException(
@@ -380,10 +456,8 @@ def _port_config(role: Role) -> tuple[dict[str, Any], dict[str, Any]]:
                 role=role.name,
                 field_name=f"port_map[{name!r}]",
             )
-        key = f"{port}/tcp"
-        exposed[key] = {}
-        bindings[key] = [{"HostIp": "", "HostPort": ""}]
-    return exposed, bindings
+        exposed[f"{port}/tcp"] = {}
+    return exposed
 
 
 def _restart_policy(role: Role) -> dict[str, Any]:
@@ -401,15 +475,18 @@ class _JobOptions:
     privileged: bool
     remove_finished: bool
     stop_timeout: int
+    copied: frozenset[str] = frozenset()  # the keys of ``env`` copy_env gave (not overridden)
 
     @classmethod
     def from_cfg(cls, cfg: Mapping[str, CfgVal], environ: Mapping[str, str]) -> _JobOptions:
         copy_patterns = cfg.get("copy_env")
         env = copied_env(copy_patterns if isinstance(copy_patterns, list) else None, environ)
+        copied = set(env)
         extra_env = cfg.get("env")
         if isinstance(extra_env, dict):
             _check_env("env", extra_env)
             env.update(extra_env)
+            copied.difference_update(extra_env)
         raw = cfg.get("stop_timeout")
         stop_timeout = DEFAULT_STOP_TIMEOUT if raw is None else raw
         if (
@@ -427,6 +504,7 @@ class _JobOptions:
             privileged=bool(cfg.get("privileged") or False),
             remove_finished=bool(cfg.get("remove_finished") or False),
             stop_timeout=stop_timeout,
+            copied=frozenset(copied),
         )
 
 
@@ -504,6 +582,9 @@ def build_job(
         opts=opts,
     )
     for role in app.roles:
+        _check_role_text(role)
+        for key in sorted(shared.opts.copied.difference(role.env)):  # those the role sends
+            _check_copied(key, shared.opts.env[key])
         job.images.setdefault(role.image, role.name)
         host_config, exposed, volumes = _role_host_config(role, network, opts.privileged)
         for volume in volumes:
@@ -576,7 +657,7 @@ def _role_host_config(
     """The ``HostConfig`` of every replica of ``role``, its ``ExposedPorts`` and named volumes."""
     resources = _resource_config(role)
     mounts, devices, volumes = _mount_config(role)
-    exposed, bindings = _port_config(role)
+    exposed = _port_config(role)
     if not role.image:
         raise InvalidAppDefException(
             "image must name a Docker image, got ''", role=role.name, field_name="image"
@@ -589,8 +670,6 @@ def _role_host_config(
         "Devices": devices,
         **resources,
     }
-    if bindings:
-        host_config["PortBindings"] = bindings
     return host_config, exposed, volumes
 
 

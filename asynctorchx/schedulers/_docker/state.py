@@ -67,6 +67,10 @@ class ContainerInfo:
             (see ``processes.with_launchers_judged``): nobody will start it.
         oom_killed: the kernel killed it for running out of memory (``State.OOMKilled``, looked
             up only for an exit code of 137, which ``docker kill`` gives too).
+        finished_at: when it exited, in nanoseconds since the epoch (``State.FinishedAt``, looked
+            up only when more than one replica of the app failed), else None.
+        stopped_by_backend: the backend stopped it because another replica had failed the app
+            (known only to the process that stopped it).
     """
 
     id: str
@@ -79,6 +83,8 @@ class ContainerInfo:
     restart_count: int = -1
     launcher_gone: bool = False
     oom_killed: bool = False
+    finished_at: int | None = None
+    stopped_by_backend: bool = False
 
     @property
     def app_id(self) -> str:
@@ -307,12 +313,13 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
     until then); a retry that could not be made (its record, see ``request.retry_failed_record``)
     fails the app (its live replicas are to be stopped); a replica its launcher died before
     starting fails the app; a replica that failed with no retry left fails the app (its live
-    replicas are to be stopped); every replica succeeded: SUCCEEDED; a failure with a ROLE/APPLICATION retry left keeps
-    the app RUNNING and asks for the retry; a replica whose container is gone once every replica
-    has been started (removed by someone else: it will never end) fails the app; otherwise RUNNING
-    if any replica runs, PENDING if all are created but not started, UNKNOWN when replicas are
-    missing and nothing runs (``remove_finished`` removing them). The follow-up
-    actions owed (``Assessment.actions``) come from ``follow_ups``.
+    replicas are to be stopped; the message names the first failure, see ``first_failure``, and
+    the survivors stopped after it say so in their status); every replica succeeded: SUCCEEDED;
+    a failure with a ROLE/APPLICATION retry left keeps the app RUNNING and asks for the retry; a
+    replica whose container is gone once every replica has been started (removed by someone else:
+    it will never end) fails the app; otherwise RUNNING if any replica runs, PENDING if all are
+    created but not started, UNKNOWN when replicas are missing and nothing runs
+    (``remove_finished`` removing them). The follow-up actions owed (``Assessment.actions``) come from ``follow_ups``.
     """
     replicas = [c for c in containers if not c.is_record]
     markers = [c for c in containers if c.is_marker]
@@ -336,7 +343,7 @@ def assess(app_id: str, containers: list[ContainerInfo]) -> Assessment | None:
         num_restarts=max((c.attempt for c in current.values()), default=0)
         + sum(max(c.restart_count, 0) for c in current.values()),
         msg=verdict.msg or NONE,
-        roles_statuses=_role_statuses(shapes, current, verdict.state),
+        roles_statuses=_role_statuses(shapes, current, verdict.state, verdict.notes),
         roles=[Role(name=s.name, image=s.image, num_replicas=s.num_replicas) for s in shapes],
         name=first.labels.get(LABEL_APP_NAME, ""),
     )
@@ -361,6 +368,8 @@ class _Verdict:
     msg: str = ""
     retry: Retry | None = None
     to_stop: list[ContainerInfo] = field(default_factory=list)
+    #: a note for the status of some replicas (the survivors stopped after a failure)
+    notes: dict[tuple[str, int], str] = field(default_factory=dict)
 
 
 def _retry_or_failures(
@@ -438,14 +447,18 @@ def _verdict(
             to_stop=alive,
         )
     if failures:
-        role, k = sorted(failures, key=lambda rk: _role_order(shapes, rk))[0]
+        role, k = first_failure(shapes, current, failures)
         failed = current[(role, k)]
         code = failed.exit_code
         msg = f"replica {role}/{k} failed" + (f" with exit code {code}" if code is not None else "")
         if failed.oom_killed:
             msg += ": killed for running out of memory (its memMB limit, or the host's)"
+        note = f"stopped after replica {role}/{k} failed"
         return _Verdict(
-            AppState.FAILED, msg, to_stop=to_stop + [c for c in alive if c not in to_stop]
+            AppState.FAILED,
+            msg,
+            to_stop=to_stop + [c for c in alive if c not in to_stop],
+            notes={key: note for key in failures if _stopped_after(current[key], failed)},
         )
     if not missing and states and all(s == AppState.SUCCEEDED for s in states.values()):
         return _Verdict(AppState.SUCCEEDED, to_stop=to_stop)
@@ -468,8 +481,50 @@ def _verdict(
     return _Verdict(AppState.UNKNOWN, msg, to_stop=to_stop)
 
 
+#: The exit codes of a container stopped by ``docker stop``: SIGKILL after the stop timeout, or
+#: SIGTERM's default action.
+_STOP_EXITS = (137, 143)
+
+
+def first_failure(
+    shapes: list[RoleShape],
+    current: Mapping[tuple[str, int], ContainerInfo],
+    failures: list[tuple[str, int]],
+) -> tuple[str, int]:
+    """The failure that failed the app: of the replicas that failed on their own (not stopped by
+    the backend after another failed), the one that exited first (``finished_at``), then the
+    first in role order when the times do not tell."""
+    own = [key for key in failures if not current[key].stopped_by_backend] or failures
+
+    def order(key: tuple[str, int]) -> tuple[bool, int, tuple[int, int]]:
+        finished = current[key].finished_at
+        return (finished is None, finished or 0, _role_order(shapes, key))
+
+    return min(own, key=order)
+
+
+def _stopped_after(c: ContainerInfo, cause: ContainerInfo) -> bool:
+    """True for a failed replica the backend stopped once ``cause`` had failed the app: marked so
+    by the process that stopped it, or (read from any process) exited after ``cause`` with the
+    exit code of a stop, not killed for memory."""
+    if c is cause:
+        return False
+    if c.stopped_by_backend:
+        return True
+    return (
+        c.exit_code in _STOP_EXITS
+        and not c.oom_killed
+        and c.finished_at is not None
+        and cause.finished_at is not None
+        and c.finished_at > cause.finished_at
+    )
+
+
 def _role_statuses(
-    shapes: list[RoleShape], current: Mapping[tuple[str, int], ContainerInfo], state: AppState
+    shapes: list[RoleShape],
+    current: Mapping[tuple[str, int], ContainerInfo],
+    state: AppState,
+    notes: Mapping[tuple[str, int], str],
 ) -> list[RoleStatus]:
     out = []
     for shape in shapes:
@@ -490,6 +545,7 @@ def _role_statuses(
                     state=rep_state,
                     role=shape.name,
                     hostname=cur.hostname,
+                    structured_error_msg=notes.get((shape.name, k), NONE),
                     exit_code=cur.exit_code,
                 )
             )
