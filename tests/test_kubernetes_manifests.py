@@ -230,17 +230,23 @@ def test_macros_become_kubernetes_references() -> None:
     assert c["command"][:2] == ["/bin/sh", "-c"] and c["command"][-1] == "bash"
 
 
-def test_resources_requests_equal_limits() -> None:
-    """CPU, memory and GPUs are requested and limited to the same amounts, untrimmed."""
+def test_resources_requests_are_the_limits_less_the_reserves() -> None:
+    """CPU and memory are limited to the role's amounts and requested less 100m and 1024 MiB
+    (GPUs in full); with both reserves 0, requests equal limits."""
     req = scheduler().submit_dryrun(two_role_app(), {}).request
     trainer = req.jobs[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
     reader = req.jobs[1]["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert trainer["limits"] == {"cpu": "4", "memory": "16384Mi", "nvidia.com/gpu": 1}
+    assert trainer["requests"] == {"cpu": "3900m", "memory": "15360Mi", "nvidia.com/gpu": 1}
+    assert reader["limits"] == {"cpu": "500m", "memory": "1536Mi"}
+    cfg = {"reserved_millicpu": 0, "reserved_memmb": 0}
+    req = scheduler().submit_dryrun(two_role_app(), cfg).request
+    trainer = req.jobs[0]["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert (
         trainer["limits"]
         == trainer["requests"]
         == {"cpu": "4", "memory": "16384Mi", "nvidia.com/gpu": 1}
     )
-    assert reader["limits"] == {"cpu": "500m", "memory": "1536Mi"}
 
 
 def test_dryrun_does_no_io_and_does_not_change_the_app() -> None:

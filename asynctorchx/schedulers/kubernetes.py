@@ -20,7 +20,11 @@ Retries:
   process that submitted the app to keep its scheduler open (a runner that waits, watches or tails);
   if it exits, the failed Job stays failed and the app reads as FAILED;
 - likewise, when a role fails for good, the scheduler that submitted the app suspends the app's other
-  Jobs, so their pods stop (TorchX's "a failed replica stops the app").
+  Jobs, so their pods stop (TorchX's "a failed replica stops the app");
+- a restart is recorded on the app's Service while under way: when its Jobs cannot be recreated
+  (a quota, a webhook...) the app reads FAILED, naming the roles and the reason, in any process;
+  and if the process doing it stops between deleting and recreating them, FAILED ("interrupted")
+  two minutes later, not PENDING for ever.
 
 These follow-ups are driven by the watch: every change of an app asks the scheduler's
 ``Reconciler`` for a look at it (``_k8s/followups.py``, from ``_k8s/status.follow_up``).
@@ -36,6 +40,20 @@ reporting CANCELLED after the objects are gone. ``log_iter`` reads the newest po
 timestamps (stdout and stderr as one log, which is all Kubernetes keeps); following it survives
 dropped or silent streams (a follow that sends nothing for ``log_read_timeout`` is re-opened, resuming
 from the last timestamp without duplicates) and pod replacements (retries).
+
+Differences from TorchX's ``kubernetes`` scheduler, which runs a Volcano Job:
+
+- nothing to install in the cluster; the ``queue`` run option is an optional Kueue LocalQueue (each
+  role's Job is a Kueue workload of its own), where TorchX's is a required Volcano queue;
+- ``Role.min_replicas`` (``dist.ddp -j MIN:MAX`` sets it) is accepted and changes nothing in the
+  objects: plain Jobs are not gang-scheduled, so every replica's pod starts as soon as it is
+  scheduled, all ``num_replicas`` of them, where TorchX gives Volcano's tasks ``minAvailable``
+  (the first ``min_replicas`` required, the others optional). The elastic minimum is torchrun's
+  ``--nnodes MIN:MAX``: training starts once MIN nodes have joined the rendezvous and the others
+  join as their pods start;
+- as in TorchX, CPU and memory requests are the limits less a reserve (the ``reserved_millicpu``
+  and ``reserved_memmb`` run options, 100 millicores and 1024 MiB by default; 0 makes requests
+  equal limits), and pods carry ``sidecar.istio.io/inject: "false"``.
 
 The parts: ``_k8s/manifests.py`` builds the objects (pure), ``_k8s/status.py`` assesses an app from
 them (pure: the status and the follow-up owed), ``_k8s/client.py`` talks to the API server
@@ -298,7 +316,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
 
         Raises:
             WorkspaceBuildError: the workspace image did not build or push.
-            KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden).
+            KubeApiError: the API server refused an object (e.g. 409 AlreadyExists, 403 Forbidden);
+                its text names the object and, for a Job, its role.
         """
         self._check_open()
         with self._submits.one():
@@ -313,8 +332,8 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         service: dict[str, Any] | None = None
         try:
             service = await api.create("services", ns, request.service)
-            for job in request.jobs:
-                await api.create("jobs", ns, owned_by(job, service))
+            for job, role in zip(request.jobs, request.roles, strict=True):
+                await api.create("jobs", ns, owned_by(job, service), what=f"role {role.name!r}")
         except BaseException as e:
             # a Service create that timed out, was cut off or was cancelled may still have been
             # carried out; only a refusal (4xx, e.g. 409 for a name another app holds) certainly

@@ -49,17 +49,38 @@ def import_kubernetes_asyncio() -> Any:
 class KubeApiError(Exception):
     """Raised when the API server answers with an error status (or cannot be reached: status 0).
 
+    Its text says what was being done first (``creating Job ml/app-trainer (role 'trainer'):
+    Kubernetes API error 503 : ...``).
+
     Attributes:
         status: the HTTP status (0 when the server could not be reached).
         reason: the Status reason (``NotFound``, ``AlreadyExists``, ``Expired``...).
         message: the server's message.
+        context: what the call was doing (empty when unknown).
     """
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"Kubernetes API error {status} {reason}: {message}")
+    def __init__(self, status: int, reason: str, message: str, context: str = "") -> None:
+        text = f"Kubernetes API error {status} {reason}: {message}"
+        super().__init__(f"{context}: {text}" if context else text)
         self.status = status
         self.reason = reason
         self.message = message
+        self.context = context
+
+    def add_context(self, context: str) -> KubeApiError:
+        """Makes the error say what was being done (a context it has already is kept)."""
+        if context and not self.context:
+            self.context = context
+            self.args = (f"{context}: {self.args[0]}" if self.args else context,)
+        return self
+
+
+_KIND_NAMES = {"services": "Service", "jobs": "Job", "pods": "pod"}
+
+
+def _object(kind: str, namespace: str, name: str) -> str:
+    """``Job ml/app-trainer``: an object as error messages name it."""
+    return f"{_KIND_NAMES.get(kind, kind)} {namespace}/{name}"
 
 
 def net_errors() -> tuple[type[BaseException], ...]:
@@ -185,7 +206,14 @@ class KubeApi:
         api_name, noun = _METHODS[kind]
         return getattr(self._apis[api_name], f"{verb}_namespaced_{noun}")
 
-    async def _json(self, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def _json(self, context: str, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return await self._json_call(call, *args, **kwargs)
+        except KubeApiError as e:
+            e.add_context(context)
+            raise
+
+    async def _json_call(self, call: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             resp = await call(
                 *args, _preload_content=False, _request_timeout=self._timeout, **kwargs
@@ -212,14 +240,30 @@ class KubeApi:
             )
         return data
 
-    async def create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Creates an object and returns it as stored."""
-        return await self._json(self._method(kind, "create"), namespace, body)
+    async def create(
+        self, kind: str, namespace: str, body: dict[str, Any], *, what: str = ""
+    ) -> dict[str, Any]:
+        """Creates an object and returns it as stored.
+
+        Args:
+            kind: ``services``, ``jobs`` or ``pods``.
+            namespace: its namespace.
+            body: the object.
+            what: what the object is for, added to an error's text (e.g. ``role 'trainer'``).
+        """
+        name = (body.get("metadata") or {}).get("name", "")
+        context = f"creating {_object(kind, namespace, name)}" + (f" ({what})" if what else "")
+        return await self._json(context, self._method(kind, "create"), namespace, body)
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return await self._json(self._method(kind, "read"), name, namespace)
+            return await self._json(
+                f"reading {_object(kind, namespace, name)}",
+                self._method(kind, "read"),
+                name,
+                namespace,
+            )
         except KubeApiError as e:
             if e.status == 404:
                 return None
@@ -228,14 +272,23 @@ class KubeApi:
     async def list(self, kind: str, namespace: str, label_selector: str) -> dict[str, Any]:
         """The list object (``items`` and ``metadata.resourceVersion``) of matching objects."""
         return await self._json(
-            self._method(kind, "list"), namespace, label_selector=label_selector
+            f"listing {kind} in namespace {namespace}",
+            self._method(kind, "list"),
+            namespace,
+            label_selector=label_selector,
         )
 
     async def patch(
         self, kind: str, namespace: str, name: str, body: dict[str, Any]
     ) -> dict[str, Any]:
         """Merge-patches an object (strategic merge for built-in kinds) and returns it."""
-        return await self._json(self._method(kind, "patch"), name, namespace, body)
+        return await self._json(
+            f"patching {_object(kind, namespace, name)}",
+            self._method(kind, "patch"),
+            name,
+            namespace,
+            body,
+        )
 
     async def delete(
         self, kind: str, namespace: str, name: str, propagation_policy: str
@@ -247,7 +300,13 @@ class KubeApi:
             "propagationPolicy": propagation_policy,
         }
         try:
-            return await self._json(self._method(kind, "delete"), name, namespace, body=body)
+            return await self._json(
+                f"deleting {_object(kind, namespace, name)}",
+                self._method(kind, "delete"),
+                name,
+                namespace,
+                body=body,
+            )
         except KubeApiError as e:
             if e.status == 404:
                 return None
@@ -270,6 +329,7 @@ class KubeApi:
             KubeApiError: the watch could not be opened, or the connection failed mid-stream.
         """
         call = self._method(kind, "list")
+        context = f"watching {kind} in namespace {namespace}"
         try:
             resp = await call(
                 namespace,
@@ -282,10 +342,10 @@ class KubeApi:
                 _request_timeout=(10, timeout_seconds + 30),
             )
         except self._net as e:
-            raise _unreachable(e) from e
+            raise _unreachable(e).add_context(context) from e
         try:
             if not 200 <= resp.status < 300:
-                raise _error_from_body(resp.status, await resp.read())
+                raise _error_from_body(resp.status, await resp.read()).add_context(context)
             async for line in _iter_lines(resp.content):
                 if not line.strip():
                     continue
@@ -296,7 +356,7 @@ class KubeApi:
                 if isinstance(event, dict):
                     yield event
         except self._net as e:
-            raise _unreachable(e) from e
+            raise _unreachable(e).add_context(context) from e
         finally:
             resp.close()
 
@@ -323,6 +383,7 @@ class KubeApi:
             query.append(("container", container))
         if since_time:
             query.append(("sinceTime", since_time))
+        context = f"reading the log of pod {namespace}/{pod}"
         try:
             resp = await self._client.call_api(
                 "/api/v1/namespaces/{namespace}/pods/{name}/log",
@@ -340,11 +401,11 @@ class KubeApi:
                 else (self._timeout, self._timeout),
             )
         except self._net as e:
-            raise _unreachable(e) from e
-        lines = _guard(_iter_lines(resp.content), self._net)
+            raise _unreachable(e).add_context(context) from e
+        lines = _guard(_iter_lines(resp.content), self._net, context)
         try:
             if not 200 <= resp.status < 300:
-                raise _error_from_body(resp.status, await resp.read())
+                raise _error_from_body(resp.status, await resp.read()).add_context(context)
             yield lines
         finally:
             await lines.aclose()
@@ -352,13 +413,13 @@ class KubeApi:
 
 
 async def _guard(
-    lines: AsyncIterator[bytes], errors: tuple[type[BaseException], ...]
+    lines: AsyncIterator[bytes], errors: tuple[type[BaseException], ...], context: str
 ) -> AsyncGenerator[bytes, None]:
     try:
         async for line in lines:
             yield line
     except errors as e:
-        raise _unreachable(e) from e
+        raise _unreachable(e).add_context(context) from e
 
 
 class KubeConnection:

@@ -225,7 +225,10 @@ class Informer:
                         self.relists += 1
                         return None, events
                     raise KubeApiError(
-                        int(code or 0), str(obj.get("reason", "")), str(obj.get("message", ""))
+                        int(code or 0),
+                        str(obj.get("reason", "")),
+                        str(obj.get("message", "")),
+                        f"watching {kind} in namespace {self.namespace}",
                     )
                 new_rv = _meta(obj).get("resourceVersion")
                 if new_rv:

@@ -15,6 +15,12 @@ Pure and synchronous: nothing here talks to a cluster. The layout:
   label and is created suspended; Kueue unsuspends it once the LocalQueue admits it. Each role's
   Job is a Kueue workload of its own (a multi-role app may be admitted role by role). The pods'
   ``priority_class`` is also what Kueue orders the workloads of a queue by;
+- resources: the limits are the role's CPU, memory (MiB as ``Mi``), GPUs and devices; the CPU and
+  memory requests leave out the ``reserved_millicpu`` and ``reserved_memmb`` run options (100 m and
+  1024 MiB, as TorchX), so that a role sized to a whole instance fits in a node's allocatable
+  amounts (see ``resource_requirements``);
+- the pods are annotated ``sidecar.istio.io/inject: "false"`` (as TorchX): an injected sidecar
+  would keep a pod running after its trainer exits, and its Job from ever completing;
 - retries: ``RetryPolicy.REPLICA`` uses the Job's own per-index backoff (``backoffLimitPerIndex``,
   ``maxFailedIndexes: 0``); ``ROLE`` and ``APPLICATION`` use ``backoffLimit: 0`` and are restarted by
   the backend, which recreates Jobs with a higher attempt label. Every Job ignores pod disruptions
@@ -34,6 +40,7 @@ import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NoReturn
 
 from asynctorchx.schedulers._k8s import names as n
@@ -61,6 +68,14 @@ REPLICA_INDEX_ENV = "JOB_COMPLETION_INDEX"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 TERMINATION_LOG = "/dev/termination-log"
 GPU_RESOURCE = "nvidia.com/gpu"
+#: the pod annotation that keeps Istio from injecting its sidecar, which would outlive the
+#: trainer and keep the Job from ever completing (TorchX sets it too)
+ISTIO_SIDECAR_ANNOTATION = "sidecar.istio.io/inject"
+#: what a container's CPU and memory requests leave out of its limits by default (TorchX's
+#: RESERVED_MILLICPU and RESERVED_MEMMB): nodes keep some of their capacity for the kubelet and
+#: the system, so a role sized to a whole instance type would otherwise never be scheduled
+DEFAULT_RESERVED_MILLICPU = 100
+DEFAULT_RESERVED_MEMMB = 1024
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 SHM_VOLUME = "dshm"
 
@@ -118,6 +133,21 @@ def run_options(namespace: str) -> runopts:
         "registry.example.com/team/app); the cluster must be able to pull from it",
     )
     opts.add(
+        "reserved_millicpu",
+        int,
+        "millicores left out of each container's CPU request for the node's own reserve, so that "
+        "a role sized to a whole instance (a named resource) fits on it; the limit stays the "
+        "role's cpu (0: requests equal limits, Guaranteed QoS)",
+        default=DEFAULT_RESERVED_MILLICPU,
+    )
+    opts.add(
+        "reserved_memmb",
+        int,
+        "MiB left out of each container's memory request, as reserved_millicpu for memory "
+        "(0: requests equal limits)",
+        default=DEFAULT_RESERVED_MEMMB,
+    )
+    opts.add(
         "rank0_localhost",
         bool,
         "replica 0 of the first role sees TORCHX_RANK0_HOST=localhost (its command runs under "
@@ -159,6 +189,8 @@ class KubernetesOptions:
     labels: Mapping[str, str] = field(default_factory=dict)
     pod_overlay: Mapping[str, Any] | None = None
     rank0_localhost: bool = True
+    reserved_millicpu: int = DEFAULT_RESERVED_MILLICPU
+    reserved_memmb: int = DEFAULT_RESERVED_MEMMB
 
     @staticmethod
     def from_cfg(cfg: Mapping[str, CfgVal]) -> KubernetesOptions:
@@ -192,6 +224,13 @@ class KubernetesOptions:
         if policy is not None and policy not in IMAGE_PULL_POLICIES:
             _bad_cfg("image_pull_policy", policy, f"one of {', '.join(IMAGE_PULL_POLICIES)}", cfg)
         overlay = _pod_overlay(cfg)
+        reserved = {
+            key: _reserve(cfg, key, default)
+            for key, default in (
+                ("reserved_millicpu", DEFAULT_RESERVED_MILLICPU),
+                ("reserved_memmb", DEFAULT_RESERVED_MEMMB),
+            )
+        }
         return KubernetesOptions(
             namespace=namespace,
             queue=queue,
@@ -204,7 +243,20 @@ class KubernetesOptions:
             labels=labels,
             pod_overlay=overlay,
             rank0_localhost=cfg.get("rank0_localhost") is not False,
+            reserved_millicpu=reserved["reserved_millicpu"],
+            reserved_memmb=reserved["reserved_memmb"],
         )
+
+
+def _reserve(cfg: Mapping[str, CfgVal], key: str, default: int) -> int:
+    """A ``reserved_*`` option: a whole number of at least 0 (``default`` when unset)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        unit = "millicores" if key == "reserved_millicpu" else "MiB"
+        _bad_cfg(key, value, f"a whole number of {unit} of at least 0", cfg)
+    return value
 
 
 def _text(cfg: Mapping[str, CfgVal], key: str) -> str | None:
@@ -630,8 +682,26 @@ def _device_name_problem(dev: str) -> str | None:
     return None
 
 
-def resource_requirements(role: Role) -> dict[str, Any]:
-    """Requests equal to limits for every resource the role asks for (nothing is trimmed).
+def resource_requirements(
+    role: Role,
+    reserved_millicpu: int = DEFAULT_RESERVED_MILLICPU,
+    reserved_memmb: int = DEFAULT_RESERVED_MEMMB,
+) -> dict[str, Any]:
+    """Limits of every resource the role asks for, and requests: the same amounts, less the
+    reserves for CPU and memory.
+
+    A node's allocatable CPU and memory are less than its capacity (the kubelet and the system
+    keep some), so a role asking for a whole instance (``aws_p3_2xlarge``: 8 CPUs, pinned to
+    p3.2xlarge nodes) could never be placed if it requested all of it. As TorchX does, the CPU
+    request is the limit less ``reserved_millicpu`` and the memory request the limit less
+    ``reserved_memmb`` MiB; where the limit is not larger than the reserve the request is the
+    limit (a container that small fits anyway). The limits are the role's amounts. With both
+    reserves 0, requests equal limits (the pods' QoS class is then Guaranteed).
+
+    Args:
+        role: the role.
+        reserved_millicpu: millicores left out of the CPU request.
+        reserved_memmb: MiB left out of the memory request.
 
     Raises:
         InvalidAppDefException: a value Kubernetes cannot represent (infinite, past a 64-bit
@@ -728,7 +798,24 @@ def resource_requirements(role: Role) -> dict[str, Any]:
             amounts[dev] = count
     if not amounts:
         return {}
-    return {"limits": dict(amounts), "requests": dict(amounts)}
+    requests = dict(amounts)
+    cpu_m = round(res.cpu * 1000)
+    if "cpu" in amounts and 0 < reserved_millicpu < cpu_m:
+        requests["cpu"] = _millicores(cpu_m - reserved_millicpu)
+    mem_ki, reserved_ki = round(res.memMB * 1024), reserved_memmb * 1024
+    if "memory" in amounts and 0 < reserved_ki < mem_ki:
+        requests["memory"] = _kibibytes(mem_ki - reserved_ki)
+    return {"limits": dict(amounts), "requests": requests}
+
+
+def _millicores(millicores: int) -> str:
+    """Millicores as a quantity (``7``, ``7900m``)."""
+    return str(millicores // 1000) if millicores % 1000 == 0 else f"{millicores}m"
+
+
+def _kibibytes(kib: int) -> str:
+    """KiB as a quantity (``15360Mi``, ``1536Ki``)."""
+    return f"{kib // 1024}Mi" if kib % 1024 == 0 else f"{kib}Ki"
 
 
 # -- the pod template ----------------------------------------------------------------------------
@@ -779,8 +866,10 @@ def _volumes(role: Role) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bo
             )
             mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": m.read_only})
         else:
+            # as TorchX: a device is writable only with the 'w' (write) or 'm' (mknod) permission
+            read_only = "w" not in m.permissions and "m" not in m.permissions
             volumes.append({"name": name, "hostPath": {"path": m.src_path}})
-            mounts.append({"name": name, "mountPath": m.dst_path})
+            mounts.append({"name": name, "mountPath": m.dst_path, "readOnly": read_only})
             privileged = True
     return volumes, mounts, privileged
 
@@ -912,7 +1001,10 @@ def pod_template(
         spec["priorityClassName"] = opts.priority_class
     if opts.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in opts.image_pull_secrets]
-    template: dict[str, Any] = {"metadata": {"labels": dict(labels)}, "spec": spec}
+    template: dict[str, Any] = {
+        "metadata": {"labels": dict(labels), "annotations": {ISTIO_SIDECAR_ANNOTATION: "false"}},
+        "spec": spec,
+    }
     overlays = [opts.pod_overlay]
     role_k8s = role.metadata.get("kubernetes")
     if isinstance(role_k8s, dict) and role_k8s.get("pod_overlay") is not None:
@@ -954,7 +1046,7 @@ def _container(
         "command": command,
         "args": list(role.args),
         "env": _env(role, {RANK0_ENV: rank0_env}),
-        "resources": resource_requirements(role),
+        "resources": resource_requirements(role, opts.reserved_millicpu, opts.reserved_memmb),
         "volumeMounts": volume_mounts,
         "terminationMessagePath": TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -1198,6 +1290,37 @@ def is_quantity(value: object) -> bool:
     return isinstance(value, str) and _QUANTITY.fullmatch(value) is not None
 
 
+#: the resources whose request may be below the limit (the others must request their limit)
+_OVERCOMMITTED = frozenset({"cpu", "memory", "ephemeral-storage"})
+_QUANTITY_SUFFIXES: dict[str, Fraction] = {
+    **{k: Fraction(v) for k, v in {**_SI_FACTORS, **_BINARY_FACTORS}.items()},
+    "n": Fraction(1, 10**9),
+    "u": Fraction(1, 10**6),
+    "m": Fraction(1, 1000),
+}
+
+
+def quantity_value(value: object) -> Fraction | None:
+    """The amount a Kubernetes quantity stands for (``500m`` is 1/2, ``1Ki`` 1024), or None when
+    it is not a quantity."""
+    if not is_quantity(value):
+        return None
+    if isinstance(value, int):
+        return Fraction(value)
+    text = str(value)
+    match = re.fullmatch(r"([+-]?[0-9.]+)([eE][+-]?[0-9.]+)?([a-zA-Z]*)", text)
+    if match is None:
+        return None
+    number, exponent, suffix = match.groups()
+    try:
+        amount = Fraction(number) * _QUANTITY_SUFFIXES[suffix]
+        if exponent:
+            amount *= Fraction(10) ** int(Fraction(exponent[1:]))
+    except (KeyError, ValueError, ZeroDivisionError):
+        return None
+    return amount
+
+
 def _lint_meta(kind: str, meta: Mapping[str, Any], problems: list[str]) -> None:
     for key, value in (meta.get("labels") or {}).items():
         if not n.is_label_key(key):
@@ -1238,8 +1361,19 @@ def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> 
                     problems.append(f"{where} {section}[{rname!r}] = {q!r} is not a quantity")
         requests = (c.get("resources") or {}).get("requests") or {}
         limits = (c.get("resources") or {}).get("limits") or {}
-        if requests and limits and requests != limits:
-            problems.append(f"{where} container {cname!r} requests differ from its limits")
+        for rname in requests.keys() & limits.keys():
+            request, limit = quantity_value(requests[rname]), quantity_value(limits[rname])
+            if request is None or limit is None:
+                continue
+            if rname in _OVERCOMMITTED and request > limit:
+                problems.append(
+                    f"{where} container {cname!r} requests more {rname} than its limit "
+                    f"({requests[rname]!r} > {limits[rname]!r})"
+                )
+            elif rname not in _OVERCOMMITTED and request != limit:
+                problems.append(
+                    f"{where} container {cname!r} requests of {rname!r} differ from its limit"
+                )
         for e in c.get("env") or []:
             if not n.is_env_name(str(e.get("name", ""))):
                 problems.append(f"{where} env name {e.get('name')!r} is not valid")

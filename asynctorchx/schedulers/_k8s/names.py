@@ -40,6 +40,9 @@ ANN_SESSION = f"{DOMAIN}/session"
 ANN_ROLES = f"{DOMAIN}/roles"
 ANN_ROLE = f"{DOMAIN}/role"
 ANN_ROLE_INDEX = f"{DOMAIN}/role-index"
+# On the Service while a ROLE or APPLICATION restart is under way (or failed): which roles, the
+# attempts they are recreated as, when it began (refreshed while it waits) and why it failed.
+ANN_RESTART = f"{DOMAIN}/restart"
 
 # Set by the Job controller on the pods of an Indexed Job.
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"

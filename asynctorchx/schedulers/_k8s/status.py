@@ -14,6 +14,11 @@ Rules:
 - the app: a Service being deleted means CANCELLED (unless every role had succeeded); any failed
   role means FAILED, unless the backend is restarting it (ROLE/APPLICATION retries), which reads as
   RUNNING; all roles succeeded means SUCCEEDED; fewer Jobs than roles means PENDING;
+- a restart recorded on the Service (``RestartRecord``) whose Jobs are not all recreated yet: FAILED
+  when it failed (its Job could not be recreated: the message names the roles and the reason), or
+  when its record went unrefreshed for ``RESTART_STALE_NS`` (the process doing it stopped between
+  deleting and recreating: without this the app would read PENDING forever); else the app reads
+  as restarting (RUNNING), in any process;
 - ``num_restarts`` counts application restarts, role restarts (the attempt labels the backend puts on
   recreated Jobs) and replica restarts (the per-index failure counts the Job controller records on
   each replacement pod, disruptions included).
@@ -28,11 +33,12 @@ app's, deleted and recreated as the next attempt); a role failed for good stops 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asynctorchx.logs._timestamps import parse_rfc3339_ns
+from asynctorchx.logs._timestamps import format_rfc3339_seconds, parse_rfc3339_ns
 from asynctorchx.schedulers._k8s import names as n
 from asynctorchx.schedulers._k8s.manifests import KubernetesRequest, role_from_json
 from asynctorchx.schedulers.api import DescribeAppResponse
@@ -359,7 +365,12 @@ def _failure_message(failure: tuple[str, int, int | None, str, str] | None) -> t
 
 
 def _app_state(
-    read: _Roles, expected: int, jobs: int, deleting: bool, restarting: bool
+    read: _Roles,
+    expected: int,
+    jobs: int,
+    deleting: bool,
+    restarting: bool,
+    restart_failure: str | None = None,
 ) -> tuple[AppState, str, str]:
     """The app's state, message and structured error (see the module docstring)."""
     states = read.states
@@ -367,6 +378,8 @@ def _app_state(
         return AppState.SUCCEEDED, NONE, NONE
     if deleting:
         return AppState.CANCELLED, "cancelled: the app's objects are being deleted", NONE
+    if restart_failure is not None:
+        return AppState.FAILED, restart_failure, NONE
     if AppState.FAILED in states:
         if restarting:
             return AppState.RUNNING, "restarting after a failure", NONE
@@ -388,6 +401,7 @@ def describe_app(
     pods: Sequence[Obj],
     *,
     restarting: bool = False,
+    now_ns: int | None = None,
 ) -> DescribeAppResponse:
     """The description of one app from its objects.
 
@@ -395,8 +409,10 @@ def describe_app(
         service: the app's Service.
         jobs: the app's Jobs (any order).
         pods: the app's pods (any order, replaced ones included).
-        restarting: the backend is restarting a failed role or the whole app (a failed Job then
-            reads as RUNNING).
+        restarting: this process is restarting a failed role or the whole app (a failed Job then
+            reads as RUNNING, whatever the Service records).
+        now_ns: the time (ns since the epoch) a restart recorded on the Service is judged at
+            (default: the clock's).
     """
     smeta = meta(service)
     name = str(smeta.get("name", ""))
@@ -404,7 +420,14 @@ def describe_app(
     read = _read_roles(name, jobs, pods)
     expected = max(len(service_role_names(service)), len(jobs))
     deleting = bool(smeta.get("deletionTimestamp"))
-    state, msg, structured = _app_state(read, expected, len(jobs), deleting, restarting)
+    restart_failure: str | None = None
+    if not restarting:
+        restart_failure, restarting = _recorded_restart(
+            service, jobs, time.time_ns() if now_ns is None else now_ns
+        )
+    state, msg, structured = _app_state(
+        read, expected, len(jobs), deleting, restarting, restart_failure
+    )
     if state == AppState.PENDING:
         waiting = sorted(
             {labels_of(j)[n.LABEL_KUEUE_QUEUE] for j in jobs if is_queued(j) and _suspended(j)}
@@ -421,6 +444,99 @@ def describe_app(
         roles=read.roles,
         name=str(annotations_of(service).get(n.ANN_APP_NAME, name)),
     )
+
+
+#: how long a restart recorded on the Service may go unrefreshed before it reads as interrupted
+#: (the process doing it refreshes it every ``RESTART_HEARTBEAT`` seconds while it waits for the
+#: old Jobs to go, and recreates them within a request timeout after that)
+RESTART_STALE_NS = 120 * 10**9
+RESTART_HEARTBEAT = 30.0
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    """A ROLE or APPLICATION restart as recorded on the app's Service (``n.ANN_RESTART``): written
+    before the failed Jobs are deleted, removed once they are recreated, and given the reason when
+    they could not be, so that any process reads such an app as FAILED rather than PENDING.
+
+    Args:
+        roles: the indexes of the roles restarted.
+        app_attempt: the app attempt the Jobs are recreated as.
+        role_attempts: the role attempt each of ``roles`` is recreated as.
+        at_ns: when the restart began or last said it was still under way (ns since the epoch).
+        error: why the Jobs could not be recreated ('' while under way).
+    """
+
+    roles: tuple[int, ...]
+    app_attempt: int
+    role_attempts: tuple[int, ...]
+    at_ns: int
+    error: str = ""
+
+    def to_json(self) -> str:
+        """The annotation's value."""
+        data: dict[str, Any] = {
+            "roles": list(self.roles),
+            "app_attempt": self.app_attempt,
+            "role_attempts": list(self.role_attempts),
+            "at": format_rfc3339_seconds(self.at_ns),
+        }
+        if self.error:
+            data["error"] = self.error
+        return json.dumps(data, separators=(",", ":"))
+
+    @staticmethod
+    def of(service: Obj) -> RestartRecord | None:
+        """The restart recorded on the Service, or None (none, or not the backend's JSON)."""
+        raw = annotations_of(service).get(n.ANN_RESTART)
+        try:
+            data: Any = json.loads(raw) if isinstance(raw, str) else None
+            roles = tuple(int(i) for i in data["roles"])
+            attempts = tuple(int(i) for i in data["role_attempts"])
+            at_ns = parse_time_ns(str(data["at"]))
+            if len(roles) != len(attempts) or at_ns is None:
+                return None
+            return RestartRecord(
+                roles, int(data["app_attempt"]), attempts, at_ns, str(data.get("error") or "")
+            )
+        except (TypeError, ValueError, KeyError):
+            return None
+
+    def pending(self, jobs: Sequence[Obj]) -> list[int]:
+        """The recorded roles that have no Job of the attempt they are recreated as yet."""
+        done = set()
+        for job in jobs:
+            app_attempt, role_attempt = job_attempts(job)
+            i = job_role_index(job)
+            if (
+                i in self.roles
+                and app_attempt >= self.app_attempt
+                and role_attempt >= self.role_attempts[self.roles.index(i)]
+            ):
+                done.add(i)
+        return [i for i in self.roles if i not in done]
+
+
+def _recorded_restart(service: Obj, jobs: Sequence[Obj], now_ns: int) -> tuple[str | None, bool]:
+    """``(failure message or None, restarting)`` from the restart recorded on the Service."""
+    record = RestartRecord.of(service)
+    pending = record.pending(jobs) if record is not None else []
+    if record is None or not pending:
+        return None, False
+    names = service_role_names(service)
+    which = ", ".join(repr(names[i]) if 0 <= i < len(names) else f"#{i}" for i in pending)
+    roles = f"role{'s' if len(pending) > 1 else ''} {which}"
+    if record.error:
+        return f"{roles} failed and could not be restarted: {record.error}", False
+    if now_ns - record.at_ns > RESTART_STALE_NS:
+        since = format_rfc3339_seconds(record.at_ns)
+        jobs_were = "its Job was" if len(pending) == 1 else "their Jobs were"
+        return (
+            f"the restart of {roles} was interrupted: {jobs_were} not recreated (the process "
+            f"restarting it stopped; its last news was at {since})",
+            False,
+        )
+    return None, True
 
 
 def _is_json_error(text: str) -> bool:
