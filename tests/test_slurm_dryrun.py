@@ -229,11 +229,13 @@ def test_script_is_valid_bash_and_resolves_app_id_at_run_time(tmp_path: Path) ->
     path = tmp_path / "job.sh"
     path.write_text(script)
     subprocess.run(["bash", "-n", str(path)], check=True)
-    # The quoting of a replica's words survives the shell: evaluate one srun group with echo.
-    group = req.replicas[0].srun_group()
+    # The quoting of a replica's words survives the shell: evaluate one replica's command file
+    # (run as `sh command.sh APP_ID`) with printf instead of exec.
+    command = req.replicas[0].command()
+    assert command.startswith("exec ")
     out = subprocess.run(
-        ["bash", "-c", f"printf '%s\\n' {group}"],
-        env={"SLURM_JOB_ID": "77", "PATH": os.environ["PATH"]},
+        ["sh", "-c", f"printf '%s\\n' {command[len('exec ') :]}", "sh", "77"],
+        env={"PATH": os.environ["PATH"]},
         capture_output=True,
         text=True,
         check=True,

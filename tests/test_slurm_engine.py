@@ -34,7 +34,14 @@ from conftest import engine_missing
 from asynctorchx.runner import AsyncRunner
 from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.slurm import SlurmScheduler, SlurmSubmitError
-from asynctorchx.specs.api import AppDef, AppState, InvalidAppDefException, Resource, Role
+from asynctorchx.specs.api import (
+    AppDef,
+    AppState,
+    InvalidAppDefException,
+    InvalidRunConfigException,
+    Resource,
+    Role,
+)
 
 pytestmark = [pytest.mark.slurm]
 
@@ -284,7 +291,7 @@ async def test_exhausted_retries_fail(slurm_scheduler: SlurmScheduler, job_dir: 
     ("cfg", "resource", "words"),
     [
         ({"partition": "nosuchpartition"}, SMALL, "invalid partition specified: nosuchpartition"),
-        ({"time": "forever"}, SMALL, "Invalid --time specification"),
+        # (a time limit sbatch refuses is refused at the dry run: test_slurm_review.py)
         ({}, Resource(cpu=1, gpu=0, memMB=50_000_000), "Memory specification can not be satisfied"),
         ({}, Resource(cpu=500, gpu=0, memMB=64), "More processors requested than permitted"),
         # '#' and '\\' are literal, not sbatch's comment and escape (they dropped what followed)
@@ -293,7 +300,6 @@ async def test_exhausted_retries_fail(slurm_scheduler: SlurmScheduler, job_dir: 
     ],
     ids=[
         "unknown-partition",
-        "bad-time",
         "too-much-memory",
         "too-many-cpus",
         "partition-with-hash",
@@ -427,14 +433,15 @@ async def test_a_refused_submit_leaves_no_job_dir_it_made(
 async def test_a_line_break_in_an_option_starts_no_sbatch_directive(
     slurm_cluster: None, slurm_runner: CountingRunner, tmp_path: Path
 ) -> None:
-    """A job_dir or sbatch_args value with a line break then '#SBATCH --time=7' sets no time limit."""
+    """An sbatch_args value with a line break then '#SBATCH --time=8' sets no time limit (a job_dir
+    with a line break is refused at the dry run, naming job_dir)."""
     sched = SlurmScheduler("inject", runner=slurm_runner)
-    cfg = {
-        "job_dir": str(tmp_path / "jobs\n#SBATCH --time=7 #"),
-        "sbatch_args": ["--comment=a\n#SBATCH --time=8 #"],
-    }
+    app = AppDef("inject", [sh("w", "true")])
+    with pytest.raises(InvalidRunConfigException, match="job_dir"):
+        sched.submit_dryrun(app, {"job_dir": str(tmp_path / "jobs\n#SBATCH --time=7 #")})
+    cfg = {"job_dir": str(tmp_path / "jobs"), "sbatch_args": ["--comment=a\n#SBATCH --time=8 #"]}
     try:
-        app_id = await sched.submit(AppDef("inject", [sh("w", "true")]), cfg)
+        app_id = await sched.submit(app, cfg)
         limit = subprocess.run(
             ["squeue", "-h", "-j", app_id, "-o", "%l"],
             capture_output=True,

@@ -18,7 +18,7 @@ A ``sacct`` that fails, hangs or is missing costs only the replicas' step record
 ``slurm-{app_id}/{role}/{replica}/exit_code``, which wins over accounting's step records.
 
 Logs: each replica writes ``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log`` and
-``combined.log`` (both streams, in the order they were read from the replica's pipes; see
+``combined.log`` (both streams' whole lines, in the order they were completed; see
 ``_slurm/script.py``) under the job directory (the ``job_dir`` run option, default: the current
 directory at submit time), which is recorded by Slurm, so ``log_iter`` finds them from any directory.
 ``log_iter`` reads ``combined.log`` unless ``streams`` asks for one stream (TorchX reads stderr by
@@ -36,7 +36,8 @@ which must be new or empty), where every role runs.
 Limits: an app has at most 128 replicas in all (Slurm's ``MAX_HET_JOB_COMPONENTS``), refused at the
 dry run; one with more replicas than its partition has nodes is refused at submit (Slurm would keep it
 PENDING, reason ``Resources``, forever: it starts a heterogeneous job only when every component has a
-node of its own); a batch script over the controller's ``max_script_size`` fails naming both sizes.
+node of its own); a batch script over the controller's ``max_script_size`` fails naming both sizes. A job directory holding a control
+character or a backslash is refused at the dry run (Slurm could not write its logs there).
 Any other reason Slurm gives for keeping an app pending (``DependencyNeverSatisfied``...) is in the
 status message; the app stays PENDING, as Slurm and TorchX report it.
 
@@ -673,12 +674,19 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         await super().close()
 
     async def list(self) -> list[ListAppResponse]:
-        """This user's apps: the jobs ``squeue`` holds, plus today's from ``sacct`` (if any)."""
+        """This user's apps: the jobs ``squeue`` holds, plus today's from ``sacct`` (if any).
+
+        A ``sacct`` that fails, hangs or is missing (accounting down) costs only the apps
+        ``squeue`` no longer holds: the list is then ``squeue``'s, with a warning logged.
+        """
         uid = os.getuid()
         live = _by_app([j for j in await self._squeue() if j.user_id in (None, uid)])
         past: dict[str, list[SlurmJob]] = {}
         if self._accounting is not False:
-            past = _by_app(await self._sacct([], listing=True), keep_runs=True)
+            try:
+                past = _by_app(await self._sacct([], listing=True), keep_runs=True)
+            except (SlurmCommandError, SlurmNotFoundError, TimeoutError) as e:
+                logger.warning("%s; listing only the jobs squeue holds", e)
         apps: dict[str, AppState] = {}
         for app_id, runs in past.items():
             apps[app_id] = describe_from_records(app_id, _latest_runs(runs), -1).state

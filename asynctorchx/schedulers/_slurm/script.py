@@ -2,20 +2,27 @@
 
 Every replica of every role becomes one component (het group) of a heterogeneous job, in role order,
 so rank 0 (replica 0 of the first role) is het group 0. Each component is named ``{role}-{replica}``
-and asks for the replica's resources; one ``srun`` starts all components at once. Each replica writes
+and asks for the replica's resources; one ``srun`` starts all components at once. The batch script
+writes the wrapper (below) to ``slurm-{app_id}/replica.sh`` and each replica's command line to
+``slurm-{app_id}/{role}/{replica}/command.sh`` (here-documents: no size limit but the script's),
+so srun's own command line holds only its options and fixed words: a replica's bare ``:`` argument
+would start another component there, and every replica's arguments together could exceed the
+system's limit on a command line (E2BIG) though each replica's fit. Each replica writes
 ``slurm-{app_id}/{role}/{replica}/stdout.log``, ``stderr.log``, ``combined.log`` and ``exit_code``
 under the job directory (appending across requeues, so no attempt's output is lost); the batch
 script's own output goes to ``slurm-{app_id}.out``.
 
 The combined log: a small POSIX ``sh`` wrapper (``REPLICA_WRAPPER``) starts the replica with its
-stdout and stderr on two pipes, each read by a ``tee`` that appends to the stream's own file and to
-``combined.log``. So ``combined.log`` holds both streams in the order the two ``tee`` processes read
-them: each stream's bytes in order, the two streams interleaved as their chunks arrived (a line
-written at once and shorter than 4 KiB, an atomic pipe write, is not cut by the other stream unless
-the pipe backs up past a ``tee``'s 8 KiB reads). The ``tee``s ignore
-SIGTERM (``scancel``), so what a replica prints while it stops is kept; once the replica exits the
-wrapper waits for them (at most 5 s, in case a daemon it left keeps the pipes open), then writes
-``exit_code``: when that file exists, the logs are complete. Where the node cannot make the pipes
+stdout and stderr on two pipes, each read by a ``tee`` that appends to the stream's own file and
+passes the bytes on to a line writer (``grep --line-buffered`` under ``stdbuf -o1M``) that appends
+whole lines to ``combined.log``, each with one ``write``. So ``combined.log`` holds both streams'
+lines in the order they were completed: a line the replica wrote in parts is never cut by a line of
+the other stream (one longer than 1 MiB may be), and a stream's last line without a line break gets
+one there. Where ``stdbuf`` is missing the lines are written by ``grep`` alone (whole up to 4 KiB),
+and where ``grep`` lacks ``--line-buffered`` by ``cat`` (as read). The ``tee``s and line writers
+ignore SIGTERM (``scancel``), so what a replica prints while it stops is kept; once the replica
+exits the wrapper waits for them (at most 5 s, in case a daemon it left keeps the pipes open), then
+writes ``exit_code``: when that file exists, the logs are complete. Where the node cannot make the pipes
 (no ``mktemp``/``mkfifo``), the replica writes straight to ``stdout.log``/``stderr.log`` and
 ``combined.log`` says so in its first line.
 
@@ -66,6 +73,30 @@ _RESERVED_ARGS: tuple[tuple[str, str, str], ...] = (
     ("chdir", "D", "use the run option 'job_dir'"),
 )
 _DIRECTIVE_SPECIAL = re.compile(r"""[\\"'#]""")
+#: sbatch's short options that take no value (Slurm 22.05; every other letter takes one, or is
+#: refused by sbatch).
+_SBATCH_BARE_FLAGS = frozenset("hksvHOQVW")
+#: The time limits sbatch takes (``time_str2mins``): minutes, minutes:seconds,
+#: hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds, none.
+_TIME = re.compile(
+    r"[0-9]+(:[0-9]+){0,2}|[0-9]+-[0-9]+(:[0-9]+){0,2}|(?i:unlimited|infinite)", re.ASCII
+)
+#: The ``mail-type`` values sbatch takes (case does not matter).
+MAIL_TYPES: tuple[str, ...] = (
+    "NONE",
+    "BEGIN",
+    "END",
+    "FAIL",
+    "REQUEUE",
+    "ALL",
+    "INVALID_DEPEND",
+    "STAGE_OUT",
+    "TIME_LIMIT",
+    "TIME_LIMIT_90",
+    "TIME_LIMIT_80",
+    "TIME_LIMIT_50",
+    "ARRAY_TASKS",
+)
 
 
 def log_dir(app_id: str, role: str, replica_id: int) -> str:
@@ -78,8 +109,12 @@ EXIT_CODE_FILE = "exit_code"
 #: The file in a replica's log directory holding its stdout and stderr together.
 COMBINED_FILE = "combined.log"
 
-#: The batch script's shell variable holding ``REPLICA_WRAPPER`` (expanded into each srun group).
-_WRAPPER_VAR = "asynctorchx_replica"
+#: The file (under ``slurm-{app_id}/`` in the job directory) holding ``REPLICA_WRAPPER``, written by
+#: the batch script; each srun group sources it.
+WRAPPER_FILE = "replica.sh"
+#: The file in a replica's log directory holding its command line (a one-line ``sh`` script,
+#: ``exec ENTRYPOINT ARGS...``), written by the batch script, run by the wrapper.
+COMMAND_FILE = "command.sh"
 
 #: The file in a replica's log directory holding the timing samples (``logs/_files.py``).
 TIMES_FILE = "index.txt"
@@ -92,7 +127,7 @@ TEE_DRAIN = 5.0
 # Runs one replica (see the module docstring): ``sh -c REPLICA_WRAPPER LOG_DIR COMMAND ARGS...``.
 # Its exit status goes to LOG_DIR/exit_code once its output is written; a replica stopped by a
 # signal (scancel, --kill-on-bad-exit) writes none: the wrapper dies with it. Only double quotes
-# inside: the batch script holds it in single quotes.
+# inside (it was once held in single quotes; the batch script now writes it to WRAPPER_FILE).
 #
 # ``sample`` is one timing sample: it truncates "$t/a" (its mtime is then the time just before the
 # stat), stats both clock files and the three logs in one ``stat`` process, and truncates "$t/b"
@@ -113,13 +148,19 @@ TEE_DRAIN = 5.0
 # until its last process ends (a timer's leftover `sleep 5` kept every job running 5 s past its
 # replicas' exit). What outlives the wrapper is at most the sampler's last `sleep`.
 REPLICA_WRAPPER = """d=$0
-if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" 2>/dev/null; then
+if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" "$t/O" "$t/E" 2>/dev/null; then
     [ -n "$t" ] && rm -rf "$t"
     echo "asynctorchx: could not make pipes on this node: see stdout.log and stderr.log" >>"$d/combined.log"
     "$@"; code=$?; echo "$code" >"$d/exit_code"; exit "$code"
 fi
-(trap "" TERM INT HUP; exec tee -a "$d/stdout.log" <"$t/o" >>"$d/combined.log") & o=$!
-(trap "" TERM INT HUP; exec tee -a "$d/stderr.log" <"$t/e" >>"$d/combined.log") & e=$!
+lines() {
+    LC_ALL=C stdbuf -o1M grep -a --line-buffered "" 2>/dev/null ||
+        LC_ALL=C grep -a --line-buffered "" 2>/dev/null || cat
+}
+(trap "" TERM INT HUP; exec tee -a "$d/stdout.log" <"$t/o" >"$t/O") & o=$!
+(trap "" TERM INT HUP; exec tee -a "$d/stderr.log" <"$t/e" >"$t/E") & e=$!
+(trap "" TERM INT HUP; lines <"$t/O" >>"$d/combined.log") & O=$!
+(trap "" TERM INT HUP; lines <"$t/E" >>"$d/combined.log") & E=$!
 exec 3>"$t/o" 4>"$t/e"
 rm -f "$t/o" "$t/e"
 : >>"$d/stdout.log"; : >>"$d/stderr.log"; : >>"$d/combined.log"; : >"$t/a"; : >"$t/b"
@@ -145,7 +186,7 @@ last() {
 }
 (
     trap "" TERM INT HUP; p=; z=; n=; i=0
-    while kill -0 $o 2>/dev/null || kill -0 $e 2>/dev/null; do
+    while kill -0 $O 2>/dev/null || kill -0 $E 2>/dev/null; do
         sample
         if [ -e "$t/x" ]; then i=$((i + 1)); [ $i -gt @DRAIN@ ] && kill -9 $o $e 2>/dev/null; fi
         sleep @INTERVAL@
@@ -156,7 +197,7 @@ last() {
 code=$?
 exec 3>&- 4>&-
 : >"$t/x"
-wait $o $e 2>/dev/null
+wait $o $e $O $E 2>/dev/null
 kill -9 $s 2>/dev/null; wait $s 2>/dev/null
 last
 echo "$code" >"$d/exit_code"
@@ -164,6 +205,30 @@ exit "$code"
 """.replace("@INTERVAL@", f"{SAMPLE_INTERVAL:g}").replace(
     "@DRAIN@", str(math.ceil(TEE_DRAIN / SAMPLE_INTERVAL))
 )
+
+
+def _command_word(arg: str) -> str:
+    """Quotes ``arg`` for the replica's ``COMMAND_FILE``, where the app id is its first argument."""
+    if _APP_ID not in arg:
+        return shlex.quote(arg)
+    return '"$1"'.join(shlex.quote(part) if part else "" for part in arg.split(_APP_ID))
+
+
+def _heredoc(text: str, tag: str) -> str:
+    """``text`` as the body of a quoted here-document (no expansion) and its delimiter: ``tag``, with
+    a number added while a line of ``text`` is that delimiter."""
+    lines = set(text.split("\n"))
+    delimiter, n = tag, 0
+    while delimiter in lines:
+        n += 1
+        delimiter = f"{tag}_{n}"
+    return f"<<'{delimiter}'\n{text}\n{delimiter}"
+
+
+def pattern_path(path: str) -> str:
+    """``path`` for an sbatch/srun ``--output``/``--error``, where Slurm replaces ``%`` patterns
+    (``%j``...) and reads ``%%`` as a ``%``."""
+    return path.replace("%", "%%")
 
 
 def shell_word(arg: str) -> str:
@@ -217,15 +282,25 @@ class SlurmReplicaRequest:
         words = [f"--job-name={self.name}", *_opts_to_args(self.sbatch_opts)]
         return "#SBATCH " + " ".join(directive_word(w) for w in words)
 
+    def command(self) -> str:
+        """The replica's ``COMMAND_FILE``: its command line, quoted for ``sh``, run with ``exec`` (the
+        app id is the script's first argument)."""
+        words = ["exec"]
+        if self.env:
+            words += ["env", "--", *(_command_word(f"{k}={v}") for k, v in self.env.items())]
+        words += [_command_word(self.entrypoint), *(_command_word(a) for a in self.args)]
+        return " ".join(words)
+
     def srun_group(self) -> str:
-        """This component's part of the ``srun`` command line (shell-quoted)."""
+        """This component's part of the ``srun`` command line (shell-quoted): its options and fixed
+        words only (the wrapper, the log directory, the command file), so that no argument of the
+        replica reaches srun's command line (a ``:`` there starts another component, and every
+        replica's arguments together could exceed the system's limit on a command line)."""
         words = [shell_word(a) for a in _opts_to_args(self.srun_opts)]
         directory = log_dir(_APP_ID, self.role, self.replica_id)
-        words += ["sh", "-c", f'"${_WRAPPER_VAR}"', shell_word(directory)]
-        if self.env:
-            words += ["env", "--"]
-            words += [shell_word(f"{k}={v}") for k, v in self.env.items()]
-        words += [shell_word(self.entrypoint), *(shell_word(a) for a in self.args)]
+        wrapper = f"slurm-{_APP_ID}/{WRAPPER_FILE}"
+        words += ["sh", "-c", shell_word(f". ./{wrapper}"), shell_word(directory)]
+        words += ["sh", shell_word(f"{directory}/{COMMAND_FILE}"), '"$SLURM_JOB_ID"']
         return " ".join(words)
 
 
@@ -259,6 +334,12 @@ class SlurmBatchRequest:
             for r in self.replicas
         )
         replicas = " ".join(shlex.quote(f"{r.role}/{r.replica_id}") for r in self.replicas)
+        commands = "".join(
+            f"cat >{shell_word(log_dir(_APP_ID, r.role, r.replica_id))}/{COMMAND_FILE} "
+            f"{_heredoc(r.command(), 'ASYNCTORCHX_COMMAND')}\n"
+            for r in self.replicas
+        )
+        wrapper = _heredoc(REPLICA_WRAPPER.rstrip("\n"), "ASYNCTORCHX_WRAPPER")
         # A line break in an option (job_dir, sbatch_args) must not end the comment: a next line
         # starting with #SBATCH would be read by sbatch as a directive.
         cmd = " ".join(shlex.quote(a) for a in self.cmd).replace("\n", "\n# ")
@@ -279,8 +360,8 @@ export {RANK0_ENV}
 mkdir -p {dirs}
 touch {combined}
 rm -f slurm-"$SLURM_JOB_ID"/*/*/{EXIT_CODE_FILE}
-{_WRAPPER_VAR}='{REPLICA_WRAPPER}'
-
+cat >slurm-"$SLURM_JOB_ID"/{WRAPPER_FILE} {wrapper}
+{commands}
 set +e
 srun {srun}
 exitcode=$?
@@ -346,13 +427,61 @@ def _extra_args(cfg: Mapping[str, CfgVal]) -> list[str]:
 
 
 def names_option(arg: str, option: str, letter: str) -> bool:
-    """True when the sbatch argument ``arg`` (``--name=value``, ``name``, ``-Xvalue``) sets the long
-    option ``option`` or its short form ``letter`` (sbatch takes any unambiguous abbreviation of a
-    long option, e.g. ``--job=NAME``)."""
-    name = arg.lstrip("-").partition("=")[0]
+    """True when the sbatch argument ``arg`` (``--name=value``, ``name``, ``-Xvalue``, bundled short
+    flags ``-HXvalue``) may set the long option ``option`` or its short form ``letter``.
+
+    sbatch (getopt_long) takes any abbreviation of a long option that no other option shares
+    (``--jo=NAME``, ``--ch=DIR``): every prefix of ``option`` counts (one other options share is
+    refused by sbatch anyway). Short flags may be bundled: they are walked up to the first that
+    takes a value (the rest of the word is that value).
+    """
     if arg.startswith("-") and not arg.startswith("--"):
-        return name[:1] == letter
-    return len(name) >= 3 and option.startswith(name)
+        for flag in arg[1:]:
+            if flag == letter:
+                return True
+            if flag not in _SBATCH_BARE_FLAGS:
+                return False
+        return False
+    name = arg.lstrip("-").partition("=")[0]
+    return bool(name) and option.startswith(name)
+
+
+def _check_job_dir(job_dir: str, cfg: Mapping[str, CfgVal]) -> None:
+    """Refuses a job directory Slurm cannot write the logs to: one holding a control character (a
+    line break in a path ends sbatch's option and the script's lines) or a backslash (Slurm reads a
+    backslash in an output path as "do not replace % patterns", so %j would stay as it is)."""
+    bad = next((c for c in job_dir if ord(c) < 0x20 or ord(c) == 0x7F or c == "\\"), None)
+    if bad is not None:
+        what = "a backslash" if bad == "\\" else f"a control character ({bad!r})"
+        raise InvalidRunConfigException(
+            f"Run option 'job_dir' cannot hold {what} (Slurm could not write the job's logs "
+            f"there), got {job_dir!r}",
+            "job_dir",
+            cfg,
+        )
+
+
+def _check_time(value: str, cfg: Mapping[str, CfgVal]) -> None:
+    if not _TIME.fullmatch(value):
+        raise InvalidRunConfigException(
+            "Run option 'time' must be a Slurm time limit: 'minutes', 'minutes:seconds', "
+            "'hours:minutes:seconds', 'days-hours', 'days-hours:minutes', "
+            f"'days-hours:minutes:seconds' (numbers) or 'UNLIMITED', got {value!r}",
+            "time",
+            cfg,
+        )
+
+
+def _check_mail_type(value: str, cfg: Mapping[str, CfgVal]) -> None:
+    types = [t.strip() for t in value.split(",")]
+    unknown = [t for t in types if t.upper() not in MAIL_TYPES]
+    if unknown:
+        raise InvalidRunConfigException(
+            f"Run option 'mail-type' must be a comma-separated list of {', '.join(MAIL_TYPES)}, "
+            f"got {value!r} ({', '.join(repr(t) for t in unknown)} unknown)",
+            "mail-type",
+            cfg,
+        )
 
 
 def _resource_opts(resource: Resource, nomem: bool) -> dict[str, str | None]:
@@ -381,10 +510,12 @@ def replica_request(role: Role, replica_id: int, cfg: Mapping[str, CfgVal]) -> S
         value = cfg.get(key)
         if value is not None:
             sbatch_opts[key] = _check_value(key, value, cfg, in_script=True)
+    if "time" in sbatch_opts:
+        _check_time(str(sbatch_opts["time"]), cfg)
     sbatch_opts.update(_resource_opts(role.resource, bool(cfg.get("nomem"))))
     srun_opts: dict[str, str | None] = {
-        "output": f"{log_dir(_APP_ID, role.name, replica_id)}/stdout.log",
-        "error": f"{log_dir(_APP_ID, role.name, replica_id)}/stderr.log",
+        "output": pattern_path(f"{log_dir(_APP_ID, role.name, replica_id)}/stdout.log"),
+        "error": pattern_path(f"{log_dir(_APP_ID, role.name, replica_id)}/stderr.log"),
         "open-mode": "append",
         "kill-on-bad-exit": "1",
     }
@@ -425,11 +556,18 @@ def build_request(
     replicas = [
         replica_request(role, i, cfg) for role in app.roles for i in range(role.num_replicas)
     ]
-    cmd = ["sbatch", "--parsable", f"--chdir={job_dir}", "--output=slurm-%j.out"]
+    _check_job_dir(job_dir, cfg)
+    # Absolute: slurmd replaces the % patterns of the whole path it makes of a relative one and
+    # the work directory (whose own % it would then replace too).
+    output = f"{pattern_path(job_dir.rstrip('/'))}/slurm-%j.out"
+    cmd = ["sbatch", "--parsable", f"--chdir={job_dir}", f"--output={output}"]
     for key in JOB_OPTIONS:
         value = cfg.get(key)
         if value is not None:
-            cmd.append(f"--{key}={_check_value(key, value, cfg, in_script=False)}")
+            text = _check_value(key, value, cfg, in_script=False)
+            if key == "mail-type":
+                _check_mail_type(text, cfg)
+            cmd.append(f"--{key}={text}")
     cmd += _extra_args(cfg)
     return SlurmBatchRequest(
         cmd=cmd,
