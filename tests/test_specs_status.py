@@ -262,9 +262,10 @@ def test_dryrun_info_repr_and_str_use_the_formatter() -> None:
 
 
 def test_dryrun_info_back_references() -> None:
-    """The app, cfg and scheduler set by the scheduler/runner are readable back from the info."""
+    """The app, cfg and scheduler set by the scheduler/runner are readable back from the info
+    (before that: no app, an empty cfg as in TorchX, no scheduler)."""
     info: AppDryRunInfo[str] = AppDryRunInfo("req", str)
-    assert (info.app, info.cfg, info.scheduler) == (None, None, None)
+    assert (info.app, info.cfg, info.scheduler) == (None, {}, None)
     app = AppDef("a", roles=[Role("r", image="i", entrypoint="e")])
     info._app = app
     info._cfg = {"k": "v"}

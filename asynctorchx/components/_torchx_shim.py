@@ -300,7 +300,6 @@ class _StandIns:
 
     def _specs(self) -> Mapping[str, Any]:
         from asynctorchx import specs
-        from asynctorchx.specs.api import _type_name
 
         nr = importlib.import_module("asynctorchx.specs.named_resources")
 
@@ -308,7 +307,7 @@ class _StandIns:
         values["RetryPolicy"] = self._enum(specs.RetryPolicy, "torchx.specs.RetryPolicy")
         values["GiB"] = nr.GiB
         values["named_resources"] = nr.NAMED_RESOURCES
-        values["get_type_name"] = _type_name
+        values["get_type_name"] = specs.get_type_name  # (TorchX's: typing.List[str])
         return values
 
     def _enum(self, enum_cls: type[Enum], qualname: str) -> type:

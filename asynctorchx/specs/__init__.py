@@ -19,6 +19,7 @@ from asynctorchx.specs.api import InvalidAppDefException as InvalidAppDefExcepti
 from asynctorchx.specs.api import InvalidRunConfigException as InvalidRunConfigException
 from asynctorchx.specs.api import MalformedAppHandleException as MalformedAppHandleException
 from asynctorchx.specs.api import Mount as Mount
+from asynctorchx.specs.api import MountOptionError as MountOptionError
 from asynctorchx.specs.api import MountType as MountType
 from asynctorchx.specs.api import ParsedAppHandle as ParsedAppHandle
 from asynctorchx.specs.api import ReplicaState as ReplicaState
@@ -27,10 +28,12 @@ from asynctorchx.specs.api import Resource as Resource
 from asynctorchx.specs.api import RetryPolicy as RetryPolicy
 from asynctorchx.specs.api import Role as Role
 from asynctorchx.specs.api import RoleStatus as RoleStatus
+from asynctorchx.specs.api import RunConfigParseError as RunConfigParseError
 from asynctorchx.specs.api import SchedulerBackend as SchedulerBackend
 from asynctorchx.specs.api import UnknownAppException as UnknownAppException
 from asynctorchx.specs.api import UnknownSchedulerException as UnknownSchedulerException
 from asynctorchx.specs.api import VolumeMount as VolumeMount
+from asynctorchx.specs.api import get_type_name as get_type_name
 from asynctorchx.specs.api import is_started as is_started
 from asynctorchx.specs.api import is_terminal as is_terminal
 from asynctorchx.specs.api import macros as macros

@@ -10,10 +10,12 @@ Exception tree::
     Exception
      ├── AppStatusError                       an app ended in a state other than SUCCEEDED
      ├── InvalidRunConfigException            a scheduler cfg does not satisfy its runopts
+     │    └── RunConfigParseError (ValueError)  a cfg string does not parse (cfg_from_str)
      ├── MalformedAppHandleException (ValueError)
      ├── UnknownSchedulerException (ValueError)
      ├── UnknownAppException (LookupError)
      └── InvalidAppDefException (ValueError)  an AppDef/Role/Resource field holds a bad value
+          └── MountOptionError (KeyError)       a mount option is unknown, misplaced or missing
 """
 
 from __future__ import annotations
@@ -118,6 +120,10 @@ class Resource:
                 raise _bad(f"resource.{name}", value, "a number", role)
             if not 0 <= value < float("inf"):  # (NaN too)
                 raise _bad(f"resource.{name}", value, "a finite number >= 0", role)
+        if not isinstance(self.capabilities, dict):
+            raise _bad("resource.capabilities", self.capabilities, "a dict", role)
+        if not isinstance(self.devices, dict):
+            raise _bad("resource.devices", self.devices, "a dict of device name to count", role)
         for dev, count in self.devices.items():
             if not isinstance(count, int) or count < 0:
                 raise _bad(f"resource.devices[{dev!r}]", count, "a non-negative int", role)
@@ -153,14 +159,14 @@ class macros:
             app_id: the scheduler-assigned app id.
             replica_id: the replica's index within its role (a string, as it lands in a shell).
             rank0_env: the name of the environment variable holding rank 0's host name.
-            base_img_root: where the base image is available (rarely used).
+            base_img_root: TorchX's deprecated macro; ``DEPRECATED`` unless given, as in TorchX.
         """
 
         img_root: str
         app_id: str
         replica_id: str
         rank0_env: str
-        base_img_root: str = NONE
+        base_img_root: str = "DEPRECATED"
 
         def substitute(self, arg: str) -> str:
             """Returns ``arg`` with every known macro replaced; unknown ``${...}`` stay as they are."""
@@ -384,14 +390,18 @@ class Role:
             if not isinstance(mount, (BindMount, VolumeMount, DeviceMount)):
                 raise _bad(f"mounts[{i}]", mount, "a BindMount, VolumeMount or DeviceMount", name)
             src = mount.src if isinstance(mount, VolumeMount) else mount.src_path
+            src_field = f"mounts[{i}].{'src' if isinstance(mount, VolumeMount) else 'src_path'}"
             if not isinstance(src, str) or not src or "\0" in src:
-                src_field = "src" if isinstance(mount, VolumeMount) else "src_path"
-                raise _bad(f"mounts[{i}].{src_field}", src, "a non-empty string without NUL", name)
+                raise _bad(src_field, src, "a non-empty string without NUL", name)
+            _check_encodable(src_field, src, name)
             dst = mount.dst_path
             if not isinstance(dst, str) or not dst.startswith("/") or "\0" in dst:
                 raise _bad(f"mounts[{i}].dst_path", dst, "an absolute path without NUL", name)
+            _check_encodable(f"mounts[{i}].dst_path", dst, name)
             if isinstance(mount, DeviceMount) and (
-                not mount.permissions or set(mount.permissions) - set("rwm")
+                not isinstance(mount.permissions, str)
+                or not mount.permissions
+                or set(mount.permissions) - set("rwm")
             ):
                 raise _bad(
                     f"mounts[{i}].permissions", mount.permissions, "a combination of r, w, m", name
@@ -545,6 +555,9 @@ class AppState(IntEnum):
     def __str__(self) -> str:
         return self.name
 
+    def __repr__(self) -> str:
+        return f"{self.name} ({self.value})"
+
     def __format__(self, format_spec: str) -> str:
         return format(self.name, format_spec)
 
@@ -563,6 +576,22 @@ def is_terminal(state: AppState) -> bool:
 def is_started(state: AppState) -> bool:
     """True once the app has started running (RUNNING or terminal)."""
     return state in _STARTED_STATES
+
+
+def _as_state(state: Any) -> Any:
+    """A state given as a plain int (or another int enum, TorchX's AppState) as its AppState, as
+    TorchX's statuses take one; anything else (an int that is no state) as it is."""
+    if isinstance(state, int) and not isinstance(state, (AppState, bool)):
+        try:
+            return AppState(int(state))
+        except ValueError:
+            return state
+    return state
+
+
+def _state_name(state: object) -> str:
+    """The name of a state, or its text when it is not an AppState."""
+    return state.name if isinstance(state, AppState) else str(state)
 
 
 @dataclass
@@ -587,6 +616,9 @@ class ReplicaStatus:
     exit_code: int | None = None
     pid: int | None = None
 
+    def __post_init__(self) -> None:
+        self.state = _as_state(self.state)
+
 
 @dataclass
 class RoleStatus:
@@ -602,7 +634,7 @@ class RoleStatus:
 
 def _replica_json(r: ReplicaStatus) -> dict[str, Any]:
     out = asdict(r)
-    out["state"] = r.state.name
+    out["state"] = _state_name(r.state)
     return out
 
 
@@ -627,6 +659,13 @@ def _parse_structured_error(raw: str) -> _StructuredError | None:
     """
     if not raw or raw == NONE:
         return None
+    try:
+        return _read_structured_error(raw)
+    except RecursionError:  # JSON nested too deep to read (a replica writes its own error file)
+        return _StructuredError(raw, "", "")
+
+
+def _read_structured_error(raw: str) -> _StructuredError:
     try:
         err = json.loads(raw)
     except ValueError:
@@ -658,7 +697,9 @@ class AppStatusError(Exception):
     """Raised by ``AppStatus.raise_for_status`` when the app did not succeed."""
 
     def __init__(self, app_status: AppStatus, *args: object) -> None:
-        reason = " ".join(str(a) for a in args) or f"app ended in state {app_status.state.name}"
+        reason = (
+            " ".join(str(a) for a in args) or f"app ended in state {_state_name(app_status.state)}"
+        )
         super().__init__(f"{reason}\n{app_status.format()}")
         self.app_status = app_status
 
@@ -688,6 +729,9 @@ class AppStatus:
     ui_url: str | None = None
     roles: list[RoleStatus] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.state = _as_state(self.state)
+
     def is_terminal(self) -> bool:
         """True when the app has finished (SUCCEEDED, FAILED or CANCELLED)."""
         return is_terminal(self.state)
@@ -695,7 +739,9 @@ class AppStatus:
     def raise_for_status(self) -> None:
         """Raises AppStatusError unless the app SUCCEEDED."""
         if self.state != AppState.SUCCEEDED:
-            raise AppStatusError(self, f"app ended in state {self.state.name}, not SUCCEEDED")
+            raise AppStatusError(
+                self, f"app ended in state {_state_name(self.state)}, not SUCCEEDED"
+            )
 
     def _error_summary(self) -> tuple[str, str]:
         """(message, timestamp) from the structured error, or ('', '') when there is none."""
@@ -714,7 +760,7 @@ class AppStatus:
         wanted = set(filter_roles) if filter_roles is not None else None
         lines = [
             "AppStatus:",
-            f"  State: {self.state.name}",
+            f"  State: {_state_name(self.state)}",
             f"  Num Restarts: {self.num_restarts}",
         ]
         roles = [r for r in self.roles if wanted is None or r.role in wanted]
@@ -724,7 +770,7 @@ class AppStatus:
                 for rep in sorted(role.replicas, key=lambda r: r.id):
                     code = f" (exit code: {rep.exit_code})" if rep.exit_code is not None else ""
                     lines.append(
-                        f"    {role.role}[{rep.id}] {rep.state.name}{code} on {rep.hostname}"
+                        f"    {role.role}[{rep.id}] {_state_name(rep.state)}{code} on {rep.hostname}"
                     )
                     err = _parse_structured_error(rep.structured_error_msg)
                     if err:
@@ -741,7 +787,7 @@ class AppStatus:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of this status (states as names)."""
         return {
-            "state": self.state.name,
+            "state": _state_name(self.state),
             "num_restarts": self.num_restarts,
             "msg": self.msg,
             "structured_error_msg": self.structured_error_msg,
@@ -753,7 +799,7 @@ class AppStatus:
         replicas = sum(len(r.replicas) for r in self.roles)
         extra = f", msg={self.msg!r}" if self.msg else ""
         return (
-            f"AppStatus(state={self.state.name}, num_restarts={self.num_restarts}, "
+            f"AppStatus(state={_state_name(self.state)}, num_restarts={self.num_restarts}, "
             f"roles={len(self.roles)}, replicas={replicas}{extra})"
         )
 
@@ -777,7 +823,7 @@ class AppDryRunInfo(Generic[T]):
         self.request = request
         self._fmt = fmt
         self._app: AppDef | None = None
-        self._cfg: Mapping[str, CfgVal] | None = None
+        self._cfg: Mapping[str, CfgVal] = {}
         self._scheduler: SchedulerBackend | None = None
         self._session: str | None = None
         self._workspace: Any = None
@@ -788,8 +834,8 @@ class AppDryRunInfo(Generic[T]):
         return self._app
 
     @property
-    def cfg(self) -> Mapping[str, CfgVal] | None:
-        """The resolved scheduler cfg this dry run was made with."""
+    def cfg(self) -> Mapping[str, CfgVal]:
+        """The resolved scheduler cfg this dry run was made with (empty until a scheduler sets it)."""
         return self._cfg
 
     @property
@@ -824,6 +870,23 @@ class InvalidRunConfigException(Exception):
         given: object = repr(cfg) if isinstance(cfg, str) else dict(cfg) if cfg else "<EMPTY>"
         super().__init__(f"{invalid_reason}. Given: {given}")
         self.cfg_key = cfg_key
+
+
+class RunConfigParseError(InvalidRunConfigException, ValueError):
+    """Raised by ``runopts.cfg_from_str`` when a cfg string does not parse: it is not ``key=value``
+    pairs, or a value cannot be cast to its option's type (a ValueError, as TorchX raises there)."""
+
+
+def get_type_name(tp: Any) -> str:
+    """The name of a run option type as TorchX writes it: ``__name__`` for a class (``int``),
+    ``str(tp)`` for a ``typing`` generic (``typing.List[str]``).
+
+    Args:
+        tp: a type, e.g. ``int`` or ``List[str]``.
+    """
+    if getattr(tp, "__module__", None) != "typing" and hasattr(tp, "__name__"):
+        return str(tp.__name__)
+    return str(tp)
 
 
 def _type_name(tp: Any) -> str:
@@ -971,7 +1034,8 @@ class runopts:
         ``k:v`` pairs. Defaults and required options are not checked: call ``resolve`` for that.
 
         Raises:
-            InvalidRunConfigException: a value cannot be cast to its option's type.
+            RunConfigParseError: (an InvalidRunConfigException and a ValueError) the string is
+                not ``key=value`` pairs, or a value cannot be cast to its option's type.
         """
         out: dict[str, CfgVal] = {}
         for key, raw in _split_cfg(cfg_str).items():
@@ -986,7 +1050,7 @@ class runopts:
         drops them).
 
         Raises:
-            InvalidRunConfigException: the string is not ``key=value`` pairs.
+            RunConfigParseError: the string is not ``key=value`` pairs.
         """
         return [key for key in _split_cfg(cfg_str) if key not in self._opts]
 
@@ -1030,7 +1094,7 @@ def _split_cfg(cfg_str: str) -> dict[str, str]:
     matches = list(_CFG_KEY.finditer(cfg_str))
     if not matches or matches[0].start() != 0:
         head = cfg_str[: matches[0].start()] if matches else cfg_str
-        raise InvalidRunConfigException(
+        raise RunConfigParseError(
             f"cannot parse cfg string {cfg_str!r}: {head.strip(',; ')!r} is not 'key=value' "
             "(pairs are delimited by ',' or ';')",
             "",
@@ -1066,7 +1130,7 @@ def _cast(key: str, raw: str, tp: Any, cfg_str: str) -> CfgVal:
             return result
         return tp(raw)  # type: ignore[no-any-return]
     except (TypeError, ValueError):
-        raise InvalidRunConfigException(
+        raise RunConfigParseError(
             f"Run option {key!r} must be of type {_type_name(tp)}, got {raw!r}", key, {key: raw}
         ) from None
 
@@ -1267,37 +1331,87 @@ def check_host_mounts(app: AppDef, backend: str) -> None:
             )
 
 
+class MountOptionError(InvalidAppDefException, KeyError):
+    """Raised by ``parse_mounts`` when a mount option is unknown, comes before its ``type=``, or a
+    required one (``src``, ``dst``) is missing or empty.
+
+    An InvalidAppDefException, and a KeyError as TorchX's ``parse_mounts`` raises there.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def _bad_mount(field_name: str, value: object, expected: str) -> MountOptionError:
+    return MountOptionError(
+        f"{field_name} must be {expected}, got {value!r}", field_name=field_name
+    )
+
+
+_MOUNT_ALIASES = {
+    "source": "src",
+    "target": "dst",
+    "destination": "dst",
+    "read_only": "readonly",
+    "permissions": "perm",
+}
+_MOUNT_KEYS = ("type", "src", "dst", "readonly", "perm", *_MOUNT_ALIASES)
+# a comma followed by a mount option's name (then '=', ',' or the end) starts the next option ...
+_AT_MOUNT_KEY = re.compile(rf",(?=\s*(?:{'|'.join(_MOUNT_KEYS)})\s*(?:=|,|$))", re.IGNORECASE)
+# ... and, in an element holding several options, so does one followed by any name (a typo)
+_AT_ANY_KEY = re.compile(r",(?=\s*[A-Za-z_][\w-]*\s*(?:=|,|$))")
+_COMMA_HINT = "; a value holding a ',' is passed as a list element of its own ('src=/a,b')"
+
+
+def _mount_items(opt: str) -> list[str]:
+    """The ``key[=value]`` items of one element of ``parse_mounts``'s list."""
+    parts = _AT_MOUNT_KEY.split(opt)
+    if len(parts) > 1:
+        parts = [p for part in parts for p in _AT_ANY_KEY.split(part)]
+    return [item for item in (p.strip(", \t") for p in parts) if item]
+
+
 def parse_mounts(opts: list[str]) -> list[Mount]:
     """Parses mounts written the way ``docker run --mount`` takes them.
 
     Each mount is a run of ``key=value`` items starting with ``type=bind|volume|device``; items may be
     given as separate list elements or comma-joined. Keys: ``src``/``source``, ``dst``/``target``/
-    ``destination``, ``readonly`` (flag, or ``=true``/``false``), ``perm``/``permissions`` (device).
+    ``destination``, ``readonly``/``read_only`` (flag, or ``=true``/``false``), ``perm``/
+    ``permissions`` (device). A ``~`` at the start of a bind mount's src is the home directory.
+
+    A value may hold a comma where the comma is not followed by an option's name: an element that
+    holds a single option (``"src=/data/a,b"``, TorchX's form) is kept whole.
 
     Example: ``["type=bind,src=/data,dst=/data,readonly", "type=device,src=/dev/fuse"]``.
 
     Raises:
-        InvalidAppDefException: an unknown type or key, or a missing required key, naming the value.
+        MountOptionError: (an InvalidAppDefException and a KeyError) an unknown option, one before
+            its ``type=``, or a missing or empty ``src``/``dst``, naming the value.
+        InvalidAppDefException: an unknown type, a bad ``readonly`` or ``perm`` value.
     """
-    items: list[str] = [part.strip() for opt in opts for part in opt.split(",") if part.strip()]
     groups: list[dict[str, str]] = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip().lower()
-        if key == "type":
-            groups.append({"type": value.strip()})
-            continue
-        if not groups:
-            raise InvalidAppDefException(
-                f"mount option {item!r} comes before a 'type=bind|volume|device'",
-                field_name="mounts",
-            )
-        groups[-1][key] = value.strip() if sep else "true"
+    joined: list[bool] = []  # whether the group has an element of several options (for the hint)
+    for opt in opts:
+        items = _mount_items(opt)
+        for item in items:
+            key, sep, value = item.partition("=")
+            key = key.strip().lower()
+            key = _MOUNT_ALIASES.get(key, key)
+            if key == "type":
+                groups.append({"type": value.strip()})
+                joined.append(len(items) > 1)
+                continue
+            if not groups:
+                raise MountOptionError(
+                    f"mount option {item!r} comes before a 'type=bind|volume|device'",
+                    field_name="mounts",
+                )
+            groups[-1][key] = value.strip() if sep else "true"
+            joined[-1] = joined[-1] or len(items) > 1
 
-    aliases = {"source": "src", "target": "dst", "destination": "dst", "permissions": "perm"}
     mounts: list[Mount] = []
-    for group in groups:
-        opts_ = {aliases.get(k, k): v for k, v in group.items()}
+    for group, was_joined in zip(groups, joined, strict=True):
+        opts_ = dict(group)
         kind = opts_.pop("type")
         readonly_raw = opts_.pop("readonly", "false").lower()
         if readonly_raw not in ("true", "false", "1", "0"):
@@ -1310,23 +1424,28 @@ def parse_mounts(opts: list[str]) -> list[Mount]:
         allowed = {"src", "dst"} | ({"perm"} if mtype == MountType.DEVICE else set())
         unknown = set(opts_) - allowed
         if unknown:
-            raise _bad(
+            err = _bad_mount(
                 f"{kind} mount option",
                 sorted(unknown)[0],
                 f"one of {sorted(allowed | {'readonly'})}",
             )
+            if was_joined:
+                err.args = (f"{err.args[0]}{_COMMA_HINT}",)
+            raise err
         src = opts_.get("src")
         if not src:
-            raise _bad(f"{kind} mount src", src, "set (src=...)")
+            raise _bad_mount(f"{kind} mount src", src, "set (src=...)")
         if mtype == MountType.BIND:
             dst = opts_.get("dst")
             if not dst:
-                raise _bad("bind mount dst", dst, "set (dst=...)")
+                raise _bad_mount("bind mount dst", dst, "set (dst=...)")
+            if src.startswith("~"):
+                src = os.path.expanduser(src)
             mounts.append(BindMount(src_path=src, dst_path=dst, read_only=read_only))
         elif mtype == MountType.VOLUME:
             dst = opts_.get("dst")
             if not dst:
-                raise _bad("volume mount dst", dst, "set (dst=...)")
+                raise _bad_mount("volume mount dst", dst, "set (dst=...)")
             mounts.append(VolumeMount(src=src, dst_path=dst, read_only=read_only))
         else:
             perm = opts_.get("perm", "rwm")
