@@ -177,6 +177,35 @@ async def test_a_restarted_replica_starts_a_new_combined_line(
 
 
 @pytest.mark.timeout(30)
+async def test_a_line_whose_stream_ended_before_the_files_were_made_ends_there(
+    tmp_path: pathlib.Path,
+) -> None:
+    """A lazy writer: the replica writes an unterminated line and exits before its files exist
+    (the chunk and the end of its stream read together), then restarts. The end was forgotten
+    once the files were made, so the restart's first line was glued to it in combined.log when it
+    came within the held line's 0.2 s (the fourteenth session's review, timing-dependent); its own
+    stream keeps the two parts together."""
+    asked = asyncio.Event()
+    writer = ReplicaLogWriter(tmp_path / "main" / "0", opener=lambda _: asked.set())
+    try:
+        r, w = os.pipe()
+        os.write(w, b"partial")
+        os.close(w)
+        writer.attach(r, Stream.STDOUT)
+        # the first chunk asks for the files (and the end of its stream is read with it)
+        await asyncio.wait_for(asked.wait(), 5)
+        await anyio.to_thread.run_sync(writer.make_files)
+        writer.files_made()
+        await _attempt(writer, b"second\n", 0.0)
+    finally:
+        writer.close()
+    combined = [line async for line in iter_log_lines(tmp_path / "main" / "0", Stream.COMBINED)]
+    stdout = [line async for line in iter_log_lines(tmp_path / "main" / "0", Stream.STDOUT)]
+    assert combined == ["partial\n", "second\n"]
+    assert stdout == ["partialsecond\n"]
+
+
+@pytest.mark.timeout(30)
 async def test_a_new_writer_on_the_directory_starts_a_new_combined_line(
     tmp_path: pathlib.Path,
 ) -> None:

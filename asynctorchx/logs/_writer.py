@@ -254,7 +254,8 @@ class ReplicaLogWriter:
         self._recorded_to: dict[Stream, int] = {}
         self._opener = opener
         #: chunks read before the files exist: (time read, stream, data), in the order read
-        self._held: list[tuple[int, Stream, bytes]] = []
+        # chunks read before the files exist (None: its stream ended there)
+        self._held: list[tuple[int, Stream, bytes | None]] = []
         self._opening = False  # the opener was asked; reading is paused until ``files_made``
         self._open_failed = False
         self._open_lock = threading.Lock()  # guards _made and _taken (held briefly)
@@ -368,7 +369,10 @@ class ReplicaLogWriter:
                 return
             self._install(made)
             for now, stream, data in held:
-                self._append(stream, data, now)
+                if data is None:  # the stream ended there: so does its line
+                    self._flush_tail(stream, True)
+                else:
+                    self._append(stream, data, now)
             _notify.wake_key(self._key, Wake.CREATED)
             if held:
                 _notify.wake_key(self._key, Wake.DATA, held[-1][1])
@@ -377,7 +381,8 @@ class ReplicaLogWriter:
             error = made if isinstance(made, OSError) else OSError(str(made))
             self._note_loss(error)
             for _, stream, data in held:
-                self._discard(stream, len(data))
+                if data is not None:
+                    self._discard(stream, len(data))
         if not self._fds and self._drained is not None:
             self._drained.set()
 
@@ -531,7 +536,10 @@ class ReplicaLogWriter:
         if eof:
             self._detach(fd)
             if stream not in self._fds.values():  # its line ends with its stream
-                self._flush_tail(stream, True)
+                if self._held and not self._files:  # (after what is held: the files come later)
+                    self._held.append((0, stream, None))
+                else:
+                    self._flush_tail(stream, True)
             _notify.wake_key(self._key, Wake.EOF)
         elif chunks:
             _notify.wake_key(self._key, Wake.DATA, stream)
