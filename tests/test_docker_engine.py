@@ -300,14 +300,15 @@ async def test_cancel_kills_a_container_that_ignores_sigterm(
     docker_scheduler: DockerScheduler, busybox_image: str
 ) -> None:
     """Cancel sends SIGTERM, and SIGKILL after stop_timeout to a container ignoring it: the app is
-    CANCELLED (exit 137); cancelling again is a no-op."""
+    CANCELLED (exit 137) once the engine has killed it (cancel returns before: see
+    test_docker_cancel_prompt.py); cancelling again is a no-op."""
     script = "trap '' TERM; echo ready; while true; do sleep 0.2; done"
     app_id = await docker_scheduler.submit(
         AppDef("stubborn", [sh(busybox_image, script)]), {"stop_timeout": 1}
     )
     await wait_for(docker_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
     await docker_scheduler.cancel(app_id)
-    resp = await docker_scheduler.describe(app_id)
+    resp = await wait_for(docker_scheduler, app_id)
     assert resp is not None and resp.state == AppState.CANCELLED
     replica = resp.roles_statuses[0].replicas[0]
     assert replica.state == AppState.CANCELLED and replica.exit_code == 137
@@ -405,7 +406,8 @@ async def test_apps_outlive_their_launcher_and_other_processes_can_cancel_them(
     docker_engine: None, busybox_image: str, docker_session: str, docker_scheduler: DockerScheduler
 ) -> None:
     """A process launches an app and exits; this process sees it RUNNING; a third process that
-    did not launch it describes and cancels it; every process then reads CANCELLED."""
+    did not launch it describes and cancels it (its close lets the stop finish); every process
+    then reads CANCELLED."""
     prelude = """
         import asyncio, json
         from asynctorchx.schedulers.docker import DockerScheduler
@@ -436,6 +438,7 @@ async def test_apps_outlive_their_launcher_and_other_processes_can_cancel_them(
             async with DockerScheduler("someone-else") as s:
                 before = (await s.describe({app_id!r})).state.name
                 await s.cancel({app_id!r})
+            async with DockerScheduler("someone-else") as s:
                 after = (await s.describe({app_id!r})).state.name
                 print(json.dumps({{"before": before, "after": after}}))
         asyncio.run(main())
@@ -893,8 +896,9 @@ async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_canc
     point: str,
 ) -> None:
     """A cancel from a scheduler sharing nothing with the submitter (as another process) that
-    lands at ``point`` of a 3-replica submit: once both return, no container of the app runs,
-    each one started got one SIGTERM, and both read CANCELLED."""
+    lands at ``point`` of a 3-replica submit: once both return, the app ends CANCELLED for both
+    (the stops the cancel asked for end after it returned), each container started got one
+    SIGTERM, and none runs."""
     engine = docker_scheduler.engine
     other = DockerScheduler("someone-else")
     script = "trap 'echo term' TERM; while :; do sleep 0.001; done"
@@ -931,12 +935,12 @@ async def test_a_cancel_from_another_process_during_a_submit_leaves_the_app_canc
         with anyio.fail_after(60):
             assert await docker_scheduler.schedule(info) == app_id
         assert landed == [point]
+        with anyio.fail_after(30):
+            seen_here = await wait_for(docker_scheduler, app_id)
+            seen_there = await other.describe(app_id)
         containers = await _containers_and_logs(app_id)
         assert not any(running for running, _ in containers.values()), containers
         assert all(log.count("term") <= 1 for _, log in containers.values()), containers
-        with anyio.fail_after(30):
-            seen_there = await other.describe(app_id)
-            seen_here = await wait_for(docker_scheduler, app_id)
     finally:
         await other.close()
     assert seen_there is not None and seen_there.state == AppState.CANCELLED

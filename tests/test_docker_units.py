@@ -995,9 +995,11 @@ async def test_two_processes_finishing_a_dead_cancellers_cancel_stop_each_contai
 
     docker.containers.create = create_when_both_take_over  # type: ignore[method-assign]
     with anyio.fail_after(10):
+        # each returns before its wait for the dead canceller's stop; the take-over goes on
         await asyncio.gather(*(s.cancel(app_id) for s in schedulers))
+        await both.wait()
+        for s in schedulers:
+            await s.close()  # lets the take-overs finish
     assert len(arrived) == 2
     assert [name for op, name in docker.calls if op == "stop"] == [f"{app_id}-r-0"]
     assert docker.by_name(f"{marker.name}-2") is not None
-    for s in schedulers:
-        await s.close()

@@ -24,9 +24,11 @@ How an app maps onto Docker:
   (and removing a finished app's network, or its containers with ``remove_finished``) are driven
   by Docker's events, in one task per app; a status read (``describe``, ``list``) never changes anything.
 - Cancel stops every container (SIGTERM, then SIGKILL after the app's ``stop_timeout``) and leaves
-  a never-started marker container, so that every process sees the app as CANCELLED. Until a
-  submit has created the app's containers, a launch claim (a volume named after the app) names
-  it for every process (PENDING, "being submitted"); a cancel then removes the claim, and the
+  a never-started marker container, so that every process sees the app as CANCELLED. It returns
+  once the marker exists and the engine has the stops under way (``_docker/stops.py``): the
+  escalation is the engine's, and a task of the scheduler waits for it (``close`` lets it finish).
+  Until a submit has created the app's containers, a launch claim (a volume named after the app)
+  names it for every process (PENDING, "being submitted"); a cancel then removes the claim, and the
   launch, which removes it itself once its containers exist, starts nothing if it finds it gone
   (the cancel leaves a record in the claim's place, so that the app reads CANCELLED meanwhile).
   What a launcher killed before its containers existed left (its claim, its network) is removed
@@ -65,7 +67,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from asynctorchx._tasks import TaskSupervisor
+from asynctorchx._tasks import TaskSupervisor, await_shielded
 from asynctorchx.logs._cursor import Position, lines_of
 from asynctorchx.logs._query import LogQuery
 from asynctorchx.logs._timestamps import parse_rfc3339_ns
@@ -114,6 +116,7 @@ from asynctorchx.schedulers._docker.state import (
     group_by_app,
     restarted_by_docker,
 )
+from asynctorchx.schedulers._docker.stops import stop_all
 from asynctorchx.schedulers._reconcile import CallsUnderWay, Reconciler, finish_shielded
 from asynctorchx.schedulers.api import DescribeAppResponse, ListAppResponse, Scheduler
 from asynctorchx.schedulers.workspace import (
@@ -149,7 +152,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: how long ``close`` waits for the follow-ups under way (a stop waits up to ``stop_timeout``)
+#: how long ``close`` waits for the submits, the cancels and the follow-ups under way (a stop
+#: waits up to ``stop_timeout``)
 _CLOSE_GRACE = 30.0
 #: The exit code of a container killed by SIGKILL: by ``docker kill``, a stop's timeout, or the
 #: kernel's OOM killer (which only an inspect tells apart).
@@ -199,9 +203,12 @@ class DockerScheduler(Scheduler[DockerJob]):
         self._follow_ups = FollowUps(
             self._engine, self._events.app_containers, inspect=self._with_inspections
         )
-        self._launcher = Launcher(self._engine, self._tasks)
+        self._launcher = Launcher(self._engine, self._tasks, self._events)
         self._submits = CallsUnderWay()  # close() lets them finish
         self._launches: dict[str, CancelWatch] = {}  # the submits under way, by app id
+        # the cancels under way, by app id: resolved once their stops are under way (or with the
+        # error that kept them from it), and the task that goes on until the containers stopped
+        self._cancels: dict[str, tuple[asyncio.Future[None], asyncio.Task[None]]] = {}
         # Clean-up an outage (or a refusal) cut off, done again by the app's follow-up once the
         # engine answers (see ``_settle_owed``): failed submits to purge (the job, and whether
         # it had begun creating things: else only its claim is to go), by app id; cancels of
@@ -299,6 +306,7 @@ class DockerScheduler(Scheduler[DockerJob]):
         finally:
             del self._launches[job.app_id]
             watch.done.set()
+            watch.released.set()
         if not launched:
             self._notify(job.app_id)
             self._reconciler.request(job.app_id)  # its network, once the app is CANCELLED
@@ -626,9 +634,10 @@ class DockerScheduler(Scheduler[DockerJob]):
             else:
                 del self._owed_locks[app_id]
 
-    async def _settle_owed(self, app_id: str) -> None:
+    async def _settle_owed(self, app_id: str, under_way: Callable[[], None] = lambda: None) -> None:
         """Does the clean-up an outage cut off for ``app_id``, if one is owed: the purge of its
-        failed submit, the stops of this process's cancel. Idempotent.
+        failed submit, the stops of this process's cancel (``under_way`` is called once they are
+        under way, see ``_stop_containers``). Idempotent.
 
         Raises:
             DockerSchedulerError: it failed again (it stays owed).
@@ -646,14 +655,16 @@ class DockerScheduler(Scheduler[DockerJob]):
             failed_at = self._owed_stops.get(app_id)
             if failed_at is not None:
                 try:
-                    await self._finish_stops(app_id, failed_at)
+                    await self._finish_stops(app_id, failed_at, under_way)
                 except DockerSchedulerError:
                     self._owed_stops[app_id] = time.monotonic()  # its stops may have gone out
                     raise
                 del self._owed_stops[app_id]
                 logger.info("finished the cancel of %s", app_id)
 
-    async def _finish_stops(self, app_id: str, failed_at: float) -> None:
+    async def _finish_stops(
+        self, app_id: str, failed_at: float, under_way: Callable[[], None]
+    ) -> None:
         """Finishes this process's cancel of ``app_id`` whose stops failed at ``failed_at``:
         stops what its marker's maker owes (``own_stops_owed``), or, when the marker was never
         made, cancels from the start; an app that has ended, or whose marker another process
@@ -663,50 +674,84 @@ class DockerScheduler(Scheduler[DockerJob]):
             return
         markers = [c for c in a.containers if c.is_marker]
         if not markers:
-            await self._mark_and_stop(app_id, a)
+            await self._mark_and_stop(app_id, a, under_way)
             return
         first = min(markers, key=turn)
         if first.labels.get(LABEL_CANCELLER) != process_identity():
             return  # another process's cancel: the stops are its own
-        await self._stop_containers(app_id, await own_stops_owed(self._engine, a, first, failed_at))
+        owed = await own_stops_owed(self._engine, a, first, failed_at, on_wait=under_way)
+        await self._stop_containers(app_id, owed, under_way)
 
     # -- cancel ---------------------------------------------------------------------------------
 
     async def _cancel_existing(self, app_id: str) -> None:
-        """Stops every container of the app (SIGTERM, SIGKILL after its stop timeout).
+        """Marks the app cancelled and has the engine stop every container (SIGTERM, SIGKILL
+        after its stop timeout); returns once the stops are under way, not once they have ended.
 
-        The app then reads CANCELLED from any process; a finished app is left alone. Returns once
-        the containers have stopped (at most the app's ``stop_timeout`` seconds); the work goes on
-        even if the caller is cancelled meanwhile.
+        The marker makes the app read CANCELLED from any process once nothing of it runs; a
+        finished app is left alone. The cancel goes on as a task of the scheduler (``close`` lets
+        it finish), waiting for the containers to stop; it runs even if the caller is cancelled
+        meanwhile. A cancel of the app already under way here is joined, not repeated. Raises
+        what kept the stops from being under way: the engine refused the marker, the listing or
+        a stop (``stop_all``).
 
         An app this process is submitting is told so: still in its checks (pulling an image, say),
         it will create nothing but the cancel marker, and this returns at once; already creating
-        its containers, this waits for the launch to stop (it starts nothing more) first. An app
-        another process is submitting is marked, so that its launch stops likewise.
+        its containers, this waits until the launch has stopped (it starts nothing more, and its
+        stops are under way) or ended. An app another process is submitting is marked, so that its
+        launch stops likewise.
 
         Stops cut off by an outage (DockerEngineUnavailableError) are owed: finished by the app's
         follow-up once the engine answers, or by cancelling again (``_settle_owed``).
         """
         self._check_open()
+        self._events.ensure_running()  # its kill events tell when the stops are under way
         watch = self._launches.get(app_id)
         if watch is not None:
             watch.requested = True
             if not watch.launching:
                 return
-            await watch.done.wait()
+            await watch.released.wait()
+            if not watch.done.is_set():
+                return  # the launch marked the app, and the stops of what it started are under way
+        joined = self._cancels.get(app_id)
+        if joined is None:
+            under_way = asyncio.get_running_loop().create_future()
+            task = self._tasks.spawn(self._cancel(app_id, under_way), name=f"cancel:{app_id}")
+            joined = self._cancels[app_id] = (under_way, task)
+        await await_shielded(joined[0])
 
-        async def stop() -> Exception | None:  # its error is raised here, not logged as a task's
-            try:
-                await self._stop_app(app_id)
-            except Exception as e:
-                return e
-            return None
+    async def _cancel(self, app_id: str, under_way: asyncio.Future[None]) -> None:
+        """The cancel of ``app_id`` (a task): resolves ``under_way`` once its stops are under way,
+        or with the error that kept them from it; a stop that fails after that is owed and
+        logged (``_settle_owed`` finishes it once the engine answers)."""
 
-        error = await finish_shielded(self._tasks, stop(), f"cancel:{app_id}")
-        if error is not None:
-            raise error
+        def started() -> None:
+            if not under_way.done():
+                under_way.set_result(None)
 
-    async def _stop_app(self, app_id: str) -> None:
+        try:
+            await self._stop_app(app_id, started)
+            started()  # nothing was left to stop, or the stops have ended
+        except Exception as e:
+            if not under_way.done():
+                under_way.set_exception(e)
+            else:
+                logger.warning(
+                    "the cancel of %s: stopping its containers failed (%s); done again once "
+                    "the engine answers",
+                    app_id,
+                    e,
+                )
+        finally:
+            if not under_way.done():  # cancelled: the scheduler closed meanwhile
+                under_way.set_exception(
+                    RuntimeError(f"the local_docker scheduler closed during the cancel of {app_id}")
+                )
+            if self._cancels.get(app_id, (None,))[0] is under_way:
+                del self._cancels[app_id]
+
+    async def _stop_app(self, app_id: str, under_way: Callable[[], None]) -> None:
         a = assess(app_id, await self._events.containers(app_id))
         if a is None:  # being launched by another process, which has made no container yet
             if await self._cancel_launch(app_id):
@@ -721,14 +766,16 @@ class DockerScheduler(Scheduler[DockerJob]):
             # Its canceller stops them (a second SIGTERM would run their handler again), unless
             # it died before it could, or it is this process and an outage cut its stops off.
             if app_id in self._owed_stops:
-                await self._settle_owed(app_id)
+                await self._settle_owed(app_id, under_way)
             else:
-                await take_over_if_abandoned(self._engine, a)
+                await take_over_if_abandoned(self._engine, a, on_wait=under_way)
             self._notify(app_id)
             return
-        await self._mark_and_stop(app_id, a)
+        await self._mark_and_stop(app_id, a, under_way)
 
-    async def _mark_and_stop(self, app_id: str, a: Assessment) -> None:
+    async def _mark_and_stop(
+        self, app_id: str, a: Assessment, under_way: Callable[[], None]
+    ) -> None:
         """Makes the app's cancel marker, then stops the containers it owes (those started
         before it). A failure from the marker on leaves the stops owed (``_settle_owed``)."""
         marker = cancel_marker(
@@ -751,21 +798,22 @@ class DockerScheduler(Scheduler[DockerJob]):
             if alive:
                 after = await started_after(self._engine, made, alive)
                 alive = [c for c, later in zip(alive, after, strict=True) if later is not True]
-            await self._stop_containers(app_id, alive)
+            await self._stop_containers(app_id, alive, under_way)
         except DockerSchedulerError:
             self._owed_stops[app_id] = time.monotonic()
             raise
 
-    async def _stop_containers(self, app_id: str, alive: Sequence[str]) -> None:
+    async def _stop_containers(
+        self, app_id: str, alive: Sequence[str], under_way: Callable[[], None] = lambda: None
+    ) -> None:
         """Stops ``alive`` (containers of a cancelled app this process owes a stop), and waits
-        until the engine has recorded their exits.
+        until the engine has recorded their exits; ``under_way`` is called as soon as every stop
+        is under way in the engine with none refused (``stop_all``).
 
         Raises:
             DockerSchedulerError: a stop failed (the first failure, naming the app).
         """
-        results = await asyncio.gather(
-            *(self._engine.stop_container(c) for c in alive), return_exceptions=True
-        )
+        results = await stop_all(self._engine, self._events, self._tasks, alive, under_way)
         # Inspecting waits until the engine has recorded each exit, so the listing shows it.
         await asyncio.gather(
             *(self._engine.inspect_container(c) for c in alive), return_exceptions=True
@@ -811,8 +859,10 @@ class DockerScheduler(Scheduler[DockerJob]):
         return self._logs.entries(query)
 
     async def close(self) -> None:
-        """Finishes the launches and follow-ups under way (bounded), stops the event stream,
-        closes an owned client. Apps keep running: containers outlive the scheduler.
+        """Finishes the launches, cancels and follow-ups under way (bounded), stops the event
+        stream, closes an owned client. Apps keep running: containers outlive the scheduler; those
+        of an app cancelled here have stopped (the engine killed them after their stop timeout)
+        unless that takes longer than the bound, and then the engine still goes on with the stop.
 
         A submit still checking its images, volumes and network then raises "closed" without
         creating anything; one already creating its containers completes.
@@ -821,6 +871,10 @@ class DockerScheduler(Scheduler[DockerJob]):
             return
         self._closed = True
         await self._submits.finished(_CLOSE_GRACE)
+        # the cancels under way: the containers the user cancelled are stopped before the end
+        cancels = [task for _, task in self._cancels.values()]
+        if cancels:
+            await asyncio.wait(cancels, timeout=_CLOSE_GRACE)
         self._retry_owed()  # a last try at what an outage left owed
         await self._reconciler.drain(_CLOSE_GRACE)
         left = sorted({*self._owed_purges, *self._owed_stops})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asynctorchx.schedulers._docker.actions import started_after
@@ -60,8 +61,13 @@ def abandoned_cancel(a: Assessment) -> ContainerInfo | None:
     return owner if process_gone(owner.labels.get(LABEL_CANCELLER, "")) else None
 
 
-async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
+async def take_over_if_abandoned(
+    engine: DockerEngine, a: Assessment, on_wait: Callable[[], None] | None = None
+) -> bool:
     """Finishes the cancel of app ``a`` if its canceller died before stopping its containers.
+
+    ``on_wait`` is called before waiting out the dead canceller's stop timeout (a cancel then
+    returns, the take-over goes on).
 
     Returns True when this process took the cancel over (and has stopped what the canceller
     owed: the containers started before the first marker that still run once any stop the
@@ -78,6 +84,8 @@ async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
     if not owed:
         return False
     infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
+    if on_wait is not None:
+        on_wait()
     await asyncio.sleep(max(_stop_timeout(info) for info in infos) + STOP_SLACK)
     infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
     owed = [c for c, info in zip(owed, infos, strict=True) if _running(info)]
@@ -99,12 +107,17 @@ async def take_over_if_abandoned(engine: DockerEngine, a: Assessment) -> bool:
 
 
 async def own_stops_owed(
-    engine: DockerEngine, a: Assessment, marker: ContainerInfo, failed_at: float
+    engine: DockerEngine,
+    a: Assessment,
+    marker: ContainerInfo,
+    failed_at: float,
+    on_wait: Callable[[], None] | None = None,
 ) -> list[str]:
     """The containers of app ``a`` that this process, the maker of its cancel ``marker``, still
     owes a stop after its stops failed at ``failed_at`` (``time.monotonic()``): those started
     before the marker that still run once any stop request that reached the engine has ended
     (their stop timeout after the failure; the wait is over at once after a long outage).
+    ``on_wait`` is called before that wait, if there is one.
     """
     alive = [c.id for c in a.containers if c.alive and not c.is_record]
     later = await started_after(engine, marker.id, alive)
@@ -114,6 +127,8 @@ async def own_stops_owed(
     infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
     ends = failed_at + max(_stop_timeout(info) for info in infos) + STOP_SLACK
     if ends > time.monotonic():
+        if on_wait is not None:
+            on_wait()
         await asyncio.sleep(ends - time.monotonic())
         infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
     return [c for c, info in zip(owed, infos, strict=True) if _running(info)]

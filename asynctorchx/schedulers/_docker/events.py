@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from asynctorchx._tasks import TaskSupervisor
@@ -98,6 +98,7 @@ class EventFeed:
         self._caught_up = False
         self._caught_up_done = asyncio.Event()
         self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._kill_waiters: dict[str, set[asyncio.Event]] = {}  # by container id, see ``kills``
         self._settling: set[str] = set()
         self._died: dict[str, tuple[int | None, float]] = {}
         self._last_event: OrderedDict[str, float] = OrderedDict()
@@ -196,6 +197,9 @@ class EventFeed:
         if not app_id or action not in _STATE_ACTIONS:
             return
         cid = str(event.get("id") or actor.get("ID") or "")
+        if action == "kill":  # a signal sent: a stop's SIGTERM is under way in the engine
+            for waiter in self._kill_waiters.get(cid, ()):
+                waiter.set()
         if action == "die":
             code = _int_or_none(attrs.get("exitCode"))
             self._remember_exit(app_id, cid, code)
@@ -265,6 +269,25 @@ class EventFeed:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiters[app_id]
+
+    @contextlib.contextmanager
+    def kills(self, cids: Sequence[str]) -> Iterator[dict[str, asyncio.Event]]:
+        """While inside: an event per container of ``cids`` (full ids), set when Docker reports a
+        signal sent to it (its ``kill`` event, which a stop sends once its SIGTERM is delivered)
+        from now on. Only the stream tells: while it is not connected (or is disabled) none is
+        set, unless a reconnection resumes it past the signal."""
+        seen = {cid: asyncio.Event() for cid in cids}
+        for cid, waiter in seen.items():
+            self._kill_waiters.setdefault(cid, set()).add(waiter)
+        try:
+            yield seen
+        finally:
+            for cid, waiter in seen.items():
+                waiters = self._kill_waiters.get(cid)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._kill_waiters[cid]
 
     # -- listings ---------------------------------------------------------------------------------
 

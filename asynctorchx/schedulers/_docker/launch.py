@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 from asynctorchx._tasks import TaskSupervisor
 from asynctorchx.schedulers._docker.actions import remove_networks, started_since
 from asynctorchx.schedulers._docker.engine import DockerEngine, DockerSchedulerError
+from asynctorchx.schedulers._docker.events import EventFeed
 from asynctorchx.schedulers._docker.processes import dead_launches, process_identity
 from asynctorchx.schedulers._docker.request import (
     LABEL_APP_ID,
@@ -35,6 +36,7 @@ from asynctorchx.schedulers._docker.request import (
     claim_request,
     marker_name,
 )
+from asynctorchx.schedulers._docker.stops import stop_all
 from asynctorchx.schedulers._reconcile import finish_shielded
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class CancelWatch:
         self.launching = False  # past the checks: creating things
         self.committed = False  # the claim is removed: the app's containers name it now
         self.done = asyncio.Event()  # the submit has ended
+        # a cancel waiting for the launch may return: the submit has ended, or, cancelled, it
+        # has marked the app and the stops of what it started are under way (``abandon``)
+        self.released = asyncio.Event()
 
     async def commit(self) -> bool:
         """Removes the launch claim once the app's containers exist; False when a cancel (here,
@@ -94,11 +99,16 @@ class Launcher:
         engine: the engine to submit to.
         tasks: owns each create request, which runs to its end even if the submit is cancelled
             (the engine finishes a create whose client went away, so the clean-up would miss it).
+        feed: the scheduler's event feed, which tells when the stops of a cancelled launch are
+            under way (``stop_all``); None: once they have ended.
     """
 
-    def __init__(self, engine: DockerEngine, tasks: TaskSupervisor) -> None:
+    def __init__(
+        self, engine: DockerEngine, tasks: TaskSupervisor, feed: EventFeed | None = None
+    ) -> None:
         self._engine = engine
         self._tasks = tasks
+        self._feed = feed
         self._network_locks: dict[str, asyncio.Lock] = {}
 
     async def preflight(self, job: DockerJob) -> None:
@@ -178,7 +188,7 @@ class Launcher:
         """
         watch.launching = True
         if watch.requested:  # cancelled during the checks: nothing was created
-            return await self.abandon(job)
+            return await self.abandon(job, watch)
         network_id = None
         if job.network_request is not None:
             request = job.network_request
@@ -189,12 +199,12 @@ class Launcher:
             )
         created = await _gather_all([self._create(c, network_id) for c in job.containers])
         if not await watch.commit():
-            return await self.abandon(job)
+            return await self.abandon(job, watch)
         pairs = list(zip(job.containers, created, strict=True))
         if not await self._start_all(pairs, network_id or job.network, watch):
-            return await self.abandon(job)
+            return await self.abandon(job, watch)
         if await watch.cancelled():
-            return await self.abandon(job)
+            return await self.abandon(job, watch)
         return True
 
     async def claim(self, job: DockerJob, token: str) -> None:
@@ -238,10 +248,12 @@ class Launcher:
         logger.info("removed what the killed launch of %s left", app_id)
         return True
 
-    async def abandon(self, job: DockerJob) -> bool:
+    async def abandon(self, job: DockerJob, watch: CancelWatch | None = None) -> bool:
         """Leaves a launch the app's cancel interrupted CANCELLED: marks it (for every process),
         stops what it started, removes what it never started (and its network when nothing of
-        the app remains on it). Returns False, for ``launch``.
+        the app remains on it). Returns False, for ``launch``. ``watch.released`` is set once the
+        marker exists and the stops are under way in the engine (a cancel waiting for the launch
+        returns then, not once the stop timeout is over).
 
         When another process made the marker, it stops the containers it saw alive after
         making it; only those started since are stopped here (each container gets one SIGTERM).
@@ -266,12 +278,16 @@ class Launcher:
         started = [str(c["Id"]) for c in replicas if c not in never_started]
         if made is None and started:  # marked by another process
             started = await started_since(self._engine, marker.name, started)
-        await _gather_all(
-            [
-                *(self._engine.remove_container(str(c["Id"])) for c in never_started),
-                *(self._engine.stop_container(cid) for cid in started),
-            ]
+        under_way = watch.released.set if watch is not None else _nothing
+        outcomes: list[Any] = await asyncio.gather(
+            _gather_all([self._engine.remove_container(str(c["Id"])) for c in never_started]),
+            stop_all(self._engine, self._feed, self._tasks, started, under_way),
+            return_exceptions=True,
         )
+        removed, stopped = outcomes
+        for outcome in (removed, *(stopped if isinstance(stopped, list) else [stopped])):
+            if isinstance(outcome, BaseException):
+                raise outcome
         if job.network_request is not None and len(never_started) == len(replicas):
             await remove_networks(self._engine, job.app_id)
         await asyncio.gather(  # cancelled before the commit: the marker says it from now on
@@ -461,6 +477,10 @@ def _cpus_wanted(job: DockerJob) -> list[tuple[str, float]]:
 async def _answer(value: Any) -> Any:
     """``value``, as the answer of a question that needs no engine."""
     return value
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _gather_all(coros: list[Any]) -> list[Any]:
