@@ -440,7 +440,8 @@ class HangingScheduler(FakeScheduler):
 @pytest.mark.parametrize("call", ["wait", "wait_all"])
 async def test_a_wait_timeout_is_kept_when_the_backend_hangs(call: str) -> None:
     """wait/wait_all(timeout=T) on a backend whose status round hangs raise TimeoutError once the
-    last look has had PollSettings.final_look_timeout, instead of hanging with the round."""
+    last look has had PollSettings.deadline_grace (at most final_look_timeout), instead of hanging
+    with the round."""
     made: list[HangingScheduler] = []
 
     def factory(session_name: str, **params: Any) -> HangingScheduler:
@@ -542,8 +543,9 @@ async def test_a_stray_cancelled_error_from_the_backend_does_not_stop_the_hub() 
 
 async def test_watch_ends_when_its_app_vanishes_from_the_backend() -> None:
     """An app the backend stops knowing (purged, lost) while watched: the watch yields its last
-    event (UNKNOWN, terminal) and ends, as ``wait`` does, instead of waiting forever."""
-    runner, made = make_runner(poll_settings=replace(FAST, unknown_grace=0.0))
+    event (UNKNOWN, terminal) and ends, as ``wait`` does, instead of waiting forever (once it has
+    been missing for ``missing_rounds`` rounds over ``missing_grace``, here 0 s)."""
+    runner, made = make_runner(poll_settings=replace(FAST, unknown_grace=0.0, missing_grace=0.0))
     async with runner:
         handle = await runner.run(app(), "fake")
         events = []

@@ -891,9 +891,10 @@ class AsyncRunner:
         self._check_open()
         backend, app_id = self._split(app_handle)
         await self._call(backend)
+        asked_at = time.monotonic()  # the hub drops this answer if it knows a newer one
         response = await self._scheduler(backend).describe(app_id)
         if self._state is not _Lifecycle.CLOSED:  # (closed meanwhile: the answer stands)
-            self._hub(backend).record(app_id, response)
+            self._hub(backend).record(app_id, response, asked_at=asked_at)
         return None if response is None else response.to_status()
 
     async def wait(
@@ -1026,8 +1027,16 @@ class AsyncRunner:
                         for handle, hub, entry in entries
                         if handle not in seen and not entry.final
                     ]
+                    # the bounds run from one start: the looks of several hubs wait together
+                    started = time.monotonic()
                     for hub, entry, token in checks:
-                        if not await hub.final_look(entry, token, wait_for_rate=timeout == 0):
+                        bound = started + hub.final_look_bound(timeout or 0.0)
+                        if not await hub.final_look(
+                            entry,
+                            token,
+                            wait_for_rate=timeout == 0,
+                            bound=max(0.0, bound - time.monotonic()),
+                        ):
                             break  # rate-limited or not answered in time: the deadline is kept
                     continue
                 handle, entry = item

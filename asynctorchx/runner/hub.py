@@ -8,17 +8,32 @@ However many tasks wait on however many apps, the hub runs one ``describe_many``
 - any other backend is polled with an adaptive interval: short right after something changed or a new
   app arrived, growing while nothing changes.
 
-Waiters never call the backend themselves: they wait on the hub's per-app events.
+Waiters never call the backend themselves: they wait on the hub's per-app events. The hub polls
+only while someone waits (``wait``, ``wait_all``, ``as_completed``, ``watch``, a launch block) or
+something is due (an app just submitted, not yet seen by its backend, within
+``PollSettings.unknown_grace``); otherwise it sleeps until woken (a waiter, a submit, a cancel, a
+push), so that apps launched and left running cost no status calls.
+
+Answers are applied in the order they were asked: each carries the time its describe began (a
+round's, or ``runner.status``'s, fed through ``record``), and an answer begun before the one the hub
+has applied for an app is dropped, so a slow answer never moves an app back to an older state.
+
+An app the hub has seen that one answer leaves out (a partial listing, an accounting lag) keeps its
+last state: it is reported UNKNOWN ("the scheduler no longer knows this app") only once it has been
+missing from ``PollSettings.missing_rounds`` answers in a row over at least
+``PollSettings.missing_grace`` seconds.
 
 A wait with a deadline never times out on what the hub happened to know: when the deadline passes
 with the app not terminal, it asks for a round and raises ``TimeoutError`` only once a round begun
 after that has answered for the app (or failed) without it being terminal. So ``wait(h, timeout=0)``
 on an app that ended long ago reports it ended, on a fresh runner too, and a wait that ends before
-its deadline costs no extra round. That last round is not waited for longer than
-``PollSettings.final_look_timeout`` (a hung backend), nor, for a positive timeout, when the
+its deadline costs no extra round. For a positive timeout that last round is waited for at most
+``PollSettings.deadline_grace`` (the deadline is kept: a backend whose status call hangs, or a round
+that began before the deadline and is still running, cannot hold the wait), and not at all when the
 backend's call-rate limit holds it back (``round_would_wait``): the wait then raises
 ``TimeoutError`` on what the hub knew. A timeout of 0 asks for that one look and nothing else, so
-it waits for the rate's next slot (the rate is never exceeded), bounded likewise.
+it waits for the rate's next slot (the rate is never exceeded) and for the round, at most
+``PollSettings.final_look_timeout`` (a hung backend).
 """
 
 from __future__ import annotations
@@ -50,12 +65,22 @@ class PollSettings:
         push_safety_interval: for pushing backends, how often all live apps are re-described anyway.
         unknown_grace: how long an app submitted by this runner may be unknown to its backend (e.g. not
             yet visible in a listing) before it is reported unknown.
-        final_look_timeout: how long a wait whose deadline passed waits for the scheduler's last
-            answer (see the module's docstring), so that a hung backend cannot hold it forever.
+        missing_grace: how long an app the backend has described may then be missing from its
+            answers (a partial listing, an accounting lag) before it is reported unknown; it must
+            also have been missing from ``missing_rounds`` answers in a row. Meanwhile it keeps
+            its last state.
+        missing_rounds: how many answers in a row (rounds, and ``runner.status`` calls) must leave
+            an app out before it is reported unknown (with ``missing_grace``); an integer >= 1.
+        final_look_timeout: how long a ``timeout=0`` wait waits for the scheduler's one answer
+            (see the module's docstring), so that a hung backend cannot hold it forever.
+        deadline_grace: how long past its deadline a wait with a positive timeout waits for the
+            scheduler's last answer (at most ``final_look_timeout``): the timeout is kept, to
+            within this, whatever the backend does.
 
     Raises:
         ValueError: a value that is no number of seconds in its range (NaN, a string, a
-            ``min_interval`` <= 0 or above ``max_interval``, a ``backoff`` below 1), naming it.
+            ``min_interval`` <= 0 or above ``max_interval``, a ``backoff`` below 1, a
+            ``missing_rounds`` that is no integer >= 1), naming it.
     """
 
     min_interval: float = 0.05
@@ -63,7 +88,10 @@ class PollSettings:
     backoff: float = 1.5
     push_safety_interval: float = 5.0
     unknown_grace: float = 10.0
+    missing_grace: float = 10.0
+    missing_rounds: int = 3
     final_look_timeout: float = 10.0
+    deadline_grace: float = 0.5
 
     def __post_init__(self) -> None:
         # (low, low allowed, inf allowed): a NaN or a string stopped the hub's loop for good, and
@@ -74,8 +102,13 @@ class PollSettings:
             "backoff": (1.0, True, False),
             "push_safety_interval": (0.0, False, True),
             "unknown_grace": (0.0, True, True),
+            "missing_grace": (0.0, True, True),
             "final_look_timeout": (0.0, True, True),
+            "deadline_grace": (0.0, True, True),
         }
+        rounds = self.missing_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"PollSettings.missing_rounds must be an integer >= 1, got {rounds!r}")
         for name, (low, low_ok, inf_ok) in bounds.items():
             value = getattr(self, name)
             seconds = math.nan
@@ -110,6 +143,11 @@ class AppEntry:
         response: its last description (None: not described yet, or unknown).
         known: described at least once.
         final: terminal, or unknown to the backend: no more rounds for it.
+        asked_at: when (``time.monotonic()``) the describe whose answer was applied last began;
+            an answer begun earlier is older than what the hub knows, and is dropped.
+        missing_since: when an answer first left this app out, of those in a row that did
+            (None: the last answer had it).
+        missing_count: how many answers in a row left it out.
     """
 
     app_id: str
@@ -128,6 +166,9 @@ class AppEntry:
     consulted: int = 0
     # set after each such round; created only for an app someone waits on with a deadline
     answered: asyncio.Event | None = None
+    asked_at: float = -math.inf
+    missing_since: float | None = None
+    missing_count: int = 0
 
     @property
     def status(self) -> AppStatus | None:
@@ -199,6 +240,7 @@ class StatusHub:
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        self._loop_cancelled = False  # by shut(), once
         self._unsubscribe = scheduler.subscribe(self._on_push) if scheduler.pushes_changes else None
         self.rounds = 0
         self._closed = False
@@ -208,6 +250,7 @@ class StatusHub:
         self._unhinted_waits = 0
         self._listening = 0  # listeners of entries (as_completed, watch, launch blocks)
         self._interval = self.settings.min_interval
+        self._idle = False  # the loop sleeps until woken: nobody waits, nothing is due
 
     # -- tracking -------------------------------------------------------------------------------
 
@@ -227,6 +270,7 @@ class StatusHub:
             entry.final = entry.known = False
             entry.response = None
             entry.submitted_at = time.monotonic()
+            entry.asked_at, entry.missing_since, entry.missing_count = -math.inf, None, 0
             self._finals.pop(app_id, None)
             self._live[app_id] = None
             self._mark_dirty(app_id)
@@ -274,21 +318,30 @@ class StatusHub:
         return stop
 
     def _wake_if_sleeping_long(self) -> None:
-        """Wakes the loop if it may be sleeping longer than ``PollSettings.max_interval`` (for
-        the ``poll_hint`` of other waits), for a waiter that relies on that bound. (The loop's
-        sleep is never longer than ``_interval``: no wake-up, so no extra round, otherwise.)"""
-        if self._interval > self.settings.max_interval:
+        """Wakes the loop if it sleeps until woken (nobody waited), or may be sleeping longer than
+        ``PollSettings.max_interval`` (for the ``poll_hint`` of other waits), for a waiter that
+        relies on that bound. (The loop's sleep is never longer than ``_interval`` otherwise: no
+        wake-up, so no extra round.)"""
+        if self._idle or self._interval > self.settings.max_interval:
             self._wake.set()
 
     def awaited(self) -> bool:
         """True while someone waits for a change of an app here (a wait, a listener)."""
         return bool(self._unhinted_waits or self._hints or self._listening)
 
-    def record(self, app_id: str, response: DescribeAppResponse | None) -> None:
-        """Feeds a description obtained elsewhere (e.g. by ``runner.status``) into the hub."""
+    def record(self, app_id: str, response: DescribeAppResponse | None, *, asked_at: float) -> None:
+        """Feeds a description obtained elsewhere (e.g. by ``runner.status``) into the hub.
+
+        Args:
+            app_id: the app.
+            response: the backend's answer (None: it does not know the app; see
+                ``PollSettings.missing_grace``).
+            asked_at: ``time.monotonic()`` taken just before the describe was sent: an answer
+                asked before the one the hub has applied for the app is older, and is dropped.
+        """
         entry = self._entries.get(app_id)
         if entry is not None and not entry.final:
-            self._apply(entry, response)
+            self._apply(entry, response, asked_at)
 
     def _on_push(self, app_id: str) -> None:
         if app_id in self._entries and not self._entries[app_id].final:
@@ -341,9 +394,24 @@ class StatusHub:
             await entry.answered.wait()
         return True
 
-    async def final_look(self, entry: AppEntry, token: int, *, wait_for_rate: bool = False) -> bool:
-        """``wait_consulted``, for at most ``PollSettings.final_look_timeout`` (False after it)."""
-        with anyio.move_on_after(self.settings.final_look_timeout):
+    def final_look_bound(self, timeout: float) -> float:
+        """How long a wait of ``timeout`` seconds whose deadline has passed may wait for its last
+        answer: ``PollSettings.final_look_timeout`` for ``timeout=0`` (a question), at most
+        ``PollSettings.deadline_grace`` for a positive one (a deadline, kept)."""
+        s = self.settings
+        return s.final_look_timeout if timeout == 0 else min(s.final_look_timeout, s.deadline_grace)
+
+    async def final_look(
+        self,
+        entry: AppEntry,
+        token: int,
+        *,
+        wait_for_rate: bool = False,
+        bound: float | None = None,
+    ) -> bool:
+        """``wait_consulted``, for at most ``bound`` seconds (None: ``final_look_timeout``);
+        False after it."""
+        with anyio.move_on_after(self.settings.final_look_timeout if bound is None else bound):
             return await self.wait_consulted(entry, token, wait_for_rate=wait_for_rate)
         return False
 
@@ -359,7 +427,8 @@ class StatusHub:
             app_id: the app.
             timeout: seconds to wait (None: no limit). When they have passed, the hub asks for one
                 more round before giving up: an app that is already terminal is returned even with
-                ``timeout=0``, which waits for the call rate's next slot for it if need be.
+                ``timeout=0``, which waits for the call rate's next slot for it if need be. A
+                positive timeout waits for that round at most ``PollSettings.deadline_grace``.
             poll_hint: how often (seconds) this waiter wants a backend that is polled to be asked
                 while it waits (TorchX's ``wait_interval``); see ``max_interval``.
 
@@ -370,12 +439,13 @@ class StatusHub:
         if entry.final:
             return entry
         deadline = math.inf if timeout is None else time.monotonic() + timeout
+        bound = 0.0 if timeout is None else self.final_look_bound(timeout)
         if poll_hint is None:
             self._unhinted_waits += 1
             self._wake_if_sleeping_long()
         else:
             self._hints.append(poll_hint)
-            if poll_hint < self._interval:
+            if self._idle or poll_hint < self._interval:
                 self._wake.set()  # the loop may be sleeping for longer than this waiter wants
         try:
             while not entry.final:
@@ -384,7 +454,7 @@ class StatusHub:
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
                     # False: not answered in time
-                    await self.final_look(entry, token, wait_for_rate=timeout == 0)
+                    await self.final_look(entry, token, wait_for_rate=timeout == 0, bound=bound)
                     if entry.final:
                         break
                     raise TimeoutError(f"{self.scheduler.backend} app {app_id!r} is not terminal")
@@ -438,26 +508,48 @@ class StatusHub:
             if old is not None and old.final and not old._listeners:
                 del self._entries[oldest]
 
+    def _wanted(self) -> bool:
+        """True while the loop has rounds to run: apps to describe now (dirty), someone waiting,
+        or an app submitted lately that its backend has not shown yet (within
+        ``unknown_grace``). Otherwise it sleeps until woken."""
+        if self._dirty or self.awaited():
+            return True
+        now, grace = time.monotonic(), self.settings.unknown_grace
+        for app_id in self._live:
+            e = self._entries.get(app_id)
+            since = None if e is None or e.known else e.submitted_at
+            if since is not None and now - since < grace:
+                return True
+        return False
+
     async def _run(self) -> None:
         s = self.settings
         push = self.scheduler.pushes_changes
         self._interval = s.min_interval
         last_full = 0.0
+        resumed = False  # woken from an idle sleep: what the hub knows may be old, ask at once
         while not self._closed:
-            live = self._live_ids()
-            if not live:
-                self._dirty.clear()
+            if not self._live or not self._wanted():
+                self._dirty.clear()  # (nothing is dirty while wanted is False)
                 self._wake.clear()
-                await self._wake.wait()
+                self._idle = True
+                try:
+                    await self._wake.wait()
+                finally:
+                    self._idle = False
                 self._interval = s.min_interval
+                resumed = True
                 continue
             timeout = s.push_safety_interval if push else min(self._interval, self.max_interval())
-            if not self._dirty:
+            if not self._dirty and not (resumed and not push):
                 self._wake.clear()
                 # not asyncio.wait_for: on Python < 3.12 it can swallow a cancellation that arrives
                 # just as the event is set, which would leave aclose() waiting for this loop forever
                 with anyio.move_on_after(timeout):
                     await self._wake.wait()
+                if not self._wanted():
+                    continue  # the last waiter left meanwhile: no round for nobody
+            resumed = False
             now = time.monotonic()
             full = (not push) or now - last_full >= s.push_safety_interval or not self._dirty
             ids = self._live_ids() if full else [i for i in self._dirty if i in self._entries]
@@ -488,6 +580,7 @@ class StatusHub:
                 self._throttled = False
         self.rounds += 1
         number = self.rounds
+        asked_at = time.monotonic()
         try:
             responses = await self.scheduler.describe_many(ids)
             _check_answer(responses, ids, self.scheduler.backend)
@@ -520,7 +613,7 @@ class StatusHub:
         for app_id in ids:
             entry = self._entries.get(app_id)
             if entry is not None and not entry.final:
-                changed |= self._apply(entry, responses.get(app_id))
+                changed |= self._apply(entry, responses.get(app_id), asked_at)
         self._answered(ids, number)
         return changed
 
@@ -569,12 +662,27 @@ class StatusHub:
                 if entry.answered is not None:
                     entry.answered.set()
 
-    def _apply(self, entry: AppEntry, response: DescribeAppResponse | None) -> bool:
+    def _apply(
+        self, entry: AppEntry, response: DescribeAppResponse | None, asked_at: float
+    ) -> bool:
+        """Applies an answer asked at ``asked_at`` to ``entry``; returns True when it changed."""
+        if asked_at < entry.asked_at:
+            return False  # older than what the hub knows (a slow runner.status): dropped
+        entry.asked_at = asked_at
         if response is None:
-            grace = self.settings.unknown_grace
-            if entry.submitted_at is not None and time.monotonic() - entry.submitted_at < grace:
+            s, now = self.settings, time.monotonic()
+            if entry.submitted_at is not None and now - entry.submitted_at < s.unknown_grace:
                 return False  # not visible yet; ask again next round
             if entry.known and entry.response is not None:
+                # seen before: one answer without it (a partial listing) is no proof it is gone
+                if entry.missing_since is None:
+                    entry.missing_since = now
+                entry.missing_count += 1
+                if (
+                    entry.missing_count < s.missing_rounds
+                    or now - entry.missing_since < s.missing_grace
+                ):
+                    return False  # keeps its last state; ask again next round
                 # it vanished: keep what we knew but never pretend it succeeded
                 response = DescribeAppResponse(
                     app_id=entry.app_id,
@@ -586,6 +694,8 @@ class StatusHub:
                     name=entry.response.name,
                 )
             entry.final = True
+        else:
+            entry.missing_since, entry.missing_count = None, 0
         was_known = entry.known
         before = _key(entry.response)
         entry.response = response
@@ -606,7 +716,9 @@ class StatusHub:
 
     def shut(self) -> None:
         """Stops listening to the backend, wakes every waiter (they raise RuntimeError) and
-        cancels the loop, at once; ``aclose`` then waits for the loop. Idempotent.
+        cancels the loop, at once; ``aclose`` then waits for the loop. Idempotent: the loop is
+        cancelled once (a second cancellation would cut short the backend's shielded clean-up of
+        the round, e.g. reaping the status command it killed).
 
         Separate from ``aclose`` because the loop's round may take long to end (or never, if the
         backend ignores its cancellation): the waiters of this hub, and of every other hub of
@@ -620,7 +732,8 @@ class StatusHub:
             entry.changed.set()
             if entry.answered is not None:
                 entry.answered.set()
-        if self._loop_task is not None:
+        if self._loop_task is not None and not self._loop_cancelled:
+            self._loop_cancelled = True
             self._loop_task.cancel()
 
     async def aclose(self) -> None:

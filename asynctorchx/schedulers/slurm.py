@@ -10,7 +10,10 @@ one ``sacct`` for the apps ``squeue`` no longer shows or has just seen finish (f
 records). Finished apps are remembered and cost no ``sacct`` afterwards, and no command at all once
 the controller has forgotten them (while it lists them, its ``squeue`` is read again at most every
 ``state_check_interval`` seconds: Slurm may run a finished job again, ``scontrol requeue``). A record
-accounting holds just after a job ended (JobName ``allocation``, no WorkDir) is not remembered.
+accounting holds just after a job ended (JobName ``allocation``, no WorkDir) is not remembered;
+nor, while the app is live, is it believed over what was last seen of the app: that placeholder lags
+(it says PENDING for seconds after the job started), so an app ``squeue`` leaves out for a round
+keeps its last answer rather than going back to a state Slurm never put it back to.
 Without accounting (detected from ``sacct``'s answer or its absence, or forced with
 ``accounting=False``) an app the controller has forgotten is reported unknown, never as succeeded.
 A ``sacct`` that fails, hangs or is missing costs only the replicas' step records of the apps
@@ -224,6 +227,8 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
         self._workdirs: dict[str, str] = {}
         self._submitting: Counter[str] = Counter()
         self._seen: dict[str, tuple[float, AppState]] = {}
+        # the last answer of each app not yet seen finished (most recent last; bounded)
+        self._live_answers: OrderedDict[str, DescribeAppResponse] = OrderedDict()
         self._partitions: tuple[float, dict[str, SlurmPartition]] | None = None
         self._partitions_lookup: asyncio.Task[dict[str, SlurmPartition]] | None = None
         self._tasks = TaskSupervisor(f"slurm:{session_name}")
@@ -546,9 +551,16 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
                 records = _latest_runs(runs)
                 resp = describe_from_records(app_id, records, _sacct_restarts(runs))
                 complete = _settled(records)
+                last = self._live_answers.get(app_id)
+                if not complete and last is not None and not is_terminal(resp.state):
+                    # accounting's lagging placeholder of a live app squeue left out (JobName
+                    # ``allocation``, PENDING while the job runs): Slurm did not move it back
+                    out[app_id] = last
+                    continue
             else:
                 out[app_id] = None
                 continue
+            self._remember_live(app_id, resp)
             self._remember_workdir(app_id, records)
             self._seen[app_id] = (time.monotonic(), resp.state)
             if is_terminal(resp.state):
@@ -618,6 +630,17 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
             return parse_sacct_parsable(result.stdout)
         except SlurmOutputError as e:
             raise SlurmCommandError(str(e), result) from None
+
+    def _remember_live(self, app_id: str, resp: DescribeAppResponse) -> None:
+        """Keeps ``resp`` as the app's last answer while it is not finished (see the module's
+        docstring: a lagging accounting placeholder does not override it)."""
+        if is_terminal(resp.state):
+            self._live_answers.pop(app_id, None)
+            return
+        self._live_answers[app_id] = resp
+        self._live_answers.move_to_end(app_id)
+        if len(self._live_answers) > _FINAL_CACHE_SIZE:
+            self._live_answers.popitem(last=False)
 
     def _remember_workdir(self, app_id: str, records: Iterable[SlurmJob]) -> None:
         for job in records:
