@@ -1165,7 +1165,8 @@ class UnknownSchedulerException(ValueError):
 
 
 class UnknownAppException(LookupError):
-    """Raised when an app does not exist or is not owned by the session asked about it."""
+    """Raised when an app does not exist, or its handle names another session than the runner's
+    (an app id names one app whatever the session: local records are read by any process)."""
 
     def __init__(self, app_handle: AppHandle, reason: str = "") -> None:
         super().__init__(
