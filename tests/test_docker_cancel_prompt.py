@@ -78,11 +78,11 @@ async def _cancel_timed(scheduler: DockerScheduler, app_id: str) -> float:
 async def test_a_cancel_returns_before_the_stop_timeout_and_the_app_ends_cancelled(
     docker_session: str, busybox_image: str
 ) -> None:
-    """runner.cancel of a replica that ignores SIGTERM (stop_timeout 20 s) returns at once; the
+    """runner.cancel of a replica that ignores SIGTERM (stop_timeout 6 s) returns at once; the
     replica is still running, the app reads "cancelling" for this process and another, and
     ``wait()`` returns CANCELLED once the engine has killed it (exit 137), its handler run once.
     It used to return only once the container had been killed (the whole stop timeout)."""
-    stop_timeout = 20
+    stop_timeout = 6
     try:
         async with AsyncRunner(name=docker_session) as runner:
             handle = await runner.run(

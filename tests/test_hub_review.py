@@ -557,7 +557,8 @@ async def test_the_hub_stops_polling_squeue_once_nobody_waits(
     """Once the only wait on an app is cancelled (nobody waits, watches or lists), the hub stops
     asking squeue (it polled every max_interval for as long as the job lived); a wait that
     comes later wakes it, and status() answers meanwhile."""
-    async with AsyncRunner(slurm_session, slurm_runner=slurm_runner) as r:
+    settings = PollSettings(min_interval=0.1, max_interval=0.5)
+    async with AsyncRunner(slurm_session, poll_settings=settings, slurm_runner=slurm_runner) as r:
         h = await r.run(AppDef("long", [sh("w", "sleep 60")]), "slurm", {"job_dir": str(job_dir)})
         try:
             waiter = asyncio.create_task(r.wait(h))
@@ -569,9 +570,9 @@ async def test_the_hub_stops_polling_squeue_once_nobody_waits(
             assert not hub.awaited()
             await until(lambda: hub._idle, 10, "the hub's idle sleep")
             before, rounds = squeue_calls(shims), hub.rounds
-            await asyncio.sleep(6)  # (longer than max_interval: nothing must happen)
+            await asyncio.sleep(2)  # (four max_intervals: nothing must happen)
             assert squeue_calls(shims) == before and hub.rounds == rounds, (
-                f"{squeue_calls(shims) - before} squeue calls in 6 s with nobody waiting"
+                f"{squeue_calls(shims) - before} squeue calls in 2 s with nobody waiting"
             )
             assert await state_of(r, h) in (AppState.PENDING, AppState.RUNNING)
             assert squeue_calls(shims) == before + 1  # status() asked, the hub did not

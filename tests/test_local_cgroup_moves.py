@@ -293,6 +293,7 @@ async def test_a_replica_killed_during_its_move_is_reaped_only_after_the_move(
             await asyncio.sleep(0.01)
     assert proc_state(rep.pid) is None
     assert token_procs(token) == []
+    app.wake.set()  # (its task, left waiting by this kill from outside, ends the app: close is quick)
 
 
 @pytest.mark.timeout(90)

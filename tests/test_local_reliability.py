@@ -862,7 +862,7 @@ async def test_a_cancel_whose_caller_is_cancelled_at_once_still_sends_sigterm(
     app ends CANCELLED."""
     out, ready = tmp_path / "terms", tmp_path / "ready"
     app = python_app("terms", COUNT_TERMS, {"OUT": str(out), "READY": str(ready)})
-    app_id = await sched.submit(app, {"cancel_grace_period": 10.0})
+    app_id = await sched.submit(app, {"cancel_grace_period": 2.0})
     await until(ready.exists, 20, "the handler to be installed")
     live = sched._runtime.apps[app_id]
     caller = asyncio.create_task(sched.cancel(app_id))
@@ -873,6 +873,8 @@ async def test_a_cancel_whose_caller_is_cancelled_at_once_still_sends_sigterm(
         await caller
     await until(lambda: out.exists() and out.stat().st_size >= 1, 20, "the SIGTERM")
     assert out.read_bytes() == bytes([signal.SIGTERM])
+    desc = await wait_for(sched, app_id)  # (SIGKILLed after the grace period)
+    assert desc.state == AppState.CANCELLED
 
 
 # exits at its second SIGTERM: the watchdog's (its launcher died), then a canceller's
