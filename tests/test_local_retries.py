@@ -212,3 +212,78 @@ async def test_another_process_sees_a_restart_while_its_scope_stops(
     finally:
         await other.close()
         await sched.cancel(app_id)
+
+
+async def _starts(s: LocalScheduler, app_id: str, role: str, k: int) -> int:
+    return [line async for line in s.log_iter(app_id, role, k)].count("start\n")
+
+
+@pytest.mark.timeout(60)
+async def test_under_replica_each_replica_has_its_own_retries(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """REPLICA, max_retries=1, two replicas each failing its first attempt once: each replica has
+    its own retry (as a container's restart policy on local_docker and an index's backoff limit
+    on Kubernetes), so the app succeeds. The role's one retry was spent by the first failure, and
+    the second failed the app (the fourteenth session's review)."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    script = (
+        f'echo start; M="$MARKS/{macros.replica_id}"; '
+        f'if [ ! -e "$M" ]; then touch "$M"; sleep 0.{macros.replica_id}; exit 1; fi; exit 0'
+    )
+    role = Role(
+        "w",
+        image=str(tmp_path),
+        entrypoint="sh",
+        args=["-c", script],
+        env={"MARKS": str(marks)},
+        num_replicas=2,
+        max_retries=1,
+        retry_policy=RetryPolicy.REPLICA,
+    )
+    app_id = await sched.submit(AppDef("perreplica", [role]), {})
+    desc = await wait_for(sched, app_id)
+    assert desc.state == AppState.SUCCEEDED, (desc.state, desc.msg)
+    assert desc.num_restarts == 2
+    assert [await _starts(sched, app_id, "w", k) for k in (0, 1)] == [2, 2]
+
+
+@pytest.mark.timeout(60)
+async def test_a_replica_failing_for_good_while_a_restart_stops_its_scope_is_not_restarted_over(
+    sched: LocalScheduler, tmp_path: Path
+) -> None:
+    """Role a (ROLE, one retry) restarts after a[0] fails; a[1] ignores SIGTERM, so the stop takes
+    the grace period. Meanwhile b[0] (no retries) fails: the app has failed. It ends FAILED, naming
+    b[0], once the stop is over, and role a is not started again (it was, then stopped again after
+    a second grace period)."""
+    a_script = (
+        f'echo start; if [ "{macros.replica_id}" = 0 ] && [ ! -e "$MARK" ]; then '
+        'while [ ! -e "$READY" ]; do sleep 0.01; done; touch "$MARK"; exit 3; fi; '
+        'touch "$READY"; trap "" TERM; while :; do sleep 0.05; done'
+    )
+    b_script = 'echo start; while [ ! -e "$MARK" ]; do sleep 0.01; done; sleep 0.3; exit 7'
+    env = {"MARK": str(tmp_path / "mark"), "READY": str(tmp_path / "ready")}
+    a = Role(
+        "a",
+        image=str(tmp_path),
+        entrypoint="sh",
+        args=["-c", a_script],
+        env=env,
+        num_replicas=2,
+        max_retries=1,
+        retry_policy=RetryPolicy.ROLE,
+    )
+    b = Role("b", image=str(tmp_path), entrypoint="sh", args=["-c", b_script], env=env)
+    grace = 2.0
+    app_id = await sched.submit(AppDef("oos", [a, b]), {"cancel_grace_period": grace})
+    await wait_for(sched, app_id, lambda d: d.num_restarts == 1)
+    restarted = asyncio.get_running_loop().time()
+    desc = await wait_for(sched, app_id, timeout=30)
+    took = asyncio.get_running_loop().time() - restarted
+    assert desc.state == AppState.FAILED
+    assert "b[0] exited with code 7" in desc.msg, desc.msg
+    assert [await _starts(sched, app_id, "a", k) for k in (0, 1)] == [1, 1]
+    assert took < 2 * grace, f"{took:.1f} s: a second grace period (the scope started again)"
+    states = [r.state for r in desc.roles_statuses[0].replicas]
+    assert states == [AppState.FAILED, AppState.CANCELLED]

@@ -33,8 +33,10 @@ before its first replica starts and every replica right after its spawn, stops t
 them FAILED ("the launcher (pid N) died"): nobody asked for that stop, so it is not a cancel. If the
 watchdog itself dies, the launcher starts a new one at once and registers everything again.
 
-Retries follow ``Role.max_retries`` (a budget per role) and ``Role.retry_policy``: REPLICA restarts the
-failed replica, ROLE every replica of its role, APPLICATION every replica of the app. A replica that
+Retries follow ``Role.max_retries`` and ``Role.retry_policy``: REPLICA restarts the failed replica
+(each replica has ``max_retries`` of its own, as a container's restart policy on ``local_docker``
+and an index's backoff limit on Kubernetes), ROLE every replica of its role, APPLICATION every
+replica of the app (a budget per role, spent by any of its replicas' failures). A replica that
 fails with no retries left fails the app, and its other replicas are stopped.
 
 Before an app starts, the file descriptors it needs (``FDS_PER_REPLICA`` per replica in this

@@ -124,9 +124,12 @@ class LiveApp:
     app_json: dict[str, Any]
     roles: list[Role]
     replicas: list[Replica]
-    retries_left: dict[str, int]
+    retries_left: dict[str, int]  # by role (a REPLICA role's stays at its max_retries)
     policies: dict[str, RetryPolicy]
     submitted_at: float
+    # the retries each replica of a REPLICA role has spent, by index: its own budget, as a
+    # container's restart policy on local_docker and an index's backoff limit on Kubernetes
+    replica_retries: dict[int, int] = field(default_factory=dict)
     state: AppState = AppState.PENDING
     msg: str = ""
     structured_error_msg: str = NONE
@@ -177,11 +180,15 @@ class LiveApp:
     def progress(self, rep: Replica) -> Progress:
         """Where the app stands, for judging an exit of ``rep``."""
         role = rep.req.role
+        policy = self.policies[role]
+        left = self.retries_left[role]
+        if policy == RetryPolicy.REPLICA:
+            left -= self.replica_retries.get(rep.index, 0)
         return Progress(
             replicas=len(self.replicas),
             succeeded=self.n_succeeded,
-            retries_left=self.retries_left[role],
-            policy=self.policies[role],
+            retries_left=left,
+            policy=policy,
             num_restarts=self.num_restarts,
         )
 

@@ -7,9 +7,10 @@ containers into a description and follow-up actions. Every state of a local app 
 is decided here:
 
 - a replica that exits 0 SUCCEEDED; the app SUCCEEDED once all of them did;
-- a replica that fails while its role has retries left is restarted, with the replicas its role's
-  ``RetryPolicy`` names (REPLICA: itself, ROLE: its role's, APPLICATION: all), the running ones
-  stopped first; they read PENDING until they start again;
+- a replica that fails while it has retries left (under REPLICA its own, else its role's) is
+  restarted, with the replicas its role's ``RetryPolicy`` names (REPLICA: itself, ROLE: its
+  role's, APPLICATION: all), the running ones stopped first; they read PENDING until they start
+  again;
 - a replica that fails with no retry left fails the app (with its message and structured error);
   the replicas still running are stopped and end CANCELLED;
 - a cancel stops every replica (CANCELLED, or SUCCEEDED for one that exits 0 while it stops) and

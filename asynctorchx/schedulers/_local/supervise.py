@@ -28,7 +28,7 @@ from asynctorchx.schedulers._local.live import Countdown, LiveApp, Replica
 from asynctorchx.schedulers._local.procs import LaunchError, kill_group
 from asynctorchx.schedulers._local.runtime import LocalRuntime
 from asynctorchx.schedulers._local.spawn import Spawner
-from asynctorchx.specs.api import NONE, AppState, is_terminal
+from asynctorchx.specs.api import NONE, AppState, RetryPolicy, is_terminal
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,10 @@ class AppSupervision:
         """Spends a retry of the failed replica's role and restarts its scope; True when the
         restart could not start (the app then failed)."""
         assert verdict.restart is not None
-        app.retries_left[failed.req.role] -= 1
+        if verdict.restart == RetryPolicy.REPLICA:  # each replica has its own retries
+            app.replica_retries[failed.index] = app.replica_retries.get(failed.index, 0) + 1
+        else:
+            app.retries_left[failed.req.role] -= 1
         app.num_restarts += 1
         app.msg = verdict.msg or app.msg
         roles = [r.req.role for r in app.replicas]
@@ -189,6 +192,21 @@ class AppSupervision:
         await self.stop(app, [r for r in targets if r.running], AppState.PENDING)
         if app.cancel_reason is not None:
             return False
+        # a replica outside the scope that failed for good while the scope stopped has failed the
+        # app: judged now, before the scope would start again only to be stopped once more
+        fatal = [
+            r
+            for r in app.exited
+            if r.exit_pending
+            and r not in targets
+            and state.judge_exit(r.as_exit(), app.progress(r)).app == AppState.FAILED
+        ]
+        if fatal:
+            app.exited = [r for r in app.exited if r not in fatal]
+            for rep in targets:  # (stopped for a restart that will not come)
+                if not rep.running and not is_terminal(rep.state):
+                    app.set_state(rep, AppState.FAILED if rep is failed else AppState.CANCELLED)
+            return await self._judge_batch(app, fatal)
         try:
             await self._start_again(app, targets)
         except LaunchError as e:
