@@ -39,8 +39,11 @@ class TaskSupervisor:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def spawn(self, coro: Coroutine[Any, Any, T], name: str | None = None) -> asyncio.Task[T]:
-        """Starts ``coro`` as a task owned by this supervisor.
+    def spawn(
+        self, coro: Coroutine[Any, Any, T], name: str | None = None, *, observed: bool = False
+    ) -> asyncio.Task[T]:
+        """Starts ``coro`` as a task owned by this supervisor. Its failure is logged as an error,
+        unless ``observed``: a caller awaits its result and handles the exception itself.
 
         Raises:
             RuntimeError: the supervisor is closed (the coroutine is closed, not leaked).
@@ -50,13 +53,18 @@ class TaskSupervisor:
             raise RuntimeError(f"{self._name}: cannot start a task after close()")
         task = asyncio.get_running_loop().create_task(coro, name=f"{self._name}:{name or 'task'}")
         self._tasks.add(task)
-        task.add_done_callback(self._on_done)
+        task.add_done_callback(self._on_observed if observed else self._on_done)
         return task
 
     def _on_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.error("background task %s failed", task.get_name(), exc_info=exc)
+
+    def _on_observed(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.debug("task %s failed (its caller has the error): %r", task.get_name(), exc)
 
     async def join(self) -> None:
         """Waits until every task started so far, and every task those start, has finished."""

@@ -252,3 +252,29 @@ async def test_the_combined_log_never_glues_a_partial_line_to_the_other_streams(
     assert await _lines(slurm_scheduler, app_id, "g", streams=Stream.STDOUT) == [
         "out-start out-end\n"
     ]
+
+
+@pytest.mark.timeout(120)
+def test_run_without_sbatch_prints_one_line_and_no_traceback(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    """`asynctorchx run -s slurm` with no sbatch on PATH: one error line naming the command (the
+    task supervisor logged the submit's exception with its traceback first, although the submit
+    passed it on to its caller)."""
+    import sys
+
+    env = {**os.environ, "PATH": "/nonexistent"}  # no sbatch, squeue or sacct
+    cmd = ["run", "-s", "slurm", "-cfg", f"job_dir={tmp_path / 'jd'}", "utils.echo", "--msg", "hi"]
+    done = subprocess.run(
+        [sys.executable, "-m", "asynctorchx", *cmd],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "sbatch" in lines[0], done.stderr

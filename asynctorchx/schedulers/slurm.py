@@ -456,7 +456,7 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
     async def _sbatch(self, req: SlurmBatchRequest) -> str:
         script = req.materialize()
-        submit = self._tasks.spawn(self._run(req.cmd, stdin=script), "sbatch")
+        submit = self._tasks.spawn(self._run(req.cmd, stdin=script), "sbatch", observed=True)
         try:
             result = await asyncio.shield(submit)
         except asyncio.CancelledError:
