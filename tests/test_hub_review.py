@@ -636,3 +636,67 @@ async def test_a_new_submit_is_followed_until_seen_then_the_hub_sleeps() -> None
                     assert event.handle == h
                     break
         assert phases == [LaunchPhase.SENT, LaunchPhase.SUBMITTED]
+
+
+# -- an error no retry mends ends the waits ------------------------------------------------------
+
+
+class _CommandMissing(FileNotFoundError):
+    permanent = True  # (as SlurmNotFoundError: a command that is not installed)
+
+
+class BrokenScheduler(GatedScheduler):
+    """A GatedScheduler whose rounds raise ``error`` while it is set."""
+
+    error: BaseException | None = None
+
+    async def describe_many(self, app_ids: Sequence[str]) -> dict[str, DescribeAppResponse | None]:
+        if self.error is not None:
+            self.describe_many_calls.append(list(app_ids))
+            async with self._described:
+                self._described.notify_all()
+            raise self.error
+        return await super().describe_many(app_ids)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["wait", "wait_all", "as_completed", "watch"])
+async def test_a_round_error_no_retry_mends_ends_every_wait_with_it(how: str) -> None:
+    """Rounds that fail with a permanent error (Slurm's squeue not installed: `asynctorchx wait`
+    hung for ever, while status/list/log said so at once) end the waits with that error; a
+    passing outage (any other error) keeps them waiting, and an answer clears the error."""
+    made: list[BrokenScheduler] = []
+
+    def factory(session_name: str, **params: Any) -> BrokenScheduler:
+        made.append(BrokenScheduler(session_name, **params))
+        return made[-1]
+
+    settings = FAST
+    async with AsyncRunner(
+        "test", scheduler_factories={"fake": factory}, poll_settings=settings
+    ) as r:
+        h = await r.run(fake_app(), "fake")
+        fake = made[0]
+        await fake.wait_described("fake-0")
+
+        async def waiting() -> object:
+            if how == "wait":
+                return await r.wait(h)
+            if how == "wait_all":
+                return await r.wait_all([h])
+            if how == "as_completed":
+                return [x async for x in r.as_completed([h])]
+            return [e async for e in r.watch([h])]
+
+        fake.error = OSError("the controller is restarting")  # a passing outage
+        waiter = asyncio.create_task(waiting())
+        await fake.rounds_pass(3)
+        assert not waiter.done(), waiter
+        fake.error = _CommandMissing("the Slurm command 'squeue' was not found")
+        with anyio.fail_after(10), pytest.raises(_CommandMissing):
+            await waiter
+        fake.error = None  # installed again: the next wait sees the app
+        fake.set_state("fake-0", AppState.SUCCEEDED)
+        with anyio.fail_after(10):
+            status = await r.wait(h)
+        assert status is not None and status.state == AppState.SUCCEEDED

@@ -278,3 +278,35 @@ def test_run_without_sbatch_prints_one_line_and_no_traceback(
     assert "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "sbatch" in lines[0], done.stderr
+
+
+@pytest.mark.timeout(120)
+def test_wait_without_squeue_ends_with_one_line_instead_of_hanging(
+    slurm_cluster: None, tmp_path: Path
+) -> None:
+    """`asynctorchx wait HANDLE` of a Slurm app with no squeue on PATH: one error line naming the
+    command, exit 1, as status/list/log say it (it waited for ever, taking each failed round for
+    an outage); `wait --timeout` no longer says "still running" of an app it never read."""
+    import sys
+
+    def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "asynctorchx", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd=tmp_path,
+            check=False,
+        )
+
+    run = cli("run", "-s", "slurm", "-cfg", f"job_dir={tmp_path / 'jd'}", "utils.sh", "true")
+    assert run.returncode == 0, run.stderr
+    handle = run.stdout.strip()
+    no_slurm = {**os.environ, "PATH": "/nonexistent"}
+    for args in ([handle], ["--timeout", "3", handle]):
+        done = cli("wait", *args, env=no_slurm)
+        assert done.returncode == 1, done
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        assert any("squeue" in line and "not found" in line for line in lines), done.stderr
+        assert "Traceback" not in done.stderr and "still running" not in done.stderr

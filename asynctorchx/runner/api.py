@@ -1000,7 +1000,7 @@ class AsyncRunner:
                 continue
 
             def on_change(e: AppEntry, handle: AppHandle = handle) -> None:
-                if e.final:
+                if e.final or e.error is not None:  # (error: the backend cannot be asked)
                     done.put_nowait((handle, e))
 
             stop_listening.append(hub.listen(entry, on_change))
@@ -1042,6 +1042,8 @@ class AsyncRunner:
                 handle, entry = item
                 if handle in seen:
                     continue
+                if not entry.final and entry.error is not None:
+                    raise entry.error  # no retry mends it (a Slurm command missing)
                 seen.add(handle)
                 pending -= 1
                 yield handle, entry.status
@@ -1066,7 +1068,7 @@ class AsyncRunner:
             TypeError: ``app_handles`` is one handle (a string) rather than an iterable of them.
         """
         self._check_open()
-        queue: asyncio.Queue[AppEvent] = asyncio.Queue()
+        queue: asyncio.Queue[AppEvent | BaseException] = asyncio.Queue()
         live: dict[AppHandle, AppEntry] = {}
         stop_listening: list[Callable[[], None]] = []
         last: dict[AppHandle, tuple[AppState, int] | None] = {}
@@ -1074,6 +1076,9 @@ class AsyncRunner:
 
         def emit(handle: AppHandle, entry: AppEntry) -> None:
             if handle in ended:
+                return
+            if not entry.final and entry.error is not None:  # the backend cannot be asked
+                queue.put_nowait(entry.error)
                 return
             resp = entry.response
             key = None if resp is None else (resp.state, resp.num_restarts)
@@ -1114,6 +1119,8 @@ class AsyncRunner:
             remaining = set(live)
             while remaining:
                 event = await self._next_item(queue, "watching apps")
+                if isinstance(event, BaseException):
+                    raise event  # no retry mends it (a Slurm command missing)
                 if event.is_terminal:
                     remaining.discard(event.handle)
                 yield event

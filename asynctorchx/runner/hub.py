@@ -169,6 +169,9 @@ class AppEntry:
     asked_at: float = -math.inf
     missing_since: float | None = None
     missing_count: int = 0
+    # set when the last round failed with an error no retry can mend (a Slurm command missing):
+    # the waiters raise it (a later round that answers clears it)
+    error: BaseException | None = None
 
     @property
     def status(self) -> AppStatus | None:
@@ -438,6 +441,7 @@ class StatusHub:
         entry = self.track(app_id)
         if entry.final:
             return entry
+        entry.error = None  # (a new wait asks again: the backend may have been mended since)
         deadline = math.inf if timeout is None else time.monotonic() + timeout
         bound = 0.0 if timeout is None else self.final_look_bound(timeout)
         if poll_hint is None:
@@ -450,6 +454,8 @@ class StatusHub:
         try:
             while not entry.final:
                 self._check_open()
+                if entry.error is not None:  # the backend cannot be asked (a permanent error)
+                    raise entry.error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     entry, token = self.consult(app_id)
@@ -604,6 +610,8 @@ class StatusHub:
             if not isinstance(e, Exception) and self._stopping():
                 raise
             self._round_failed(e, len(ids))
+            if getattr(e, "permanent", False):
+                self._give_up(ids, e)
             self._answered(ids, number)
             return False
         if self._last_failure is not None:
@@ -613,9 +621,24 @@ class StatusHub:
         for app_id in ids:
             entry = self._entries.get(app_id)
             if entry is not None and not entry.final:
+                entry.error = None
                 changed |= self._apply(entry, responses.get(app_id), asked_at)
         self._answered(ids, number)
         return changed
+
+    def _give_up(self, ids: list[str], error: BaseException) -> None:
+        """A round failed with an error that no retry mends (``permanent``: a Slurm command that
+        is not installed): the waiters of its apps raise it rather than wait for ever."""
+        for app_id in ids:
+            entry = self._entries.get(app_id)
+            if entry is None or entry.final:
+                continue
+            entry.error = error
+            entry.changed.set()
+            if entry.answered is not None:
+                entry.answered.set()
+            for listener in list(entry._listeners.values()):
+                listener(entry)
 
     def _round_failed(self, error: BaseException, n: int) -> None:
         """Logs a failed round in one line (the traceback at DEBUG): at WARNING when its error

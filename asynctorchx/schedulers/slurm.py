@@ -188,7 +188,11 @@ class SlurmSubmitError(SlurmCommandError):
 
 
 class SlurmNotFoundError(FileNotFoundError):
-    """Raised when a Slurm command is not installed; the message says what to install."""
+    """Raised when a Slurm command is not installed; the message says what to install.
+
+    ``permanent``: no retry mends it, so a runner's waits raise it rather than wait for ever."""
+
+    permanent = True
 
     def __init__(self, program: str) -> None:
         super().__init__(f"the Slurm command {program!r} was not found: {_INSTALL_HINT}")
