@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,24 @@ async def test_the_combined_log_never_glues_a_partial_line_to_the_other_streams(
     ]
 
 
+#: the environment of a CLI with no Slurm command on its PATH (no sbatch, squeue or sacct)
+NO_SLURM = {**os.environ, "PATH": "/nonexistent"}
+
+
+def _cli(
+    cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asynctorchx", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=cwd,
+        check=False,
+    )
+
+
 @pytest.mark.timeout(120)
 def test_run_without_sbatch_prints_one_line_and_no_traceback(
     slurm_cluster: None, tmp_path: Path
@@ -261,18 +280,9 @@ def test_run_without_sbatch_prints_one_line_and_no_traceback(
     """`asynctorchx run -s slurm` with no sbatch on PATH: one error line naming the command (the
     task supervisor logged the submit's exception with its traceback first, although the submit
     passed it on to its caller)."""
-    import sys
-
-    env = {**os.environ, "PATH": "/nonexistent"}  # no sbatch, squeue or sacct
-    cmd = ["run", "-s", "slurm", "-cfg", f"job_dir={tmp_path / 'jd'}", "utils.echo", "--msg", "hi"]
-    done = subprocess.run(
-        [sys.executable, "-m", "asynctorchx", *cmd],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=100,
-        cwd=tmp_path,
-        check=False,
+    cfg = f"job_dir={tmp_path / 'jd'}"
+    done = _cli(
+        tmp_path, "run", "-s", "slurm", "-cfg", cfg, "utils.echo", "--msg", "hi", env=NO_SLURM
     )
     assert done.returncode == 1 and done.stdout == ""
     assert "Traceback" not in done.stderr, done.stderr
@@ -287,25 +297,12 @@ def test_wait_without_squeue_ends_with_one_line_instead_of_hanging(
     """`asynctorchx wait HANDLE` of a Slurm app with no squeue on PATH: one error line naming the
     command, exit 1, as status/list/log say it (it waited for ever, taking each failed round for
     an outage); `wait --timeout` no longer says "still running" of an app it never read."""
-    import sys
-
-    def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "asynctorchx", *args],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            cwd=tmp_path,
-            check=False,
-        )
-
-    run = cli("run", "-s", "slurm", "-cfg", f"job_dir={tmp_path / 'jd'}", "utils.sh", "true")
+    cfg = f"job_dir={tmp_path / 'jd'}"
+    run = _cli(tmp_path, "run", "-s", "slurm", "-cfg", cfg, "utils.sh", "true")
     assert run.returncode == 0, run.stderr
     handle = run.stdout.strip()
-    no_slurm = {**os.environ, "PATH": "/nonexistent"}
     for args in ([handle], ["--timeout", "3", handle]):
-        done = cli("wait", *args, env=no_slurm)
+        done = _cli(tmp_path, "wait", *args, env=NO_SLURM)
         assert done.returncode == 1, done
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert any("squeue" in line and "not found" in line for line in lines), done.stderr
