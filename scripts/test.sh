@@ -35,6 +35,8 @@ else
 fi
 
 log "tests"
-# Engine-backed tests fail (not skip) when their engine is missing.
+# Engine-backed tests fail (not skip) when their engine is missing. One worker per core
+# (pytest-xdist); tests/conftest.py keeps each module on one worker and every module that uses Docker
+# or Slurm on the same one. pytest-benchmark, when the machine has it, refuses to load beside xdist.
 export ASYNCTORCHX_REQUIRE_ENGINES=1
-exec python3 -m pytest "$@"
+exec python3 -m pytest -n "${ASYNCTORCHX_TEST_WORKERS:-auto}" --dist loadgroup -p no:benchmark "$@"
