@@ -100,6 +100,7 @@ class EventFeed:
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._kill_waiters: dict[str, set[asyncio.Event]] = {}  # by container id, see ``kills``
         self._settling: set[str] = set()
+        self._settle_again: set[str] = set()  # containers that exited again while settling
         self._died: dict[str, tuple[int | None, float]] = {}
         self._last_event: OrderedDict[str, float] = OrderedDict()
         self._failed: OrderedDict[str, None] = OrderedDict()  # apps with a failure or cancel seen
@@ -206,7 +207,12 @@ class EventFeed:
             if may_restart(attrs, code):
                 # Docker may restart it (REPLICA retries): wait for the engine to settle first.
                 self._invalidate(app_id)
-                self._spawn(("settle", cid), self._settle(app_id, cid))
+                if f"settle:{cid}" in self._settling:
+                    # It exited again (a REPLICA retry's run) while the last exit settles: that
+                    # inspect may have come back before this exit, so it must look once more.
+                    self._settle_again.add(cid)
+                else:
+                    self._spawn(("settle", cid), self._settle(app_id, cid))
                 return
         else:
             self._invalidate(app_id)
@@ -237,13 +243,26 @@ class EventFeed:
         """Waits until the engine has handled a container's exit, then reports the change.
 
         Inspecting a container waits for the engine's lock on it, which it holds until the exit is
-        fully recorded (and the container restarted, if its restart policy says so).
+        fully recorded (and the container restarted, if its restart policy says so). An exit that
+        comes while it inspects is settled by another inspect: without it, the listing that follows
+        could show the container running after its last exit, and no event would come to say
+        otherwise (a status stuck at RUNNING until the listing's snapshot grows old).
         """
         try:
-            await self._engine.inspect_container(cid)
-        except DockerSchedulerError as e:
-            logger.debug("inspecting %s after its exit failed: %s", cid[:12], e)
+            while True:
+                self._settle_again.discard(cid)
+                try:
+                    await self._engine.inspect_container(cid)
+                except DockerSchedulerError as e:
+                    logger.debug("inspecting %s after its exit failed: %s", cid[:12], e)
+                if cid not in self._settle_again:
+                    break
+        finally:
+            self._settle_again.discard(cid)
         self._died.pop(cid, None)
+        # A listing taken while it settled may show the container as it was before the exit: now
+        # that the engine has recorded it, the next status lists again.
+        self._invalidate(app_id)
         self._changed(app_id, follow_up=True)
 
     def _spawn(self, key: tuple[str, ...], coro: Any) -> None:
