@@ -4,12 +4,16 @@
 async context managers. When their block is left by an exception or by the cancellation of the
 enclosing task, every app they launched is cancelled and waited for until it is terminal. That
 clean-up runs in a task of the runner, so neither a second ``Task.cancel()`` nor an anyio cancel
-scope interrupts it, and it is bounded by ``cleanup_timeout``.
+scope interrupts it. Every cancel is carried to the backend whatever ``cleanup_timeout`` is (a
+cancel cut off would leave the app running with nobody owning it; only the runner's
+``close_timeout`` bounds a backend that never answers); ``cleanup_timeout`` bounds the wait for the
+cancelled apps to end. Apps the runner already saw end are not cancelled.
 
 A submission made inside such a block is protected too: a cancellation that arrives while the
 backend is being asked waits for its answer (the app exists or not, and then the block knows it)
 instead of abandoning a job nobody knows the id of. A launch still waiting for a submit slot
-(``Limits``) is cancelled at once and submits nothing.
+(``Limits``) is cancelled at once and submits nothing; one that gets its slot after its block ended
+by an exception submits nothing either (it raises RuntimeError).
 """
 
 from __future__ import annotations
@@ -52,12 +56,17 @@ class Launcher:
     watch_final: WatchFinal
     #: True once the runner's close has begun (it then refuses every call)
     closed: Callable[[], bool]
+    #: True when the runner already saw the app end (its status hub's entry is final)
+    known_final: Callable[[AppHandle], bool]
+    #: the runner's ``close_timeout``: how long a clean-up's cancel call may take
+    close_timeout: float
 
 
 class GangFailedError(Exception):
     """Raised when an app of a gang (``launch_group(gang=True)``) did not succeed.
 
-    The other apps of the gang were cancelled (and waited for) before this was raised.
+    The other apps of the gang that had not ended yet were cancelled (and waited for) before this
+    was raised; the message says how many.
 
     Attributes:
         handle: the app that ended first without succeeding.
@@ -78,6 +87,10 @@ class _SubmitGuard:
     """Set (as a context variable) by a launch group around the submissions it makes."""
 
     on_submitted: Callable[[AppHandle], None]
+    #: True once the group's block has ended and cancels what is submitted late: a launch that
+    #: only now gets its submit slot (or its turn) must submit nothing, since the app would only
+    #: be cancelled again, and on the cluster the limits are there to spare
+    closing: Callable[[], bool]
 
 
 _SUBMIT_GUARD: contextvars.ContextVar[_SubmitGuard | None] = contextvars.ContextVar(
@@ -104,13 +117,15 @@ async def shielded(
     coro: Coroutine[Any, Any, T],
     name: str,
     on_result: Callable[[T], None] | None = None,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> T:
     """Runs ``coro`` to completion even if the caller is cancelled meanwhile.
 
     ``coro`` runs as a task of ``supervisor``; the caller waits for it under an anyio shield (scope
     cancellation) and through ``Task.cancel()`` (native cancellation). ``on_result`` gets the result
-    first; then a cancellation that arrived meanwhile is raised (even if ``coro`` failed), else the
-    result is returned or ``coro``'s exception raised.
+    first; then a cancellation that arrived meanwhile is raised (even if ``coro`` failed: then
+    ``on_error`` gets ``coro``'s exception first, which the caller would otherwise never see), else
+    the result is returned or ``coro``'s exception raised.
 
     Raises:
         RuntimeError: the supervisor was closed (the runner closed) before the task finished.
@@ -129,6 +144,8 @@ async def shielded(
     if error is None and on_result is not None:
         on_result(result)  # type: ignore[arg-type]  # coro returned a T
     if cancelled is not None:
+        if error is not None and on_error is not None:
+            on_error(error)
         raise cancelled
     if error is not None:
         raise error
@@ -149,6 +166,25 @@ def _check_timeout(value: object) -> float:
 class _Member:
     handle: AppHandle
     stop_watching: Callable[[], None] | None = None
+
+
+@dataclass
+class _Cleanup:
+    """What a launch block's clean-up did with the apps it was to stop."""
+
+    #: the apps whose cancel the backend accepted
+    cancelled: list[AppHandle] = field(default_factory=list)
+    #: the apps whose cancel failed or was not sent, with why: they may well still run
+    not_cancelled: dict[AppHandle, str] = field(default_factory=dict)
+    #: the apps cancelled but not seen terminal within ``cleanup_timeout``
+    not_terminal: list[AppHandle] = field(default_factory=list)
+    #: the runner was closed first: it refused the calls, and these apps were not cancelled
+    runner_closed: list[AppHandle] = field(default_factory=list)
+
+    @property
+    def left(self) -> list[AppHandle]:
+        """The apps not confirmed stopped."""
+        return [*self.runner_closed, *self.not_cancelled, *self.not_terminal]
 
 
 @dataclass
@@ -191,7 +227,8 @@ class LaunchGroup:
         Raises:
             RuntimeError: the group's block has ended (also when it ended while this app was being
                 submitted, from a task that outlived the block, and the block's apps were
-                cancelled: this app then was too).
+                cancelled: this app then was too; and when it ended so while this launch still
+                waited for its submit slot or its turn: then nothing was submitted).
             TypeError: ``component_args`` given with an ``AppDef``.
         """
         if self._closing:
@@ -200,10 +237,10 @@ class LaunchGroup:
         try:
             handle = await self._launch(app, scheduler, cfg, component_args, late, run_kwargs)
         except BaseException:
-            await self._cleanup(late, self._cleanup_timeout)
+            self._report_late(await self._cleanup(late, self._cleanup_timeout))
             raise
         if late:
-            await self._cleanup(late, self._cleanup_timeout)
+            self._report_late(await self._cleanup(late, self._cleanup_timeout))
             raise RuntimeError(
                 f"the launch group's block ended while {handle} was being submitted: "
                 "it was cancelled with the group's other apps"
@@ -219,7 +256,9 @@ class LaunchGroup:
         late: list[AppHandle],
         run_kwargs: dict[str, Any],
     ) -> AppHandle:
-        guard = _SubmitGuard(lambda handle: self._add(handle, late))
+        guard = _SubmitGuard(
+            lambda handle: self._add(handle, late), lambda: self._closing and self._cancel_late
+        )
         token = _SUBMIT_GUARD.set(guard)
         try:
             if isinstance(app, AppDef):
@@ -277,56 +316,103 @@ class LaunchGroup:
             if member.stop_watching is not None:
                 member.stop_watching()
 
-    async def _stop_all(self, handles: list[AppHandle], seconds: float) -> list[AppHandle]:
-        """Cancels ``handles`` and waits for them to be terminal; returns those not confirmed in time."""
+    async def _stop_all(self, handles: list[AppHandle], seconds: float) -> _Cleanup:
+        """Cancels ``handles`` and waits (``seconds`` after each cancel) for them to be terminal."""
         runner = self._runner
-        unconfirmed = set(handles)
+        # a cancel cut off by cleanup_timeout would leave the app running while the block believes
+        # it cancelled it: every cancel runs to its end, bounded only as the runner's close bounds
+        # a backend call (a backend that never answers must not hold the block forever)
+        bound = runner.close_timeout
+        cancelled: set[AppHandle] = set()
+        terminal: set[AppHandle] = set()
+        not_cancelled: dict[AppHandle, str] = {}
 
         async def stop(handle: AppHandle) -> None:
             try:
-                await runner.cancel(handle)
-                await runner.wait(handle)
-                unconfirmed.discard(handle)
-            except Exception:
-                if runner.closed():  # it refuses calls now: the block reports that
+                with anyio.move_on_after(bound) as scope:
+                    await runner.cancel(handle)
+            except Exception as e:
+                if not runner.closed():  # (a closed runner refuses calls: the block reports that)
+                    not_cancelled[handle] = f"{type(e).__name__}: {e}"
+                return
+            if scope.cancelled_caught:
+                not_cancelled[handle] = (
+                    f"the backend did not answer the cancel within {bound:g} s "
+                    "(AsyncRunner close_timeout)"
+                )
+                return
+            cancelled.add(handle)
+            with anyio.move_on_after(seconds):
+                try:
+                    await runner.wait(handle)
+                except Exception:
+                    if not runner.closed():
+                        logger.exception(
+                            "waiting for %s to end after its launch block cancelled it failed",
+                            handle,
+                        )
                     return
-                logger.exception("cancelling %s on leaving its launch block failed", handle)
+                terminal.add(handle)
 
-        with anyio.move_on_after(seconds):
-            async with anyio.create_task_group() as tg:
-                for handle in handles:
-                    tg.start_soon(stop, handle)
-        return [h for h in handles if h in unconfirmed]
+        async with anyio.create_task_group() as tg:
+            for handle in handles:
+                tg.start_soon(stop, handle)
+        done = _Cleanup(cancelled=[h for h in handles if h in cancelled])
+        for handle in handles:
+            if handle in not_cancelled:
+                done.not_cancelled[handle] = not_cancelled[handle]
+            elif handle not in terminal:
+                if handle in cancelled:
+                    done.not_terminal.append(handle)
+                else:  # neither cancelled nor refused: the runner closed under it
+                    done.runner_closed.append(handle)
+        return done
 
-    async def _cleanup(self, handles: list[AppHandle], seconds: float) -> list[AppHandle]:
+    async def _cleanup(self, handles: list[AppHandle], seconds: float) -> _Cleanup:
         if not handles:
-            return []
+            return _Cleanup()
         if self._runner.closed():  # (its close may still be under way: it refuses calls)
             self._runner_closed = True
-            return handles
+            return _Cleanup(runner_closed=list(handles))
         try:
-            left = await shielded(
+            done = await shielded(
                 self._runner.supervisor,
                 self._stop_all(handles, seconds),
                 name="cancel launched apps",
             )
         except RuntimeError:  # the runner closed: it stopped what it owns; nothing more to do here
             self._runner_closed = True
-            return handles
-        if left and self._runner.closed():  # closed during the clean-up: not a timeout
+            return _Cleanup(runner_closed=list(handles))
+        if done.left and self._runner.closed():  # closed during the clean-up: not a timeout
             self._runner_closed = True
-        return left
+        return done
 
-    def _not_stopped(self, left: list[AppHandle], timeout: float) -> str:
+    def _report_late(self, done: _Cleanup) -> None:
+        """Logs what the clean-up of a launch that completed after its block could not stop (the
+        launch raises its own error)."""
+        if done.left:
+            logger.warning("%s", self._not_stopped(done, self._cleanup_timeout))
+
+    def _not_stopped(self, done: _Cleanup, timeout: float) -> str:
         if self._runner_closed:
+            left = done.left
             return (
                 f"the runner was closed inside the launch block, so {len(left)} app(s) it "
                 f"launched were not cancelled: {', '.join(left)}"
             )
-        return (
-            f"{len(left)} app(s) were not terminal {timeout:g} s after the launch block "
-            f"cancelled them: {', '.join(left)}"
-        )
+        parts = []
+        if done.not_cancelled:
+            why = ", ".join(f"{h} ({reason})" for h, reason in done.not_cancelled.items())
+            parts.append(
+                f"{len(done.not_cancelled)} app(s) could not be cancelled on leaving the launch "
+                f"block: {why}"
+            )
+        if done.not_terminal:
+            parts.append(
+                f"{len(done.not_terminal)} app(s) were not terminal {timeout:g} s after the "
+                f"launch block cancelled them: {', '.join(done.not_terminal)}"
+            )
+        return "; ".join(parts)
 
 
 @contextlib.asynccontextmanager
@@ -359,14 +445,18 @@ async def launch_group(
         group._cancel_late = failure is not None or (
             cancel_on_normal_exit if ended_normally else cancel_on_exit
         )
-        left = await group._cleanup(stop, timeout)
-        if left and (failure is not None or not ended_normally):  # else raised below
-            logger.warning("%s", group._not_stopped(left, timeout))
+        # an app the runner already saw end needs no cancel, and was not cancelled by the block
+        stop = [h for h in stop if not runner.known_final(h)]
+        done = await group._cleanup(stop, timeout)
+        if done.left and (failure is not None or not ended_normally):  # else raised below
+            logger.warning("%s", group._not_stopped(done, timeout))
     if failure is not None:
-        raise GangFailedError(failure[0], failure[1], len(stop))
-    if left:
-        error = RuntimeError if group._runner_closed else TimeoutError
-        raise error(group._not_stopped(left, timeout))
+        raise GangFailedError(failure[0], failure[1], len(done.cancelled))
+    if done.left:
+        # only apps merely slow to end make a timeout; a refused cancel is an error of its own
+        timed_out = not group._runner_closed and not done.not_cancelled
+        error = TimeoutError if timed_out else RuntimeError
+        raise error(group._not_stopped(done, timeout))
 
 
 @contextlib.asynccontextmanager

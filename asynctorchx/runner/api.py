@@ -704,6 +704,9 @@ class AsyncRunner:
                 )
 
         handles: list[AppHandle] = []
+        # a guarded submit the backend refused while its caller was cancelled: the refusal, not
+        # the cancellation, is what happened to the launch
+        refused: list[Exception] = []
 
         def submitted(app_id: str) -> None:
             handles.append(make_app_handle(backend, self._name, app_id))
@@ -718,6 +721,13 @@ class AsyncRunner:
                 else contextlib.nullcontext()
             ):
                 self._check_not_closed()  # closed while this launch waited for its slot
+                if guard is not None and guard.closing():
+                    # its block failed while it waited for its slot or its turn: the app would
+                    # only be cancelled again, at the cost of two calls to the backend
+                    raise RuntimeError(
+                        "the launch group's block ended while this launch waited for its turn: "
+                        "nothing was submitted"
+                    )
                 emit(LaunchPhase.SENT)
                 if guard is None:
                     app_id = await scheduler.schedule(dryrun_info)
@@ -729,9 +739,12 @@ class AsyncRunner:
                     scheduler.schedule(dryrun_info),
                     name=f"submit:{backend}",
                     on_result=submitted,
+                    on_error=refused.append,
                 )
         except asyncio.CancelledError:
-            if not handles:  # a guarded submit reports SUBMITTED, then the cancellation
+            if refused:
+                emit(LaunchPhase.FAILED, error=f"{type(refused[0]).__name__}: {refused[0]}")
+            elif not handles:  # a guarded submit reports SUBMITTED, then the cancellation
                 emit(LaunchPhase.CANCELLED)
             raise
         except Exception as e:
@@ -762,10 +775,12 @@ class AsyncRunner:
 
         ``async with runner.launched(app, "slurm") as handle:`` — when the block is left by an
         exception or because the enclosing task was cancelled, the app is cancelled and waited for
-        until it is terminal (shielded from further cancellation, at most ``cleanup_timeout``
-        seconds); when the block ends normally the app keeps running, unless
-        ``cancel_on_normal_exit``. A cancellation that arrives while the backend is being asked
-        waits for its answer, so that the app it made is cancelled too.
+        until it is terminal (shielded from further cancellation; the cancel always reaches the
+        backend, and the wait for the app to end lasts at most ``cleanup_timeout`` seconds after
+        it); when the block ends normally the app keeps running, unless
+        ``cancel_on_normal_exit``. An app the runner already saw end is not cancelled. A
+        cancellation that arrives while the backend is being asked waits for its answer, so that
+        the app it made is cancelled too.
 
         Args:
             app: an ``AppDef``, or a component name (as ``run_component`` takes).
@@ -774,14 +789,17 @@ class AsyncRunner:
             component_args: the component's arguments (only with a component name).
             cancel_on_exit: cancel the app when the block raises or is cancelled.
             cancel_on_normal_exit: cancel it also when the block ends normally.
-            cleanup_timeout: how long leaving the block may wait for the app to end.
+            cleanup_timeout: how long leaving the block may wait for the app to end once it was
+                cancelled (the cancel call itself is bounded only by the runner's
+                ``close_timeout``).
             **run_kwargs: passed to ``run``/``run_component`` as they are.
 
         Raises:
             TimeoutError: on a normal exit with ``cancel_on_normal_exit``, the app was not terminal
                 after ``cleanup_timeout`` (on other exits this is logged: their exception wins).
             RuntimeError: the runner is closed, or was closed inside the block before it could
-                cancel the app (logged likewise on other exits).
+                cancel the app, or the backend refused the cancel (the message says why; logged
+                likewise on other exits).
             ValueError: ``cleanup_timeout`` is not a finite number > 0.
         """
         self._check_open()
@@ -815,8 +833,9 @@ class AsyncRunner:
         ``GangFailedError``; the gang is watched while the block runs.
 
         Raises:
-            GangFailedError: in a gang, an app did not succeed (the others were cancelled).
-            TimeoutError: as for ``launched``.
+            GangFailedError: in a gang, an app did not succeed (the others still running were
+                cancelled; the message says how many).
+            TimeoutError, RuntimeError: as for ``launched``.
         """
         self._check_open()
         return _launch.launch_group(
@@ -852,7 +871,20 @@ class AsyncRunner:
             supervisor=self._supervisor,
             watch_final=self._watch_final,
             closed=lambda: self._state is _Lifecycle.CLOSED,
+            known_final=self._known_final,
+            close_timeout=self._close_timeout,
         )
+
+    def _known_final(self, handle: AppHandle) -> bool:
+        """True when the runner already saw the app end (its hub's entry is final): a launch
+        block's clean-up sends it no cancel."""
+        try:
+            backend, app_id = self._split(handle)
+        except Exception:  # not expected of a handle the runner made; cancelling it is harmless
+            return False
+        hub = self._hubs.get(backend)
+        entry = None if hub is None else hub.entry(app_id)
+        return entry is not None and entry.final
 
     def _watch_final(
         self, handle: AppHandle, on_final: Callable[[AppStatus | None], None]
