@@ -173,10 +173,15 @@ async def sweep(apps: int, concurrency: int, sleep: float, root: str) -> dict[st
     }
 
 
-async def floor(apps: int, concurrency: int, sleep: float) -> dict[str, Any]:
+async def floor(
+    apps: int, concurrency: int, sleep: float, script: str | None = None
+) -> dict[str, Any]:
+    """The sweep's programs (or ``sh -c script``) spawned, read and reaped on bare asyncio."""
     loop = asyncio.get_running_loop()
     env = {os.fsencode(k): os.fsencode(v) for k, v in os.environ.items()}
-    argv = ["sh", "-c", (f"sleep {sleep}; " if sleep > 0 else "") + "date +%s.%N"]
+    if script is None:
+        script = (f"sleep {sleep}; " if sleep > 0 else "") + "date +%s.%N"
+    argv = ["sh", "-c", script]
     sh = shutil.which("sh") or "/bin/sh"
     slots = asyncio.Semaphore(concurrency)
 

@@ -5,6 +5,7 @@
     python benchmarks/profile_launch.py syscalls 200        # system calls per app (needs strace)
     python benchmarks/profile_launch.py spawnwait 300       # how long one spawn blocks its caller
     python benchmarks/profile_launch.py readers 300         # a loop reader against an epoll set's
+    python benchmarks/profile_launch.py floor 200           # the fan-out's floor on bare asyncio
 
 The fan-out is compare_torchx's (``_compare_worker.py fanout``): a fresh interpreter, a fresh state
 root under the temp dir (``--root`` for another parent), one warm-up app, then N apps of
@@ -25,6 +26,11 @@ until then) against its CPU time. The difference is the child waiting for a core
 removing an asyncio reader (``loop.add_reader``/``remove_reader``, what a replica's two pipes and
 pidfd cost today) against registering and unregistering it in an epoll set of one's own (one
 ``epoll_ctl`` each, plus the callback kept in a dict), over N pipes ten times.
+
+``floor`` is the fan-out with none of asynctorchx: the same N programs spawned at once the way
+``bench_sweep.py --floor`` spawns them (``os.posix_spawn`` in a new session, both pipes read to EOF,
+the exit reaped through a pidfd; no record, cgroup, log file or status), after one warm-up spawn, in
+a fresh interpreter like the fan-out's. It is the machine's own time for what the fan-out asks.
 """
 
 from __future__ import annotations
@@ -70,6 +76,15 @@ def by_kind(stats: Any) -> dict[str, float]:
     return {k: round(v, 4) for k, v in out.most_common()}
 
 
+def machine_cpu() -> tuple[float, float]:
+    """The machine's CPU seconds so far, (busy, idle), summed over its cores (``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:8]]
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = ticks[3] + ticks[4]
+    return (sum(ticks) - idle) / hz, idle / hz
+
+
 async def fanout(n: int, workdir: str, profile: bool) -> dict[str, Any]:
     from asynctorchx import AsyncRunner, specs
 
@@ -85,17 +100,32 @@ async def fanout(n: int, workdir: str, profile: bool) -> dict[str, Any]:
 
             profiler = cProfile.Profile()
             profiler.enable()
-        c0, t0 = os.times(), time.perf_counter()
+        m0, c0, l0, t0 = machine_cpu(), os.times(), time.thread_time(), time.perf_counter()
         handles = await asyncio.gather(*(runner.run(app, "local_cwd") for _ in range(n)))
         launched = time.perf_counter() - t0
         done = await runner.wait_all(handles)
-        elapsed, c1 = time.perf_counter() - t0, os.times()
+        elapsed, l1, c1, m1 = (
+            time.perf_counter() - t0,
+            time.thread_time(),
+            os.times(),
+            machine_cpu(),
+        )
+        per_app_ms = 1000 / n
         result: dict[str, Any] = {
             "n": n,
             "seconds": elapsed,
             "all_launched_s": launched,
             "launcher_cpu_user_s": c1.user - c0.user,
             "launcher_cpu_sys_s": c1.system - c0.system,
+            # per app: the loop thread's CPU, the apps' (reaped children), and the whole machine's
+            # CPU time busy and idle over the fan-out (both cores: busy + idle = 2 x wall)
+            "loop_thread_cpu_ms_per_app": (l1 - l0) * per_app_ms,
+            "children_cpu_ms_per_app": (
+                c1.children_user + c1.children_system - c0.children_user - c0.children_system
+            )
+            * per_app_ms,
+            "machine_busy_ms_per_app": (m1[0] - m0[0]) * per_app_ms,
+            "machine_idle_ms_per_app": (m1[1] - m0[1]) * per_app_ms,
             "succeeded": sum(
                 1 for s in done.values() if s is not None and s.state == specs.AppState.SUCCEEDED
             ),
@@ -248,11 +278,20 @@ async def readers(n: int) -> dict[str, Any]:
     }
 
 
+def floor(n: int) -> dict[str, Any]:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_sweep import floor as bare
+
+    asyncio.run(bare(1, 1, 0.0, script="exit 0"))  # the warm-up, as in the fan-out
+    result = asyncio.run(bare(n, n, 0.0, script="exit 0"))
+    return {"n": n, "seconds": result["wall_s"], **result}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=["run", "syscalls", "spawnwait", "readers"])
+    parser.add_argument("mode", choices=["run", "syscalls", "spawnwait", "readers", "floor"])
     parser.add_argument("n", type=int)
     parser.add_argument("--root", help="parent of the state root (default: the temp dir)")
     parser.add_argument("--cprofile", action="store_true", help="profile the event loop's thread")
@@ -264,6 +303,8 @@ def main() -> None:
         print(json.dumps(run(args.n, args.root, args.cprofile, args.keep)))
     elif args.mode == "readers":
         print(json.dumps(asyncio.run(readers(args.n))))
+    elif args.mode == "floor":
+        print(json.dumps(floor(args.n)))
     elif args.mode == "spawnwait":
         print(json.dumps(spawn_wait(args.n)))
     else:
