@@ -74,12 +74,19 @@ def _check_encodable(field_name: str, value: str, role: str) -> None:
     Raises:
         InvalidAppDefException: naming the role, the field and the value.
     """
+    if not _encodable(value):
+        raise _bad(
+            field_name, value, "a string without lone surrogates (it cannot be encoded)", role
+        )
+
+
+def _encodable(value: str) -> bool:
+    """False when ``value`` holds a lone surrogate (see ``_check_encodable``)."""
     try:
         value.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
-        raise _bad(
-            field_name, value, "a string without lone surrogates (it cannot be encoded)", role
-        ) from None
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +127,12 @@ class Resource:
                 raise _bad(f"resource.{name}", value, "a number", role)
             if not 0 <= value < float("inf"):  # (NaN too)
                 raise _bad(f"resource.{name}", value, "a finite number >= 0", role)
+        gpu: object = self.gpu  # (typed int, but a float is accepted: 2.0)
+        if isinstance(gpu, float) and not gpu.is_integer():
+            # GPUs are whole devices (TorchX types gpu as an int): a fraction has no meaning to any
+            # backend, and rounding it (to 0 GPUs) would silently give the replica none, or all
+            # of the host's. A float that is whole (2.0) means that many and passes.
+            raise _bad("resource.gpu", self.gpu, "a whole number of GPUs", role)
         if not isinstance(self.capabilities, dict):
             raise _bad("resource.capabilities", self.capabilities, "a dict", role)
         if not isinstance(self.devices, dict):
@@ -926,6 +939,18 @@ def _holds_nul(value: CfgVal) -> bool:
     return False
 
 
+def _holds_unencodable(value: CfgVal) -> bool:
+    """True when ``value`` (a string, or a list or dict of them) holds a string that cannot be
+    encoded (a lone surrogate: ``_encodable``)."""
+    if isinstance(value, str):
+        return not _encodable(value)
+    if isinstance(value, list):
+        return any(isinstance(v, str) and not _encodable(v) for v in value)
+    if isinstance(value, dict):
+        return any(not _encodable(f"{k}{v}") for k, v in value.items())
+    return False
+
+
 class runopts:
     """The run options a scheduler accepts, with typed parsing from strings and resolution of defaults."""
 
@@ -999,7 +1024,7 @@ class runopts:
 
         Raises:
             InvalidRunConfigException: a required option is missing, a value has the wrong type, or
-                a string in it holds a NUL character.
+                a string in it holds a NUL character or a lone surrogate.
         """
         resolved: dict[str, CfgVal] = dict(cfg)
         for key, opt in self._opts.items():
@@ -1023,6 +1048,16 @@ class runopts:
                 # a path, a command-line argument or an environment value: none can hold one
                 raise InvalidRunConfigException(
                     f"Run option {key!r} must not contain a NUL character, got {val!r}", key, cfg
+                )
+            elif _holds_unencodable(val):
+                # as an AppDef's strings are (_check_encodable): a path or an argument with a lone
+                # surrogate has no bytes, and would fail at the launch (os.makedirs's bare
+                # UnicodeEncodeError) rather than here, naming the option
+                raise InvalidRunConfigException(
+                    f"Run option {key!r} must not contain a lone surrogate (it cannot be "
+                    f"encoded), got {val!r}",
+                    key,
+                    cfg,
                 )
         return resolved
 

@@ -63,6 +63,84 @@ from asynctorchx.specs.api import AppDef, AppState, copy_app, is_terminal
 logger = logging.getLogger(__name__)
 
 
+#: What a ``stat`` of a path told: ``(device, inode, mode, ctime_ns)``.
+_Stamp = tuple[int, int, int, int]
+
+
+def _stamp(path: str) -> _Stamp | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """A cached lookup of a replica's program (``procs.resolve_executable``) and how to tell that
+    it is stale.
+
+    A shell, ``exec`` and TorchX's ``Popen`` search PATH at every start, so a program that appears
+    in a PATH directory before the one found (a new virtualenv's ``python``, a tool installed in
+    ``~/.local/bin``) is run from then on. Looking up again at every launch costs ~0.1 ms (a
+    ``which`` through PATH), and a sweep launches thousands of apps; so the lookup is kept with
+    what every path it passed over (``{dir}/{name}`` in each directory before the hit) was, and is
+    redone when one of them changed or the program found is no longer executable. Checked once per
+    app: an ``access`` of each path that was missing (it fails at once, ~0.5 us) and a stat of
+    each one that was there but was not the program (rare: a directory, a file not executable).
+
+    The paths themselves are checked, not their directories' mtimes: a file created in the same
+    clock tick as the cached lookup leaves its directory's mtime as it was, a directory of PATH
+    that does not exist yet has none, and a chmod that makes a file executable does not change it.
+
+    Args:
+        exe: the absolute path of the program found.
+        missing: the paths passed over that did not exist (or could not be reached).
+        present: the paths passed over that existed, with their ``_stamp`` (none of them is
+            executable, or it would have been found).
+    """
+
+    exe: str
+    missing: tuple[str, ...]
+    present: tuple[tuple[str, _Stamp], ...]
+
+    @classmethod
+    def of(cls, entrypoint: str, path: str, cwd: str, role: str) -> _Lookup:
+        """Looks ``entrypoint`` up (LaunchSpecError if missing) and notes what it passed over
+        (nothing for a name with a ``/``, which PATH does not affect)."""
+        candidates: list[str] = []
+        if "/" not in entrypoint:
+            # the paths resolve_executable tries, in its order
+            for d in path.split(os.pathsep):
+                if d:
+                    base = d if os.path.isabs(d) else os.path.join(cwd, d)
+                    candidates.append(os.path.join(base, entrypoint))
+        # stat'ed before the search, so that a program that appears during it is seen as a change
+        stamps = [_stamp(c) for c in candidates]
+        exe = resolve_executable(entrypoint, path, cwd, role=role)
+        missing: list[str] = []
+        present: list[tuple[str, _Stamp]] = []
+        for candidate, stamp in zip(candidates, stamps, strict=True):
+            if os.path.abspath(candidate) == exe:
+                break
+            if stamp is None:
+                missing.append(candidate)
+            else:
+                present.append((candidate, stamp))
+        return cls(exe, tuple(missing), tuple(present))
+
+    def still_valid(self) -> bool:
+        """True when the program found is still executable and nothing it passed over changed.
+
+        (Calls that return at once for local paths, made on the event loop as the working
+        directories' checks are: a hop to a thread would cost more than all of them.)"""
+        if not os.access(self.exe, os.X_OK):
+            return False
+        if any(os.access(c, os.F_OK) for c in self.missing):
+            return False
+        return all(_stamp(c) == seen for c, seen in self.present)
+
+
 class AppLauncher:
     """Starts apps (``launch``) and undoes a failed start.
 
@@ -92,7 +170,7 @@ class AppLauncher:
         self._check_open = check_open
         self._prepared = False
         self._prepare_lock = asyncio.Lock()
-        self._exe_cache: dict[tuple[str, str, str], str] = {}
+        self._exe_cache: dict[tuple[str, str, str], _Lookup] = {}
         self._dirs = LogDirMaker(runtime.supervisor)
         self._session_dirs: set[str] = set()
         self._reserve_retry: dict[str, float] = {}  # when to try a session's space reserve again
@@ -371,23 +449,28 @@ class AppLauncher:
         """Checks the working directories and finds each replica's program (LaunchSpecError if
         missing).
 
-        Lookups are cached per (entrypoint, PATH, cwd); a cached program is checked to still be
-        executable.
+        Lookups are cached per (entrypoint, PATH, cwd) and checked once per app (``_Lookup``):
+        a cached program is used while it is still executable and nothing has appeared on PATH
+        before it.
         """
         checked: set[str] = set()
         cache = self._exe_cache
+        found: dict[tuple[str, str, str], str] = {}  # (checked for this app: once, not per replica)
         for rep in app.replicas:
             req = rep.req
             if req.cwd not in checked:
                 check_cwd(req.cwd, req.role)
                 checked.add(req.cwd)
             key = (req.entrypoint, req.env.get("PATH", ""), req.cwd)
-            exe = cache.get(key)
-            if exe is None or not os.access(exe, os.X_OK):
-                exe = resolve_executable(*key, role=req.role)
-                if len(cache) > 256:
-                    cache.clear()
-                cache[key] = exe
+            exe = found.get(key)
+            if exe is None:
+                lookup = cache.get(key)
+                if lookup is None or not lookup.still_valid():
+                    lookup = _Lookup.of(*key, role=req.role)
+                    if len(cache) > 256:
+                        cache.clear()
+                    cache[key] = lookup
+                exe = found[key] = lookup.exe
             rep.executable = exe
 
     async def _check_new(self, app: LiveApp) -> None:

@@ -171,10 +171,29 @@ def resolve_image(backend: str, role: Role) -> str:
 
     Raises:
         InvalidAppDefException: ``local_dir`` and the image is not an absolute path to an existing
-            directory (names the role and the value).
+            directory (names the role and the value); ``local_cwd`` and the current directory was
+            removed (or cannot be read).
     """
     if backend != "local_dir":
-        return os.getcwd()
+        try:
+            return os.getcwd()
+        except FileNotFoundError:
+            # (the process's directory was removed after it entered it, e.g. a per-request
+            # directory cleaned up under a service: getcwd's bare ENOENT names nothing)
+            raise InvalidAppDefException(
+                "the current directory, local_cwd's image (where replicas run), no longer "
+                "exists: it was removed after this process entered it; change to an existing "
+                "directory or use local_dir with an absolute image",
+                role=role.name,
+                field_name="image",
+            ) from None
+        except OSError as e:
+            raise InvalidAppDefException(
+                f"the current directory, local_cwd's image (where replicas run), cannot be read: "
+                f"{e.strerror or e}",
+                role=role.name,
+                field_name="image",
+            ) from None
     image = role.image
     if not image or not os.path.isabs(image):
         raise InvalidAppDefException(
@@ -260,11 +279,17 @@ def space_reserve_of(app_dir: str) -> str:
 def app_dir_of(cfg: Mapping[str, CfgVal], *, session: str, log_root: Path, app_id: str) -> str:
     """The log directory of an app: ``{log_dir or log_root}/{session}/{app_id}``."""
     log_dir = cfg.get("log_dir")
-    base = (
-        os.path.abspath(os.path.expanduser(log_dir))
-        if isinstance(log_dir, str) and log_dir
-        else str(log_root)
-    )
+    if not (isinstance(log_dir, str) and log_dir):
+        return os.path.join(log_root, session or "default", app_id)
+    try:
+        base = os.path.abspath(os.path.expanduser(log_dir))
+    except OSError as e:  # a relative one, from a current directory that was deleted
+        raise InvalidRunConfigException(
+            f"run option log_dir={log_dir!r} is relative to the current directory, which "
+            f"cannot be read ({e.strerror or e}): give an absolute path",
+            "log_dir",
+            cfg,
+        ) from e
     return os.path.join(base, session or "default", app_id)
 
 
@@ -292,6 +317,13 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
         errors_dir_of(ctx.app_dir), f"{ctx.app_id}.{role.name}.{i}.error.json"
     )
     error_file = env.setdefault(ERROR_FILE_ENV, default_error_file)
+    if error_file and not os.path.isabs(error_file):
+        # The replica resolves a relative path against its own working directory (img_root); the
+        # supervisor, which removes the file before a restart and reads it after a failure, runs
+        # elsewhere. Joined here (not normalised: "a/../b" means what the kernel makes of it), so
+        # both name the replica's file and the replica is told the same path. An empty value
+        # (torchelastic writes no file) stays as it is.
+        error_file = env[ERROR_FILE_ENV] = os.path.join(img_root, error_file)
     env[RANK0_HOST_ENV] = "localhost"
     env.setdefault(PET_LOG_DIR_ENV, os.path.join(ctx.app_dir, "torchelastic", role.name))
     env.setdefault(JOB_ID_ENV, ctx.handle)
