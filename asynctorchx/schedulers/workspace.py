@@ -1545,6 +1545,8 @@ class _Flight(Generic[T]):
     def __init__(self) -> None:
         self.future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self.listeners: list[WorkspaceProgress] = []
+        self.waiters = 0
+        self.task: asyncio.Task[None] | None = None
 
     def broadcast(self, event: WorkspaceEvent) -> None:
         for listener in list(self.listeners):
@@ -1555,13 +1557,19 @@ class SingleFlight:
     """Runs one job per key at a time: callers asking for a key already in flight wait for the
     same result, and every caller's progress callback receives the job's events.
 
-    The job runs as a task of ``supervisor`` (a caller that gives up does not stop it for the
-    others; closing the supervisor does).
+    The job runs as a task of ``supervisor``: a caller that gives up (is cancelled) does not stop
+    it while another caller still waits for it; the last one to give up does, so that a build
+    nobody wants any more stops streaming its context and tags nothing. A later call for that
+    key starts a job of its own, never inheriting the stopped one's cancellation; it begins once
+    the stopped job has unwound (a push's clean-up removes the tag a new push of that name would
+    use). Closing the supervisor stops every job.
     """
 
     def __init__(self, supervisor: TaskSupervisor) -> None:
         self._supervisor = supervisor
         self._flights: dict[Hashable, _Flight[Any]] = {}
+        # jobs cancelled because their callers all left, until they have unwound
+        self._stopping: dict[Hashable, asyncio.Task[None]] = {}
         self.started = 0
 
     def in_flight(self, key: Hashable) -> bool:
@@ -1574,25 +1582,59 @@ class SingleFlight:
         job: Callable[[WorkspaceProgress], Awaitable[T]],
         progress: WorkspaceProgress | None = None,
     ) -> T:
-        """The result of ``job(report)`` for ``key``, started unless one is in flight."""
+        """The result of ``job(report)`` for ``key``, started unless one is in flight.
+
+        Cancelling the last caller waiting for a job cancels the job too.
+        """
         flight: _Flight[T] | None = self._flights.get(key)
         if flight is None:
             flight = _Flight()
             self._flights[key] = flight
             self.started += 1
-            self._supervisor.spawn(self._fly(key, flight, job), name=f"single-flight:{key}")
+            flight.task = self._supervisor.spawn(
+                self._fly(key, flight, job, self._stopping.get(key)), name=f"single-flight:{key}"
+            )
+        flight.waiters += 1
         if progress is not None:
             flight.listeners.append(progress)
         try:
+            # shielded: one caller's cancellation must not cancel the job the others wait for
             return await asyncio.shield(flight.future)
         finally:
+            flight.waiters -= 1
             if progress is not None and progress in flight.listeners:
                 flight.listeners.remove(progress)
+            if flight.waiters == 0 and not flight.future.done():
+                # the last caller gave up before the job ended: nobody wants its result
+                self._abandon(key, flight)
+
+    def _abandon(self, key: Hashable, flight: _Flight[Any]) -> None:
+        # out of the table at once, not when the task has unwound: a submit of the same key
+        # arriving meanwhile starts a job of its own instead of joining (and failing with) this one
+        if self._flights.get(key) is flight:
+            del self._flights[key]
+        flight.future.cancel()
+        task = flight.task
+        if task is not None and not task.done():
+            task.cancel()
+            self._stopping[key] = task
+            task.add_done_callback(lambda _: self._stopped(key, task))
+
+    def _stopped(self, key: Hashable, task: asyncio.Task[None]) -> None:
+        if self._stopping.get(key) is task:
+            del self._stopping[key]
 
     async def _fly(
-        self, key: Hashable, flight: _Flight[T], job: Callable[[WorkspaceProgress], Awaitable[T]]
+        self,
+        key: Hashable,
+        flight: _Flight[T],
+        job: Callable[[WorkspaceProgress], Awaitable[T]],
+        previous: asyncio.Task[None] | None,
     ) -> None:
         try:
+            if previous is not None:
+                # one job per key at a time: the one its callers abandoned unwinds first
+                await asyncio.wait({previous})
             result = await job(flight.broadcast)
         except BaseException as e:
             if not flight.future.done():
@@ -1606,6 +1648,9 @@ class SingleFlight:
             if not isinstance(e, Exception):
                 raise
         else:
-            flight.future.set_result(result)
+            if not flight.future.done():
+                flight.future.set_result(result)
         finally:
-            self._flights.pop(key, None)
+            # only this job's entry: an abandoned job's key may belong to a newer job by now
+            if self._flights.get(key) is flight:
+                del self._flights[key]

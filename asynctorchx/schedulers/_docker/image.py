@@ -11,7 +11,9 @@ image's id, the recipe, the build arguments and every file sent (path, mode, byt
 exists is never rebuilt, so an unchanged workspace costs only its hashing; concurrent submits of
 one hash share one build (``SingleFlight``); the base image is never pulled when present (a
 missing one is pulled by the build's ``FROM``, and the hash then covers its name instead of its
-id). The engine tags an image only after every step succeeded: a failed build leaves no tag.
+id). The engine tags an image only after every step succeeded: a failed build leaves no tag. A
+build every submit of which was cancelled is stopped (``SingleFlight``): its request is closed,
+the engine kills the step it runs, and nothing is tagged either.
 """
 
 from __future__ import annotations
@@ -128,7 +130,8 @@ async def ensure_image(
     flights: SingleFlight,
     progress: WorkspaceProgress | None,
 ) -> None:
-    """Builds the plan's image unless its tag exists; concurrent callers share one build.
+    """Builds the plan's image unless its tag exists; concurrent callers share one build, which
+    is stopped (tagging nothing) when every one of them has been cancelled.
 
     Raises:
         WorkspaceBuildError: the build failed (nothing is tagged).

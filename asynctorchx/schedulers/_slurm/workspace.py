@@ -10,7 +10,8 @@ its content hash, and marks the directory as a job's: a job directory inside the
 copied into the next one (with ``job_dir=runs/trial-N`` each trial would otherwise copy every trial
 before it, and the logs of those still running). The copy honours ``.torchxignore``, checks every
 file against the hash the dry run took, and is made off the event loop; if the submit fails, the
-copy is removed again.
+copy is removed again, as it is when the submit is cancelled (once the copying thread has
+stopped).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import os
 import time
 from collections.abc import Mapping
 
-import anyio
-import anyio.to_thread
-
+from asynctorchx._tasks import in_thread_shielded
 from asynctorchx.schedulers.workspace import (
     TORCHXIGNORE,
     WorkspaceEvent,
@@ -183,8 +182,8 @@ class Shipped:
 
     async def undo(self) -> None:
         """Removes the copy (and the job directory, if the submit created it)."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_release, self.job_dir, self.created)
+        # awaited whatever cancellation comes: the undo of a cancelled submit is what must run
+        await in_thread_shielded(_release, self.job_dir, self.created)
 
 
 async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipped:
@@ -195,6 +194,9 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
             or a workspace file changed since the dry run read it (nothing is left behind).
         WorkspaceCopyError: the directory cannot be written (a full disk), naming it and the
             file (nothing is left behind).
+
+    A cancelled caller returns once the copying thread has stopped, having removed what it
+    claimed and copied (the whole job_dir, if the submit created it).
     """
     scan = plan.scan
     assert scan is not None
@@ -209,17 +211,33 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
         ),
     )
     started = time.monotonic()
+    # what the thread claimed and has not released again: [it created job_dir]. Written by the
+    # thread; read here only once the thread has ended (run_in_thread waits for it on a failure or
+    # a cancellation), so the two never race.
+    claimed: list[bool] = []
 
     def copy() -> bool:
         created = _claim(job_dir, plan)
+        claimed.append(created)
         try:
             copy_scan(scan, job_dir)
         except BaseException:
             _release(job_dir, created)
+            # released: the caller must not empty job_dir again, a racing submit may own it now
+            claimed.clear()
             raise
         return created
 
-    created = await run_in_thread(copy)
+    try:
+        created = await run_in_thread(copy, wait_on_cancel=True)
+    except BaseException:
+        if claimed:
+            # the thread releases job_dir when the copy fails or sees the cancellation; but one
+            # that copied the last file just as the caller was cancelled returned normally and
+            # left the whole copy (and the claim, which refuses every later submit into job_dir)
+            with contextlib.suppress(OSError):  # the submit's own error (or cancellation) wins
+                await in_thread_shielded(_release, job_dir, claimed[0])
+        raise
     took = time.monotonic() - started
     report(progress, WorkspaceEvent("copy", job_dir, f"copied in {took:.2f}s", final=True))
     return Shipped(job_dir, created)
