@@ -9,7 +9,8 @@ chunk, written *before* the chunk's bytes reach ``combined.log`` (and, but for a
 stream's file) so that a byte a reader sees has its time, or is past the last record::
 
     int64   time_ns          when the chunk was read from the pipe (POSIX ns, never decreasing
-                             within a stream; combined's view takes the running maximum)
+                             within a stream; going back in combined's order where a held line
+                             came late, see ``TimingIndex``)
     uint64  stream_offset    where the chunk starts in its stream's file
     uint64  combined_offset  where the chunk starts in combined.log
     uint32  length           the chunk's size in bytes
@@ -54,6 +55,10 @@ LOG_FILES: dict[Stream, str] = {
     Stream.COMBINED: "combined.log",
 }
 STREAM_IDS: dict[Stream, int] = {Stream.STDOUT: 0, Stream.STDERR: 1}
+#: The longest a stream's unterminated line is held back from ``combined.log`` (seconds; the writer
+#: holds it until its newline, 64 KiB, or this): a reader of ``combined.log`` with ``until`` may
+#: still see a line begun before ``until`` come this long after it
+HELD_LINE_WAIT = 0.2
 
 _STREAM_BYTE = 28
 _KEEP = {sid: bytes(1 if i == sid else 0 for i in range(256)) for sid in STREAM_IDS.values()}
@@ -92,14 +97,18 @@ class TimingIndex:
     """The chunk start offsets and times of one stream, read incrementally from ``index.bin``.
 
     ``offsets`` are where chunks start in the stream's file, ``times`` their time in ns (both
-    non-decreasing, as the writer keeps them); ``covered`` is the end of the last chunk. Bytes past
-    ``covered`` (a file written without an index, or past the last record trusted: see ``feed``) take
-    the file's mtime.
+    non-decreasing, as the writer keeps them; combined's ``times`` are the running maximum, and
+    ``min_after`` the suffix minimum, of its records' times); ``covered`` is the end of the last
+    chunk. Bytes past ``covered`` (a file written without an index, or past the last record trusted:
+    see ``feed``) take the file's mtime.
     """
 
     stream: Stream
     offsets: array[int] = field(default_factory=lambda: array("q"))
     times: array[int] = field(default_factory=lambda: array("q"))
+    #: combined's only: the least time of each chunk and of every chunk after it (``until``'s
+    #: bisect); None while it is ``times`` (no time has gone back: a stream's never do)
+    min_after: array[int] | None = None
     covered: int = 0
     read_pos: int = 0
     present: bool = False
@@ -142,12 +151,24 @@ class TimingIndex:
                 self._last_times[s] = words[found * 4]
         sid = STREAM_IDS.get(self.stream)
         if sid is None:
-            # a stream's held line comes to combined.log after lines of the other stream read
-            # later: combined's times are their running maximum (never decreasing, for bisect)
-            times = list(accumulate(words[0::4], max, initial=self._last_time))[1:]
+            # A stream's held line comes to combined.log after lines of the other stream read
+            # later, so combined's times go back there. Each bound bisects an array that never
+            # decreases: ``since`` the running maximum (the first chunk at or after ``since``),
+            # ``until`` the suffix minimum (the first chunk from which every time is past
+            # ``until``). With the running maximum alone, the held line took the time of the
+            # other stream's line before it, and ``until`` between the two dropped it.
+            real = words[0::4]
+            times = list(accumulate(real, max, initial=self._last_time))[1:]
             self._last_time = times[-1]
             self.offsets.extend(words[2::4])
+            if self.min_after is None and real.tolist() != times:  # the first time going back
+                self.min_after = array("q", self.times)
             self.times.extend(times)
+            if self.min_after is not None:
+                mins = list(accumulate(reversed(real), min))
+                mins.reverse()
+                self._lower_min_after(self.min_after, mins[0])
+                self.min_after.extend(mins)
             last = len(words) - 4
         else:
             keep = ids.translate(_KEEP[sid])
@@ -161,6 +182,16 @@ class TimingIndex:
         if end > self.covered:
             self.covered = end
         return usable
+
+    @staticmethod
+    def _lower_min_after(mins: array[int], least: int) -> None:
+        """Lowers the ``min_after`` (``mins``) of the chunks before new ones whose least time is
+        ``least``. Only the chunks later than ``least`` change: those read while a line was held
+        back (0.2 s at most, see ``ReplicaLogWriter``), so a feed stays about as cheap as the
+        records it adds."""
+        k = bisect_right(mins, least)
+        if k < len(mins):
+            mins[k:] = array("q", [least]) * (len(mins) - k)
 
     def _trusted(self, words: array[int], ids: bytes, view: memoryview, usable: int) -> int:
         """How many of the records (``words``, their stream bytes ``ids``) make sense, each
@@ -189,7 +220,12 @@ class TimingIndex:
     def window(
         self, since_ns: int | None, until_ns: int | None, size: int, tail_ns: int
     ) -> tuple[int, int]:
-        """The byte range ``[lo, hi)`` of the file written within ``[since, until]``.
+        """The byte range ``[lo, hi)`` of the file written within ``[since, until]``: from the
+        first chunk written at or after ``since`` to the last written at or before ``until``.
+
+        In combined.log a line held back across a bound comes after the other stream's lines
+        written meanwhile (up to 0.2 s, see ``ReplicaLogWriter``), which the range then holds too:
+        one range cannot leave them out and keep the held line.
 
         Args:
             since_ns: the window's start (None = unbounded).
@@ -198,6 +234,8 @@ class TimingIndex:
             tail_ns: the time given to bytes past the indexed ones (the file's mtime).
         """
         offsets, times = self.offsets, self.times
+        # (combined's times go back where a held line came late; a stream's never do)
+        mins = times if self.min_after is None else self.min_after
         covered = min(self.covered, size)
         if times and tail_ns < times[-1]:
             tail_ns = times[-1]
@@ -212,7 +250,7 @@ class TimingIndex:
                 lo = size
         hi = size
         if until_ns is not None:
-            j = bisect_right(times, until_ns)
+            j = bisect_right(mins, until_ns)
             if j < len(times):
                 hi = offsets[j]
             elif tail_ns <= until_ns:

@@ -32,8 +32,9 @@ a time limit; any other pattern stays on ``re`` however large its counts.
 A risky pattern is given to ``regex`` (version 0, ``re``'s) with what ``regex`` would read
 otherwise escaped: a ``[`` followed by ``:``, ``=`` or ``.`` inside a set (a POSIX class there,
 literal characters in ``re``) and a ``{`` that starts no ``re`` repeat (a fuzzy match there, a
-literal in ``re``). Left as ``regex`` has them: ``\s`` does not match U+001C-U+001F and ``\w``
-matches combining marks. Worker threads are at most ``MAX_THREADS`` per event loop, so that slow
+literal in ``re``); a named character (``\N{...}``) stays whole. Left as ``regex`` has them, its
+classes: ``\s`` does not match U+001C-U+001F, ``\w`` (so ``\b``) matches combining marks, and its
+Unicode data is newer than this Python's (``\d`` takes a few more digits) — the README says so. Worker threads are at most ``MAX_THREADS`` per event loop, so that slow
 filters do not take the threads other work of the process needs (reading log files, records).
 """
 
@@ -101,9 +102,13 @@ def _as_re_reads_it(pattern: str) -> str:
     in_set = first = False
     while i < n:
         c = pattern[i]
-        if c == "\\":  # an escape: as it is
-            out.append(pattern[i : i + 2])
-            i += 2
+        if (
+            c == "\\"
+        ):  # an escape: as it is (a named character, \N{...}, whole: its "{" is no repeat)
+            end = pattern.find("}", i) + 1 if pattern.startswith("N{", i + 1) else 0
+            end = end or i + 2
+            out.append(pattern[i:end])
+            i = end
             continue
         if in_set:
             if c == "]" and not first:  # (a "]" first in a set is one of its characters)

@@ -29,17 +29,28 @@ ALL_STREAMS: frozenset[Stream] = frozenset(Stream)
 _STREAMS = {s.value: s for s in Stream}
 
 
-def compile_log_regex(regex: str | None) -> re.Pattern[str] | None:
-    """Compiles a log filter (None or ``""``: no filter).
+def compile_log_regex(regex: str | re.Pattern[str] | None) -> re.Pattern[str] | None:
+    """Compiles a log filter (None or ``""``: no filter). A compiled pattern is taken as it is,
+    with its flags (``re.IGNORECASE``...): TorchX passes ``regex`` to ``re.compile``, which returns
+    a compiled pattern unchanged. Either way ``LineFilter`` then checks the pattern (a risky one is
+    matched with a time limit, or refused when too large).
 
     Raises:
         ValueError: the pattern does not compile (names it).
-        TypeError: ``regex`` is not a string.
+        TypeError: ``regex`` is neither a string nor a compiled string pattern (a bytes pattern
+            cannot match the lines, which are str).
     """
+    if isinstance(regex, re.Pattern):
+        if not isinstance(regex.pattern, str):
+            raise TypeError(
+                f"regex must be a string or a compiled str pattern, got the bytes pattern "
+                f"{regex.pattern!r}: log lines are str (compile it from a str)"
+            )
+        return regex
     if regex is None or regex == "":
         return None
     if not isinstance(regex, str):
-        raise TypeError(f"regex must be a string, got {regex!r}")
+        raise TypeError(f"regex must be a string or a compiled str pattern, got {regex!r}")
     try:
         return re.compile(regex)
     except (re.error, OverflowError, RecursionError) as e:
@@ -142,7 +153,7 @@ class LogQuery:
         app_id: str,
         role_name: str,
         k: int,
-        regex: str | None,
+        regex: str | re.Pattern[str] | None,
         since: datetime | None,
         until: datetime | None,
         should_tail: bool,
@@ -182,8 +193,11 @@ class LogQuery:
         return (self.since is None or t >= self.since) and (self.until is None or t <= self.until)
 
 
-async def filter_regex(regex: str | None, lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The lines of ``lines`` that match ``regex`` (all of them when it is None)."""
+async def filter_regex(
+    regex: str | re.Pattern[str] | None, lines: AsyncIterator[str]
+) -> AsyncIterator[str]:
+    """The lines of ``lines`` that match ``regex`` (all of them when it is None; a compiled pattern
+    is used as it is, as TorchX's ``filter_regex`` uses it)."""
     pattern = compile_log_regex(regex)
     async for line in lines:
         if pattern is None or pattern.search(line):

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from asynctorchx.logs import _inotify, _notify
 from asynctorchx.logs._files import (
+    HELD_LINE_WAIT,
     INDEX_FILE,
     LOG_FILES,
     SAMPLED_INDEX_FILE,
@@ -48,6 +49,9 @@ _FINISH_CHECK_MIN = 0.025
 _FALLBACK_POLL = 0.25
 _DRAIN_TIMEOUT = 5.0
 _UNTIL_SLACK_NS = 1_000_000_000
+#: How long after its start a line held back from ``combined.log`` may still reach it: the writer's
+#: hold and a margin for its timer
+_HELD_NS = int((HELD_LINE_WAIT + 0.1) * 1e9)
 
 # str.splitlines also splits on these; when none occurs it splits like str.split("\n") keeping ends.
 _OTHER_BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e")
@@ -514,7 +518,7 @@ def _open_reader(
 ) -> AsyncGenerator[Any, None]:
     """Checks the arguments; the reader of lines (``start`` None) or of ``(offset, line)``."""
     stream = parse_stream(stream, ALL_STREAMS, "iter_log_lines")
-    if isinstance(regex, str):
+    if regex is not None:  # (a bytes pattern, or anything but a str one, is refused there)
         regex = compile_log_regex(regex)
     since_ns, until_ns = _to_ns(since, "since"), _to_ns(until, "until")
     check_window_order(since_ns, until_ns, since, until)
@@ -885,12 +889,18 @@ def _bounded(timeout: float, poll_interval: float | None, until_ns: int | None) 
 
 
 def _past_until(log: _LogFile, hi: int, until_ns: int) -> bool:
-    """True when no line touching the window's end can still come (a follower with ``until`` stops)."""
+    """True when no line touching the window's end can still come (a follower with ``until`` stops).
+
+    A byte past the window says so for a stream's own file. Not for ``combined.log``: a line begun
+    at or before ``until`` and held back from it (unterminated, see ``ReplicaLogWriter``) comes
+    after the other stream's lines written meanwhile, within the writer's hold of it.
+    """
     if log.pending_len > 0 and log.pending_start < hi:
         return False
-    if hi < log.size:
+    now = time.time_ns()
+    if hi < log.size and (log.index.stream is not Stream.COMBINED or now > until_ns + _HELD_NS):
         return True
-    return time.time_ns() > until_ns + _UNTIL_SLACK_NS
+    return now > until_ns + _UNTIL_SLACK_NS
 
 
 def open_regular(path: str) -> int:

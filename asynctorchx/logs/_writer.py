@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from asynctorchx.logs import _notify
 from asynctorchx.logs._files import (
+    HELD_LINE_WAIT,
     INDEX_FILE,
     INDEX_MAGIC,
     LOG_FILES,
@@ -31,7 +32,7 @@ _FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC  # (read: the 
 #: An unterminated line is held back from ``combined.log`` (see ``_Tail``) until it is this long,
 _TAIL_MAX = 1 << 16
 #: or this old (seconds).
-_TAIL_WAIT = 0.2
+_TAIL_WAIT = HELD_LINE_WAIT
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -1197,7 +1198,7 @@ class AsyncRunner:
         app_handle: AppHandle,
         role_name: str,
         k: int = 0,
-        regex: str | None = None,
+        regex: str | re.Pattern[str] | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
         should_tail: bool = False,
@@ -1234,7 +1235,7 @@ class AsyncRunner:
         app_handle: AppHandle,
         role_name: str,
         k: int = 0,
-        regex: str | None = None,
+        regex: str | re.Pattern[str] | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
         should_tail: bool = False,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -338,7 +339,7 @@ class Scheduler(abc.ABC, Generic[T]):
         app_id: str,
         role_name: str,
         k: int = 0,
-        regex: str | None = None,
+        regex: str | re.Pattern[str] | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
         should_tail: bool = False,
@@ -354,7 +355,8 @@ class Scheduler(abc.ABC, Generic[T]):
         iteration.
 
         Args:
-            regex: only lines matching it (``re.search``).
+            regex: only lines matching it (``re.search``): a pattern string, or a compiled
+                ``re.Pattern[str]`` (its flags kept, as TorchX's ``re.compile(regex)`` keeps them).
             since: only lines written at or after this time (naive = local time).
             until: only lines written at or before this time.
             should_tail: follow the log until the app is terminal, then drain what is left and stop;
@@ -386,7 +388,7 @@ class Scheduler(abc.ABC, Generic[T]):
         app_id: str,
         role_name: str,
         k: int = 0,
-        regex: str | None = None,
+        regex: str | re.Pattern[str] | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
         should_tail: bool = False,
@@ -416,7 +418,7 @@ class Scheduler(abc.ABC, Generic[T]):
         app_id: str,
         role_name: str,
         k: int,
-        regex: str | None,
+        regex: str | re.Pattern[str] | None,
         since: datetime | None,
         until: datetime | None,
         should_tail: bool,
