@@ -68,7 +68,7 @@ from typing import Any, NamedTuple
 import anyio
 import anyio.to_thread
 
-from asynctorchx._tasks import TaskSupervisor, await_shielded
+from asynctorchx._tasks import TaskSupervisor, await_shielded, in_thread_shielded
 from asynctorchx.logs import LogQuery, iter_query_entries, iter_query_lines
 from asynctorchx.logs._cursor import Position
 from asynctorchx.schedulers._slurm import workspace as slurm_workspace
@@ -106,7 +106,7 @@ from asynctorchx.schedulers.api import (
     check_replica,
     role_replica_counts,
 )
-from asynctorchx.schedulers.workspace import WorkspacePlan, current_progress
+from asynctorchx.schedulers.workspace import WorkspacePlan, current_progress, run_in_thread
 from asynctorchx.specs.api import (
     AppDef,
     AppDryRunInfo,
@@ -333,27 +333,24 @@ class SlurmScheduler(Scheduler[SlurmBatchRequest]):
 
     async def _submit(self, req: SlurmBatchRequest) -> str:
         self._submitting[req.job_dir] += 1
+        # The directories the thread made, deepest first: filled by the thread as it makes them,
+        # read here only once it has ended (run_in_thread waits for it when the caller fails or
+        # is cancelled), so that a submit cancelled while they are made returns only once it
+        # knows them all, and none is made after it has removed them.
+        made: list[str] = []
         try:
             try:
-                made = await anyio.to_thread.run_sync(_make_dirs, req.job_dir)
-            except OSError as e:
-                raise type(e)(
-                    e.errno, f"run option 'job_dir' cannot be created: {e.strerror}", req.job_dir
-                ) from None
-            try:
+                await _make_job_dir(req.job_dir, made)
                 return await self._sbatch(req)
             except BaseException:
-                # A refused submit leaves no directory it made, unless another app of ours uses it.
+                # A refused (or cancelled) submit leaves no directory it made, unless another app
+                # of ours uses it; the removal runs whatever cancellation comes.
                 if (
                     made
                     and self._submitting[req.job_dir] == 1
                     and req.job_dir not in self._workdirs.values()
                 ):
-                    await await_shielded(
-                        self._tasks.spawn(
-                            anyio.to_thread.run_sync(_remove_empty_dirs, made), "rmdir"
-                        )
-                    )
+                    await in_thread_shielded(slurm_workspace.remove_empty_dirs, made)
                 raise
         finally:
             self._submitting[req.job_dir] -= 1
@@ -876,24 +873,19 @@ def _node_count(partitions: Sequence[SlurmPartition]) -> int:
     return len(names)
 
 
-def _make_dirs(path: str) -> list[str]:
-    """Creates the directory ``path`` and its missing parents; returns those it made, deepest first."""
-    missing: list[str] = []
-    here = path
-    while not os.path.lexists(here) and os.path.dirname(here) != here:
-        missing.append(here)
-        here = os.path.dirname(here)
-    os.makedirs(path, exist_ok=True)
-    return missing
+async def _make_job_dir(job_dir: str, made: list[str]) -> None:
+    """Creates ``job_dir`` and its missing parents in a worker thread, putting those it made in
+    ``made`` (see ``make_dirs``); a cancelled caller returns once the thread has ended.
 
-
-def _remove_empty_dirs(paths: Sequence[str]) -> None:
-    """Removes ``paths`` in order, stopping at the first that is not empty (or is gone)."""
-    for path in paths:
-        try:
-            os.rmdir(path)
-        except OSError:
-            return
+    Raises:
+        OSError: it cannot be created (the message names the run option).
+    """
+    try:
+        await run_in_thread(slurm_workspace.make_dirs, job_dir, made, wait_on_cancel=True)
+    except OSError as e:
+        raise type(e)(
+            e.errno, f"run option 'job_dir' cannot be created: {e.strerror}", job_dir
+        ) from None
 
 
 def _predates_combined(directory: Path) -> bool:

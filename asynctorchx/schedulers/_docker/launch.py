@@ -214,7 +214,12 @@ class Launcher:
         Raises:
             ClaimTakenError: another launch of the same dry run holds the claim.
         """
-        claim = await self._engine.create_volume(claim_request(job, process_identity(), token))
+        # Finished even if the submit is cancelled meanwhile, as the creates of ``launch`` are:
+        # the engine makes a volume whose client went away, so a clean-up (``unclaim``) that ran
+        # before its answer would find nothing, and the claim left would name the app as being
+        # submitted for as long as this process lives.
+        request = self._engine.create_volume(claim_request(job, process_identity(), token))
+        claim = await self._to_the_end(request, f"claim:{job.app_id}")
         if (claim.get("Labels") or {}).get(LABEL_LAUNCH_TOKEN) != token:
             raise ClaimTakenError(
                 f"app {job.app_id!r} is being submitted already; a dry run can be scheduled only once"

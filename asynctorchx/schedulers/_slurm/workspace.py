@@ -10,8 +10,8 @@ its content hash, and marks the directory as a job's: a job directory inside the
 copied into the next one (with ``job_dir=runs/trial-N`` each trial would otherwise copy every trial
 before it, and the logs of those still running). The copy honours ``.torchxignore``, checks every
 file against the hash the dry run took, and is made off the event loop; if the submit fails, the
-copy is removed again, as it is when the submit is cancelled (once the copying thread has
-stopped).
+copy is removed again (with the directories made for it: ``job_dir``, and its parents while
+they are empty), as it is when the submit is cancelled (once the copying thread has stopped).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import errno
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from asynctorchx._tasks import in_thread_shielded
 from asynctorchx.schedulers.workspace import (
@@ -107,17 +107,61 @@ def plan_slurm(app: AppDef, cfg: Mapping[str, CfgVal], workspace: Workspace) -> 
     )
 
 
-def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
+def make_dirs(path: str, made: list[str]) -> None:
+    """Creates the directory ``path`` and its missing parents, putting each one it made at the
+    front of ``made`` (so deepest first) as soon as it exists.
+
+    ``made`` is filled as the directories are made, not returned, so that a caller whose thread
+    failed half-way, or was waited for after a cancellation, knows what to remove again. A
+    directory another submit made meanwhile is that submit's, not added.
+    """
+    missing: list[str] = []
+    here = path
+    while not os.path.lexists(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            continue  # made by a racing submit (or a file: ``makedirs`` below says so)
+        made.insert(0, directory)
+    os.makedirs(path, exist_ok=True)  # raises when ``path`` is a file
+
+
+def remove_empty_dirs(paths: Sequence[str]) -> None:
+    """Removes ``paths`` in order, stopping at the first that is not empty (or is gone)."""
+    for path in paths:
+        try:
+            os.rmdir(path)
+        except OSError:
+            return
+
+
+def _claim(job_dir: str, plan: WorkspacePlan, parents: list[str]) -> bool:
     """Claims ``job_dir`` for this submit; returns True when it created the directory.
+
+    The parent directories it creates are put in ``parents`` (see ``make_dirs``), for
+    ``_release`` to remove again; when it raises, it has removed them itself (those still empty).
 
     Raises:
         InvalidWorkspaceException: the directory is claimed, a file, or holds files.
         WorkspaceCopyError: it cannot be made or written (a full disk).
     """
+    try:
+        return _claim_made(job_dir, plan, parents)
+    except BaseException:
+        remove_empty_dirs(parents)
+        parents.clear()
+        raise
+
+
+def _claim_made(job_dir: str, plan: WorkspacePlan, parents: list[str]) -> bool:
+    """``_claim``, but leaving the parents it made when it raises (``_claim`` removes them)."""
     what = f"copy workspace {plan.workspace}"
     created = False
     try:
-        os.makedirs(os.path.dirname(job_dir), exist_ok=True)
+        make_dirs(os.path.dirname(job_dir), parents)
         os.mkdir(job_dir)
         created = True
     except FileExistsError:
@@ -157,10 +201,18 @@ def _claim(job_dir: str, plan: WorkspacePlan) -> bool:
     return created
 
 
-def _release(job_dir: str, created: bool) -> None:
+def _release(job_dir: str, created: bool, parents: Sequence[str]) -> None:
+    """Removes what ``_claim`` and the copy made: ``job_dir`` (or, when it was there before, what
+    is in it), then the ``parents`` the claim created, deepest first, as long as they are empty
+    (a racing submit may have put its own job_dir in one)."""
     if created:
         remove_tree(job_dir)
-        return
+    else:
+        _empty(job_dir)
+    remove_empty_dirs(parents)
+
+
+def _empty(job_dir: str) -> None:
     for name in os.listdir(job_dir):
         path = os.path.join(job_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -176,14 +228,15 @@ def _release(job_dir: str, created: bool) -> None:
 class Shipped:
     """A copy made for a submit, removed again by ``undo`` when the submit fails."""
 
-    def __init__(self, job_dir: str, created: bool) -> None:
+    def __init__(self, job_dir: str, created: bool, parents: Sequence[str] = ()) -> None:
         self.job_dir = job_dir
         self.created = created
+        self.parents = list(parents)  # the parent directories of job_dir the submit made
 
     async def undo(self) -> None:
-        """Removes the copy (and the job directory, if the submit created it)."""
+        """Removes the copy (and the job directory and its parents, those the submit created)."""
         # awaited whatever cancellation comes: the undo of a cancelled submit is what must run
-        await in_thread_shielded(_release, self.job_dir, self.created)
+        await in_thread_shielded(_release, self.job_dir, self.created, self.parents)
 
 
 async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipped:
@@ -215,14 +268,15 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
     # thread; read here only once the thread has ended (run_in_thread waits for it on a failure or
     # a cancellation), so the two never race.
     claimed: list[bool] = []
+    parents: list[str] = []  # the parent directories of job_dir the claim made (same rules)
 
     def copy() -> bool:
-        created = _claim(job_dir, plan)
+        created = _claim(job_dir, plan, parents)
         claimed.append(created)
         try:
             copy_scan(scan, job_dir)
         except BaseException:
-            _release(job_dir, created)
+            _release(job_dir, created, parents)
             # released: the caller must not empty job_dir again, a racing submit may own it now
             claimed.clear()
             raise
@@ -236,8 +290,8 @@ async def ship(plan: WorkspacePlan, progress: WorkspaceProgress | None) -> Shipp
             # that copied the last file just as the caller was cancelled returned normally and
             # left the whole copy (and the claim, which refuses every later submit into job_dir)
             with contextlib.suppress(OSError):  # the submit's own error (or cancellation) wins
-                await in_thread_shielded(_release, job_dir, claimed[0])
+                await in_thread_shielded(_release, job_dir, claimed[0], parents)
         raise
     took = time.monotonic() - started
     report(progress, WorkspaceEvent("copy", job_dir, f"copied in {took:.2f}s", final=True))
-    return Shipped(job_dir, created)
+    return Shipped(job_dir, created, parents)
