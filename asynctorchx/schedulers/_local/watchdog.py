@@ -56,6 +56,11 @@ POLL = 0.02
 NAP = 0.02
 #: How long the watchdog waits for SIGKILLed processes to be gone before it records the app anyway.
 KILL_WAIT = 5.0
+#: How long after its launcher's death an app must show nothing alive before it is recorded gone:
+#: a replica the launcher was spawning when it died (forked, not yet exec'd) still has the
+#: launcher's environment, so no marker, and shows up only once it has exec'd (microseconds
+#: later, unless the machine is very busy)
+SETTLE = 2.0
 
 
 def start_ticks(pid: int) -> int | None:
@@ -187,11 +192,19 @@ def stop_apps(apps: dict[str, _App], records_dir: str, owner_pid: int, max_grace
         now = time.monotonic() - start
         for app_id, app in list(pending.items()):
             mine = [p for p in procs if _belongs(app, p[1], p[2])]
+            found = {pgid for _, pgid, _ in mine} - app.pgids
+            if found:  # a replica that exec'd since (it was being spawned): stopped like the rest
+                app.pgids |= found
+                if app.killed_at is None:
+                    contain.kill_groups(found, signal.SIGTERM)
             alive = bool(mine) or (app.cgroup is not None and contain.populated(app.cgroup))
-            if alive and app.killed_at is None and now >= min(app.grace, max_grace):
+            if alive and now >= min(app.grace, max_grace) and (app.killed_at is None or found):
                 _kill_everything(app, mine)
-                app.killed_at = now
-            elif not alive or (app.killed_at is not None and now - app.killed_at >= KILL_WAIT):
+                if app.killed_at is None:
+                    app.killed_at = now
+            elif (not alive and now >= SETTLE) or (
+                alive and app.killed_at is not None and now - app.killed_at >= KILL_WAIT
+            ):
                 why = msg
                 if alive:
                     why += f" ({len(mine)} of its processes did not die after SIGKILL)"
