@@ -11,6 +11,7 @@ import pathlib
 import sys
 
 from asynctorchx.logs import ReplicaLogWriter, Stream
+from asynctorchx.logs._files import RECORD
 
 
 async def spawn(
@@ -39,3 +40,16 @@ async def run_child(directory: pathlib.Path, code: str, *args: str) -> ReplicaLo
     await writer.wait_drained()
     writer.close()
     return writer
+
+
+def index_records(chunks: list[tuple[int, int, int]]) -> bytes:
+    """The ``index.bin`` records the writer writes for ``chunks``: (time_ns, stream id, length)
+    each, in ``combined.log``'s order."""
+    offsets = {0: 0, 1: 0}
+    combined = 0
+    out = []
+    for t, sid, length in chunks:
+        out.append(RECORD.pack(t, offsets[sid], combined, length, sid))
+        offsets[sid] += length
+        combined += length
+    return b"".join(out)

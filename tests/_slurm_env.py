@@ -41,7 +41,7 @@ from conftest import engine_missing
 from asynctorchx.schedulers._slurm.commands import CommandResult, CommandRunner, SubprocessRunner
 from asynctorchx.schedulers.api import DescribeAppResponse
 from asynctorchx.schedulers.slurm import SlurmScheduler
-from asynctorchx.specs.api import AppState, is_terminal
+from asynctorchx.specs.api import AppDef, AppState, Resource, Role, is_terminal
 
 SETUP_HINT = "run `bash scripts/engines/slurm.sh`"
 NOACCT_SETUP_HINT = "run `bash scripts/engines/slurm_noacct.sh`"
@@ -210,6 +210,31 @@ async def slurm_scheduler(
         await sched.close()
     if not accounting:
         assert sched.accounting is not True, "the backend found accounting on a cluster without it"
+
+
+@pytest.fixture
+async def slurm(
+    slurm_cluster: None, slurm_session: str, slurm_runner: CountingRunner
+) -> AsyncIterator[SlurmScheduler]:
+    """A SlurmScheduler on the test cluster with accounting (its jobs are scancelled after the
+    test)."""
+    sched = SlurmScheduler(slurm_session, runner=slurm_runner)
+    try:
+        yield sched
+    finally:
+        await sched.close()
+
+
+def sh_app(script: str, name: str = "sh") -> AppDef:
+    """An app of one small replica running ``sh -c script`` (image ``/tmp``)."""
+    role = Role(
+        "trainer",
+        image="/tmp",
+        entrypoint="sh",
+        args=["-c", script],
+        resource=Resource(cpu=1, gpu=0, memMB=64),
+    )
+    return AppDef(name, [role])
 
 
 async def wait_for_state(

@@ -136,44 +136,29 @@ def test_a_whole_float_gpu_count_is_accepted_and_gets_its_gpus(root: Path) -> No
 # --- a program that appears earlier on PATH --------------------------------------------------
 
 
+@pytest.mark.parametrize("change", ["created", "made executable"])
 async def test_a_program_that_appears_earlier_on_path_is_run_by_the_next_launch(
-    root: Path, tmp_path: Path
+    root: Path, tmp_path: Path, change: str
 ) -> None:
-    """Entrypoint 'tool' on PATH=first:second, only second/tool at the first launch; once
-    first/tool is created the next launch runs it, as exec (and TorchX's Popen) would, although
-    the launcher caches its PATH lookups."""
+    """Entrypoint 'tool' on PATH=first:second, only second/tool runnable at the first launch;
+    once first/tool is created, or made executable (a chmod, which leaves its directory's mtime
+    alone), the next launch runs it, as exec (and TorchX's Popen) would, although the launcher
+    caches its PATH lookups."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
     write_tool(second, "second")
+    if change == "made executable":
+        write_tool(first, "first", mode=0o644)
     role = Role("main", "x", "tool", env={"PATH": f"{first}:{second}"})
     async with LocalScheduler("cache", local_root=root) as s:
         a1 = await s.submit(AppDef("a", [role]), {})
         assert (await wait_for(s, a1)).state == AppState.SUCCEEDED
         assert await lines(s, a1) == ["second\n"]
-        write_tool(first, "first")
-        a2 = await s.submit(AppDef("a", [role]), {})
-        assert (await wait_for(s, a2)).state == AppState.SUCCEEDED
-        assert await lines(s, a2) == ["first\n"]
-
-
-async def test_a_program_made_executable_earlier_on_path_is_run_by_the_next_launch(
-    root: Path, tmp_path: Path
-) -> None:
-    """A 'tool' that exists but is not executable in an earlier PATH directory is passed over;
-    once it is made executable (a chmod, which leaves its directory's mtime alone) the next launch
-    runs it."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    write_tool(first, "first", mode=0o644)
-    write_tool(second, "second")
-    role = Role("main", "x", "tool", env={"PATH": f"{first}:{second}"})
-    async with LocalScheduler("cache", local_root=root) as s:
-        a1 = await s.submit(AppDef("a", [role]), {})
-        assert (await wait_for(s, a1)).state == AppState.SUCCEEDED
-        assert await lines(s, a1) == ["second\n"]
-        (first / "tool").chmod(0o755)
+        if change == "created":
+            write_tool(first, "first")
+        else:
+            (first / "tool").chmod(0o755)
         a2 = await s.submit(AppDef("a", [role]), {})
         assert (await wait_for(s, a2)).state == AppState.SUCCEEDED
         assert await lines(s, a2) == ["first\n"]

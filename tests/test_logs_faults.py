@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 from _local_env import wait_for
+from _logs_env import index_records
 
 from asynctorchx.cli._errors import CliError
 from asynctorchx.logs import Stream, _match, iter_log_lines
@@ -33,18 +34,6 @@ from asynctorchx.specs import AppDef, AppState, Role
 # -- a timing index that stops making sense -------------------------------------------------------
 
 
-def records(chunks: list[tuple[int, int, int]]) -> bytes:
-    """The records the writer writes for ``chunks`` ((time_ns, stream id, length))."""
-    offsets = {0: 0, 1: 0}
-    combined = 0
-    out = []
-    for t, sid, length in chunks:
-        out.append(RECORD.pack(t, offsets[sid], combined, length, sid))
-        offsets[sid] += length
-        combined += length
-    return b"".join(out)
-
-
 T = 1_730_000_000 * 10**9  # a real time: the high bytes of its word are not zero
 _CHUNKS = [(T + 100, 0, 4), (T + 110, 1, 3), (T + 120, 0, 5), (T + 130, 1, 2), (T + 140, 0, 6)]
 
@@ -55,8 +44,8 @@ def test_records_misaligned_by_a_cut_index_are_not_trusted(stream: Stream) -> No
     """8 bytes cut off the last record and the writer appending on: the records read from there
     on are misaligned. They are not trusted (nor any later), so the bytes past the last trusted
     record take the file's mtime: a read from before the start gets every byte."""
-    good = records(_CHUNKS[:3])
-    later = records(_CHUNKS)[len(good) :]
+    good = index_records(_CHUNKS[:3])
+    later = index_records(_CHUNKS)[len(good) :]
     index = TimingIndex(stream)
     index.feed(good[:-8] + later)
     size = {Stream.STDOUT: 15, Stream.STDERR: 5, Stream.COMBINED: 20}[stream]
@@ -66,7 +55,7 @@ def test_records_misaligned_by_a_cut_index_are_not_trusted(stream: Stream) -> No
     assert list(index.times) == trusted
     assert index.window(T + 150, None, size, T + 200) == (index.covered, size)
     assert index.broken
-    index.feed(records(_CHUNKS))  # aligned again by luck: still not trusted
+    index.feed(index_records(_CHUNKS))  # aligned again by luck: still not trusted
     assert list(index.times) == trusted
 
 
@@ -93,7 +82,7 @@ def test_the_first_record_that_makes_no_sense_ends_the_trusted_ones(bad: str) ->
     held line's chunks are recorded after the other stream's later ones), whose offset is past
     any real file, whose stream byte is not 0/1 or whose padding is not zero ends the records
     trusted, there and for good."""
-    data = bytearray(records(_CHUNKS))
+    data = bytearray(index_records(_CHUNKS))
     n = 4 if bad == "stream offset back" else 2  # the 5th is the first whose stream has moved on
     at = slice(n * RECORD_SIZE, (n + 1) * RECORD_SIZE)
     record = bytes(data[at])
@@ -118,7 +107,7 @@ def test_an_index_cut_below_what_was_read_is_not_trusted_any_more(tmp_path: Path
     """An index that shrank under a reader who had read it further is not read on: what is
     appended to it now (by a writer that does not know) is misaligned for that reader."""
     path = tmp_path / "index.bin"
-    data = records(_CHUNKS)
+    data = index_records(_CHUNKS)
     path.write_bytes(INDEX_MAGIC + data[: 3 * RECORD_SIZE])
     fd = os.open(path, os.O_RDONLY)
     try:

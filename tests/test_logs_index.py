@@ -4,26 +4,15 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+from _logs_env import index_records
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from asynctorchx.logs import Stream
-from asynctorchx.logs._files import RECORD, SampledIndex, TimingIndex, stat_time_ns
+from asynctorchx.logs._files import SampledIndex, TimingIndex, stat_time_ns
 
 Chunk = tuple[int, int, int]
 """(time_ns, stream id, length)"""
-
-
-def encode(chunks: list[Chunk]) -> bytes:
-    """The index records the writer would write for ``chunks``."""
-    offsets = {0: 0, 1: 0}
-    combined = 0
-    out = []
-    for t, sid, length in chunks:
-        out.append(RECORD.pack(t, offsets[sid], combined, length, sid))
-        offsets[sid] += length
-        combined += length
-    return b"".join(out)
 
 
 def byte_times(chunks: list[Chunk], stream: Stream) -> list[int]:
@@ -37,7 +26,7 @@ def byte_times(chunks: list[Chunk], stream: Stream) -> list[int]:
 
 def test_feed_keeps_the_records_of_its_stream() -> None:
     """A stream's index holds its own chunks' offsets in its file; combined holds all of them."""
-    data = encode([(10, 0, 5), (20, 1, 3), (30, 0, 2)])
+    data = index_records([(10, 0, 5), (20, 1, 3), (30, 0, 2)])
     out, err, both = (TimingIndex(s) for s in (Stream.STDOUT, Stream.STDERR, Stream.COMBINED))
     for index in (out, err, both):
         assert index.feed(data) == len(data)
@@ -48,7 +37,7 @@ def test_feed_keeps_the_records_of_its_stream() -> None:
 
 def test_feed_leaves_a_partial_record_for_later() -> None:
     """Bytes of a record still being written are not consumed."""
-    data = encode([(10, 0, 5), (20, 0, 5)])
+    data = index_records([(10, 0, 5), (20, 0, 5)])
     index = TimingIndex(Stream.STDOUT)
     assert index.feed(data[:40]) == 32
     assert index.feed(data[32:]) == 32
@@ -58,7 +47,7 @@ def test_feed_leaves_a_partial_record_for_later() -> None:
 def test_window_of_an_indexed_file() -> None:
     """since/until map to the byte ranges of the chunks written inside them."""
     index = TimingIndex(Stream.COMBINED)
-    index.feed(encode([(10, 0, 5), (20, 0, 5), (30, 0, 5)]))
+    index.feed(index_records([(10, 0, 5), (20, 0, 5), (30, 0, 5)]))
     assert index.window(None, None, 15, 0) == (0, 15)
     assert index.window(15, None, 15, 0) == (5, 15)
     assert index.window(None, 25, 15, 0) == (0, 10)
@@ -90,7 +79,7 @@ def test_window_is_exactly_the_bytes_written_inside(
 ) -> None:
     """For any chunks, [lo, hi) holds exactly the bytes whose time is within [since, until]."""
     index = TimingIndex(stream)
-    index.feed(encode(chunks))
+    index.feed(index_records(chunks))
     times = byte_times(chunks, stream)
     lo, hi = index.window(since, until, len(times), times[-1] if times else 0)
     inside = [

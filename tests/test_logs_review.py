@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _local_env import poll_until, wait_for
+from _logs_env import index_records
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -116,26 +117,13 @@ async def _collect(lines: AsyncIterator[str]) -> list[str]:
     return [line async for line in lines]
 
 
-def _encode(chunks: list[tuple[int, int, int]]) -> bytes:
-    """The index records the writer writes for ``chunks`` ((time, stream id, length), in
-    combined.log's order)."""
-    offsets = {0: 0, 1: 0}
-    combined = 0
-    out = []
-    for t, sid, length in chunks:
-        out.append(RECORD.pack(t, offsets[sid], combined, length, sid))
-        offsets[sid] += length
-        combined += length
-    return b"".join(out)
-
-
 def test_combined_until_ends_after_the_last_chunk_written_before_it() -> None:
     """combined.log's index ends an ``until`` window after the last chunk written at or before
     it, also when that chunk (a held line's) comes after a later one of the other stream: 'warn'
     (t=20, stderr), then 'progress ' (t=10) and 'done' (t=30) of stdout. It ended before the held
     chunk, dated by the running maximum (20)."""
     index = TimingIndex(Stream.COMBINED)
-    index.feed(_encode([(20, 1, 5), (10, 0, 9), (30, 0, 5)]))
+    index.feed(index_records([(20, 1, 5), (10, 0, 9), (30, 0, 5)]))
     assert index.window(None, 5, 19, 30) == (0, 0)
     assert index.window(None, 15, 19, 30) == (0, 14)
     assert index.window(None, 25, 19, 30) == (0, 14)
@@ -164,7 +152,7 @@ def test_combined_window_holds_every_byte_written_inside_and_ends_on_them(
         positions = [i for i, c in enumerate(chunks) if c[1] == sid]
         for i, t in zip(positions, mine, strict=True):
             chunks[i] = (t, sid, chunks[i][2])
-    data = _encode(chunks)
+    data = index_records(chunks)
     cut = min(cut, len(chunks)) * RECORD.size
     index = TimingIndex(Stream.COMBINED)
     index.feed(data[:cut])

@@ -24,13 +24,12 @@ import contextlib
 import errno
 import os
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from _docker_env import busybox_image, docker_engine, docker_session, purge_session, sh  # noqa: F401
-from _slurm_env import CountingRunner, slurm_cluster, slurm_runner, slurm_session  # noqa: F401
+from _docker_env import busybox_image, docker_engine, docker_scheduler, docker_session, sh  # noqa: F401
+from _slurm_env import CountingRunner, slurm, slurm_cluster, slurm_runner, slurm_session  # noqa: F401
 from _workspace_env import make_workspace
 
 from asynctorchx.schedulers import workspace as workspace_mod
@@ -46,29 +45,18 @@ pytestmark = [pytest.mark.timeout(120)]
 # -- local_docker: the launch claim -----------------------------------------------------------------
 
 
-@pytest.fixture
-async def docker(docker_engine: None, docker_session: str) -> AsyncIterator[DockerScheduler]:
-    """A DockerScheduler of the test's own session; everything of the session is removed after."""
-    sched = DockerScheduler(docker_session)
-    try:
-        yield sched
-    finally:
-        await sched.close()
-        await purge_session(docker_session)
-
-
 @pytest.mark.docker
 async def test_a_submit_cancelled_while_its_launch_claim_is_created_leaves_no_claim(
-    docker: DockerScheduler, busybox_image: str
+    docker_scheduler: DockerScheduler, busybox_image: str
 ) -> None:
     """The submit is cancelled while its ``POST /volumes/create`` of the launch claim is in flight,
     and the engine makes the volume only once the client has gone away and its clean-up has asked
     to remove the claim (what a real engine does when the cancel cuts the request at the wrong
     moment). The cancelled ``schedule()`` must wait for the engine's answer before it cleans up:
     no claim volume is left, and the app reads unknown, not PENDING "being submitted"."""
-    engine = docker._engine
+    engine = docker_scheduler._engine
     app = AppDef("cc", [sh(busybox_image, "sleep 60", name="a")])
-    dryrun = docker.submit_dryrun(app, {})
+    dryrun = docker_scheduler.submit_dryrun(app, {})
     app_id = dryrun.request.app_id
     claim = claim_name(app_id)
     real_create, real_remove = engine.create_volume, engine.remove_volume
@@ -110,7 +98,7 @@ async def test_a_submit_cancelled_while_its_launch_claim_is_created_leaves_no_cl
     engine.create_volume = create_volume  # type: ignore[method-assign]
     engine.remove_volume = remove_volume  # type: ignore[method-assign]
     try:
-        task = asyncio.ensure_future(docker.schedule(dryrun))
+        task = asyncio.ensure_future(docker_scheduler.schedule(dryrun))
         await asyncio.wait_for(sent.wait(), 60)
         task.cancel()
         cancel_sent.set()
@@ -121,24 +109,12 @@ async def test_a_submit_cancelled_while_its_launch_claim_is_created_leaves_no_cl
         await asyncio.gather(*engine_side, return_exceptions=True)
         engine.create_volume, engine.remove_volume = real_create, real_remove  # type: ignore[method-assign]
     left = await engine.volume_exists(claim)
-    resp = await docker.describe(app_id)
+    resp = await docker_scheduler.describe(app_id)
     assert not left, f"the cancelled submit left its launch claim {claim}"
     assert resp is None, f"the cancelled submit's app reads {resp.state.name}: {resp.msg}"
 
 
 # -- slurm: the directories a submit made ------------------------------------------------------------
-
-
-@pytest.fixture
-async def slurm(
-    slurm_cluster: None, slurm_session: str, slurm_runner: CountingRunner
-) -> AsyncIterator[SlurmScheduler]:
-    """A SlurmScheduler on the test cluster (what it submitted is scancelled after the test)."""
-    sched = SlurmScheduler(slurm_session, runner=slurm_runner)
-    try:
-        yield sched
-    finally:
-        await sched.close()
 
 
 def slurm_app() -> AppDef:

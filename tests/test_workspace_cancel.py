@@ -28,9 +28,11 @@ from typing import Any
 
 import aiodocker
 import pytest
-from _docker_env import docker_engine, docker_session, purge_session, python_image  # noqa: F401
+from _docker_env import docker_engine, docker_scheduler, docker_session, python_image  # noqa: F401
 from _slurm_env import (  # noqa: F401 - pytest fixtures
     CountingRunner,
+    sh_app,
+    slurm,
     slurm_cluster,
     slurm_runner,
     slurm_session,
@@ -45,7 +47,7 @@ from asynctorchx.schedulers._slurm import workspace as slurm_ws
 from asynctorchx.schedulers.docker import DockerScheduler
 from asynctorchx.schedulers.slurm import SlurmScheduler
 from asynctorchx.schedulers.workspace import SingleFlight, WorkspaceEvent
-from asynctorchx.specs import AppDef, AppState, Resource, Role
+from asynctorchx.specs import AppDef, AppState, Role
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -53,27 +55,6 @@ _RUNNING_IN = re.compile(r"Running in ([0-9a-f]{12,64})")
 
 
 # -- Slurm: the job_dir copy ------------------------------------------------------------------------
-
-
-@pytest.fixture
-async def slurm(
-    slurm_cluster: None, slurm_session: str, slurm_runner: CountingRunner
-) -> AsyncIterator[SlurmScheduler]:
-    """A SlurmScheduler on the test cluster (its jobs are scancelled after the test)."""
-    sched = SlurmScheduler(slurm_session, runner=slurm_runner)
-    yield sched
-    await sched.close()
-
-
-def slurm_app(script: str) -> AppDef:
-    role = Role(
-        "trainer",
-        image="/tmp",
-        entrypoint="sh",
-        args=["-c", script],
-        resource=Resource(cpu=1, gpu=0, memMB=64),
-    )
-    return AppDef("wsc", [role])
 
 
 @pytest.mark.slurm
@@ -86,7 +67,7 @@ async def test_a_slurm_submit_cancelled_as_its_copy_completes_leaves_no_job_dir(
     ws = make_workspace(tmp_path / "ws", {"train.py": "print(1)\n", "lib/a.py": "x = 1\n"})
     job_dir = tmp_path / "runs" / "job-1"
     cfg = {"job_dir": str(job_dir)}
-    app = slurm_app("cat lib/a.py")
+    app = sh_app("cat lib/a.py", "wsc")
     dryrun = await slurm.submit_dryrun_async(app, cfg, workspace=str(ws))
 
     copied = threading.Event()
@@ -129,20 +110,11 @@ async def test_a_slurm_submit_cancelled_as_its_copy_completes_leaves_no_job_dir(
 
 
 @pytest.fixture
-async def scheduler(docker_engine: None, docker_session: str) -> AsyncIterator[DockerScheduler]:
-    """The local_docker scheduler of the test's session; its containers are removed afterwards."""
-    sched = DockerScheduler(docker_session)
-    try:
-        yield sched
-    finally:
-        await sched.close()
-        await purge_session(docker_session)
-
-
-@pytest.fixture
-async def runner(scheduler: DockerScheduler, docker_session: str) -> AsyncIterator[AsyncRunner]:
+async def runner(
+    docker_scheduler: DockerScheduler, docker_session: str
+) -> AsyncIterator[AsyncRunner]:
     """A runner on that scheduler."""
-    factories = {"local_docker": lambda session, **_: scheduler}
+    factories = {"local_docker": lambda session, **_: docker_scheduler}
     async with AsyncRunner(name=docker_session, scheduler_factories=factories) as r:
         yield r
 
@@ -180,7 +152,7 @@ async def exit_code_of(container: str, since: float) -> int:
 
 @pytest.mark.docker
 async def test_cancelling_the_only_submit_during_its_build_stops_the_build_and_tags_nothing(
-    tmp_path: Path, runner: AsyncRunner, scheduler: DockerScheduler, python_image: str
+    tmp_path: Path, runner: AsyncRunner, docker_scheduler: DockerScheduler, python_image: str
 ) -> None:
     """When the only submit waiting for a workspace build is cancelled, the build is stopped: the
     engine kills the step it was running (instead of letting it end normally) and tags nothing,
@@ -205,15 +177,15 @@ async def test_cancelling_the_only_submit_during_its_build_stops_the_build_and_t
         code = await asyncio.wait_for(exit_code_of(watch.container, since), 60)
         assert code != 0, "the build's RUN step ran to its end after every submit was cancelled"
         # a step that did not succeed fails the build: the engine never tags it
-        assert await scheduler.engine.image_id(tag) is None
-        assert not scheduler._flights.in_flight(("build", tag))
+        assert await docker_scheduler.engine.image_id(tag) is None
+        assert not docker_scheduler._flights.in_flight(("build", tag))
     finally:
-        await scheduler.engine.remove_image(tag, force=True)
+        await docker_scheduler.engine.remove_image(tag, force=True)
 
 
 @pytest.mark.docker
 async def test_a_shared_build_goes_on_for_the_other_submit_when_one_is_cancelled(
-    tmp_path: Path, runner: AsyncRunner, scheduler: DockerScheduler, python_image: str
+    tmp_path: Path, runner: AsyncRunner, docker_scheduler: DockerScheduler, python_image: str
 ) -> None:
     """Two submits of one workspace share one build; cancelling one of them during the build
     leaves the build running for the other, which gets the image and launches its app."""
@@ -237,15 +209,15 @@ async def test_a_shared_build_goes_on_for_the_other_submit_when_one_is_cancelled
         with pytest.raises(asyncio.CancelledError):
             await cancelled
         assert not kept.done()
-        assert scheduler._flights.in_flight(("build", tag)), "the shared build was stopped"
+        assert docker_scheduler._flights.in_flight(("build", tag)), "the shared build was stopped"
         handle = await asyncio.wait_for(kept, 120)
-        assert scheduler.engine.builds == 1
-        assert await scheduler.engine.image_id(tag) is not None
+        assert docker_scheduler.engine.builds == 1
+        assert await docker_scheduler.engine.image_id(tag) is not None
         assert second.events[-1].final and second.events[-1].stage == "build"
         status = await runner.wait(handle, timeout=60)
         assert status is not None and status.state == AppState.SUCCEEDED
     finally:
-        await scheduler.engine.remove_image(tag, force=True)
+        await docker_scheduler.engine.remove_image(tag, force=True)
 
 
 # -- SingleFlight ----------------------------------------------------------------------------------

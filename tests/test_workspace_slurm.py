@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -14,6 +13,8 @@ import pytest
 from _local_env import tiny_tmpfs
 from _slurm_env import (  # noqa: F401 - pytest fixtures
     CountingRunner,
+    sh_app,
+    slurm,
     slurm_cluster,
     slurm_runner,
     slurm_session,
@@ -25,36 +26,12 @@ from asynctorchx.schedulers.api import Stream
 from asynctorchx.schedulers.slurm import SlurmScheduler, SlurmSubmitError
 from asynctorchx.schedulers.workspace import WorkspaceCopyError, WorkspaceEvent, reporting
 from asynctorchx.specs import (
-    AppDef,
     AppState,
     InvalidRunConfigException,
     InvalidWorkspaceException,
-    Resource,
-    Role,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-async def slurm(
-    slurm_cluster: None, slurm_session: str, slurm_runner: CountingRunner
-) -> AsyncIterator[SlurmScheduler]:
-    """A SlurmScheduler on the test cluster (its jobs are scancelled after the test)."""
-    sched = SlurmScheduler(slurm_session, runner=slurm_runner)
-    yield sched
-    await sched.close()
-
-
-def sh_app(script: str) -> AppDef:
-    role = Role(
-        "trainer",
-        image="/tmp",
-        entrypoint="sh",
-        args=["-c", script],
-        resource=Resource(cpu=1, gpu=0, memMB=64),
-    )
-    return AppDef("wss", [role])
 
 
 async def stdout_of(sched: SlurmScheduler, app_id: str) -> str:
@@ -79,7 +56,9 @@ async def test_the_job_runs_the_copied_workspace_and_torchxignore_is_honoured(
     script = 'sh run.sh; pwd; for f in big.bin notes/x.txt data.txt; do if [ -e "$f" ]; then echo "present $f"; else echo "absent $f"; fi; done'
     events: list[WorkspaceEvent] = []
     with reporting(events.append):
-        app_id = await slurm.submit(sh_app(script), {"job_dir": str(job_dir)}, workspace=str(ws))
+        app_id = await slurm.submit(
+            sh_app(script, "wss"), {"job_dir": str(job_dir)}, workspace=str(ws)
+        )
     resp = await wait_for_state(slurm, app_id)
     assert resp.state == AppState.SUCCEEDED, resp.msg
     assert (await stdout_of(slurm, app_id)).splitlines() == [
@@ -100,7 +79,7 @@ async def test_an_app_keeps_running_its_own_copy_when_the_workspace_is_edited(
     flag = tmp_path / "go"
     script = f'while [ ! -e "{flag}" ]; do sleep 0.1; done; cat data.txt'
     app_id = await slurm.submit(
-        sh_app(script), {"job_dir": str(tmp_path / "jobs" / "a")}, workspace=str(ws)
+        sh_app(script, "wss"), {"job_dir": str(tmp_path / "jobs" / "a")}, workspace=str(ws)
     )
     await wait_for_state(slurm, app_id, {AppState.RUNNING})
     with open(ws / "data.txt", "r+") as f:  # in place, as an editor that truncates and rewrites
@@ -119,12 +98,12 @@ async def test_an_earlier_job_dir_inside_the_workspace_is_not_copied_into_the_ne
     job's directory (each trial of a sweep would otherwise copy every trial before it)."""
     ws = make_workspace(tmp_path / "ws", {"data.txt": "d"})
     first = await slurm.submit(
-        sh_app("true"), {"job_dir": str(ws / "runs" / "a")}, workspace=str(ws)
+        sh_app("true", "wss"), {"job_dir": str(ws / "runs" / "a")}, workspace=str(ws)
     )
     assert (await wait_for_state(slurm, first)).state == AppState.SUCCEEDED
     script = "ls -A; ls -A runs"
     second = await slurm.submit(
-        sh_app(script), {"job_dir": str(ws / "runs" / "b")}, workspace=str(ws)
+        sh_app(script, "wss"), {"job_dir": str(ws / "runs" / "b")}, workspace=str(ws)
     )
     resp = await wait_for_state(slurm, second)
     assert resp.state == AppState.SUCCEEDED, resp.msg
@@ -144,7 +123,7 @@ async def test_a_job_dir_that_holds_files_is_refused_before_any_job(
         InvalidWorkspaceException,
         match=rf"job_dir '{job_dir}' already holds files \(slurm-123\.out\)",
     ):
-        await slurm.submit(sh_app("true"), {"job_dir": str(job_dir)}, workspace=str(ws))
+        await slurm.submit(sh_app("true", "wss"), {"job_dir": str(job_dir)}, workspace=str(ws))
     assert slurm_runner.counts["sbatch"] == 0
     assert sorted(p.name for p in job_dir.iterdir()) == ["slurm-123.out"]
 
@@ -159,8 +138,8 @@ async def test_two_submits_into_one_job_dir_the_second_is_refused(
     job_dir = tmp_path / "jobs" / "shared"
     job_dir.mkdir(parents=True)
     cfg = {"job_dir": str(job_dir)}
-    info1 = await slurm.submit_dryrun_async(sh_app("cat data.txt"), cfg, workspace=str(ws1))
-    info2 = await slurm.submit_dryrun_async(sh_app("cat data.txt"), cfg, workspace=str(ws2))
+    info1 = await slurm.submit_dryrun_async(sh_app("cat data.txt", "wss"), cfg, workspace=str(ws1))
+    info2 = await slurm.submit_dryrun_async(sh_app("cat data.txt", "wss"), cfg, workspace=str(ws2))
     results: list[object] = []
 
     async def schedule(info: object) -> None:
@@ -187,7 +166,7 @@ async def test_a_workspace_without_job_dir_is_refused_saying_to_set_it(
     """Without job_dir the dry run fails, saying to set it; nothing is queued."""
     ws = make_workspace(tmp_path / "ws", {"data.txt": "x"})
     with pytest.raises(InvalidRunConfigException, match="set the job_dir run option"):
-        await slurm.submit(sh_app("true"), {}, workspace=str(ws))
+        await slurm.submit(sh_app("true", "wss"), {}, workspace=str(ws))
     assert slurm_runner.counts["sbatch"] == 0
 
 
@@ -199,7 +178,7 @@ async def test_a_job_sbatch_rejects_leaves_no_copy_behind(
     job_dir = tmp_path / "jobs" / "rejected"
     with pytest.raises(SlurmSubmitError):
         await slurm.submit(
-            sh_app("true"),
+            sh_app("true", "wss"),
             {"job_dir": str(job_dir), "partition": "no-such-partition"},
             workspace=str(ws),
         )
@@ -212,7 +191,7 @@ async def test_a_missing_workspace_is_refused_before_any_job(
     """A workspace directory that does not exist is an error naming it; nothing is queued."""
     with pytest.raises(InvalidWorkspaceException, match=rf"'{tmp_path / 'nope'}' does not exist"):
         await slurm.submit(
-            sh_app("true"),
+            sh_app("true", "wss"),
             {"job_dir": str(tmp_path / "jobs" / "x")},
             workspace=str(tmp_path / "nope"),
         )
@@ -230,7 +209,7 @@ async def test_a_job_dir_on_a_full_disk_fails_naming_it_and_leaves_no_copy(
     with tiny_tmpfs(tmp_path / "fs", "1m") as fs:
         job_dir = fs / "jobs" / "run-1"
         with pytest.raises(WorkspaceCopyError) as info:
-            await slurm.submit(sh_app("true"), {"job_dir": str(job_dir)}, workspace=str(ws))
+            await slurm.submit(sh_app("true", "wss"), {"job_dir": str(job_dir)}, workspace=str(ws))
         assert info.value.errno == errno.ENOSPC
         assert f"into {str(job_dir)!r}: No space left on device (writing 'data.bin')" in str(
             info.value
