@@ -211,6 +211,52 @@ async def test_first_signal_ends_a_race_and_cancels_the_raced_work() -> None:
     assert interrupts.exit_code == 130
 
 
+@pytest.mark.timeout(30)
+async def test_a_command_slow_to_finish_after_ctrl_c_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The first SIGINT cancels the command; when its clean-up takes longer than SLOW_FINISH (a
+    cancel waiting for an engine to stop a container that ignores SIGTERM: its whole stop timeout)
+    stderr says what it waits for and that Ctrl+C again exits (it was silent); a quick one says
+    nothing."""
+    from asynctorchx.cli import _interrupt
+
+    async def command(clean_up: float) -> None:
+        interrupts = Interrupts()
+        interrupts.install()
+        try:
+            asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGINT)
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(clean_up)  # the command's clean-up (the runner closing)
+        finally:
+            interrupts.uninstall()
+
+    await command(0.0)
+    assert "Ctrl+C again" not in capsys.readouterr().err
+    await command(_interrupt.SLOW_FINISH + 0.5)
+    assert "interrupted; finishing what is under way" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_command_is_set_up_exits_130_without_a_traceback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl+C that lands while main() still sets itself up (here: setting up logging, ~10-30 ms
+    of every command) ends the command with 130 like any later one (the KeyboardInterrupt escaped
+    main(): a traceback, and the process died by SIGINT)."""
+    import asynctorchx.cli.main as cli_main
+
+    def interrupted(debug: bool, level: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "_setup_logging", interrupted)
+    try:
+        code = cli_main.main(["run", "--dryrun", "utils.echo", "--msg", "hi"])
+    except KeyboardInterrupt:  # (caught: escaping, it would stop the whole test session)
+        pytest.fail("KeyboardInterrupt escaped main(): a traceback instead of exit 130")
+    assert code == 130
+
+
 async def test_a_race_returns_the_result_when_no_signal_comes() -> None:
     """Without a signal, race returns what the coroutine returned."""
     interrupts = Interrupts()

@@ -22,6 +22,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: After a first signal has cancelled the command, how long its clean-up may take before the user is
+#: told that it is under way and how to skip it (a cancel waiting for an engine to stop a container
+#: that ignores SIGTERM: its stop timeout, silent)
+SLOW_FINISH = 0.5
+
 _SIGNALS = tuple(
     s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s is not None
 )
@@ -89,6 +94,21 @@ class Interrupts:
         self._event.set()
         if not self._racing and self._main is not None:
             self._main.cancel()
+            if self._loop is not None:
+                self._loop.call_later(SLOW_FINISH, self._still_finishing)
+
+    def _still_finishing(self) -> None:
+        if self.count != 1:  # (a second signal exits at once)
+            return
+        try:
+            print(
+                "\nasynctorchx: interrupted; finishing what is under way (waiting for the "
+                "scheduler); Ctrl+C again to exit now",
+                file=sys.stderr,
+                flush=True,
+            )
+        except (OSError, ValueError):
+            pass
 
     def _exit_now(self, signum: int) -> None:
         try:

@@ -338,6 +338,15 @@ class _ClosedStdout:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl+C before the command's own handling is in place (parsing the line, setting up
+        # logging, starting the event loop): the same exit as later, without a traceback
+        return ExitCode.INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     if sys.stdout is None:
         sys.stdout = _ClosedStdout()
     from asynctorchx.cli._output import tolerant_output
