@@ -181,8 +181,35 @@ class EventFeed:
                     self._on_follow_up(app_id)
             for app_id in dead_launches(await self._engine.list_volumes(LABEL_APP_ID)):
                 self._on_follow_up(app_id)
+            await self._remove_orphan_networks()
         finally:
             self._caught_up_done.set()
+
+    async def _remove_orphan_networks(self) -> None:
+        """Removes the apps' networks that nothing of their app uses or will use: no container,
+        and no volume of the app (a launch claim, a cancel's record).
+
+        A launcher killed while the engine was still creating its app's network leaves a network
+        that lands after whoever cleared the dead launch had looked for it, and no claim: nothing
+        else would ever remove it (Docker's address pools run out of networks). Listed in this
+        order, networks then volumes then containers, a network of a launch under way always shows
+        its claim, or, once the claim is gone, its containers (made before the claim is removed).
+        """
+        networks = await self._engine.list_networks(label=LABEL_APP_ID)
+        if not networks:
+            return
+        volumes = await self._engine.list_volumes(LABEL_APP_ID)
+        containers = await self._engine.list_containers(LABEL_APP_ID)
+        kept = {(item.get("Labels") or {}).get(LABEL_APP_ID) for item in [*volumes, *containers]}
+        for network in networks:
+            app_id = (network.get("Labels") or {}).get(LABEL_APP_ID)
+            if app_id and app_id not in kept:
+                try:
+                    await self._engine.remove_network(str(network.get("Id", "")))
+                except DockerSchedulerError as e:  # (a container joined it meanwhile: kept)
+                    logger.debug("removing the orphan network of %s failed: %s", app_id, e)
+                else:
+                    logger.info("removed the network of %s, which nothing of it used", app_id)
 
     async def caught_up(self) -> None:
         """Returns once the first connection's look at every app has asked for their
