@@ -20,8 +20,9 @@ def register(sub: argparse._SubParsersAction[Any], common: argparse.ArgumentPars
         formatter_class=HelpFormatter,
         help="cancel an app",
         description="Asks the app's scheduler to stop it (local apps: SIGTERM to each replica's "
-        "process group, then SIGKILL after a grace period). Cancelling an app that has ended does "
-        "nothing. Exits 4 when the scheduler does not know the app.",
+        "process group, then SIGKILL after a grace period). Cancelling an app that has ended only "
+        "stops what it left running, if anything (a local_docker app's surviving replicas). Exits "
+        "4 when the scheduler does not know the app.",
     )
     p.add_argument("handle", metavar="HANDLE", help="the app handle printed by 'asynctorchx run'")
     p.add_argument(
@@ -57,13 +58,15 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
         status = await runner.status(handle)
         if status is None:
             raise unknown_app(handle)
-        if status.is_terminal():
-            info(f"{handle} has already ended: {style.state(status.state.name)}")
-            return 0
         try:
+            # An app that has ended may still owe a stop of what it left running (a local_docker
+            # app's surviving replicas when nothing followed it as it failed): the cancel does it.
             await runner.cancel(handle)
         except OSError as e:
             raise _as_state_root_error(e, args.scheduler) from None
+        if status.is_terminal():
+            info(f"{handle} has already ended: {style.state(status.state.name)}")
+            return 0
         if not args.wait:
             info(f"cancel requested for {handle}")
             return 0

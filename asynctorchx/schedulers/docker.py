@@ -689,7 +689,8 @@ class DockerScheduler(Scheduler[DockerJob]):
         after its stop timeout); returns once the stops are under way, not once they have ended.
 
         The marker makes the app read CANCELLED from any process once nothing of it runs; a
-        finished app is left alone. The cancel goes on as a task of the scheduler (``close`` lets
+        finished app keeps its state, and only the live containers it still owes a stop (the
+        survivors of a failure nothing followed) are stopped. The cancel goes on as a task of the scheduler (``close`` lets
         it finish), waiting for the containers to stop; it runs even if the caller is cancelled
         meanwhile. A cancel of the app already under way here is joined, not repeated. Raises
         what kept the stops from being under way: the engine refused the marker, the listing or
@@ -761,6 +762,11 @@ class DockerScheduler(Scheduler[DockerJob]):
             if a is None:
                 return
         if is_terminal(a.response.state):
+            # Ended, with live containers it still owes a stop when nothing followed its events
+            # as it failed (its launcher killed, say): their follow-up, done now.
+            owed = self._follow_ups.stops_owed(a)
+            if owed:
+                await self._stop_containers(app_id, owed, under_way)
             return
         if any(c.is_marker for c in a.containers):
             # Its canceller stops them (a second SIGTERM would run their handler again), unless

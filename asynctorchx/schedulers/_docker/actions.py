@@ -89,6 +89,21 @@ class FollowUps:
         self._cut_off: OrderedDict[str, RetryReplicas] = OrderedDict()  # retries owed, by app
         self._survivors: OrderedDict[str, None] = OrderedDict()  # stopped: another failed first
 
+    def stops_owed(self, a: Assessment) -> list[str]:
+        """The live containers of app ``a`` its follow-up stops: none for a cancelled app (the
+        canceller's and the launches', see ``started_after``); for a failed app its survivors,
+        remembered as this process's (``stopped_survivor``)."""
+        if any(c.is_marker for c in a.containers):
+            return []
+        stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
+        if a.response.state == AppState.FAILED:
+            for cid in stops:  # the survivors of the failure (or attempts a retry superseded)
+                self._survivors[cid] = None
+                self._survivors.move_to_end(cid)
+            while len(self._survivors) > 4 * _REMEMBERED_APPS:
+                self._survivors.popitem(last=False)
+        return stops
+
     def stopped_survivor(self, cid: str) -> bool:
         """True for a container this process stopped because another replica had failed its app
         (its exit, a 137 or whatever its SIGTERM handler gives, is not a failure of its own)."""
@@ -110,15 +125,7 @@ class FollowUps:
         a = assess(app_id, await self._list_app(app_id))
         if a is None:
             return None
-        stops = [x.container_id for x in a.actions if isinstance(x, StopContainer)]
-        if any(c.is_marker for c in a.containers):
-            stops = []  # the canceller's and the launches' (see ``started_after``)
-        elif a.response.state == AppState.FAILED:
-            for cid in stops:  # the survivors of the failure (or attempts a retry superseded)
-                self._survivors[cid] = None
-                self._survivors.move_to_end(cid)
-            while len(self._survivors) > 4 * _REMEMBERED_APPS:
-                self._survivors.popitem(last=False)
+        stops = self.stops_owed(a)
         errors = [
             r
             for r in await asyncio.gather(

@@ -1,0 +1,99 @@
+"""local_docker: an app that has failed while nothing followed it still has its survivors stopped.
+
+A failed app's live replicas are stopped by the follow-up of a scheduler that follows the engine's
+events. When none does (the launcher was killed as the app failed, and later processes only ran
+``status`` and ``cancel``), the app reads FAILED while its other replicas run on: a reviewer saw
+three such containers run for more than 30 s, and ``cancel`` did nothing, as the app had ended.
+Here that state is made deterministic with schedulers that do not follow the events
+(``watch_events=False``): replica 0 fails at once, replica 1 sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+from _docker_env import busybox_image, docker_engine, purge_session, run_python, sh  # noqa: F401
+
+from asynctorchx.schedulers.docker import DockerScheduler
+from asynctorchx.specs import AppDef, AppState, macros
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def blind_session(docker_engine: None) -> AsyncIterator[str]:  # noqa: F811 - the fixture
+    """A session whose containers are removed afterwards."""
+    session = f"pytest-{uuid.uuid4().hex[:10]}"
+    try:
+        yield session
+    finally:
+        await purge_session(session)
+
+
+async def _failed_with_a_survivor(session: str, image: str) -> str:
+    """Launches, with nothing following the engine's events, a 2-replica app whose replica 0 fails
+    (exit 3) while replica 1 sleeps; returns once it reads FAILED with replica 1 still running."""
+    launcher = DockerScheduler(session, watch_events=False)
+    try:
+        role = sh(image, f"[ {macros.replica_id} = 0 ] && exit 3; exec sleep 300", n=2)
+        app_id = await launcher.schedule(
+            launcher.submit_dryrun(AppDef("survivor", [role]), {"stop_timeout": 2})
+        )
+        with anyio.fail_after(30):
+            while (r := await launcher.describe(app_id)) is None or r.state != AppState.FAILED:
+                await asyncio.sleep(0.05)  # nothing to wait on: the events are not followed
+    finally:
+        await launcher.close()
+    assert await _alive(session, app_id) == [1]
+    return app_id
+
+
+async def _alive(session: str, app_id: str) -> list[int]:
+    """The replica ids of the app's running containers."""
+    s = DockerScheduler(session, watch_events=False)
+    try:
+        return sorted(c.replica_id for c in await s._events.containers(app_id) if c.alive)
+    finally:
+        await s.close()
+
+
+async def test_cancelling_a_failed_app_stops_its_survivor_and_keeps_it_failed(
+    blind_session: str,
+    busybox_image: str,  # noqa: F811 - the fixture
+) -> None:
+    """cancel() of the FAILED app (from a scheduler that does not follow the events either, so
+    nothing else could stop the survivor) stops replica 1; the app still reads FAILED, with replica
+    0's failure as its reason and replica 1 noted as stopped after it."""
+    app_id = await _failed_with_a_survivor(blind_session, busybox_image)
+    canceller = DockerScheduler(blind_session, watch_events=False)
+    try:
+        with anyio.fail_after(30):
+            await canceller.cancel(app_id)
+        with anyio.fail_after(30):
+            while await _alive(blind_session, app_id):
+                await asyncio.sleep(0.05)
+        r = await canceller.describe(app_id)
+        assert r is not None and r.state == AppState.FAILED, r
+        assert "replica main/0 failed with exit code 3" in r.msg, r.msg
+        survivor = r.roles_statuses[0].replicas[1]
+        assert "stopped after replica main/0 failed" in survivor.structured_error_msg, survivor
+    finally:
+        await canceller.close()
+
+
+async def test_the_cli_cancel_of_a_failed_app_stops_its_survivor(
+    blind_session: str,
+    busybox_image: str,  # noqa: F811 - the fixture
+) -> None:
+    """``asynctorchx cancel HANDLE`` of that app says it has ended (exit 0) and, by the time it
+    exits, replica 1 is no longer running."""
+    app_id = await _failed_with_a_survivor(blind_session, busybox_image)
+    handle = f"local_docker://{blind_session}/{app_id}"
+    done = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", handle)
+    assert done.returncode == 0, done.stderr
+    assert "has already ended" in done.stderr and "FAILED" in done.stderr, done.stderr
+    assert await _alive(blind_session, app_id) == []
