@@ -8,8 +8,11 @@ assertion depends on real time.
 from __future__ import annotations
 
 import asyncio
+import decimal
+import fractions
 import gc
 import math
+import re
 import textwrap
 import weakref
 from pathlib import Path
@@ -280,6 +283,21 @@ def test_limits_objects_and_unknown_backends() -> None:
     runner = AsyncRunner("t", limits={"slurm": Limits(4, 2)})
     assert runner.limits("slurm") == Limits(max_concurrent_submits=4, max_calls_per_second=2.0)
     assert runner.limits("local_cwd") is None
+
+
+def test_limits_take_numbers_of_any_numeric_type() -> None:
+    """A Decimal or a Fraction rate (a sweep driver's configuration, numpy's numbers likewise) is
+    taken as the number it is, not refused as "not a number"; a non-finite one is still refused
+    with its value, and a count must still be an integer."""
+    assert Limits(4, decimal.Decimal("2.5")) == Limits(4, 2.5)
+    assert Limits(4, fractions.Fraction(5, 2)) == Limits(4, 2.5)
+    for bad in (decimal.Decimal("NaN"), decimal.Decimal("-Infinity"), decimal.Decimal("1e400")):
+        with pytest.raises(
+            ValueError, match=rf"max_calls_per_second .* got {re.escape(repr(bad))}"
+        ):
+            Limits(max_calls_per_second=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_concurrent_submits must be an integer .* Decimal"):
+        Limits(max_concurrent_submits=decimal.Decimal("2.5"))  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -28,8 +28,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import decimal
 import enum
 import math
+import numbers
 import os
 import time
 import weakref
@@ -78,6 +80,8 @@ def _check_submits(value: object, backend: str | None) -> int | None:
             number = int(value.strip())
         except ValueError:
             number = value
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)  # numpy's integers, say
     if isinstance(number, bool) or not isinstance(number, int) or number < 1:
         raise ValueError(
             f"{_where(backend)}: max_concurrent_submits must be an integer >= 1 "
@@ -95,6 +99,11 @@ def _check_rate(value: object, backend: str | None) -> float | None:
             number = float(value.strip())
         except ValueError:
             number = value
+    elif isinstance(value, (numbers.Real, decimal.Decimal)) and not isinstance(value, int):
+        try:
+            number = float(value)  # numpy's numbers, a Decimal, a Fraction (NaN: refused below)
+        except OverflowError:  # a Fraction too large for a float: not finite either
+            number = math.inf
     if isinstance(number, int) and not isinstance(number, bool):
         try:
             number = float(number)
