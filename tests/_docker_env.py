@@ -118,19 +118,30 @@ def docker_session() -> str:
 
 async def purge_session(session: str) -> None:
     """Removes every container, network and volume (launch claims) labelled with ``session``."""
-    import aiodocker
-
     from asynctorchx.schedulers._docker.request import LABEL_SESSION
 
+    await _purge(f"{LABEL_SESSION}={session}")
+
+
+async def purge_app(app_id: str) -> None:
+    """Removes every container, network and volume of app ``app_id`` (an app of a session the
+    test does not own, such as the CLI's default one)."""
+    from asynctorchx.schedulers._docker.request import LABEL_APP_ID
+
+    await _purge(f"{LABEL_APP_ID}={app_id}")
+
+
+async def _purge(label: str) -> None:
+    import aiodocker
+
     async with aiodocker.Docker() as client:
-        label = json.dumps({"label": [f"{LABEL_SESSION}={session}"]})
-        for c in await client.containers.list(all=True, filters=label):
+        for c in await client.containers.list(all=True, filters=json.dumps({"label": [label]})):
             with contextlib.suppress(DockerError):
                 await c.delete(force=True)
-        for n in await client.networks.list(filters={"label": [f"{LABEL_SESSION}={session}"]}):
+        for n in await client.networks.list(filters={"label": [label]}):
             with contextlib.suppress(DockerError):
                 await (await client.networks.get(n["Id"])).delete()
-        volumes = await client.volumes.list(filters={"label": [f"{LABEL_SESSION}={session}"]})
+        volumes = await client.volumes.list(filters={"label": [label]})
         for v in volumes.get("Volumes") or []:
             with contextlib.suppress(DockerError):
                 await (await client.volumes.get(v["Name"])).delete()

@@ -7,6 +7,7 @@ stdout and stderr), and the state root is private to the module, so that ``list`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _docker_env import purge_app
 from conftest import engine_missing
 
 COMPONENT = '''
@@ -822,3 +824,4 @@ def test_ctrl_c_detaches_from_a_docker_app(cli: Cli, busybox_image: str) -> None
         proc.kill()
         if handle:
             cli("cancel", "--wait", handle, timeout=60)
+            asyncio.run(purge_app(handle.rsplit("/", 1)[1]))  # (the CLI's session is shared)

@@ -10,13 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from _docker_env import docker_engine, python_image  # noqa: F401 - pytest fixtures
+from _docker_env import docker_engine, purge_session, python_image  # noqa: F401 - pytest fixtures
 from _torchx_env import run_torchx
 from conftest import engine_missing
 
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 REPORT = """
 import sys
+import uuid
 from asynctorchx.tracker import app_run_from_env
 run = app_run_from_env()
 run.add_metadata(lr=float(sys.argv[1]), epoch=0)
@@ -523,13 +525,17 @@ async def test_a_docker_job_reports_through_a_bind_mounted_tracker_root(
             BindMount(str(tracked.parent), str(tracked.parent)),
         ],
     )
-    async with AsyncRunner("trk-docker") as runner:
-        handle = await runner.run(
-            AppDef("docker-report", [role]), "local_docker", parent_run_id="d1"
-        )
-        status = await runner.wait(handle, timeout=150)
-        logs = [ln async for ln in runner.log_lines(handle, "trainer")]
-        await runner.cancel(handle)
+    session = f"trk-docker-{uuid.uuid4().hex[:8]}"
+    try:
+        async with AsyncRunner(session) as runner:
+            handle = await runner.run(
+                AppDef("docker-report", [role]), "local_docker", parent_run_id="d1"
+            )
+            status = await runner.wait(handle, timeout=150)
+            logs = [ln async for ln in runner.log_lines(handle, "trainer")]
+            await runner.cancel(handle)
+    finally:
+        await purge_session(session)
     assert status is not None and status.state == AppState.SUCCEEDED, (status, logs)
     reader = AsyncTrackerReader.from_config(str(conf))
     assert await reader.run_ids(parent_run_id="d1") == [handle]
