@@ -364,3 +364,39 @@ def test_plugin_returning_a_non_int_names_the_plugin(cli: Cli, plugin_site: Path
     assert done.returncode != 0
     [line] = [x for x in done.stderr.splitlines() if x.startswith("asynctorchx sloppy: error:")]
     assert "plugin command 'sloppy' returned 'done'" in line, done.stderr
+
+
+# -- local_cwd: which program a bare name runs ----------------------------------------------------
+
+
+TORCHX_RUN_WAIT = ("run", "--wait", "-s", "local_cwd")
+
+
+def test_a_program_in_the_current_directory_wins_over_the_launchers_path_as_in_torchx(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """``run -s local_cwd utils.sh mytool`` with ``./mytool`` and another ``mytool`` on the
+    launcher's PATH runs ``./mytool`` under TorchX 0.7 (the role's PATH, the current directory,
+    then the launcher's: its effective order, whatever its help text says) and under asynctorchx;
+    it ran the PATH's before. (Each program notes its run in a file: TorchX's ``--log`` loses a
+    short app's output now and then.)"""
+    sysbin, proj, ran = tmp_path / "sysbin", tmp_path / "proj", tmp_path / "ran"
+    for d, word in ((sysbin, "SYSTEM-TOOL"), (proj, "CWD-TOOL")):
+        d.mkdir()
+        (d / "mytool").write_text(f"#!/bin/sh\necho {word} >> {ran}\n")
+        (d / "mytool").chmod(0o755)
+    path = f"{sysbin}{os.pathsep}{os.environ['PATH']}"
+    theirs = subprocess.run(
+        [torchx_python(), "-m", "torchx.cli.main", *TORCHX_RUN_WAIT, "utils.sh", "mytool"],
+        cwd=proj,
+        env=torchx_env(PATH=path, TORCHX_LOG_DIR=str(tmp_path / "torchx-logs")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert theirs.returncode == 0, theirs.stderr
+    assert ran.read_text() == "CWD-TOOL\n"
+    ours = in_dir(cli, proj, "run", "--wait", "-s", "local_cwd", "utils.sh", "mytool", PATH=path)
+    assert ours.returncode == 0, ours.stderr
+    assert ran.read_text() == "CWD-TOOL\nCWD-TOOL\n"

@@ -241,8 +241,11 @@ async def test_env_and_macros(sched: LocalScheduler, monkeypatch: pytest.MonkeyP
         assert ids == f"{app_id}/{k}"
 
 
-async def test_prepend_cwd_controls_path_precedence(root: Path, tmp_path: Path) -> None:
-    """The image dir is on PATH; with prepend_cwd its programs win over the parent's PATH."""
+async def test_prepend_cwd_controls_path_precedence(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image dir's programs win over the launcher's PATH (TorchX's effective order: the role's
+    PATH, the image dir, the launcher's); with prepend_cwd they win over the role's PATH too."""
     image = tmp_path / "image"
     image.mkdir()
     fake = image / "uname"
@@ -251,18 +254,33 @@ async def test_prepend_cwd_controls_path_precedence(root: Path, tmp_path: Path) 
     own = image / "only-in-image"
     own.write_text("#!/bin/sh\necho own-program\n")
     own.chmod(0o755)
+    role_bin = tmp_path / "role-bin"
+    role_bin.mkdir()
+    mine = role_bin / "uname"
+    mine.write_text("#!/bin/sh\necho role-uname\n")
+    mine.chmod(0o755)
     async with LocalScheduler("p", "local_dir", local_root=root) as s:
         outs = {}
-        for prepend in (False, True):
+        for prepend, role_path in [
+            (False, None),
+            (True, None),
+            (False, role_bin),
+            (True, role_bin),
+        ]:
             role = Role(
-                "main", image=str(image), entrypoint="sh", args=["-c", "uname; only-in-image"]
+                "main",
+                image=str(image),
+                entrypoint="sh",
+                args=["-c", "uname; only-in-image"],
+                env={"PATH": str(role_path)} if role_path else {},
             )
             app_id = await s.submit(app(role), {"prepend_cwd": prepend})
             assert (await wait_for(s, app_id)).state == AppState.SUCCEEDED
-            outs[prepend] = await lines(s, app_id)
-    assert outs[True] == ["image-uname\n", "own-program\n"]
-    assert outs[False][0] != "image-uname\n"
-    assert outs[False][1] == "own-program\n"
+            outs[prepend, role_path is not None] = await lines(s, app_id)
+    assert outs[False, False] == ["image-uname\n", "own-program\n"]  # before the launcher's PATH
+    assert outs[True, False] == ["image-uname\n", "own-program\n"]
+    assert outs[False, True] == ["role-uname\n", "own-program\n"]  # after the role's PATH
+    assert outs[True, True] == ["image-uname\n", "own-program\n"]
 
 
 def test_auto_set_cuda_visible_devices_gives_contiguous_slices(root: Path) -> None:

@@ -16,8 +16,8 @@ A replica's environment is the launcher's, then the role's ``env`` (macros subst
 error of a failed replica),
 ``PET_LOG_DIR``, ``TORCHX_JOB_ID`` (the app handle) and ``PYTHONUNBUFFERED``; last comes the marker
 ``ASYNCTORCHX_REPLICA={app_id}/{role}/{k}``, which the role cannot override. ``PATH`` is the role's
-``PATH``, then the launcher's, with the image directory last (first with ``prepend_cwd``). Linux only
-(pidfds, ``/proc``).
+``PATH``, then the image directory, then the launcher's (TorchX's order: its programs win over the
+launcher's); with ``prepend_cwd`` the image directory comes first. Linux only (pidfds, ``/proc``).
 
 Containment (``_local/contain.py``): every descendant of a replica stays within reach, those that
 call ``setsid`` or double-fork included. Where the machine offers a writable cgroup v2 directory,
@@ -733,8 +733,9 @@ def _run_options(root: Path) -> runopts:
         "prepend_cwd",
         type_=bool,
         default=False,
-        help="put the image directory first on the replicas' PATH (it goes last otherwise), so its "
-        "programs take precedence over those on PATH",
+        help="put the image directory first on the replicas' PATH, so its programs take "
+        "precedence over those on the role's PATH too (otherwise it comes after the role's PATH "
+        "and before the launcher's, as in TorchX)",
     )
     opts.add(
         "auto_set_cuda_visible_devices",

@@ -329,8 +329,8 @@ def _replica_request(role: Role, i: int, img_root: str, ctx: _Context) -> Replic
     env.setdefault(JOB_ID_ENV, ctx.handle)
     if ctx.prepend_cwd:
         env["PATH"] = join_path(img_root, env.get("PATH"), ctx.parent_path)
-    else:
-        env["PATH"] = join_path(env.get("PATH"), ctx.parent_path, img_root)
+    else:  # TorchX's order: it appends the image dir to the role's PATH, then the launcher's
+        env["PATH"] = join_path(env.get("PATH"), img_root, ctx.parent_path)
     if ctx.slices is not None and (role.name, i) in ctx.slices:
         env[CUDA_VISIBLE_DEVICES] = ctx.slices[(role.name, i)]
     return ReplicaRequest(
