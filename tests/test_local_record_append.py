@@ -172,8 +172,8 @@ def test_a_full_disk_rewrites_the_record_in_place_when_it_fits(
     store: RecordStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An append cut short by a full disk is replaced by the new version written over the file in
-    place (it fits in the file's blocks); one that does not fit raises ENOSPC, the old version
-    standing."""
+    place (it fits in the file's blocks); one whose message does not fit is written with it cut,
+    saying so; one that does not fit even so raises ENOSPC, the old version standing."""
     import errno
 
     records_dir = str(store.records_dir)
@@ -190,12 +190,17 @@ def test_a_full_disk_rewrites_the_record_in_place_when_it_fits(
     protocol.write_record_file(records_dir, "f-1", _dumps(_doc("f-1", "SUCCEEDED")))
     record = store.read("f-1")
     assert record is not None and record.state == AppState.SUCCEEDED
-    huge = _dumps(_doc("f-1", "FAILED", msg="y" * 10000))
+    long_msg = _dumps(_doc("f-1", "FAILED", msg="y" * 10000))
+    protocol.write_record_file(records_dir, "f-1", long_msg)
+    record = store.read("f-1")
+    assert record is not None and record.state == AppState.FAILED
+    assert record.msg.startswith("y" * protocol.CUT_TEXT) and "cut: the state root" in record.msg
+    huge = _dumps(_doc("f-1", "CANCELLED", app={"pad": "z" * 10000}))
     with pytest.raises(OSError) as raised:
         protocol.write_record_file(records_dir, "f-1", huge)
     assert raised.value.errno == errno.ENOSPC
     record = store.read("f-1")
-    assert record is not None and record.state == AppState.SUCCEEDED
+    assert record is not None and record.state == AppState.FAILED
     assert path.read_bytes().endswith(b"\n")
 
 
@@ -743,3 +748,23 @@ def test_what_a_writer_killed_during_a_compaction_left_is_removed_later(
     assert not old.exists()
     assert fresh.exists() and other.exists()
     assert store.read("a-1") is not None
+
+
+def test_leftover_temporary_files_of_compactions_and_cancel_markers_are_swept(
+    store: RecordStore,
+) -> None:
+    """A compaction's or a cancel marker's temporary file left by a killed writer (older than a
+    minute) is removed by the sweep; fresh ones, records and other dot files stay."""
+    records = store.records_dir
+    old = time.time() - 3600
+    leftovers = [".a-1.123.456.tmp", ".b-2.cancel.789.tmp"]
+    kept = [".c-3.cancel.x1.tmp", ".d-4.lock", "e-5.json", ".f-6.cancel.tmp"]
+    for name in [*leftovers, *kept]:
+        (records / name).write_bytes(b"x")
+        os.utime(records / name, (old, old))
+    (records / ".g-7.cancel.42.tmp").write_bytes(b"fresh")
+    assert protocol.drop_compaction_leftovers(str(records)) == 2
+    assert sorted(p.name for p in records.iterdir() if p.name in [*leftovers, *kept]) == sorted(
+        kept
+    )
+    assert (records / ".g-7.cancel.42.tmp").exists()

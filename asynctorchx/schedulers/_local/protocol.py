@@ -431,18 +431,19 @@ def drop_dead_holders(records_dir: str, keep: str | None) -> int:
 
 
 def _is_compaction_tmp(name: str) -> bool:
-    """True for the name of a compaction's temporary file: ``.{app_id}.{pid}.{thread}.tmp``."""
+    """True for the name of a compaction's temporary file, ``.{app_id}.{pid}.{thread}.tmp``, or
+    of a cancel marker's, ``.{app_id}.cancel.{pid}.tmp`` (``records.RecordStore.mark_cancel``)."""
     if not (name.startswith(".") and name.endswith(".tmp")):
         return False
     parts = name[1:-4].rsplit(".", 2)
-    return (
-        len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts[1:]) and bool(parts[0])
-    )
+    if len(parts) != 3 or not parts[0] or not (parts[2].isascii() and parts[2].isdigit()):
+        return False
+    return parts[1] == "cancel" or (parts[1].isascii() and parts[1].isdigit())
 
 
 def drop_compaction_leftovers(records_dir: str, older_than: float = 60.0) -> int:
-    """Removes the temporary files of record compactions whose writer was killed before it
-    renamed or removed them (a compaction takes milliseconds: one older than ``older_than``
+    """Removes the temporary files of record compactions (and of cancel markers) whose writer was
+    killed before it renamed or removed them (a compaction takes milliseconds: one older than ``older_than``
     seconds is a leftover); returns how many."""
     dropped = 0
     now = time.time()
@@ -529,12 +530,17 @@ def write_record_file(
     file would grow past ``COMPACT_SIZE`` (or ``COMPACT_FACTOR`` times ``data``), it is replaced by
     a file holding ``data`` alone instead.
 
+    A file that holds one version (the first, or a compaction's) holds it padded with spaces to
+    twice its size (``_with_room``), so that a later version finds room in place when the file
+    system is full (below).
+
     Appenders hold a shared ``flock`` on the record file and the compaction an exclusive one, so no
     append lands in a file between the moment it is replaced and the moment its replacement is
     in place; an appender that finds its file replaced (no links left) appends to the new one, and
     one that finds it removed (the submit was undone) stops. A write that finds the file system
     full rewrites the record in place when ``data`` fits in the space the file already holds
-    (padded with spaces, which JSON ignores).
+    (padded with spaces, which JSON ignores); one that does not fit even so (long error texts) is
+    written with those texts cut (``_with_texts_cut``): the app's state is never the part lost.
     """
     if b"\n" in data:
         raise ValueError(f"a record must be one line; the record of {app_id} has a newline")
@@ -555,7 +561,7 @@ def write_record_file(
                 return  # removed while this version was being written: the removal wins
             if spares is None:
                 raise
-            if _link_spare(spares, final, line[1:]):
+            if _link_spare(spares, final, _with_room(data)):
                 return
             spares = None  # none to be had: created the usual way
             continue
@@ -575,12 +581,14 @@ def write_record_file(
                 reopened = True
                 continue
             try:
-                _write_all(fd, line if st.st_size else line[1:])
+                _write_all(fd, line if st.st_size else _with_room(data))
             except OSError as e:
-                if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not _rewrite_in_place(
-                    final, fd, data
-                ):
+                if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                     raise
+                if not _rewrite_in_place(final, fd, data):
+                    cut = _with_texts_cut(data)
+                    if cut is None or not _rewrite_in_place(final, fd, cut):
+                        raise
             return
         finally:
             os.close(fd)
@@ -657,7 +665,7 @@ def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            _write_all(fd, data + b"\n")
+            _write_all(fd, _with_room(data))
         finally:
             os.close(fd)
         lock = os.open(final, os.O_RDONLY | os.O_CLOEXEC)
@@ -674,6 +682,40 @@ def _compact(records_dir: str, app_id: str, final: str, data: bytes) -> bool:
             os.unlink(tmp)
         return False
     return True
+
+
+#: The least size of a record file holding one version (``_with_room``): a page's worth.
+MIN_ROOM = 4000
+#: How much of each message and structured error a version cut to fit a full disk keeps.
+CUT_TEXT = 512
+
+
+def _with_room(data: bytes) -> bytes:
+    """``data`` as the only line of a record file: padded with spaces (which JSON ignores) to
+    twice its size, at least ``MIN_ROOM``, so that the versions after it (an app's terminal one
+    holds a little more: exit codes, times, its message) can be rewritten in place on a full disk
+    (``_rewrite_in_place``)."""
+    size = max(2 * (len(data) + 1), MIN_ROOM)
+    return data + b" " * (size - len(data) - 1) + b"\n"
+
+
+def _with_texts_cut(data: bytes) -> bytes | None:
+    """The record ``data`` with its messages and structured errors (the app's and its replicas')
+    cut to ``CUT_TEXT`` characters, saying so; None when nothing was cut (or it is not a record)."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    cut = False
+    for holder in [doc, *(r for r in doc.get("replicas") or () if isinstance(r, dict))]:
+        for key in ("msg", "structured_error_msg"):
+            text = holder.get(key)
+            if isinstance(text, str) and len(text) > CUT_TEXT:
+                holder[key] = text[:CUT_TEXT] + " [... cut: the state root's file system was full]"
+                cut = True
+    return json.dumps(doc, separators=(",", ":")).encode() if cut else None
 
 
 def _rewrite_in_place(path: str, locked: int, data: bytes) -> bool:
