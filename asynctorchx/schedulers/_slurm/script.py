@@ -125,9 +125,14 @@ SAMPLE_INTERVAL = 0.25
 TEE_DRAIN = 5.0
 
 # Runs one replica (see the module docstring): ``sh -c REPLICA_WRAPPER LOG_DIR COMMAND ARGS...``.
-# Its exit status goes to LOG_DIR/exit_code once its output is written; a replica stopped by a
-# signal (scancel, --kill-on-bad-exit) writes none: the wrapper dies with it. Only double quotes
-# inside (it was once held in single quotes; the batch script now writes it to WRAPPER_FILE).
+# Its exit status goes to LOG_DIR/exit_code once its output is written. The wrapper outlives
+# SIGTERM, SIGINT and SIGHUP (scancel, --kill-on-bad-exit), waiting for its replica, whose
+# actions for them stay the defaults (a caught signal is reset at exec, an ignored one would not
+# be): a replica that ignores or outlives SIGTERM stays the wrapper's child, so in the step's
+# process tracking (proctrack/linuxproc follows parentage) until Slurm's SIGKILL after KillWait.
+# Orphaned by a wrapper that died of the SIGTERM, it ran on for good. A replica ended by SIGTERM
+# writes 143; one SIGKILLed, none (the wrapper dies with it). Only double quotes inside (it was
+# once held in single quotes; the batch script now writes it to WRAPPER_FILE).
 #
 # ``sample`` is one timing sample: it truncates "$t/a" (its mtime is then the time just before the
 # stat), stats both clock files and the three logs in one ``stat`` process, and truncates "$t/b"
@@ -148,6 +153,7 @@ TEE_DRAIN = 5.0
 # until its last process ends (a timer's leftover `sleep 5` kept every job running 5 s past its
 # replicas' exit). What outlives the wrapper is at most the sampler's last `sleep`.
 REPLICA_WRAPPER = """d=$0
+trap : TERM INT HUP
 if ! t=$(mktemp -d 2>/dev/null) || ! mkfifo "$t/o" "$t/e" "$t/O" "$t/E" 2>/dev/null; then
     [ -n "$t" ] && rm -rf "$t"
     echo "asynctorchx: could not make pipes on this node: see stdout.log and stderr.log" >>"$d/combined.log"
