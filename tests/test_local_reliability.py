@@ -271,6 +271,44 @@ async def test_sigkill_during_a_big_start_leaves_no_replica(root: Path, token: s
     assert not token_procs(token)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("cgroups", ["1", "0"], ids=["cgroup", "marker"])
+async def test_a_cancel_stops_what_an_app_lost_with_its_launcher_and_watchdog_left(
+    root: Path, token: str, cgroups: str
+) -> None:
+    """Launcher and watchdog SIGKILLed together; the replica's main process then exits, leaving a
+    child: the app reads FAILED (lost) from another process, and a plain cancel from there stops
+    the child within the grace period and a margin. Without cgroups (containment by the replica
+    marker) the child ran on: the cancel found no live group and started no escalator."""
+    proc = subprocess.Popen(
+        launcher_argv(
+            root,
+            {
+                "entrypoint": "sh",
+                "args": ["-c", "sleep 300 & sleep 2; exit 0"],
+                "env": {"ATX_TOKEN": token},
+            },
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "ASYNCTORCHX_LOCAL_CGROUPS": cgroups},
+    )
+    try:
+        info = await read_json_line(proc)
+        os.kill(info["watchdog"], signal.SIGKILL)
+    finally:
+        sigkill(proc)
+    app_id = info["app_id"]
+    async with LocalScheduler("other", local_root=root) as s:
+        with anyio.fail_after(30):
+            while (d := await s.describe(app_id)) is None or not is_terminal(d.state):
+                await asyncio.sleep(0.05)  # (another process's record: polled)
+        assert d.state == AppState.FAILED and "lost" in d.msg, d
+        assert token_procs(token), "the replica's child should still run"
+        await s.cancel(app_id)
+        await until(lambda: not token_procs(token), 15, "the replica's child to be stopped")
+
+
 @pytest.mark.timeout(120)
 async def test_a_dead_watchdog_is_replaced_and_still_stops_everything(
     root: Path, token: str

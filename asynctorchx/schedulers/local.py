@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -88,7 +89,6 @@ from asynctorchx.logs._inotify import (
 )
 from asynctorchx.logs._inotify import watch as watch_directory
 from asynctorchx.schedulers._local import protocol, recordfile
-from asynctorchx.schedulers._local import watchdog as watchdog_script
 from asynctorchx.schedulers._local import workspace as local_workspace
 from asynctorchx.schedulers._local.guard import start_escalator
 from asynctorchx.schedulers._local.launch import AppLauncher
@@ -112,7 +112,6 @@ from asynctorchx.schedulers._local.spawn import Spawner
 from asynctorchx.schedulers._local.supervise import (
     CONTAIN_TIMEOUT,
     DRAIN_TIMEOUT,
-    FOREIGN_CANCEL,
     AppSupervision,
 )
 from asynctorchx.schedulers.api import (
@@ -159,6 +158,9 @@ _RECORD_EVENTS = (
 
 #: How long the launcher's own cancel waits for its cancel marker before it signals regardless.
 MARK_WAIT = 1.0
+#: errno values of a state root that takes no more writes (full, over quota or read-only): a
+#: cancel from another process then signals the app without leaving its cancel marker
+UNWRITABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class LocalScheduler(Scheduler[LocalRequest]):
@@ -599,12 +601,27 @@ class LocalScheduler(Scheduler[LocalRequest]):
             send(pending)
 
     def _cancel_foreign(self, app_id: str) -> subprocess.Popen[bytes] | None:
+        """Cancels an app another process launched (in a worker thread): leaves its cancel marker,
+        SIGTERMs the process groups no cancel under way signalled, and returns the escalator that
+        SIGKILLs what is left after the grace period (None when none is needed).
+
+        When the marker cannot be written because the state root is full or read-only
+        (``UNWRITABLE_ERRNOS``), every live group is signalled and escalated all the same (a
+        warning says the app may end FAILED: its launcher does not learn of the cancel).
+
+        Raises:
+            OSError: the marker could not be written otherwise, or the app is being submitted
+                (then only the marker can stop it); the message names the marker's path.
+        """
         store = self._runtime.store
         record = store.read(app_id)
         if record is None:
             # being submitted (its claim held; else nothing is done): its launcher finds the
-            # marker before the app's first replica starts
-            store.mark_cancel(app_id, ())
+            # marker before the app's first replica starts; without it, nothing stops the app
+            try:
+                store.mark_cancel(app_id, ())
+            except OSError as e:
+                raise self._marker_error(app_id, e) from e
             return None
         if is_terminal(record.state):
             return None
@@ -616,21 +633,45 @@ class LocalScheduler(Scheduler[LocalRequest]):
         groups = {protocol.group_spec(pid, ticks): pid for pid, ticks in live}
         # the marker lists the groups first, so the launcher does not send them a second SIGTERM;
         # a cancel already under way signalled those it lists
-        marked = store.mark_cancel(app_id, groups)
+        try:
+            marked = store.mark_cancel(app_id, groups)
+        except OSError as e:
+            if e.errno not in UNWRITABLE_ERRNOS:
+                raise self._marker_error(app_id, e) from e
+            logger.warning(
+                "the cancel marker %s of app %r could not be written (%s); its live processes "
+                "are signalled all the same, but its launcher does not learn of the cancel: the "
+                "app may then read FAILED rather than CANCELLED",
+                protocol.cancel_path(str(store.records_dir), app_id),
+                app_id,
+                e.strerror or e,
+            )
+            # no marker: which groups a cancel under way signalled is unknown, and no other
+            # process learns of this one, so it does all a first cancel does (a group may get a
+            # second SIGTERM; a second escalator is harmless)
+            marked = list(groups), True
         if marked is None:
             return None
         fresh, first = marked
         for spec in fresh:
             kill_group(groups[spec], signal.SIGTERM)
-        if fresh or (first and record.cgroup):
+        if fresh or first:
+            # (the first cancel of an app whose main processes have all exited too: what they
+            # left, in its cgroup or carrying its marker, is SIGKILLed after the grace period,
+            # and the record of an app whose launcher is gone says CANCELLED then)
             return start_escalator(
                 store.records_dir, app_id, record.grace_period, record.cgroup, fresh
             )
-        if first:
-            watchdog_script.finish_record(
-                str(store.records_dir), app_id, FOREIGN_CANCEL, only_if_owner_gone=True
-            )
         return None
+
+    def _marker_error(self, app_id: str, e: OSError) -> OSError:
+        """The error to raise when the cancel marker of ``app_id`` could not be written: ``e``'s
+        errno (and so its subclass), with a message that names the marker's path."""
+        marker = protocol.cancel_path(str(self._runtime.store.records_dir), app_id)
+        msg = f"cannot cancel app {app_id!r}: cannot write its cancel marker {marker}: "
+        if e.errno is None:
+            return OSError(msg + str(e))
+        return OSError(e.errno, msg + (e.strerror or str(e)))
 
     # -- logs -------------------------------------------------------------------------------------
 

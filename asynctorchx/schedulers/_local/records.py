@@ -611,7 +611,12 @@ class RecordStore:
         process's or its launcher's own, signalled them, and each group gets one SIGTERM; the
         others are added to it), and whether this call made the marker. None (and no marker)
         when the record is terminal, or there is none and the app is not being submitted
-        (``claim_held``)."""
+        (``claim_held``).
+
+        Raises:
+            OSError: the marker could not be written (a full or read-only file system, say); no
+                temporary file is left behind, and a marker already there is left as it was.
+        """
         records_dir = str(self.records_dir)
         marker = protocol.cancel_path(records_dir, app_id)
         with protocol.locked_record(records_dir, app_id):
@@ -638,10 +643,19 @@ class RecordStore:
             tmp = os.path.join(records_dir, f".{app_id}.cancel.{os.getpid()}.tmp")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, marker)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                finally:
+                    os.close(fd)
+                os.replace(tmp, marker)
+            except BaseException:
+                # (a full or read-only file system, say): no partial file stays behind; the
+                # error is the caller's
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         return fresh, listed is None
 
     def cancel_marked(self, app_id: str) -> bool:
