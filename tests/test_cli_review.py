@@ -416,9 +416,13 @@ def test_a_state_root_another_user_cannot_read_is_named(
 
 @needs_root
 @pytest.mark.timeout(60)
-def test_cancel_on_a_read_only_state_root_names_the_state_root(root: Path, tmp_path: Path) -> None:
-    """``cancel`` of a running app whose state root is read-only failed with a bare OSError naming
-    the lock file."""
+def test_cancel_on_a_read_only_state_root_stops_the_app_and_says_why_it_may_read_failed(
+    root: Path, tmp_path: Path
+) -> None:
+    """``cancel`` of a running app whose state root is read-only: its cancel marker cannot be
+    written, but the app is stopped all the same (exit 0), with one warning that names the marker
+    and says the app may then read FAILED. (It failed with a bare OSError naming the lock file,
+    then with an error naming the state root, and the app ran on.)"""
     holder = subprocess.Popen(
         [sys.executable, "-m", "asynctorchx", "run", "utils.sh", "--", "sleep", "60"],
         env=env_for(root),
@@ -439,9 +443,10 @@ def test_cancel_on_a_read_only_state_root_names_the_state_root(root: Path, tmp_p
         mounted = True
         p = cli(root, "cancel", handle)
         err = p.stderr.decode()
-        assert p.returncode == 1, err
-        assert f"cannot use the local state root {str(root)!r}" in err, err
-        assert "OSError" not in err and "ASYNCTORCHX_LOCAL_ROOT" in err, err
+        assert p.returncode == 0, err
+        assert "the cancel marker" in err and "Read-only file system" in err, err
+        assert "may then read FAILED" in err and "Traceback" not in err, err
+        holder.wait(20)  # its app ended: the launcher returns (else: 60 s)
     finally:
         if mounted:
             subprocess.run(["umount", str(root)], check=False)

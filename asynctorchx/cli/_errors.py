@@ -6,6 +6,7 @@ works for modules that were never imported (an error from a module cannot occur 
 
 from __future__ import annotations
 
+import errno
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,13 @@ class CliError(Exception):
         self.message = message
         self.hint = hint
         self.code = int(code)
+
+
+class StdoutError(OSError):
+    """Raised (instead of the OSError the write raised, with its errno and strerror) when the
+    command's standard output cannot be written or flushed: a full disk under ``> file`` is then
+    told apart from a full state root or log directory, which say ENOSPC too. A closed pipe is not
+    one (it stays ``BrokenPipeError``: the reader went away, the command ends quietly)."""
 
 
 def exit_code_for_state(state: AppState | None) -> int:
@@ -155,6 +163,11 @@ def classify(exc: BaseException, scheduler: str = "") -> tuple[str, str, int]:
     if isinstance(exc, CliError):
         return exc.message, exc.hint, exc.code
     message = one_line(str(exc)) or type(exc).__name__
+    if isinstance(exc, StdoutError):
+        hint = ""
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "free space where standard output is redirected to, or redirect it elsewhere"
+        return f"cannot write standard output: {exc.strerror or message}", hint, 1
     for cls in type(exc).__mro__:
         known = _KNOWN.get(cls.__name__)
         if known is not None:

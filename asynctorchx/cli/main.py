@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import errno
+import io
 import os
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from asynctorchx.cli._errors import ExitCode, classify
+from asynctorchx.cli._errors import ExitCode, StdoutError, classify
 from asynctorchx.cli._help import HelpFormatter
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
     from asynctorchx.cli._interrupt import Interrupts
 
 PROG = "asynctorchx"
@@ -336,6 +339,56 @@ class _ClosedStdout:
         pass
 
 
+class _StdoutFile(io.FileIO):
+    """The raw file under ``sys.stdout`` (``_watch_stdout``): a write that fails raises
+    ``StdoutError``, so that the command's error says standard output could not be written. A
+    closed pipe stays ``BrokenPipeError`` (``_main`` ends quietly on it)."""
+
+    def write(self, data: ReadableBuffer, /) -> int:  # (None too, as FileIO: EAGAIN)
+        try:
+            return super().write(data)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(e.errno, e.strerror) from e
+
+
+def _watch_stdout() -> None:
+    """Puts ``sys.stdout``, when it is the process's own standard output as Python made it, on a
+    ``_StdoutFile`` (the same descriptor, encoding, error handler and buffering): whatever writes
+    or flushes it (a command's ``print``, ``_flush_stdout``) raises ``StdoutError`` when the
+    descriptor cannot be written, and nothing else does. The raw file is only called when the
+    buffer is written out, not at each ``print``. A stream replaced already (a test's capture, an
+    embedding program's) is left alone."""
+    out = sys.stdout
+    if out is not sys.__stdout__ or type(out) is not io.TextIOWrapper:
+        return
+    buffer = out.buffer  # (the raw file itself when Python's streams are unbuffered: -u)
+    raw = buffer.raw if type(buffer) is io.BufferedWriter else buffer
+    if type(raw) is not io.FileIO:
+        return
+    try:
+        out.flush()
+        new_raw = _StdoutFile(raw.fileno(), "w", closefd=False)
+    except (OSError, ValueError):  # (its descriptor unusable: the write will say so)
+        return
+    new_raw.name = raw.name  # ("<stdout>")
+    new_buffer: io.BufferedWriter | _StdoutFile = new_raw
+    if buffer is not raw:
+        size = getattr(raw, "_blksize", 0)
+        new_buffer = io.BufferedWriter(new_raw, size if size > 1 else io.DEFAULT_BUFFER_SIZE)
+    stdout = io.TextIOWrapper(
+        new_buffer,
+        encoding=out.encoding,
+        errors=out.errors,
+        newline="\n",  # (as Python's own: no translation)
+        line_buffering=out.line_buffering,
+        write_through=out.write_through,
+    )
+    stdout.mode = "w"  # type: ignore[misc]  # (as Python's own says)
+    sys.stdout = stdout
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line ``argv`` (default: ``sys.argv[1:]``) and returns the exit code."""
     try:
@@ -352,6 +405,7 @@ def _main(argv: Sequence[str] | None) -> int:
     from asynctorchx.cli._output import tolerant_output
 
     tolerant_output()
+    _watch_stdout()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(())
     at = first_positional(parser, argv)
@@ -427,6 +481,10 @@ def _main(argv: Sequence[str] | None) -> int:
 
         message, hint, code = classify(exc, getattr(args, "scheduler", "") or "")
         print_error(f"{PROG} {getattr(args, 'command', '')}".strip(), message, hint)
+        if isinstance(exc, StdoutError):
+            # what is left in its buffer cannot be written either: Python's flush at exit must
+            # not fail again (a traceback, exit 120) after the error said it
+            _silence_stdout()
         return code
 
 

@@ -279,6 +279,9 @@ class ReplicaLogWriter:
         self._open_line: Stream | None = None
         self._line_ended = False
         self._loss_reason = ""
+        #: the error line of a loss is held back (``hold_loss_report``); the loss held, if any
+        self._holding_report = False
+        self._held_report: OSError | None = None
         _notify.add_writer(self._key, self)
         if files is not None:
             self._taken = True
@@ -662,11 +665,33 @@ class ReplicaLogWriter:
         self._lost[target] = self._lost.get(target, 0) + n
         self._unmarked[target] = self._unmarked.get(target, 0) + n
 
+    def hold_loss_report(self) -> None:
+        """Holds back the error line that says output was lost (``on_loss`` is called as usual)
+        until ``release_loss_report``: for a replica whose launch may yet be undone. A launch
+        refused because its disk is full loses its replicas' first output too, but its logs are
+        removed with it and its error says what was full: the line would be noise then, and is
+        dropped with the writer (never released)."""
+        self._holding_report = True
+
+    def release_loss_report(self) -> None:
+        """Logs the error line held back since ``hold_loss_report`` (if output was lost
+        meanwhile, even if the writer closed since), and any later one at once."""
+        self._holding_report = False
+        error, self._held_report = self._held_report, None
+        if error is not None:
+            self._report_loss(error)
+
+    def _report_loss(self, error: OSError) -> None:
+        logger.error("writing the logs of %s failed: %s", self._path, error)
+
     def _note_loss(self, error: OSError) -> None:
         if self._loss_reason:
             return
         self._loss_reason = error.strerror or str(error)
-        logger.error("writing the logs of %s failed: %s", self._path, error)
+        if self._holding_report:
+            self._held_report = error
+        else:
+            self._report_loss(error)
         if self._on_loss is not None:
             try:
                 self._on_loss(self._loss_reason)

@@ -833,6 +833,11 @@ class RecordWriter:
         self._in_flight_ids: Collection[str] = ()
         #: apps forgotten while their version was in the thread: not retried if it failed
         self._forgotten: set[str] = set()
+        #: apps whose submit was undone (``forget``), most recent last: what is put for them is
+        #: dropped until a new first record of theirs (``write``)
+        self._undone: dict[str, None] = {}
+        #: apps whose write ``write`` awaits: its failure is raised to the caller, not warned of
+        self._awaited: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._filler: asyncio.Task[None] | None = None
@@ -857,7 +862,16 @@ class RecordWriter:
 
         Its result maps the app ids whose write failed (this time) to their error. ``on_written``
         is called once this document or a later one is on disk.
+
+        Nothing is queued for an app whose submit was undone (``forget``): the task of an app being
+        undone may record its end as it is cancelled, and that record would be a ghost (the
+        returned future is done then).
         """
+        if app_id in self._undone:
+            dropped: asyncio.Future[dict[str, BaseException]]
+            dropped = asyncio.get_running_loop().create_future()
+            dropped.set_result({})
+            return dropped
         self._pending[app_id] = doc
         self._last_put = time.monotonic()
         self._failing.pop(app_id, None)
@@ -872,9 +886,17 @@ class RecordWriter:
             self._urgent.set()
         return self._batch
 
+    #: Undone submits remembered by ``forget`` (the oldest are forgotten beyond this: by then
+    #: their undoing is long over).
+    UNDONE_KEPT = 1024
+
     def forget(self, app_id: str) -> None:
-        """Drops what is queued or being retried for ``app_id`` (an undone submit); a version
-        being written by the thread is not retried if it fails (``flush`` waits for it)."""
+        """Drops what is queued or being retried for ``app_id`` (an undone submit), and what is put
+        for it from now on until its next first record (``write``); a version being written by the
+        thread is not retried if it fails (``flush`` waits for it)."""
+        self._undone[app_id] = None
+        if len(self._undone) > self.UNDONE_KEPT:
+            del self._undone[next(iter(self._undone))]
         self._pending.pop(app_id, None)
         self._failing.pop(app_id, None)
         self._written.pop(app_id, None)
@@ -894,11 +916,17 @@ class RecordWriter:
 
         Raises:
             OSError: it could not be written (it stays queued for retries; ``forget`` drops it).
+                Raised, not also logged: the caller says it (a launch refused with its error).
         """
+        self._undone.pop(app_id, None)  # (the app id submitted again)
         document = doc() if callable(doc) else doc
         if self.write_first(app_id, document):
             return
-        errors = await asyncio.shield(self.put(app_id, document))
+        self._awaited.add(app_id)
+        try:
+            errors = await asyncio.shield(self.put(app_id, document))
+        finally:
+            self._awaited.discard(app_id)
         if app_id in errors:
             raise errors[app_id]
 
@@ -1068,7 +1096,8 @@ class RecordWriter:
             if app_id in callbacks:  # (called once this version or a later one is written)
                 self._written[app_id] = callbacks[app_id] + self._written.get(app_id, [])
             if app_id not in self._pending:
-                if app_id not in self._failing:
+                # (a failed write that ``write`` awaits is raised to its caller, who says it)
+                if app_id not in self._failing and app_id not in self._awaited:
                     logger.warning(
                         "cannot write the record of app %s (will retry): %s", app_id, err
                     )

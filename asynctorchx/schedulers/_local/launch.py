@@ -377,13 +377,18 @@ class AppLauncher:
         # a lazy writer keeps the descriptors of its files promised until it has them (they are
         # opened after this launch returns, and must not be taken by the launches that follow)
         files_fds = FDS_PER_REPLICA_FILES if reserved and self._spawner.lazy_files else 0
+        # what the logs lose before the app is known to have started (its disk full, say) is
+        # said once it is: a launch undone takes its logs with it, and its error says why
+        writers: list[ReplicaLogWriter] = []
         try:
             await self._check_new(app)
             try:
                 for i, rep in enumerate(app.replicas):
                     if i and i % (8 * START_CHUNK) == 0:
                         await asyncio.sleep(0)
-                    rep.writer = self._spawner.new_writer(app, rep, files_fds)
+                    rep.writer = writer = self._spawner.new_writer(app, rep, files_fds)
+                    writer.hold_loss_report()
+                    writers.append(writer)
                     reserved -= files_fds
             except BaseException:
                 app.close_logs()  # lazy: no file of theirs exists yet
@@ -399,6 +404,8 @@ class AppLauncher:
                 raise
         finally:
             release_fds(reserved)
+        for writer in writers:
+            writer.release_loss_report()
 
     async def _prepare(self) -> None:
         rt = self._rt

@@ -77,21 +77,24 @@ def fd_exhaustion_message() -> str:
 
 def launch_error(app_id: str, e: OSError, what: str, records_dir: object) -> LaunchError:
     """The LaunchError that says why ``what`` of app ``app_id`` could not be created or started
-    (``records_dir`` is named when ``what`` is the app's record)."""
+    (``records_dir`` is named when ``what`` is the app's record or claim, which are made there:
+    a full file system is then said to be that one, not left to guess)."""
     why = e.strerror or str(e)
     if e.errno in FD_ERRNOS:
         return LaunchError(f"cannot start app {app_id!r}: {fd_exhaustion_message()}")
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    full = " (its file system is full)" if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    if what == "the app's record":
         return LaunchError(
-            f"cannot create {what} of app {app_id!r}: {why} (its file system is full)"
+            f"cannot write the record of app {app_id!r} under {records_dir}: {why}{full}"
         )
+    if full:
+        where = f" in {records_dir}" if what == "the app's claim" and records_dir else ""
+        return LaunchError(f"cannot create {what} of app {app_id!r}{where}: {why}{full}")
     if what.startswith("the log") and e.errno in SPEC_ERRNOS:
         return LaunchSpecError(
             f"cannot create {what} of app {app_id!r}: {why} "
             "(set the log_dir run option to a writable directory)"
         )
-    if what == "the app's record":
-        return LaunchError(f"cannot write the record of app {app_id!r} under {records_dir}: {why}")
     return LaunchError(f"cannot create {what} of app {app_id!r}: {why}")
 
 
