@@ -342,6 +342,12 @@ async def started_after(engine: DockerEngine, marker: str, cids: list[str]) -> l
     listed), the launch (or a retry) looks for the marker after its starts and stops those started
     after it. Each container is signalled once: a second stop would run its SIGTERM handler again.
     Both times are the engine's own.
+
+    A container Docker's restart policy has restarted (REPLICA retries) counts as started
+    before: its ``StartedAt`` is its last restart's, and no launch stops a restart the engine
+    made on its own (judged by that time, a replica restarted after the marker was nobody's to
+    stop, and went on restarting). Its first start may have come after the marker, in a launch
+    that then stops it too: a second SIGTERM beats a replica that never stops.
     """
     infos = await asyncio.gather(
         *(engine.inspect_container(c) for c in [marker, *cids]), return_exceptions=True
@@ -349,6 +355,10 @@ async def started_after(engine: DockerEngine, marker: str, cids: list[str]) -> l
     marked = _engine_time(infos[0], "Created")
     out: list[bool | None] = []
     for info in infos[1:]:
+        restarts = info.get("RestartCount") if isinstance(info, dict) else None
+        if isinstance(restarts, int) and restarts > 0:
+            out.append(False)
+            continue
         started = _engine_time(info, "State", "StartedAt")
         out.append(None if marked is None or started is None else started > marked)
     return out
