@@ -97,3 +97,46 @@ async def test_the_cli_cancel_of_a_failed_app_stops_its_survivor(
     assert done.returncode == 0, done.stderr
     assert "has already ended" in done.stderr and "FAILED" in done.stderr, done.stderr
     assert await _alive(blind_session, app_id) == []
+
+
+async def test_a_replica_started_after_the_cancel_by_a_starter_that_died_is_stopped_by_cancel(
+    blind_session: str,
+    busybox_image: str,  # noqa: F811 - the fixture
+) -> None:
+    """A container started after the app's cancel marker is its starter's to stop (the launch or
+    a retry looks for the marker after its starts); one whose starter was killed before it could
+    ran on, and every later cancel left it alone (RUNNING "cancelling" for good). Here a launcher
+    process that has exited made the app, a canceller process that has exited cancelled it, and
+    the container is started again behind their backs: a plain cancel now stops it."""
+    launched = await asyncio.to_thread(
+        run_python,
+        "-c",
+        "import asyncio\n"
+        "from asynctorchx.schedulers.docker import DockerScheduler\n"
+        "from asynctorchx.specs import AppDef, Role\n"
+        "async def main():\n"
+        f"    s = DockerScheduler({blind_session!r}, watch_events=False)\n"
+        f"    role = Role('main', image={busybox_image!r}, entrypoint='sleep', args=['300'])\n"
+        "    print(await s.schedule(s.submit_dryrun(AppDef('late', [role]), {'stop_timeout': 1})))\n"
+        "    await s.close()\n"
+        "asyncio.run(main())\n",
+    )
+    assert launched.returncode == 0, launched.stderr
+    app_id = launched.stdout.strip().splitlines()[-1]
+    handle = f"local_docker://{blind_session}/{app_id}"
+    cancelled = await asyncio.to_thread(run_python, "-m", "asynctorchx", "cancel", "--wait", handle)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert await _alive(blind_session, app_id) == []
+    s = DockerScheduler(blind_session, watch_events=False)
+    try:
+        (replica,) = [c for c in await s._events.containers(app_id) if not c.is_record]
+        await s._engine.start_container(replica.id, what="starting it behind the cancel's back")
+        assert await _alive(blind_session, app_id) == [0]
+        with anyio.fail_after(30):
+            await s.cancel(app_id)
+            while await _alive(blind_session, app_id):
+                await asyncio.sleep(0.1)
+        r = await s.describe(app_id)
+        assert r is not None and r.state == AppState.CANCELLED, r
+    finally:
+        await s.close()

@@ -15,6 +15,10 @@ process that finds the canceller gone first waits out that stop timeout (the can
 before it was found gone, so any stop it asked for ends by then) and stops only the containers
 still running after it: a container is never signalled again while its handler runs.
 
+A container started after the marker is its starter's to stop (the launch, or a retry, looks
+for the marker after its starts); a starter killed before it could leaves it running, so the
+same take-over stops the containers started after the marker whose starter is gone.
+
 A canceller that lives but whose stops were cut off (the engine unreachable meanwhile) finishes
 them once the engine answers again (``own_stops_owed``): the stop requests it sent may have
 reached the engine, so it too waits out their stop timeout, counted from the failure, and stops
@@ -35,6 +39,7 @@ from asynctorchx.schedulers._docker.request import (
     DEFAULT_STOP_TIMEOUT,
     LABEL_CANCEL_TURN,
     LABEL_CANCELLER,
+    LABEL_LAUNCHER,
     cancel_marker,
 )
 from asynctorchx.schedulers._docker.state import Assessment, ContainerInfo
@@ -52,13 +57,24 @@ def turn(marker: ContainerInfo) -> int:
 
 
 def abandoned_cancel(a: Assessment) -> ContainerInfo | None:
-    """The newest cancel marker of app ``a`` when its maker has exited while containers of the
-    app still run (the cancel is to be taken over), else None. Asks no engine."""
+    """The newest cancel marker of app ``a`` when containers of the app still run and their
+    stops may have nobody: the marker's maker has exited, or a live container's starter has (one
+    it started after the marker was its own to stop). The cancel is then to be looked at by
+    ``take_over_if_abandoned``; else None. Asks no engine."""
     markers = [c for c in a.containers if c.is_marker]
-    if not markers or not any(c.alive and not c.is_marker for c in a.containers):
+    alive = [c for c in a.containers if c.alive and not c.is_marker]
+    if not markers or not alive:
         return None
     owner = max(markers, key=turn)
-    return owner if process_gone(owner.labels.get(LABEL_CANCELLER, "")) else None
+    if process_gone(owner.labels.get(LABEL_CANCELLER, "")) or any(_starter_gone(c) for c in alive):
+        return owner
+    return None
+
+
+def _starter_gone(c: ContainerInfo) -> bool:
+    """True when the process that started ``c`` (its launch, or the retry that made it) has
+    exited (on this host: else it cannot be told)."""
+    return process_gone(c.labels.get(LABEL_LAUNCHER, ""))
 
 
 async def take_over_if_abandoned(
@@ -69,18 +85,24 @@ async def take_over_if_abandoned(
     ``on_wait`` is called before waiting out the dead canceller's stop timeout (a cancel then
     returns, the take-over goes on).
 
-    Returns True when this process took the cancel over (and has stopped what the canceller
-    owed: the containers started before the first marker that still run once any stop the
-    canceller asked for has ended), False when there is nothing to do: no marker, nothing alive,
-    a canceller still alive (or that cannot be judged), or another process that took over first.
+    Returns True when this process took the cancel over (and has stopped what the dead owed:
+    the containers started before the first marker, when the canceller has exited, and those
+    started after it whose starter has exited, that still run once any stop either asked for has
+    ended), False when there is nothing to do: no marker, nothing alive, the stops' owners still
+    alive (or that cannot be judged), or another process that took over first.
     """
     owner = abandoned_cancel(a)
     if owner is None:
         return False
+    canceller_gone = process_gone(owner.labels.get(LABEL_CANCELLER, ""))
     first = min((c for c in a.containers if c.is_marker), key=turn)
-    alive = [c.id for c in a.containers if c.alive and not c.is_marker]
-    later = await started_after(engine, first.id, alive)
-    owed = [c for c, after in zip(alive, later, strict=True) if after is not True]
+    alive = [c for c in a.containers if c.alive and not c.is_marker]
+    later = await started_after(engine, first.id, [c.id for c in alive])
+    owed = [
+        c.id
+        for c, after in zip(alive, later, strict=True)
+        if (canceller_gone and after is not True) or (after is True and _starter_gone(c))
+    ]
     if not owed:
         return False
     infos = await asyncio.gather(*(engine.inspect_container(c) for c in owed))
