@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
 from _docker_env import busybox_image, docker_engine, purge_session, run_python, sh  # noqa: F401
 
 from asynctorchx.schedulers.docker import DockerScheduler
-from asynctorchx.specs import AppDef, AppState, macros
+from asynctorchx.specs import AppDef, AppState, is_terminal, macros
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(120)]
 
@@ -140,3 +141,47 @@ async def test_a_replica_started_after_the_cancel_by_a_starter_that_died_is_stop
         assert r is not None and r.state == AppState.CANCELLED, r
     finally:
         await s.close()
+
+
+async def test_a_cancelled_app_whose_launch_has_not_started_its_replica_is_not_over_yet(
+    blind_session: str,
+    busybox_image: str,  # noqa: F811 - the fixture
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A launch has created its replica and not started it yet when another scheduler cancels the
+    app: the app reads RUNNING "cancelling", not CANCELLED, until the launch has started and
+    stopped it (it read CANCELLED, then RUNNING when the start came, then CANCELLED again)."""
+    launcher = DockerScheduler(blind_session)
+    release = asyncio.Event()
+    held = asyncio.Event()
+    real_start = launcher.engine.start_container
+
+    async def held_start(cid: str, **kwargs: Any) -> None:
+        held.set()
+        await release.wait()
+        await real_start(cid, **kwargs)
+
+    monkeypatch.setattr(launcher.engine, "start_container", held_start)
+    role = sh(busybox_image, "exec sleep 300")
+    info = launcher.submit_dryrun(AppDef("held", [role]), {"stop_timeout": 1})
+    app_id = info.request.app_id
+    launch = asyncio.ensure_future(launcher.schedule(info))
+    canceller = DockerScheduler(blind_session, watch_events=False)
+    try:
+        with anyio.fail_after(30):
+            await held.wait()
+            await canceller.cancel(app_id)
+        r = await canceller.describe(app_id)
+        assert r is not None and (r.state, r.msg) == (AppState.RUNNING, "cancelling"), r
+        release.set()
+        with anyio.fail_after(30):
+            await launch
+            while (r := await canceller.describe(app_id)) is None or r.state != AppState.CANCELLED:
+                assert r is not None and not is_terminal(r.state), r
+                await asyncio.sleep(0.05)
+        assert await _alive(blind_session, app_id) == []
+    finally:
+        release.set()
+        await asyncio.gather(launch, return_exceptions=True)
+        await canceller.close()
+        await launcher.close()

@@ -282,3 +282,51 @@ async def test_a_retry_cut_off_by_an_outage_is_made_once_the_engine_is_back(
         while await _states(app_id) != finished:
             await asyncio.sleep(0.1)
     assert await _states(app_id) == finished
+
+
+@pytest.mark.timeout(90)
+async def test_a_retry_cut_off_by_an_outage_then_cancelled_ends_cancelled(
+    outage_scheduler: DockerScheduler,
+    forwarder: TrippingForwarder,
+    busybox_image: str,
+    tmp_path: Path,
+) -> None:
+    """As above, but the app is cancelled (through a connection the outage does not cut) while
+    the engine is down for the retrier: the cut-off retry is dropped, and the container it had
+    created and not started is removed once the engine is back, so the app ends CANCELLED (a
+    created, never-started replica of a live process keeps a cancelled app "cancelling")."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    script = "while [ ! -f /gate/go ]; do sleep 0.1; done; exit 3"
+    worker = sh(
+        busybox_image,
+        script,
+        name="w",
+        max_retries=1,
+        retry_policy=RetryPolicy.ROLE,
+        mounts=[BindMount(str(gate), "/gate")],
+    )
+    app_id = await outage_scheduler.submit(AppDef("rc", [worker]), {"stop_timeout": 1})
+    await wait_for(outage_scheduler, app_id, lambda r: r.state == AppState.RUNNING)
+    forwarder.trip_at("POST", "/start HTTP")
+    await anyio.Path(gate / "go").touch()
+    with anyio.fail_after(30):
+        while forwarder.mode != Mode.DROP:
+            await asyncio.sleep(0.1)
+    with anyio.move_on_after(10):
+        while len(await _states(app_id)) < 2:
+            await asyncio.sleep(0.1)
+    assert (await _states(app_id)).get(f"{app_id}-w-0-r1") == "created"
+    canceller = DockerScheduler(outage_scheduler.session_name, watch_events=False)
+    try:
+        await canceller.cancel(app_id)
+        r = await canceller.describe(app_id)
+        assert r is not None and r.msg == "cancelling", r  # the retry's replica may yet start
+        forwarder.set_mode(Mode.FORWARD)  # the engine is back for the retrier
+        with anyio.fail_after(30):
+            while (r := await canceller.describe(app_id)) is None or r.state != AppState.CANCELLED:
+                await asyncio.sleep(0.2)
+    finally:
+        await canceller.close()
+    assert f"{app_id}-w-0-r1" not in await _states(app_id)
+    assert await _running(app_id) == []

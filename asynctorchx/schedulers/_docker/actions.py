@@ -133,6 +133,9 @@ class FollowUps:
             )
             if isinstance(r, Exception)
         ]
+        owed = self._cut_off.get(app_id)
+        if owed is not None and any(c.is_marker for c in a.containers):
+            await self._remove_unstarted_own(a, owed)
         for action in self._with_retry_owed(a):
             if isinstance(action, RetryReplicas):
                 try:
@@ -185,6 +188,24 @@ class FollowUps:
             more = tuple(c for c in olds if (c.role, c.replica_id) not in keys)
             actions[actions.index(asked)] = RetryReplicas(asked.attempt, asked.olds + more)
         return actions
+
+    async def _remove_unstarted_own(self, a: Assessment, owed: RetryReplicas) -> None:
+        """Removes the containers of the retry ``owed`` that an outage cut off here before their
+        start, now that the app is cancelled (the retry is dropped, ``_with_retry_owed``): a
+        replica created and not started by a live process keeps a cancelled app "cancelling"
+        (``state._verdict``), and nothing would start or remove them any more."""
+        me = process_identity()
+        unstarted = [
+            c.id
+            for c in a.containers
+            if c.state == "created"
+            and not c.is_record
+            and c.attempt == owed.attempt
+            and c.labels.get(LABEL_LAUNCHER) == me
+        ]
+        await asyncio.gather(
+            *(self._engine.remove_container(c) for c in unstarted), return_exceptions=True
+        )
 
     def _remember_cut_off(self, app_id: str, retry: RetryReplicas) -> None:
         self._cut_off[app_id] = retry

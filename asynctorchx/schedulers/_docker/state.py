@@ -419,9 +419,13 @@ def _verdict(
     alive = [c for c in replicas if c.alive]
     to_stop = [c for c in alive if current.get((c.role, c.replica_id)) is not c]  # superseded
     if cancelled:  # every live replica is to be stopped, those started after the cancel too
+        # A replica created and not started yet by a live launch (or retry) may still be started
+        # (its starter stops it once it sees the marker) or removed: the app is not over before
+        # then, or it would read CANCELLED, then RUNNING again.
+        busy = alive or [c for c in replicas if c.state == "created" and not c.launcher_gone]
         return _Verdict(
-            AppState.RUNNING if alive else AppState.CANCELLED,
-            "cancelling" if alive else "cancelled",
+            AppState.RUNNING if busy else AppState.CANCELLED,
+            "cancelling" if busy else "cancelled",
             to_stop=alive,
         )
     if retry_failure is not None:  # nobody will make that retry: the app has failed
