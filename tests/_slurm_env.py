@@ -225,14 +225,15 @@ async def slurm(
         await sched.close()
 
 
-def sh_app(script: str, name: str = "sh") -> AppDef:
-    """An app of one small replica running ``sh -c script`` (image ``/tmp``)."""
+def sh_app(script: str, name: str = "sh", replicas: int = 1) -> AppDef:
+    """An app of ``replicas`` small replicas running ``sh -c script`` (image ``/tmp``)."""
     role = Role(
         "trainer",
         image="/tmp",
         entrypoint="sh",
         args=["-c", script],
         resource=Resource(cpu=1, gpu=0, memMB=64),
+        num_replicas=replicas,
     )
     return AppDef(name, [role])
 

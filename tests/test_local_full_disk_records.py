@@ -15,15 +15,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
-import textwrap
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from _local_env import tiny_tmpfs, wait_for
-from test_local_reliability import fill
+from test_local_reliability import fill, read_elsewhere
 
 from asynctorchx.schedulers.local import LocalScheduler
 from asynctorchx.specs import AppDef, AppState, Role
@@ -32,33 +29,6 @@ pytestmark = pytest.mark.timeout(120)
 
 GATE = 'while [ ! -e "$GO" ]; do sleep 0.01; done'
 PAGE = 4096
-
-READER = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from asynctorchx.schedulers.local import LocalScheduler
-
-    async def main(root, app_id):
-        async with LocalScheduler("reader", local_root=root) as s:
-            desc = await s.describe(app_id)
-            listed = {a.app_id: a.state.name for a in await s.list()}
-        print(json.dumps({"describe": desc.state.name if desc else None,
-                          "msg": desc.msg if desc else None, "list": listed.get(app_id)}))
-
-    asyncio.run(main(sys.argv[1], sys.argv[2]))
-    """
-)
-
-
-async def read_elsewhere(root: Path, app_id: str) -> dict[str, Any]:
-    """The app's state as another process reads it (describe and list)."""
-    with anyio.fail_after(60):
-        proc = await anyio.run_process(
-            [sys.executable, "-c", READER, str(root), app_id], check=False
-        )
-    assert proc.returncode == 0, proc.stderr.decode()
-    out: dict[str, Any] = json.loads(proc.stdout)
-    return out
 
 
 async def first_document_size(root: Path, app_id: str) -> int:

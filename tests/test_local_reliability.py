@@ -1415,7 +1415,7 @@ STATE_READER = textwrap.dedent(
             desc = await s.describe(app_id)
             listed = {a.app_id: a.state.name for a in await s.list()}
         print(json.dumps({"describe": desc.state.name if desc else None,
-                          "list": listed.get(app_id)}))
+                          "msg": desc.msg if desc else None, "list": listed.get(app_id)}))
 
     asyncio.run(main(sys.argv[1], sys.argv[2]))
     """
@@ -1451,13 +1451,12 @@ async def test_a_full_state_root_does_not_make_states_contradict(tmp_path: Path)
             listed = {a.app_id: a.state for a in await s.list()}
             assert desc.state == AppState.SUCCEEDED
             assert listed[app_id] == AppState.SUCCEEDED
-            assert await read_elsewhere(root, app_id) == {
-                "describe": "SUCCEEDED",
-                "list": "SUCCEEDED",
-            }
+            seen = await read_elsewhere(root, app_id)
+            assert (seen["describe"], seen["list"]) == ("SUCCEEDED", "SUCCEEDED"), seen
         finally:
             await s.close()
-        assert await read_elsewhere(root, app_id) == {"describe": "SUCCEEDED", "list": "SUCCEEDED"}
+        seen = await read_elsewhere(root, app_id)
+        assert (seen["describe"], seen["list"]) == ("SUCCEEDED", "SUCCEEDED"), seen
 
 
 @pytest.mark.timeout(90)

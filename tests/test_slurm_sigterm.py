@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameters
     job_dir,
+    sh_app,
     slurm,
     slurm_cluster,
     slurm_runner,
@@ -32,7 +33,7 @@ from _slurm_env import (  # noqa: F401 - pytest fixtures, used as test parameter
 )
 
 from asynctorchx.schedulers.slurm import SlurmScheduler
-from asynctorchx.specs import AppDef, AppState, Resource, Role, is_terminal, macros
+from asynctorchx.specs import AppDef, AppState, is_terminal, macros
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(120)]
 
@@ -64,15 +65,7 @@ def kill_all(token: str) -> None:
 
 def stubborn(script: str) -> AppDef:
     """Two replicas (each its own het component) running ``script``."""
-    role = Role(
-        "w",
-        image="/tmp",
-        entrypoint="sh",
-        args=["-c", script],
-        resource=Resource(cpu=1, gpu=0, memMB=64),
-        num_replicas=2,
-    )
-    return AppDef("stubborn", [role])
+    return sh_app(script, "stubborn", replicas=2)
 
 
 async def gone_and_ended(slurm_session: str, app_id: str, token: str) -> AppState:
