@@ -221,6 +221,10 @@ class KubernetesScheduler(Scheduler[KubernetesRequest]):
         self, app: AppDef, cfg: Mapping[str, CfgVal]
     ) -> AppDryRunInfo[KubernetesRequest]:
         image_repo(cfg)
+        if not cfg.get("namespace"):
+            # an empty option (``-cfg namespace=``) reads as unset: the scheduler's namespace,
+            # which the request (and so the app id every later call reads) then carries
+            cfg = {**cfg, "namespace": self._namespace}
         request = build_request(app, KubernetesOptions.from_cfg(cfg), self.session_name)
         return AppDryRunInfo(request, str)
 

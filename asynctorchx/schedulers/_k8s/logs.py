@@ -48,6 +48,15 @@ Obj = dict[str, Any]
 #: a log read (without following: an ended pod's, or any without follow) cut this many times in a
 #: row without reading further raises instead of returning a part or retrying forever
 _MAX_LOG_RESUMES = 3
+#: what the 400 answering a log read of a container not started yet says (``container "c" in pod
+#: "p" is waiting to start: ContainerCreating``): expected, the read is tried again
+_WAITING = "is waiting to start"
+
+
+def _refused(error: KubeApiError | None) -> bool:
+    """True for a log read the API server refused (400) other than for a container not started
+    yet (tried again without a word)."""
+    return error is not None and error.status == 400 and _WAITING not in error.message
 
 
 def to_rfc3339_seconds(ns: int) -> str:
@@ -63,6 +72,7 @@ class _Follow:
     finished: set[str] = field(default_factory=set)
     pause: float = 0.05
     drops: int = 0
+    warned: set[str] = field(default_factory=set)  # the pods whose refused read was logged
 
 
 @dataclass
@@ -143,7 +153,7 @@ class KubeLogSource:
                 read = _PodRead()
                 cursor = state.cursors.setdefault(uid, ResumeCursor())
                 reached = (cursor.since_ns, cursor.count)
-                pod_lines = self._read_pod(ns, pod, query, cursor, read, following)
+                pod_lines = self._read_pod(ns, pod, role_dns, query, cursor, read, following)
                 async with contextlib.aclosing(pod_lines):
                     async for line in pod_lines:
                         state.drops = 0  # counted only in a row: this read got somewhere
@@ -174,6 +184,12 @@ class KubeLogSource:
                     # followed while terminating: read it again (to its end) once it has ended
                     await self._wait(ns, app, state.pause)
                     continue
+                if _refused(read.error) and uid not in state.warned:
+                    # not the expected 400 of a container yet to start: say so (once per pod)
+                    state.warned.add(uid)
+                    logger.warning(
+                        "the log of pod %s cannot be read: %s", meta(pod).get("name"), read.error
+                    )
                 if read.error is not None and read.error.status == 0 and not following:
                     state.drops += 1
                     if state.drops > _MAX_LOG_RESUMES:
@@ -218,6 +234,7 @@ class KubeLogSource:
         self,
         ns: str,
         pod: Obj,
+        container: str,
         query: LogQuery,
         cursor: ResumeCursor,
         read: _PodRead,
@@ -225,6 +242,9 @@ class KubeLogSource:
     ) -> AsyncGenerator[str, None]:
         """The new lines of one pod's log (following it with ``follow``); how the read ended goes
         to ``read`` (a follow silent for the log read timeout ends as a drop, status 0).
+
+        ``container`` is the role's container (named as the role's DNS name): the API server
+        refuses a log read without one on a pod with several (a pod overlay's sidecar).
 
         The cursor sees every line before ``since`` is applied: a cursor is a place in the log,
         whatever window it was taken with.
@@ -237,7 +257,7 @@ class KubeLogSource:
         api = await self._connection.api()
         try:
             async with api.pod_log(
-                ns, meta(pod)["name"], follow=follow, since_time=since_time
+                ns, meta(pod)["name"], container=container, follow=follow, since_time=since_time
             ) as raw_lines:
                 new = cursor.begin_pass(start)
                 async for raw in raw_lines:

@@ -41,7 +41,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeGuard
 
 from asynctorchx.schedulers._k8s import names as n
 from asynctorchx.specs.api import (
@@ -65,6 +65,8 @@ MIN_KUBERNETES_VERSION = "1.29"
 
 RANK0_ENV = "TORCHX_RANK0_HOST"
 REPLICA_INDEX_ENV = "JOB_COMPLETION_INDEX"
+#: why neither a role's env nor a pod overlay may set ``REPLICA_INDEX_ENV``
+INDEX_ENV_FIXED = "is set by Kubernetes for Indexed Jobs and cannot be overridden"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 TERMINATION_LOG = "/dev/termination-log"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -207,14 +209,8 @@ class KubernetesOptions:
         node_selector = _label_map(cfg, "node_selector")
         labels = _label_map(cfg, "labels")
         for key, value in labels.items():
-            if key == n.LABEL_MANAGED_BY or key.startswith(f"{n.DOMAIN}/"):
-                _bad_cfg(
-                    "labels",
-                    f"{key}:{value}",
-                    f"labels other than {n.LABEL_MANAGED_BY} and {n.DOMAIN}/*, which the "
-                    "backend sets itself",
-                    cfg,
-                )
+            if is_reserved_label(key):
+                _bad_cfg("labels", f"{key}:{value}", f"labels other than {RESERVED_LABELS}", cfg)
         queue = _queue(cfg, labels)
         secrets = _strings(cfg, "image_pull_secrets")
         for secret in secrets:
@@ -246,6 +242,19 @@ class KubernetesOptions:
             reserved_millicpu=reserved["reserved_millicpu"],
             reserved_memmb=reserved["reserved_memmb"],
         )
+
+
+#: the labels the backend sets on its objects and finds its pods by (the watch's selector, the
+#: log reader, the attempts, the replica index): neither the ``labels`` option nor a pod overlay
+#: may set them
+RESERVED_LABELS = (
+    f"{n.LABEL_MANAGED_BY}, {n.DOMAIN}/* and {n.COMPLETION_INDEX}, which the backend sets itself"
+)
+
+
+def is_reserved_label(key: str) -> bool:
+    """True for a label key of ``RESERVED_LABELS``."""
+    return key in (n.LABEL_MANAGED_BY, n.COMPLETION_INDEX) or key.startswith(f"{n.DOMAIN}/")
 
 
 def _reserve(cfg: Mapping[str, CfgVal], key: str, default: int) -> int:
@@ -361,6 +370,39 @@ def overlay_problem(overlay: object) -> str | None:
                     problem = _container_problem(container, f"spec.containers[{i}]")
                     if problem is not None:
                         return f"{expected}, {problem}"
+    problem = _override_problem(overlay)
+    if problem is not None:
+        return f"{expected}, {problem}"
+    return None
+
+
+def _override_problem(overlay: Mapping[str, Any]) -> str | None:
+    """What a well-shaped overlay would override of what the backend (or Kubernetes) sets: a
+    reserved pod label (set, or removed with a null), or the replica index variable in a
+    container's env (merged by name into the backend's ``valueFrom`` entry, it would make an
+    entry with both ``value`` and ``valueFrom``, which the API server refuses)."""
+    if "metadata" in overlay and overlay["metadata"] is None:
+        return f"without removing the pods' metadata (it holds the labels {RESERVED_LABELS})"
+    metadata = overlay.get("metadata") or {}
+    if "labels" in metadata and metadata["labels"] is None:
+        return f"without removing the pod labels at metadata.labels ({RESERVED_LABELS})"
+    for key in metadata.get("labels") or {}:
+        if is_reserved_label(key):
+            return (
+                f"without the pod label {key!r} at metadata.labels (labels other than "
+                f"{RESERVED_LABELS})"
+            )
+    spec = overlay.get("spec") or {}
+    for section in ("containers", "initContainers"):
+        containers = spec.get(section)
+        for i, container in enumerate(containers if _objects(containers) else []):
+            env = container.get("env")
+            for j, var in enumerate(env if _objects(env) else []):
+                if var.get("name") == REPLICA_INDEX_ENV:
+                    return (
+                        f"without env[{REPLICA_INDEX_ENV!r}] at spec.{section}[{i}].env[{j}] "
+                        f"(it {INDEX_ENV_FIXED})"
+                    )
     return None
 
 
@@ -449,7 +491,7 @@ def _walk(obj: dict[str, Any], path: tuple[str, ...]) -> list[tuple[tuple[str, .
     return out
 
 
-def _objects(value: object) -> bool:
+def _objects(value: object) -> TypeGuard[list[dict[str, Any]]]:
     return isinstance(value, list) and all(isinstance(x, dict) for x in value)
 
 
@@ -888,7 +930,7 @@ def _env(role: Role, extra: Mapping[str, str]) -> list[dict[str, Any]]:
     for key, value in merged.items():
         if key == REPLICA_INDEX_ENV:
             raise InvalidAppDefException(
-                f"env[{key!r}] is set by Kubernetes for Indexed Jobs and cannot be overridden",
+                f"env[{key!r}] {INDEX_ENV_FIXED}",
                 role=role.name,
                 field_name="env",
             )
@@ -1377,6 +1419,11 @@ def _lint_pod_spec(where: str, spec: Mapping[str, Any], problems: list[str]) -> 
         for e in c.get("env") or []:
             if not n.is_env_name(str(e.get("name", ""))):
                 problems.append(f"{where} env name {e.get('name')!r} is not valid")
+            if "value" in e and "valueFrom" in e:
+                problems.append(
+                    f"{where} container {cname!r} env {e.get('name')!r} has both value and "
+                    "valueFrom"
+                )
         for p in c.get("ports") or []:
             if "name" in p and not n.is_port_name(p["name"]):
                 problems.append(f"{where} port name {p['name']!r} is not an IANA service name")
