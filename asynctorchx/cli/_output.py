@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
@@ -105,6 +106,20 @@ def print_error(prog: str, message: str, hint: str = "") -> None:
     print(
         f"{prog}: {style('error', f'{BOLD};{RED}')}: {message}{tail}", file=sys.stderr, flush=True
     )
+
+
+#: Characters a terminal would obey rather than show: C0 and C1 controls (ESC starts colour and
+#: cursor sequences) and DEL. (Surrogates are left to stdout's error handler, below: one that
+#: stands for a byte that is not UTF-8 is written as that byte.)
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """``text`` with its control characters as Python escapes (``\\x1b``, ``\\n``): text from a job
+    (a role's argument, a tracker's metadata) holding ESC would otherwise recolour or rewrite the
+    terminal, and a line break would pass for another field or row. (``--json`` escapes them its
+    way.)"""
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def format_table(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 from typing import TYPE_CHECKING, Any
 
 from asynctorchx.cli._help import HelpFormatter
@@ -98,7 +97,7 @@ def format_app(handle: str, app: AppDef, state: str) -> str:
     """A human-readable description of an app."""
     import shlex
 
-    from asynctorchx.cli._output import BOLD, out_styler
+    from asynctorchx.cli._output import BOLD, out_styler, shown
     from asynctorchx.specs.api import MISSING
 
     style = out_styler()
@@ -129,16 +128,3 @@ def format_app(handle: str, app: AppDef, state: str) -> str:
             fields.append(("mount", repr(m)))
         lines.extend(f"    {k + ':':<9} {shown(v)}" for k, v in fields)
     return "\n".join(lines)
-
-
-#: Characters a terminal would obey rather than show: C0 and C1 controls (ESC starts colour and
-#: cursor sequences) and DEL. (Surrogates are left to stdout's error handler, ``_output.py``: one
-#: that stands for a byte that is not UTF-8 is written as that byte.)
-_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
-def shown(text: str) -> str:
-    """``text`` with its control characters as Python escapes (``\\x1b``, ``\\n``): a role's
-    argument holding ESC would otherwise recolour or rewrite the terminal, and a line break would
-    pass for another field. (``--json`` escapes them its way.)"""
-    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)

@@ -133,7 +133,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
     import json
 
     from asynctorchx.cli._errors import CliError
-    from asynctorchx.cli._output import format_table, info, json_text, out_styler
+    from asynctorchx.cli._output import format_table, info, json_text, out_styler, shown
 
     if getattr(args, "parent_run_id", None) == "":
         raise CliError(
@@ -149,7 +149,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             elif not ids:
                 info("no runs" + (f" with parent {args.parent_run_id}" if filters else ""))
             else:
-                print(format_table(("RUN ID",), [(i,) for i in ids], out_styler()))
+                print(format_table(("RUN ID",), [(shown(i),) for i in ids], out_styler()))
             return 0
         if args.what == "metadata":
             metadata = await reader.metadata(args.run_id)
@@ -158,7 +158,7 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
             elif not metadata:
                 info(f"no metadata for {args.run_id}")
             else:
-                rows = [(k, _text(v)) for k, v in metadata.items()]
+                rows = [(shown(k), _text(v)) for k, v in metadata.items()]
                 print(format_table(("KEY", "VALUE"), rows, out_styler()))
             return 0
         artifacts = list((await reader.artifacts(args.run_id)).values())
@@ -176,12 +176,17 @@ async def execute(args: argparse.Namespace, interrupts: Interrupts) -> int:
                 else f"no artifacts for {args.run_id}"
             )
         else:
-            table = [(a.name, a.path, _text(a.metadata)) for a in artifacts]
+            table = [(shown(a.name), shown(a.path), _text(a.metadata)) for a in artifacts]
             print(format_table(("ARTIFACT", "PATH", "METADATA"), table, out_styler()))
         return 0
 
 
 def _text(value: object) -> str:
+    """A value as a table cell: a string as itself, anything else as JSON; control characters
+    escaped as ``asynctorchx describe`` does (a job's ESC would recolour the terminal, its line
+    break forge a row)."""
     import json
 
-    return value if isinstance(value, str) else json.dumps(value)
+    from asynctorchx.cli._output import shown
+
+    return shown(value if isinstance(value, str) else json.dumps(value))

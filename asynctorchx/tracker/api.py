@@ -480,10 +480,11 @@ def build_trackers(
 
 
 def tracker_names_from_environ(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The names in ``TORCHX_TRACKERS`` (empty when unset)."""
+    """The names in ``TORCHX_TRACKERS`` (empty when unset), each once, in first-seen order: a name
+    given twice is one tracker (TorchX builds a dict of them), not two recording every call."""
     env = os.environ if environ is None else environ
     value = env.get(ENV_TORCHX_TRACKERS, "")
-    return [n.strip() for n in value.split(",") if n.strip()]
+    return list(dict.fromkeys(n.strip() for n in value.split(",") if n.strip()))
 
 
 def _named_trackers_from_environ(

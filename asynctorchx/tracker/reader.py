@@ -16,6 +16,10 @@ worker thread, never on the event loop. ``watch_metadata`` follows the metadata 
   a remote fsspec file system): one scan of the watched runs every ``poll_interval`` seconds (on a
   local disk, a run whose ``metadata`` directory did not change is not listed);
 - on any other tracker: its merged metadata, read every ``poll_interval`` seconds.
+
+A file tracker's run whose directory is removed, or replaced (another inode, or entries already
+yielded gone: a trial relaunched under its id), is followed anew: what it had is forgotten, and
+its merged metadata is that of the directory now there, as ``metadata()`` reads it.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from asynctorchx.tracker.backend.fsspec import (
     entry_sort_key,
     entry_timestamp,
     is_entry_name,
+    is_storable_run_id,
 )
 
 logger = logging.getLogger(__name__)
@@ -311,8 +316,21 @@ class _Run:
     #: the sort key of the entry each key of ``merged`` is from
     merged_from: dict[str, tuple[int, str]] = field(default_factory=dict)
     metadata_mtime: int | None = None
+    #: the inode of the run's directory at the last scan (None: not seen, or a remote store)
+    dir_inode: int | None = None
     watches: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+    def forget(self, confirmed: bool) -> None:
+        """Forgets what was read of the run: its directory is gone or was replaced, and what is
+        there now (a trial launched again under its id) is followed as a new run."""
+        self.seen.clear()
+        self.skipped.clear()
+        self.merged.clear()
+        self.merged_from.clear()
+        self.metadata_mtime = None
+        self.dir_inode = None
+        self.confirmed = confirmed
 
     def merge(self, entry_name: str, values: Mapping[str, object]) -> None:
         """Merges an entry's values as ``FsspecTracker.metadata`` does: in the order of entry
@@ -340,8 +358,15 @@ class _Scan:
     #: files that are not entries (logged once), and skipped entries that are gone
     ignored: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    #: the names of the files of ``metadata`` (those seen before when it was not listed)
+    listed: frozenset[str] = frozenset()
     #: why the run could not be scanned (it is scanned again at the next change or interval)
     error: str | None = None
+    #: the inode of the run's directory (None: gone, or a remote store)
+    dir_inode: int | None = None
+    #: the directory was replaced, or lost entries already yielded, since the last scan: what
+    #: the run had is forgotten, and the scan read it from its start
+    replaced: bool = False
 
 
 @dataclass(frozen=True)
@@ -352,6 +377,7 @@ class _Known:
     skipped: Mapping[str, FileSignature | None]
     confirmed: bool
     metadata_mtime: int | None
+    dir_inode: int | None = None
 
 
 #: A watched directory moved away or removed: its watch follows the old inode, not the path.
@@ -379,8 +405,12 @@ class _FileFollower:
     ) -> None:
         self.reader = reader
         self.tracker = tracker
-        self.parent_name = None if parent is None else encode_run_id(parent)
-        self.fixed = None if fixed is None else {encode_run_id(r): r for r in fixed}
+        # A run id too long to be stored is a run that never appears (and has no children: the
+        # name looked for cannot exist).
+        self.parent_name = None if parent is None else encode_run_id(parent, check_length=False)
+        self.fixed = (
+            None if fixed is None else {encode_run_id(r): r for r in fixed if is_storable_run_id(r)}
+        )
         self.runs: dict[str, _Run] = {}
         self.dirty: set[str] = set()
         self.root_dirty = True
@@ -517,11 +547,41 @@ class _FileFollower:
         fs = self.tracker._fs
         return fs.exists(fs.join(self.tracker.category_dir(run_id, SOURCES), self.parent_name))
 
-    def _scan_run(self, name: str, run_id: str, known: _Known) -> _Scan:
+    def _run_dir_inode(self, run_dir: str) -> tuple[bool, int | None]:
+        """Whether the run's directory exists, and its inode on a local path."""
         fs = self.tracker._fs
-        run_dir = self.tracker.run_dir(run_id)
         if not fs.isdir(run_dir):
+            return False, None
+        signature = fs.signature(run_dir)  # (None on a remote store)
+        return True, None if signature is None else signature[0]
+
+    def _scan_run(self, name: str, run_id: str, known: _Known) -> _Scan:
+        run_dir = self.tracker.run_dir(run_id)
+        present, inode = self._run_dir_inode(run_dir)
+        if not present:
             return _Scan(name, False, False, False, False, None, [])
+        if known.dir_inode is not None and inode != known.dir_inode:
+            # Removed and made again between two scans (a trial launched again under its id):
+            # nothing of the old directory counts.
+            scan = self._scan_run(name, run_id, self._fresh(inode))
+            scan.replaced = True
+            return scan
+        scan = self._scan_present(name, run_id, known)
+        scan.dir_inode = inode
+        if scan.confirmed and not known.seen <= scan.listed:
+            # Entries already yielded are gone (the directory replaced where its inode number
+            # was reused, or on a remote store): read the run again from its start, as
+            # ``metadata()`` would.
+            scan = self._scan_run(name, run_id, self._fresh(inode))
+            scan.replaced = True
+        return scan
+
+    def _fresh(self, inode: int | None) -> _Known:
+        """What a scan of a run never seen starts from."""
+        return _Known(frozenset(), {}, self.parent_name is None, None, inode)
+
+    def _scan_present(self, name: str, run_id: str, known: _Known) -> _Scan:
+        fs = self.tracker._fs
         sources_dir = fs.isdir(self.tracker.category_dir(run_id, SOURCES))
         if not known.confirmed and self.parent_name is not None and not self._is_child(run_id):
             # Not a child (yet): a run may record its parent after other sources or metadata.
@@ -536,13 +596,15 @@ class _FileFollower:
                 return _Scan(name, True, False, sources_dir, True, None, [])
             mtime = known.metadata_mtime
             if mtime is not None and st.st_mtime_ns == mtime and not known.skipped:
-                return _Scan(name, True, True, sources_dir, True, mtime, [])
+                return _Scan(name, True, True, sources_dir, True, mtime, [], listed=known.seen)
             # Time stamps are coarse (a clock tick): an entry added in the same tick as the listing
             # below would leave the mtime as it is. Only an mtime a second old is trusted.
             recent = time.time_ns() - st.st_mtime_ns < 1_000_000_000
             new_mtime = None if recent else st.st_mtime_ns
         scan = _Scan(name, True, False, sources_dir, True, new_mtime, [])
-        for entry_name in self.tracker.entry_names(run_id, METADATA):
+        names = self.tracker.entry_names(run_id, METADATA)
+        scan.listed = frozenset(names)
+        for entry_name in names:
             if entry_name not in known.seen:
                 self._scan_entry(scan, run_id, entry_name, known)
         scan.metadata_dir = fs.isdir(metadata_dir)
@@ -607,10 +669,16 @@ class _FileFollower:
 
     @staticmethod
     def _known(run: _Run) -> _Known:
-        return _Known(frozenset(run.seen), dict(run.skipped), run.confirmed, run.metadata_mtime)
+        return _Known(
+            frozenset(run.seen), dict(run.skipped), run.confirmed, run.metadata_mtime, run.dir_inode
+        )
 
     def _apply(self, run: _Run, scan: _Scan) -> None:
         """Records what a scan of ``run`` found (but its entries, which the caller yields)."""
+        if scan.replaced or not scan.run_dir:
+            self._drop_watches(run)  # (those of a replaced directory follow the old one)
+            run.forget(confirmed=self.parent_name is None)
+        run.dir_inode = scan.dir_inode
         run.seen.update(scan.ignored)
         run.seen.update(name for name, _ in scan.entries)
         run.skipped.update(scan.skipped)

@@ -40,6 +40,7 @@ import stat
 import threading
 import time
 from base64 import b32decode, b32encode
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,27 +79,49 @@ logger = logging.getLogger(__name__)
 MAX_RUN_ID_BYTES = 255 // 8 * 5
 
 
-def encode_run_id(run_id: str) -> str:
+def _run_id_bytes(run_id: str) -> bytes:
+    """The UTF-8 bytes of ``run_id``.
+
+    Raises:
+        TrackerError: the id is empty or not UTF-8 text.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise TrackerError(f"a run id must be a non-empty string, got {run_id!r}")
+    try:
+        return run_id.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that were not UTF-8, decoded with surrogateescape
+        raise TrackerError(
+            f"run id {run_id!r} is not valid text (it holds bytes that are not UTF-8)"
+        ) from None
+
+
+def encode_run_id(run_id: str, *, check_length: bool = True) -> str:
     """The directory name of ``run_id`` (Base32 of its UTF-8 bytes, as TorchX for ASCII ids).
+
+    With ``check_length=False`` a name too long to be a file name is returned too (what TorchX
+    would look for: no such file can exist).
 
     Raises:
         TrackerError: the id is empty (it would name the root itself), too long to be a file name,
             or not UTF-8 text.
     """
-    if not isinstance(run_id, str) or not run_id:
-        raise TrackerError(f"a run id must be a non-empty string, got {run_id!r}")
-    try:
-        raw = run_id.encode("utf-8")
-    except UnicodeEncodeError:  # bytes that were not UTF-8, decoded with surrogateescape
-        raise TrackerError(
-            f"run id {run_id!r} is not valid text (it holds bytes that are not UTF-8)"
-        ) from None
-    if len(raw) > MAX_RUN_ID_BYTES:
+    raw = _run_id_bytes(run_id)
+    if check_length and len(raw) > MAX_RUN_ID_BYTES:
         raise TrackerError(
             f"run id {run_id[:40]!r}... is too long for the file tracker "
             f"({len(raw)} bytes; at most {MAX_RUN_ID_BYTES})"
         )
     return b32encode(raw).decode("ascii")
+
+
+def is_storable_run_id(run_id: str) -> bool:
+    """False when ``run_id`` is too long to be stored: no run of the tracker has it, and reads
+    find nothing (as TorchX's, which look for the file that cannot exist).
+
+    Raises:
+        TrackerError: the id is empty or not UTF-8 text (as ``encode_run_id``).
+    """
+    return len(_run_id_bytes(run_id)) <= MAX_RUN_ID_BYTES
 
 
 def decode_run_id(name: str) -> str | None:
@@ -225,22 +248,47 @@ def entry_timestamp(name: str) -> float | None:
 
 #: A remote entry's name keeps the write time to the millisecond; the digits below are random.
 _REMOTE_RANDOM_NS = 1_000_000
-_remote_names_lock = threading.Lock()
-_last_remote_name = 0
+_entry_names_lock = threading.Lock()
+#: The greatest entry name this process picked, by scope: ``""`` for remote stores (any
+#: directory), a directory's path for local ones (the last ``_REMEMBERED_DIRECTORIES`` written).
+_last_entry_names: OrderedDict[str, int] = OrderedDict()
+_REMEMBERED_DIRECTORIES = 4096
+
+
+def _later_entry_name(ns: int, scope: str = "") -> int:
+    """``ns``, or one more than the greatest entry name this process picked before in ``scope``
+    when ``ns`` is not greater: the entries of one writer stay in write order (a later
+    ``add_metadata`` wins) even when the wall clock steps back (NTP, a VM resumed). Local and
+    remote entries alike; a local writer finding the name taken tries the next ones, and notes
+    the one it got (``_took_entry_name``)."""
+    with _entry_names_lock:
+        ns = max(ns, _last_entry_names.get(scope, 0) + 1)
+        _remember_entry_name(ns, scope)
+    return ns
+
+
+def _took_entry_name(ns: int, scope: str = "") -> None:
+    """Notes that this process holds entry name ``ns`` in ``scope`` (one found free above the
+    name it picked)."""
+    with _entry_names_lock:
+        _remember_entry_name(max(ns, _last_entry_names.get(scope, 0)), scope)
+
+
+def _remember_entry_name(ns: int, scope: str) -> None:
+    _last_entry_names[scope] = ns
+    _last_entry_names.move_to_end(scope)
+    if len(_last_entry_names) > _REMEMBERED_DIRECTORIES:
+        _last_entry_names.popitem(last=False)
 
 
 def _remote_entry_name() -> str:
     """A name for a new entry on a remote store: the write time in ns, its sub-millisecond digits
     random, so that two writers in one clock tick pick different names (an object store may have
-    no exclusive create), and greater than any name this process picked before (the entries of
-    one writer stay in write order). Still digits: sortable, and read by TorchX as any file."""
-    global _last_remote_name
+    no exclusive create), and greater than any name this process picked before
+    (``_later_entry_name``). Still digits: sortable, and read by TorchX as any file."""
     ns = time.time_ns()
-    name = ns - ns % _REMOTE_RANDOM_NS + secrets.randbelow(_REMOTE_RANDOM_NS)
-    with _remote_names_lock:
-        name = max(name, _last_remote_name + 1)
-        _last_remote_name = name
-    return str(name)
+    ns += secrets.randbelow(_REMOTE_RANDOM_NS) - ns % _REMOTE_RANDOM_NS
+    return str(_later_entry_name(ns))
 
 
 #: Attempts at a fresh entry name before giving up (each collision is a one-in-a-million event).
@@ -312,7 +360,8 @@ class _Storage:
         return tmp
 
     def create_entry(self, directory: str, data: bytes, tmp_dir: str) -> str:
-        """Writes ``data`` as a new file named by the current time (ns) in ``directory``.
+        """Writes ``data`` as a new file named by the current time (ns) in ``directory``, a name
+        greater than any this process picked before there (``_later_entry_name``).
 
         The file appears whole under its name: it is written beside ``directory`` first, then
         hard-linked there; where hard links are refused (vfat, exfat, some FUSE and CIFS mounts),
@@ -320,11 +369,12 @@ class _Storage:
         """
         tmp = self._temp(tmp_dir, data)
         try:
-            ns = time.time_ns()
+            ns = _later_entry_name(time.time_ns(), directory)
             while True:
                 path = os.path.join(directory, str(ns))
                 try:
                     os.link(tmp, path)
+                    _took_entry_name(ns, directory)
                     return path
                 except FileExistsError:
                     ns += 1
@@ -336,6 +386,7 @@ class _Storage:
                 path = os.path.join(directory, str(ns))
                 try:
                     if _rename_noreplace(tmp, path):
+                        _took_entry_name(ns, directory)
                         return path
                     # No RENAME_NOREPLACE either: hold the name with an empty file (which readers
                     # take for an entry being written), then replace it by the whole one.
@@ -349,6 +400,7 @@ class _Storage:
                 except BaseException:
                     os.unlink(path)
                     raise
+                _took_entry_name(ns, directory)
                 return path
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -473,6 +525,19 @@ def _is_local_fs(fs: Any) -> bool:
     return any(p in LOCAL_PROTOCOLS for p in protocols) and type(fs).__name__ == "LocalFileSystem"
 
 
+def _local_root(root: str) -> str:
+    """The absolute path of a local ``root_path`` as fsspec's local file system takes it (TorchX
+    passes it there): a ``file://``, ``file:``, ``local://`` or ``local:`` prefix stripped, then a
+    leading ``~`` expanded."""
+    for prefix in ("file://", "file:", "local://", "local:"):
+        if root.startswith(prefix):
+            root = root[len(prefix) :]
+            break
+    if root.startswith("~"):
+        root = os.path.expanduser(root)
+    return os.path.abspath(root)
+
+
 class FsspecTracker(TrackerBase):
     """A tracker storing each run in a directory tree (TorchX's ``FsspecTracker`` layout).
 
@@ -487,10 +552,8 @@ class FsspecTracker(TrackerBase):
     def __init__(self, fs: Any, root_dir: str | os.PathLike[str]) -> None:
         root = os.fspath(root_dir)
         if fs is None or _is_local_fs(fs):
-            if root.startswith("file://"):
-                root = root[len("file://") :]
             self._fs: _Storage = _Storage()
-            root = os.path.abspath(root)
+            root = _local_root(root)
         else:
             self._fs = _FsspecStorage(fs)
         if not self._fs.isdir(root):
@@ -572,8 +635,9 @@ class FsspecTracker(TrackerBase):
     # -- reading --------------------------------------------------------------------------------
 
     def exists(self, run_id: str) -> bool:
-        """True when the tracker has a directory for ``run_id``."""
-        return self._fs.isdir(self.run_dir(run_id))
+        """True when the tracker has a directory for ``run_id`` (False for an id too long to be
+        stored)."""
+        return is_storable_run_id(run_id) and self._fs.isdir(self.run_dir(run_id))
 
     def check_run(self, run_id: str) -> None:
         """Raises ``UnknownRunError`` when the tracker has no run ``run_id``."""
@@ -654,6 +718,8 @@ class FsspecTracker(TrackerBase):
         return entry
 
     def _load(self, run_id: str, category: str) -> list[Mapping[str, Any]]:
+        if not is_storable_run_id(run_id):
+            return []  # no such run can exist: empty, as for any unknown run
         entries = []
         gone = False
         for name in self.entry_names(run_id, category):
@@ -700,6 +766,8 @@ class FsspecTracker(TrackerBase):
     def sources(self, run_id: str, artifact_name: str | None = None) -> list[TrackerSource]:
         """The run's sources, optionally only those recorded for ``artifact_name``."""
         out: list[TrackerSource] = []
+        if not is_storable_run_id(run_id):
+            return out
         sources = self.category_dir(run_id, SOURCES)
         for name, is_dir in sorted(self._fs.listdir(sources)):
             source_id = decode_run_id(name)
@@ -740,6 +808,8 @@ class FsspecTracker(TrackerBase):
                 "the fsspec tracker filters by parent_run_id only"
             )
         ids = []
+        if parent_run_id is not None and not is_storable_run_id(parent_run_id):
+            return []  # a run with that source would have recorded it in a file too long
         parent_name = None if parent_run_id is None else encode_run_id(parent_run_id)
         for name, is_dir in self._fs.listdir(self.root):
             run_id = decode_run_id(name) if is_dir else None
