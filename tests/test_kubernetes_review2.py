@@ -28,6 +28,7 @@ import pytest
 from aiohttp import web
 from k8s_fake import ApiError, FakeKubeApiServer, PodScript
 from k8s_fake.testing import fake_k8s, k8s_scheduler, until
+from test_kubernetes_backend import role
 
 from asynctorchx.schedulers._k8s.manifests import KubernetesOptions, build_request, lint
 from asynctorchx.schedulers.kubernetes import KubernetesScheduler
@@ -36,7 +37,6 @@ from asynctorchx.specs import (
     AppState,
     InvalidAppDefException,
     InvalidRunConfigException,
-    Role,
 )
 
 __all__ = ["fake_k8s", "k8s_scheduler"]
@@ -49,17 +49,6 @@ COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 #: how a role's env naming INDEX_ENV is refused (the overlay's refusal says the same)
 INDEX_ENV_REFUSED = "is set by Kubernetes for Indexed Jobs and cannot be overridden"
-
-
-def role(name: str = "worker", replicas: int = 1, **kw: Any) -> Role:
-    return Role(
-        name,
-        image="registry.example/img:1",
-        entrypoint="python",
-        args=["-m", name],
-        num_replicas=replicas,
-        **kw,
-    )
 
 
 def app(name: str = "app", **kw: Any) -> AppDef:
